@@ -1,0 +1,75 @@
+"""ExecutorConfig: every knob of an Executor, frozen, with documented defaults.
+
+Mirrors nativert's ExecutorConfig where it fits (validate_inputs, free_values_after_use,
+max_parallel_ops, max_concurrent_executions, frame cleanup), in snake_case.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _default_parallel_ops() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    """How an Executor runs its graph.
+
+    Attributes:
+        validate_inputs: check structure, dtype, device and every dimension of the inputs
+            against the signature before a frame is taken.
+        free_values_after_use: drop each intermediate as soon as its last user has run, so a
+            long chain keeps only a couple of intermediates alive.
+        max_parallel_ops: worker threads that run compute-heavy CPU kernels; 1 runs at most one
+            heavy kernel at a time (the serial executor).
+        max_concurrent_executions: execution frames; callers beyond this await a free frame,
+            first come first served.
+        min_frames: frames kept alive by the idle cleanup.
+        frame_cleanup_interval_s: frames idle longer than this are freed down to min_frames;
+            0 disables the cleanup.
+        inference_mode: run kernels under torch.inference_mode.
+        loop_slice_s: the longest an execution runs inline kernels on the event loop before it
+            yields, so other tasks stay responsive.
+        heavy_op_flops: estimated work (multiply-adds or elements) above which a CPU kernel runs
+            on a worker thread instead of inline on the loop.
+        trace: record a span per node (thread, start, end) for traces and tests.
+        ready_order_seed: when set, ready nodes are taken in a seeded random order instead of
+            graph order; differential tests use it to shake out ordering bugs.
+    """
+
+    validate_inputs: bool = True
+    free_values_after_use: bool = True
+    max_parallel_ops: int = field(default_factory=_default_parallel_ops)
+    max_concurrent_executions: int = 8
+    min_frames: int = 1
+    frame_cleanup_interval_s: float = 600.0
+    inference_mode: bool = True
+    loop_slice_s: float = 0.001
+    heavy_op_flops: int = 200_000
+    trace: bool = False
+    ready_order_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_parallel_ops < 1:
+            raise ValueError(f"max_parallel_ops must be >= 1, got {self.max_parallel_ops}")
+        if self.max_concurrent_executions < 1:
+            raise ValueError(
+                "max_concurrent_executions must be >= 1, "
+                f"got {self.max_concurrent_executions}"
+            )
+        if not 0 <= self.min_frames <= self.max_concurrent_executions:
+            raise ValueError(
+                "min_frames must be between 0 and max_concurrent_executions "
+                f"({self.max_concurrent_executions}), got {self.min_frames}"
+            )
+        if self.frame_cleanup_interval_s < 0:
+            raise ValueError(
+                f"frame_cleanup_interval_s must be >= 0, got {self.frame_cleanup_interval_s}"
+            )
+        if self.loop_slice_s <= 0:
+            raise ValueError(f"loop_slice_s must be > 0, got {self.loop_slice_s}")
+        if self.heavy_op_flops < 0:
+            raise ValueError(f"heavy_op_flops must be >= 0, got {self.heavy_op_flops}")

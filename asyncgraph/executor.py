@@ -1,0 +1,259 @@
+"""Executor: the public face. `out = await executor.execute(x)`.
+
+One execution, as data flowing through (see ARCHITECTURE.md):
+checkpoint -> validate and flatten -> take a frame -> load weights and inputs -> run the
+WorkUnits -> take the outputs, apply mutations -> clear and return the frame -> unflatten.
+
+The Executor holds only what all executions share (plan, weights, pools); everything of one
+execution lives in its frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from asyncgraph.config import ExecutorConfig
+from asyncgraph.errors import ExecutorClosedError
+from asyncgraph.frame import ExecutionFrame
+from asyncgraph.graph import Graph, InputKind, OutputKind, Ref
+from asyncgraph.importers import Program, ProgramLike, to_program
+from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.plan import ExecutionPlan, Placement, build_plan
+from asyncgraph.pool import FramePool, FramePoolStatistics
+from asyncgraph.scheduler import Scheduler
+from asyncgraph.trace import TraceRecorder
+from asyncgraph.validation import InputValidator
+from asyncgraph.weights import Weights
+from asyncgraph.workers import WorkerPool, WorkerPoolStatistics
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorStatistics:
+    """A snapshot of an Executor: executions by outcome, frames, workers, weights."""
+
+    started: int
+    completed: int
+    failed: int
+    cancelled: int
+    in_flight: int
+    frames: FramePoolStatistics
+    workers: WorkerPoolStatistics
+    weights_version: int
+    nodes: int
+    closed: bool
+
+
+class Executor:
+    """Runs a program (ExportedProgram, .pt2 path, fx GraphModule, Graph) from async code.
+
+    One Executor serves many concurrent callers; at most `max_concurrent_executions` run at
+    once and the others wait their turn. Use it as `async with Executor(p) as ex:` or call
+    `await ex.aclose()` when done; resources start lazily on the first execution.
+    """
+
+    def __init__(
+        self,
+        program: ProgramLike,
+        config: ExecutorConfig | None = None,
+        *,
+        kernel_factory: KernelFactory | None = None,
+    ) -> None:
+        self.config = config if config is not None else ExecutorConfig()
+        self.program: Program = to_program(program)
+        self.graph: Graph = self.program.graph
+        self.kernels: list[OpKernel] = (kernel_factory or KernelFactory()).create(self.graph)
+        self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
+        self._weights = Weights(self.program.weights)
+        self._validator = InputValidator(self.graph)
+        self.recorder = TraceRecorder(self.graph) if self.config.trace else None
+        self._workers = WorkerPool(
+            self.config.max_parallel_ops, inference_mode=self.config.inference_mode
+        )
+        self._scheduler = Scheduler(
+            self.graph, self.plan, self.config, self._workers, self.recorder
+        )
+        self._pool = FramePool(
+            lambda i: ExecutionFrame(self.plan, i),
+            self.config.max_concurrent_executions,
+            self.config.min_frames,
+            self.config.frame_cleanup_interval_s,
+        )
+        sig = self.graph.signature
+        self._user_outputs = [o.arg for o in sig.outputs if o.kind is OutputKind.USER_OUTPUT]
+        self._buffer_mutations = [
+            (o.arg, o.target) for o in sig.outputs if o.kind is OutputKind.BUFFER_MUTATION
+        ]
+        user_paths = [s.target for s in sig.inputs if s.kind is InputKind.USER_INPUT]
+        self._input_mutations = [
+            (o.arg, user_paths.index(o.target))
+            for o in sig.outputs
+            if o.kind is OutputKind.USER_INPUT_MUTATION
+        ]
+        self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._started = self._completed = self._failed = self._cancelled = 0
+        self._callers: set[asyncio.Task[Any]] = set()
+
+    # -- executions --------------------------------------------------------------------------
+
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the program on `(args, kwargs)`; returns what `ep.module()(*args, **kwargs)` does."""
+        await asyncio.sleep(0)  # a checkpoint: a call made while cancelled takes no frame
+        self._check_open()
+        flat = self._validator.flatten(args, kwargs)
+        outputs = await self._execute(flat)
+        out_spec = self.graph.signature.out_spec
+        return pytree.tree_unflatten(outputs, out_spec) if out_spec is not None else outputs
+
+    async def execute_flat(self, inputs: Sequence[Any]) -> list[Any]:
+        """Run the program on flat user inputs; returns the flat user outputs (nativert's path)."""
+        await asyncio.sleep(0)
+        self._check_open()
+        return await self._execute(list(inputs))
+
+    async def _execute(self, flat: list[Any]) -> list[Any]:
+        if self.config.validate_inputs:
+            self._validator.check(flat)
+        elif len(flat) != self._validator.count:
+            self._validator.check(flat)  # the count is always checked
+        self._bind_loop()
+        execution = next(self._ids)
+        waited = time.perf_counter_ns()
+        frame = await self._pool.acquire()
+        if self.recorder is not None:
+            self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
+        self._started += 1
+        caller = asyncio.current_task()
+        if caller is not None:
+            self._callers.add(caller)
+        try:
+            frame.load(self._weights_template(), flat, execution)
+            await self._scheduler.run(frame)
+            outputs = self._take_outputs(frame, flat)
+        except asyncio.CancelledError:
+            self._cancelled += 1
+            raise
+        except BaseException:
+            self._failed += 1
+            raise
+        finally:
+            self._callers.discard(caller)  # type: ignore[arg-type]
+            self._pool.release(frame)  # scheduler.run returns only once the frame is idle
+        self._completed += 1
+        return outputs
+
+    def _take_outputs(self, frame: ExecutionFrame, flat: list[Any]) -> list[Any]:
+        values = frame.values
+        outputs = [values[a.id] if isinstance(a, Ref) else a for a in self._user_outputs]
+        if self._buffer_mutations:
+            updates = {name: values[a.id] for a, name in self._buffer_mutations}
+            self._weights = self._weights.updated(updates)
+        for arg, index in self._input_mutations:
+            with torch.no_grad():
+                flat[index].copy_(values[arg.id])
+        return outputs
+
+    def _weights_template(self) -> list[Any]:
+        return self._weights.template(self.plan.weight_slots, self.plan.num_values)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def swap_weights(self, state_dict: Mapping[str, Any], *, strict: bool = False) -> int:
+        """Replace parameters and buffers atomically; returns the new weights version.
+
+        Executions already running finish on the old weights; later ones see the new ones.
+        """
+        self._check_open()
+        self._weights = self._weights.swapped(state_dict, strict=strict)
+        return self._weights.version
+
+    @property
+    def weights(self) -> Weights:
+        return self._weights
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def aclose(self, *, cancel: bool = False) -> None:
+        """Stop taking executions, let those in flight finish (or cancel them), stop threads.
+
+        Idempotent. With `cancel=True` executions in flight are cancelled instead.
+        """
+        if not self._closed:
+            self._closed = True
+            if cancel:
+                for task in self._in_flight_tasks():
+                    task.cancel()
+        await self._pool.wait_idle()
+        self._pool.close()
+        await self._workers.aclose()
+
+    async def __aenter__(self) -> Executor:
+        self._check_open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def statistics(self) -> ExecutorStatistics:
+        frames = self._pool.statistics()
+        return ExecutorStatistics(
+            started=self._started,
+            completed=self._completed,
+            failed=self._failed,
+            cancelled=self._cancelled,
+            in_flight=frames.in_use,
+            frames=frames,
+            workers=self._workers.statistics(),
+            weights_version=self._weights.version,
+            nodes=self.plan.num_nodes,
+            closed=self._closed,
+        )
+
+    def placements(self) -> dict[str, Placement]:
+        """Where each node runs, by node name."""
+        return {n.name: self.plan.placement[n.index] for n in self.graph.nodes}
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Executor {self.program.name}: {self.plan.num_nodes} nodes, {state}>"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ExecutorClosedError(
+                f"{self.program.name}: the executor is closed; create a new one"
+            )
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError(
+                "this Executor is bound to another event loop; create one Executor per loop"
+            )
+
+    def _in_flight_tasks(self) -> list[asyncio.Task[Any]]:
+        return [t for t in self._callers if not t.done()]
+
+
+def load(path: str | os.PathLike[str], config: ExecutorConfig | None = None) -> Executor:
+    """Load a .pt2 file written by torch.export.save into an Executor."""
+    return Executor(path, config)

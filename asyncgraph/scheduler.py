@@ -1,0 +1,283 @@
+"""The scheduler: WorkUnits that run a graph as a dataflow over one ExecutionFrame.
+
+Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
+
+- A *unit* is a run of nodes on one thread. It runs a node, drops values past their last use,
+  decrements its users' producer counts, and keeps going with the users that became ready and
+  may run where it is; the others are handed off: heavy CPU nodes to the worker threads, async
+  nodes to tasks on the loop. A chain therefore costs no scheduling round trip, and a chain of
+  heavy nodes stays on its worker without a hop back to the loop.
+- On the loop thread a unit runs inline nodes for at most `loop_slice_s`, then yields.
+- State: only the frame (values, counts, reads, `pending` units, `stopped`, `errors`). Counters
+  change under the frame's lock. The unit that brings `pending` to zero ends the execution and
+  wakes the awaiting caller once, on the loop thread.
+- Errors and cancellation set `stopped`: nothing new is dispatched, in-flight units drain, and
+  the caller is woken only when no thread or task can touch the frame any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import torch
+
+from asyncgraph.config import ExecutorConfig
+from asyncgraph.frame import ExecutionFrame
+from asyncgraph.graph import Graph
+from asyncgraph.plan import ExecutionPlan, Placement
+from asyncgraph.trace import TraceRecorder
+from asyncgraph.workers import WorkerPool
+
+_INLINE = Placement.INLINE
+_WORKER = Placement.WORKER
+_TASK = Placement.TASK
+_STREAM = Placement.STREAM
+
+
+class Scheduler:
+    """Runs executions of one ExecutionPlan; shared by all executions of an Executor."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        config: ExecutorConfig,
+        workers: WorkerPool,
+        recorder: TraceRecorder | None = None,
+    ) -> None:
+        self.graph = graph
+        self.plan = plan
+        self.config = config
+        self.workers = workers
+        self.recorder = recorder
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._seed = config.ready_order_seed
+
+    # -- one execution, seen from the caller --------------------------------------------------
+
+    async def run(self, frame: ExecutionFrame) -> None:
+        """Run the loaded frame to completion; raise its error, or re-raise a cancellation.
+
+        Returns only when no unit is in flight, so the caller may release the frame.
+        """
+        loop = self.loop = asyncio.get_running_loop()
+        frame.waiter = loop.create_future()
+        if self._seed is not None:
+            frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
+        self._start(frame)
+        try:
+            if not frame.finished:
+                await frame.waiter
+        except asyncio.CancelledError:
+            self._stop(frame)
+            await self._wait_finished(frame)
+            raise
+        if frame.errors:
+            errors = list(frame.errors)
+            frame.errors.clear()
+            if len(errors) == 1:
+                raise errors[0]
+            raise ExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
+
+    async def _wait_finished(self, frame: ExecutionFrame) -> None:
+        """Wait for in-flight units after a cancellation, absorbing further cancellations."""
+        assert self.loop is not None
+        while not frame.finished:
+            frame.waiter = self.loop.create_future()
+            try:
+                await frame.waiter
+            except asyncio.CancelledError:
+                continue
+
+    def _stop(self, frame: ExecutionFrame) -> None:
+        """Stop dispatching and cancel the frame's async kernels (loop thread)."""
+        with frame.lock:
+            frame.stopped = True
+        for task in list(frame.tasks):
+            task.cancel()
+
+    # -- units -----------------------------------------------------------------------------
+
+    def _start(self, frame: ExecutionFrame) -> None:
+        frame.pending = 1
+        stack: list[int] = []
+        handoff: list[int] = []
+        roots = list(self.plan.roots)
+        if frame.rng is not None:
+            frame.rng.shuffle(roots)
+        for node in reversed(roots):
+            if self.plan.placement[node] in (_INLINE, _STREAM):
+                stack.append(node)
+            else:
+                handoff.append(node)
+        frame.pending += len(handoff)
+        self._hand_off(frame, handoff, on_worker=False)
+        self._run_on_loop(frame, stack)
+
+    def _run_on_loop(self, frame: ExecutionFrame, stack: list[int]) -> None:
+        with torch.inference_mode(self.config.inference_mode):
+            self._drain(frame, stack, on_worker=False)
+
+    def _drain(self, frame: ExecutionFrame, stack: list[int], on_worker: bool) -> None:
+        """The run loop of one unit: run ready nodes from `stack` until none is left here."""
+        plan = self.plan
+        calls, outputs, keep = plan.calls, plan.outputs, plan.keep_output
+        values = frame.values
+        recorder = self.recorder
+        deadline = 0.0 if on_worker else time.perf_counter() + self.config.loop_slice_s
+        ran = 0
+        while stack:
+            if frame.stopped:
+                break
+            node = stack.pop()
+            start = time.perf_counter_ns() if recorder is not None else 0
+            try:
+                result = calls[node](values)
+            except BaseException as exc:
+                self._fail(frame, node, exc, on_worker)
+                break
+            if recorder is not None:
+                recorder.node_span(frame.execution_id, node, start, time.perf_counter_ns())
+            if keep[node]:
+                values[outputs[node]] = result
+            del result
+            self._complete(frame, node, stack, on_worker)
+            ran += 1
+            if not on_worker and stack and ran % 8 == 0 and time.perf_counter() > deadline:
+                assert self.loop is not None
+                self.loop.call_soon(self._run_on_loop, frame, stack)  # yield; same unit
+                return
+        self._end_unit(frame, on_worker)
+
+    def _complete(
+        self, frame: ExecutionFrame, node: int, stack: list[int], on_worker: bool
+    ) -> None:
+        """Free values past their last use, wake users that became ready, route them."""
+        plan = self.plan
+        placement = plan.placement
+        values, counts, reads = frame.values, frame.counts, frame.reads
+        handoff: list[int] = []
+        continued = False
+        with frame.lock:
+            for v in plan.frees[node]:
+                r = reads[v] - 1
+                reads[v] = r
+                if r == 0:
+                    values[v] = None
+            ready = []
+            for user in plan.users[node]:
+                c = counts[user] - 1
+                counts[user] = c
+                if c == 0:
+                    ready.append(user)
+            if frame.rng is not None:
+                frame.rng.shuffle(ready)
+            for user in reversed(ready):
+                where = placement[user]
+                if where == _INLINE or where == _STREAM:
+                    stack.append(user)
+                elif where == _WORKER and on_worker and not continued:
+                    stack.append(user)  # continue the chain on this worker
+                    continued = True
+                else:
+                    handoff.append(user)
+            frame.pending += len(handoff)
+        if handoff:
+            self._hand_off(frame, handoff, on_worker)
+
+    def _hand_off(self, frame: ExecutionFrame, nodes: list[int], on_worker: bool) -> None:
+        """Start a new unit for each node; `pending` already counts them."""
+        placement = self.plan.placement
+        for node in nodes:
+            if placement[node] == _WORKER:
+                self.workers.submit(self._run_on_worker_item, frame, node)
+            elif on_worker:
+                assert self.loop is not None
+                self.loop.call_soon_threadsafe(self._start_task, frame, node)
+            else:
+                self._start_task(frame, node)
+
+    def _run_on_worker_item(self, frame: Any, node: int) -> None:
+        self._drain(frame, [node], on_worker=True)
+
+    def _end_unit(self, frame: ExecutionFrame, on_worker: bool) -> None:
+        with frame.lock:
+            frame.pending -= 1
+            last = frame.pending == 0
+        if last:
+            if on_worker:
+                assert self.loop is not None
+                self.loop.call_soon_threadsafe(frame.finish)
+            else:
+                frame.finish()
+
+    def _fail(self, frame: ExecutionFrame, node: int, exc: BaseException, on_worker: bool) -> None:
+        """Record a kernel error with node context and stop the execution."""
+        _add_node_note(exc, self.graph, node)
+        with frame.lock:
+            frame.errors.append(exc)
+            frame.stopped = True
+        if frame.tasks:
+            assert self.loop is not None
+            if on_worker:
+                self.loop.call_soon_threadsafe(self._cancel_tasks, frame)
+            else:
+                self._cancel_tasks(frame)
+
+    @staticmethod
+    def _cancel_tasks(frame: ExecutionFrame) -> None:
+        for task in list(frame.tasks):
+            task.cancel()
+
+    # -- async kernels -----------------------------------------------------------------------
+
+    def _start_task(self, frame: ExecutionFrame, node: int) -> None:
+        if frame.stopped:
+            self._end_unit(frame, on_worker=False)
+            return
+        assert self.loop is not None
+        task = self.loop.create_task(self._run_task(frame, node))
+        frame.tasks.add(task)
+        task.add_done_callback(frame.tasks.discard)
+
+    async def _run_task(self, frame: ExecutionFrame, node: int) -> None:
+        recorder = self.recorder
+        start = time.perf_counter_ns()
+        try:
+            result = await self.plan.calls[node](frame.values)
+        except asyncio.CancelledError:
+            if not frame.stopped:  # cancelled by someone else than us: an error of this node
+                self._fail(frame, node, asyncio.CancelledError(), on_worker=False)
+            self._end_unit(frame, on_worker=False)
+            return
+        except BaseException as exc:
+            self._fail(frame, node, exc, on_worker=False)
+            self._end_unit(frame, on_worker=False)
+            return
+        if recorder is not None:
+            recorder.node_span(frame.execution_id, node, start, time.perf_counter_ns())
+        if self.plan.keep_output[node]:
+            frame.values[self.plan.outputs[node]] = result
+        del result
+        stack: list[int] = []
+        self._complete(frame, node, stack, on_worker=False)
+        self._run_on_loop(frame, stack)
+
+
+def _add_node_note(exc: BaseException, graph: Graph, index: int) -> None:
+    """Name the node, its target and the user's source line, as torch.fx does."""
+    node = graph.nodes[index]
+    line = f"While executing %{node.name} = {node.target_name()}(...) [node {index}]"
+    notes = getattr(exc, "__notes__", [])
+    if line in notes:
+        return
+    if node.stack_trace:
+        line += "\nOriginal traceback:\n" + node.stack_trace.rstrip()
+    try:
+        exc.add_note(line)
+    except Exception:  # an exception type that refuses attributes keeps its message only
+        pass
+
