@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from asyncgraph import testing
 from asyncgraph.config import ExecutorConfig
 from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.frame import ExecutionFrame
@@ -104,6 +105,7 @@ class Executor:
         self._closed = False
         self._started = self._completed = self._failed = self._cancelled = 0
         self._callers: set[asyncio.Task[Any]] = set()
+        testing.track(self)
 
     # -- executions --------------------------------------------------------------------------
 
