@@ -148,6 +148,9 @@ def from_exported_program(ep: ExportedProgram) -> Program:
         if okind is OutputKind.USER_INPUT_MUTATION:
             target = _mutated_input_path(ep, inputs, builder, ospec.target)
         outputs.append(OutputSpec(okind, builder.convert(arg), target))
+    for out in outputs:  # we never write weights in place, but ep.module() does: don't share
+        if out.kind is OutputKind.BUFFER_MUTATION and out.target in weights:
+            weights[out.target] = weights[out.target].clone()
     ranges = {
         sym: (int(vr.lower), _upper(vr.upper)) for sym, vr in ep.range_constraints.items()
     }

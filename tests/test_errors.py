@@ -1,0 +1,96 @@
+"""Kernel errors reach the caller with their own type, attributes and node context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asyncgraph
+from asyncgraph import ExecutorConfig, GraphBuilder
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+
+class QuotaError(Exception):
+    def __init__(self, message: str, remaining: int) -> None:
+        super().__init__(message)
+        self.remaining = remaining
+
+
+def over_quota(x: int) -> int:
+    raise QuotaError("quota exhausted", remaining=x)
+
+
+class Lookup(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb(idx) * 2
+
+
+@pytest.mark.parametrize("placement", ["inline", "worker"])
+async def test_python_kernel_error_keeps_type_attributes_and_names_node(placement: str) -> None:
+    b = GraphBuilder()
+    x = b.input("x")
+    y = b.call(over_quota, x, name="charge", placement=placement)
+    b.output(y)
+    async with asyncgraph.Executor(b.build()) as ex:
+        with pytest.raises(QuotaError) as info:
+            await ex.execute(7)
+        assert info.value.remaining == 7
+        assert info.value.__notes__ == [
+            f"While executing %charge = {__name__}.over_quota(...) [node 0]"
+        ]
+        stats = ex.statistics()
+        assert (stats.failed, stats.completed, stats.frames.in_use) == (1, 0, 0)
+
+
+async def test_aten_error_names_node_and_user_source_line() -> None:
+    model = Lookup()
+    ep = torch.export.export(model, (torch.tensor([1, 2]),))
+    async with asyncgraph.Executor(ep) as ex:
+        with pytest.raises(IndexError) as info:
+            await ex.execute(torch.tensor([1, 99]))
+        note = info.value.__notes__[-1]
+        assert note.startswith("While executing %embedding = aten.embedding.default(...)")
+        assert "test_errors.py" in note and "self.emb(idx)" in note
+        # the executor still works afterwards
+        out = await ex.execute(torch.tensor([3, 4]))
+        torch.testing.assert_close(out, model(torch.tensor([3, 4])))
+
+
+async def test_async_kernel_error_propagates() -> None:
+    async def fetch(x: int) -> int:
+        raise TimeoutError(f"backend timed out for {x}")
+
+    b = GraphBuilder()
+    b.output(b.call(fetch, b.input("x")))
+    async with asyncgraph.Executor(b.build()) as ex:
+        with pytest.raises(TimeoutError, match="backend timed out for 3"):
+            await ex.execute(3)
+
+
+async def test_two_failing_branches_give_an_exception_group() -> None:
+    import threading
+
+    barrier = threading.Barrier(2, timeout=10)
+
+    def fail_left(x: int) -> int:
+        barrier.wait()
+        raise ValueError("left")
+
+    def fail_right(x: int) -> int:
+        barrier.wait()
+        raise KeyError("right")
+
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output([b.call(fail_left, x), b.call(fail_right, x)])
+    async with asyncgraph.Executor(b.build(), ExecutorConfig(max_parallel_ops=2)) as ex:
+        with pytest.raises(ExceptionGroup) as info:
+            await ex.execute(1)
+        group = info.value
+        assert group.message == "2 nodes failed in one execution"
+        assert sorted(type(e).__name__ for e in group.exceptions) == ["KeyError", "ValueError"]

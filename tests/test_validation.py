@@ -1,0 +1,100 @@
+"""Input validation: exact messages naming the input path, expected versus actual."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+import asyncgraph
+from asyncgraph import InputValidationError
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+
+class Pair(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, scale: float = 2.0) -> torch.Tensor:
+        return (x + y) * scale
+
+
+class Nested(torch.nn.Module):
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        return d["a"] - d["b"]
+
+
+@pytest.fixture(scope="module")
+def pair_ep() -> torch.export.ExportedProgram:
+    b = Dim("b", min=2, max=16)
+    return torch.export.export(
+        Pair(), (torch.randn(4, 8), torch.randn(4, 8)), {"scale": 2.0},
+        dynamic_shapes={"x": {0: b}, "y": {0: b}, "scale": None},
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((torch.randn(4, 8),), {"scale": 2.0}, "expected 2 positional argument(s), got 1"),
+        ((torch.randn(4, 8), torch.randn(4, 8)), {"scale": 2.0, "bias": 1},
+         "unexpected keyword argument(s) 'bias'; expected ['scale']"),
+        ((torch.randn(4, 8), torch.randn(4, 8)), {},
+         "missing keyword argument(s) 'scale'"),
+        ((torch.randn(4, 8), 3), {"scale": 2.0}, "args[1]: expected a Tensor, got int"),
+        ((torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8)), {"scale": 2.0},
+         "args[0].dtype: expected torch.float32, got torch.float64"),
+        ((torch.randn(4, 8), torch.randn(4, 8, 1)), {"scale": 2.0},
+         "args[1]: expected 2 dimension(s), got 3 (shape (4, 8, 1))"),
+        ((torch.randn(4, 32), torch.randn(4, 8)), {"scale": 2.0},
+         "args[0].shape[1]: expected 8, got 32"),
+        ((torch.randn(4, 8), torch.randn(5, 8)), {"scale": 2.0},
+         "args[1].shape[0]: expected 4 (the same dimension s77 as args[0].shape[0]), got 5"),
+        ((torch.randn(32, 8), torch.randn(32, 8)), {"scale": 2.0},
+         "args[0].shape[0]: expected a size in [2, 16] for dimension s77, got 32"),
+        ((torch.randn(4, 8), torch.randn(4, 8)), {"scale": 3.0},
+         "kwargs['scale']: expected 2.0 (fixed when the program was exported), got 3.0"),
+    ],
+)
+async def test_bad_inputs_get_exact_errors(
+    pair_ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, message: str
+) -> None:
+    async with asyncgraph.Executor(pair_ep) as ex:
+        with pytest.raises(InputValidationError) as info:
+            await ex.execute(*args, **kwargs)
+        assert str(info.value).replace(_symbol(pair_ep), "s77") == message
+        assert ex.statistics().started == 0  # rejected before a frame was taken
+
+
+def _symbol(ep: torch.export.ExportedProgram) -> str:
+    return str(next(iter(ep.range_constraints)))
+
+
+async def test_nested_structure_mismatch_names_the_argument() -> None:
+    ep = torch.export.export(Nested(), ({"a": torch.randn(3), "b": torch.randn(3)},))
+    async with asyncgraph.Executor(ep) as ex:
+        with pytest.raises(InputValidationError) as info:
+            await ex.execute({"a": torch.randn(3)})
+        assert str(info.value) == (
+            "args[0]: expected structure "
+            f"{torch.utils._pytree.tree_structure({'a': 0, 'b': 0})}, "
+            f"got {torch.utils._pytree.tree_structure({'a': 0})}"
+        )
+
+
+async def test_execute_flat_checks_count() -> None:
+    ep = torch.export.export(Nested(), ({"a": torch.randn(3), "b": torch.randn(3)},))
+    async with asyncgraph.Executor(ep) as ex:
+        with pytest.raises(InputValidationError, match=r"^expected 2 input\(s\), got 1$"):
+            await ex.execute_flat([torch.randn(3)])
+        out = await ex.execute_flat([torch.ones(3), torch.ones(3)])
+        torch.testing.assert_close(out, [torch.zeros(3)])
+
+
+async def test_validation_can_be_disabled_but_count_is_kept() -> None:
+    ep = torch.export.export(Nested(), ({"a": torch.randn(3), "b": torch.randn(3)},))
+    config = asyncgraph.ExecutorConfig(validate_inputs=False)
+    async with asyncgraph.Executor(ep, config) as ex:
+        # shapes are not checked: broadcasting happens inside the kernel
+        out = await ex.execute_flat([torch.ones(3), torch.ones(1)])
+        torch.testing.assert_close(out, [torch.zeros(3)])
+        with pytest.raises(InputValidationError, match="expected 2 input"):
+            await ex.execute_flat([torch.ones(3)])
