@@ -1,0 +1,340 @@
+"""Parallel dataflow: real overlap, chains without hops, cancellation, load and weight swaps."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import anyio
+import pytest
+import torch
+
+import asyncgraph
+from asyncgraph import ExecutorConfig, GraphBuilder
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+
+def _wide_builder(branches: int, barrier: threading.Barrier) -> asyncgraph.Graph:
+    def meet(x: int) -> int:
+        barrier.wait()  # passes only if `branches` nodes run at the same time
+        return x + 1
+
+    def total(*xs: int) -> int:
+        return sum(xs)
+
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output(b.call(total, *[b.call(meet, x, name=f"branch{i}") for i in range(branches)]))
+    return b.build()
+
+
+async def test_independent_branches_run_at_the_same_time() -> None:
+    barrier = threading.Barrier(4, timeout=20)
+    graph = _wide_builder(4, barrier)
+    async with asyncgraph.Executor(graph, ExecutorConfig(max_parallel_ops=4)) as ex:
+        assert await ex.execute(1) == 8
+
+
+class WideMatmul(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 256, 256) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for i in range(4):
+            h = x
+            for _ in range(4):
+                h = h @ self.w[i]
+            outs.append(h)
+        return sum(outs)  # type: ignore[return-value]
+
+
+async def test_exported_branches_overlap_on_two_workers() -> None:
+    model = WideMatmul()
+    x = torch.randn(256, 256)
+    ep = torch.export.export(model, (x,))
+    config = ExecutorConfig(max_parallel_ops=2, trace=True)
+    async with asyncgraph.Executor(ep, config) as ex:
+        placements = ex.placements()
+        assert sum(p is asyncgraph.Placement.WORKER for p in placements.values()) >= 16
+        for _ in range(3):
+            out = await ex.execute(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-3)
+        assert ex.recorder is not None
+        spans = [s for s in ex.recorder.spans if s.execution == 3]
+    mm = [s for s in spans if "matmul" in ex.graph.nodes[s.node].target_name()]
+    threads = {s.thread for s in mm}
+    assert len(threads) == 2
+    overlaps = sum(
+        1 for a in mm for b in mm
+        if a.thread < b.thread and a.start_ns < b.end_ns and b.start_ns < a.end_ns
+    )
+    assert overlaps > 0
+
+
+async def test_a_chain_stays_on_its_worker() -> None:
+    seen: list[str] = []
+
+    def step(x: int) -> int:
+        seen.append(threading.current_thread().name)
+        return x + 1
+
+    b = GraphBuilder()
+    v = b.input("x")
+    for i in range(20):
+        v = b.call(step, v, name=f"s{i}", placement="worker" if i % 3 else "inline")
+    b.output(v)
+    async with asyncgraph.Executor(b.build(), ExecutorConfig(max_parallel_ops=4)) as ex:
+        assert await ex.execute(0) == 20
+    # the first node is inline on the loop; from the first worker node on, one thread runs all
+    assert seen[0] == threading.current_thread().name
+    assert len(set(seen[1:])) == 1 and seen[1].startswith("asyncgraph-worker")
+
+
+async def test_async_kernels_run_as_tasks_and_overlap() -> None:
+    started = asyncio.Event()
+    both = 0
+
+    async def first(x: int) -> int:
+        nonlocal both
+        started.set()
+        await asyncio.sleep(0.01)
+        both += 1
+        return x * 2
+
+    async def second(x: int) -> int:
+        await asyncio.wait_for(started.wait(), 5)  # only finishes if `first` started meanwhile
+        return x * 3
+
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output((b.call(second, x), b.call(first, x)))
+    async with asyncgraph.Executor(b.build()) as ex:
+        assert await ex.execute(5) == (15, 10)
+
+
+class _Blocker:
+    """A kernel that blocks its worker thread until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.after_ran = 0
+
+    def block(self, x: int) -> int:
+        self.entered.set()
+        assert self.release.wait(20)
+        return x + 1
+
+    def after(self, x: int) -> int:
+        self.after_ran += 1
+        return x * 10
+
+    def graph(self) -> asyncgraph.Graph:
+        b = GraphBuilder()
+        y = b.call(self.block, b.input("x"), placement="worker")
+        b.output(b.call(self.after, y, placement="worker"))
+        return b.build()
+
+
+async def test_cancel_waits_for_the_thread_and_drops_its_result() -> None:
+    blocker = _Blocker()
+    async with asyncgraph.Executor(blocker.graph(), ExecutorConfig(max_parallel_ops=1)) as ex:
+        task = asyncio.create_task(ex.execute(1))
+        while not blocker.entered.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel("client went away")
+        await asyncio.sleep(0.05)
+        assert not task.done()  # still waiting: a thread may write to the frame
+        assert ex.statistics().frames.in_use == 1
+        blocker.release.set()
+        with pytest.raises(asyncio.CancelledError) as info:
+            await task
+        assert info.value.args == ("client went away",)
+        assert blocker.after_ran == 0  # nothing was dispatched after the cancellation
+        stats = ex.statistics()
+        assert (stats.frames.in_use, stats.cancelled, stats.completed) == (0, 1, 0)
+        blocker.entered.clear()
+        assert await ex.execute(4) == 50  # the next execution is correct
+        assert blocker.after_ran == 1
+
+
+async def test_asyncio_timeout_becomes_timeout_error() -> None:
+    blocker = _Blocker()
+    async with asyncgraph.Executor(blocker.graph()) as ex:
+        threading.Timer(0.2, blocker.release.set).start()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.02):
+                await ex.execute(1)
+        current = asyncio.current_task()
+        assert current is not None and current.cancelling() == 0
+        assert ex.statistics().frames.in_use == 0
+
+
+async def test_anyio_fail_after_cancels() -> None:
+    async def slow(x: int) -> int:
+        await asyncio.sleep(10)
+        return x
+
+    b = GraphBuilder()
+    b.output(b.call(slow, b.input("x")))
+    async with asyncgraph.Executor(b.build()) as ex:
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0.02):
+                await ex.execute(1)
+        assert ex.statistics().frames.in_use == 0
+
+
+async def test_a_call_made_while_cancelled_takes_no_frame() -> None:
+    b = GraphBuilder()
+    b.output(b.call(lambda x: x + 1, b.input("x"), name="inc"))
+    async with asyncgraph.Executor(b.build()) as ex:
+
+        async def caller() -> int:
+            current = asyncio.current_task()
+            assert current is not None
+            current.cancel()
+            return int(await ex.execute(1))
+
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.create_task(caller())
+        assert ex.statistics().started == 0
+
+
+def _stress_graph() -> asyncgraph.Graph:
+    """Inline, worker and async nodes with random small latencies."""
+
+    def heavy(x: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.tanh(x @ x.T + k)
+
+    async def remote(x: torch.Tensor, delay: float) -> torch.Tensor:
+        await asyncio.sleep(delay)
+        return x.sum(dim=0, keepdim=True)
+
+    b = GraphBuilder()
+    x = b.input("x")
+    delay = b.input("delay")
+    left = b.call(heavy, x, 1, name="left", placement="worker")
+    right = b.call(heavy, x, 2, name="right", placement="worker")
+    mid = b.call(torch.add, left, right, name="mid", placement="inline")
+    far = b.call(remote, mid, delay, name="remote")
+    b.output({"mid": mid, "far": far})
+    return b.build()
+
+
+def _reference(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    mid = torch.tanh(x @ x.T + 1) + torch.tanh(x @ x.T + 2)
+    return {"mid": mid, "far": mid.sum(dim=0, keepdim=True)}
+
+
+@pytest.mark.parametrize("seed", [0])
+async def test_many_callers_with_cancellations_and_timeouts(seed: int) -> None:
+    rng = random.Random(seed)
+    inputs = [torch.randn(8, 8, generator=torch.Generator().manual_seed(i)) for i in range(50)]
+    references = [_reference(x) for x in inputs]
+    plan = [
+        (i % 50, rng.random(), rng.uniform(0, 0.002), rng.uniform(0, 0.003))
+        for i in range(2000)
+    ]
+    counts = {"completed": 0, "cancelled": 0, "timed_out": 0}
+    config = ExecutorConfig(max_parallel_ops=2, max_concurrent_executions=8)
+    async with asyncgraph.Executor(_stress_graph(), config) as ex:
+        queue = list(reversed(plan))
+
+        async def caller() -> None:
+            while queue:
+                index, roll, delay, limit = queue.pop()
+                call = ex.execute(inputs[index], delay)
+                if roll < 0.2:
+                    task = asyncio.ensure_future(call)
+                    await asyncio.sleep(limit)
+                    task.cancel()
+                    try:
+                        out = await task
+                    except asyncio.CancelledError:
+                        counts["cancelled"] += 1
+                        continue
+                elif roll < 0.3:
+                    try:
+                        async with asyncio.timeout(limit):
+                            out = await call
+                    except TimeoutError:
+                        counts["timed_out"] += 1
+                        continue
+                else:
+                    out = await call
+                torch.testing.assert_close(out, references[index])
+                counts["completed"] += 1
+
+        await asyncio.gather(*(caller() for _ in range(64)))
+        stats = ex.statistics()
+    assert sum(counts.values()) == 2000
+    assert counts["cancelled"] > 0 and counts["timed_out"] > 0 and counts["completed"] > 1000
+    assert stats.frames.high_water <= 8 and stats.frames.total <= 8
+    assert stats.completed == counts["completed"]
+    assert stats.started == stats.completed + stats.cancelled + stats.failed
+
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+async def test_weight_swap_under_load_never_mixes_versions() -> None:
+    torch.manual_seed(0)
+    versions = [TwoLayer() for _ in range(3)]
+    ep = torch.export.export(versions[0], (torch.randn(2, 8),))
+    x = torch.randn(2, 8)
+    expected = [m(x).detach() for m in versions]
+    states = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in versions]
+    config = ExecutorConfig(max_parallel_ops=2, heavy_op_flops=0)
+    async with asyncgraph.Executor(ep, config) as ex:
+        stop = False
+        seen: set[int] = set()
+
+        async def swapper() -> None:
+            k = 0
+            while not stop:
+                k += 1
+                ex.swap_weights(states[k % 3])
+                await asyncio.sleep(0.002)
+
+        async def caller() -> None:
+            for _ in range(40):
+                out = await ex.execute(x)
+                matches = [i for i, e in enumerate(expected) if torch.allclose(out, e)]
+                assert len(matches) == 1, "result matches no single weights version"
+                seen.add(matches[0])
+
+        swap_task = asyncio.create_task(swapper())
+        await asyncio.gather(*(caller() for _ in range(32)))
+        stop = True
+        await swap_task
+        assert ex.statistics().weights_version > 3
+    assert len(seen) >= 2
+
+
+async def test_swap_weights_checks_names_shapes_and_dtypes() -> None:
+    model = TwoLayer()
+    ep = torch.export.export(model, (torch.randn(2, 8),))
+    async with asyncgraph.Executor(ep) as ex:
+        with pytest.raises(asyncgraph.WeightsError, match="unknown weight name"):
+            ex.swap_weights({"c.weight": torch.zeros(8, 8)})
+        with pytest.raises(asyncgraph.WeightsError, match=r"a.weight.shape: expected \(8, 8\)"):
+            ex.swap_weights({"a.weight": torch.zeros(4, 8)})
+        with pytest.raises(asyncgraph.WeightsError, match="a.bias.dtype: expected torch.float32"):
+            ex.swap_weights({"a.bias": torch.zeros(8, dtype=torch.float64)})
+        with pytest.raises(asyncgraph.WeightsError, match="missing weight"):
+            ex.swap_weights({"a.bias": torch.zeros(8)}, strict=True)
+        x = torch.randn(2, 8)
+        version = ex.swap_weights({"b.weight": torch.zeros(8, 8), "b.bias": torch.ones(8)})
+        assert version == 1
+        torch.testing.assert_close(await ex.execute(x), torch.ones(2, 8))
