@@ -18,6 +18,7 @@ Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from typing import Any
@@ -239,29 +240,33 @@ class Scheduler:
             self._end_unit(frame, on_worker=False)
             return
         assert self.loop is not None
-        task = self.loop.create_task(self._run_task(frame, node))
+        task = self.loop.create_task(self._await_kernel(frame, node))
         frame.tasks.add(task)
-        task.add_done_callback(frame.tasks.discard)
+        # Bookkeeping lives in the done-callback, not in the coroutine: a task cancelled
+        # before its first step never runs any of its code, but its callbacks always run.
+        task.add_done_callback(functools.partial(self._task_done, frame, node))
 
-    async def _run_task(self, frame: ExecutionFrame, node: int) -> None:
-        recorder = self.recorder
+    async def _await_kernel(self, frame: ExecutionFrame, node: int) -> Any:
         start = time.perf_counter_ns()
-        try:
-            result = await self.plan.calls[node](frame.values)
-        except asyncio.CancelledError:
+        result = await self.plan.calls[node](frame.values)
+        if self.recorder is not None:
+            self.recorder.node_span(frame.execution_id, node, start, time.perf_counter_ns())
+        return result
+
+    def _task_done(self, frame: ExecutionFrame, node: int, task: asyncio.Task[Any]) -> None:
+        frame.tasks.discard(task)
+        if task.cancelled():
             if not frame.stopped:  # cancelled by someone else than us: an error of this node
                 self._fail(frame, node, asyncio.CancelledError(), on_worker=False)
             self._end_unit(frame, on_worker=False)
             return
-        except BaseException as exc:
+        exc = task.exception()
+        if exc is not None:
             self._fail(frame, node, exc, on_worker=False)
             self._end_unit(frame, on_worker=False)
             return
-        if recorder is not None:
-            recorder.node_span(frame.execution_id, node, start, time.perf_counter_ns())
         if self.plan.keep_output[node]:
-            frame.values[self.plan.outputs[node]] = result
-        del result
+            frame.values[self.plan.outputs[node]] = task.result()
         stack: list[int] = []
         self._complete(frame, node, stack, on_worker=False)
         self._run_on_loop(frame, stack)

@@ -94,3 +94,26 @@ async def test_two_failing_branches_give_an_exception_group() -> None:
         group = info.value
         assert group.message == "2 nodes failed in one execution"
         assert sorted(type(e).__name__ for e in group.exceptions) == ["KeyError", "ValueError"]
+
+
+async def test_error_cancels_async_kernels_that_have_not_started_yet() -> None:
+    """Regression: a task cancelled before its first step never runs its own code, so the
+    scheduler must account for it from the done-callback, or the execution never finishes."""
+    started: list[int] = []
+
+    async def remote(x: int) -> int:
+        started.append(x)
+        return x
+
+    def broken(x: int) -> int:
+        raise ValueError("inline failure")
+
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output([b.call(remote, x), b.call(remote, x, name="remote2"),
+              b.call(broken, x, placement="inline")])
+    async with asyncgraph.Executor(b.build()) as ex:
+        with pytest.raises(ValueError, match="inline failure"):
+            await ex.execute(1)
+        assert started == []
+        assert ex.statistics().frames.in_use == 0
