@@ -57,21 +57,26 @@ async def test_exported_branches_overlap_on_two_workers() -> None:
     x = torch.randn(256, 256)
     ep = torch.export.export(model, (x,))
     config = ExecutorConfig(max_parallel_ops=2, trace=True)
+    overlaps = 0
     async with asyncgraph.Executor(ep, config) as ex:
         placements = ex.placements()
         assert sum(p is asyncgraph.Placement.WORKER for p in placements.values()) >= 16
-        for _ in range(3):
-            out = await ex.execute(x)
-        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-3)
         assert ex.recorder is not None
-        spans = [s for s in ex.recorder.spans if s.execution == 3]
-    mm = [s for s in spans if "matmul" in ex.graph.nodes[s.node].target_name()]
-    threads = {s.thread for s in mm}
-    assert len(threads) == 2
-    overlaps = sum(
-        1 for a in mm for b in mm
-        if a.thread < b.thread and a.start_ns < b.end_ns and b.start_ns < a.end_ns
-    )
+        # On a loaded shared machine the OS may serialize two threads for a whole run, so look
+        # at up to 20 executions; the barrier test above is the deterministic proof.
+        for _ in range(20):
+            ex.recorder.clear()
+            out = await ex.execute(x)
+            torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-3)
+            mm = [s for s in ex.recorder.spans
+                  if "matmul" in ex.graph.nodes[s.node].target_name()]
+            assert len(mm) == 16
+            overlaps = sum(
+                1 for a in mm for b in mm
+                if a.thread < b.thread and a.start_ns < b.end_ns and b.start_ns < a.end_ns
+            )
+            if overlaps:
+                break
     assert overlaps > 0
 
 
