@@ -47,6 +47,7 @@ class ExecutionPlan:
     calls: tuple[Callable[[list[Any]], Any], ...]
     outputs: tuple[int, ...]
     users: tuple[tuple[int, ...], ...]
+    users_reversed: tuple[tuple[int, ...], ...]
     producer_counts: tuple[int, ...]
     roots: tuple[int, ...]
     read_counts: tuple[int, ...]
@@ -110,6 +111,7 @@ def build_plan(graph: Graph, kernels: list[OpKernel], config: ExecutorConfig) ->
         calls=compile_calls(graph, kernels),
         outputs=tuple(n.output for n in graph.nodes),
         users=tuple(tuple(u) for u in users),
+        users_reversed=tuple(tuple(reversed(u)) for u in users),
         producer_counts=tuple(producer_counts),
         roots=tuple(i for i, c in enumerate(producer_counts) if c == 0),
         read_counts=tuple(read_counts),
