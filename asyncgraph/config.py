@@ -35,6 +35,12 @@ class ExecutorConfig:
             yields, so other tasks stay responsive.
         heavy_op_flops: estimated work (multiply-adds or elements) above which a CPU kernel runs
             on a worker thread instead of inline on the loop.
+        adaptive_placement: time every node during the first `profile_executions` executions
+            of each input-shape signature, then run nodes taking at least `heavy_node_us` on
+            workers and the rest inline; also start executions on a worker while the event
+            loop is more than half busy running inline kernels.
+        profile_executions: profiled executions per input-shape signature.
+        heavy_node_us: measured (best) time from which a CPU node is worth a worker thread.
         trace: record a span per node (thread, start, end) for traces and tests.
         ready_order_seed: when set, ready nodes are taken in a seeded random order instead of
             graph order; differential tests use it to shake out ordering bugs.
@@ -49,6 +55,9 @@ class ExecutorConfig:
     inference_mode: bool = True
     loop_slice_s: float = 0.001
     heavy_op_flops: int = 200_000
+    adaptive_placement: bool = True
+    profile_executions: int = 3
+    heavy_node_us: float = 80.0
     trace: bool = False
     ready_order_seed: int | None = None
 
@@ -71,5 +80,9 @@ class ExecutorConfig:
             )
         if self.loop_slice_s <= 0:
             raise ValueError(f"loop_slice_s must be > 0, got {self.loop_slice_s}")
+        if self.profile_executions < 1:
+            raise ValueError(f"profile_executions must be >= 1, got {self.profile_executions}")
+        if self.heavy_node_us < 0:
+            raise ValueError(f"heavy_node_us must be >= 0, got {self.heavy_node_us}")
         if self.heavy_op_flops < 0:
             raise ValueError(f"heavy_op_flops must be >= 0, got {self.heavy_op_flops}")

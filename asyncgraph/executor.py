@@ -29,6 +29,7 @@ from asyncgraph.frame import ExecutionFrame
 from asyncgraph.graph import Graph, InputKind, OutputKind, Ref
 from asyncgraph.importers import Program, ProgramLike, to_program
 from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.placement import AdaptivePlacement, PlacementStatistics
 from asyncgraph.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.pool import FramePool, FramePoolStatistics
 from asyncgraph.scheduler import Scheduler
@@ -74,6 +75,15 @@ class Executor:
         self.graph: Graph = self.program.graph
         self.kernels: list[OpKernel] = (kernel_factory or KernelFactory()).create(self.graph)
         self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
+        self._adaptive = (
+            AdaptivePlacement(
+                self.graph, self.plan, self.kernels,
+                profile_executions=self.config.profile_executions,
+                heavy_node_us=self.config.heavy_node_us,
+            )
+            if self.config.adaptive_placement
+            else None
+        )
         self._weights = Weights(self.program.weights)
         self._validator = InputValidator(self.graph)
         self.recorder = TraceRecorder(self.graph) if self.config.trace else None
@@ -139,10 +149,15 @@ class Executor:
         caller = asyncio.current_task()
         if caller is not None:
             self._callers.add(caller)
+        placement, times = (
+            self._adaptive.choose(flat) if self._adaptive is not None else (None, None)
+        )
         try:
-            frame.load(self._weights_template(), flat, execution)
+            frame.load(self._weights_template(), flat, execution, placement, times)
             await self._scheduler.run(frame)
             outputs = self._take_outputs(frame, flat)
+            if times is not None and self._adaptive is not None:
+                self._adaptive.finished(flat, times)
         except asyncio.CancelledError:
             self._cancelled += 1
             raise
@@ -228,8 +243,13 @@ class Executor:
         )
 
     def placements(self) -> dict[str, Placement]:
-        """Where each node runs, by node name."""
-        return {n.name: self.plan.placement[n.index] for n in self.graph.nodes}
+        """Where each node runs (after adaptive placement, the latest choice), by node name."""
+        current = self._adaptive.current if self._adaptive is not None else self.plan.placement
+        return {n.name: current[n.index] for n in self.graph.nodes}
+
+    def placement_statistics(self) -> PlacementStatistics | None:
+        """What adaptive placement has profiled and decided (None when it is off)."""
+        return self._adaptive.statistics() if self._adaptive is not None else None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -15,7 +15,8 @@ import asyncio
 import threading
 from typing import Any
 
-from asyncgraph.plan import ExecutionPlan
+from asyncgraph.placement import NodeTimes
+from asyncgraph.plan import ExecutionPlan, Placement
 
 
 class ExecutionFrame:
@@ -23,7 +24,7 @@ class ExecutionFrame:
 
     __slots__ = (
         "counts", "errors", "execution_id", "finished", "id", "last_used", "lock", "pending",
-        "plan", "reads", "rng", "stopped", "tasks", "values", "waiter",
+        "placement", "plan", "reads", "rng", "stopped", "tasks", "times", "values", "waiter",
     )
 
     def __init__(self, plan: ExecutionPlan, frame_id: int) -> None:
@@ -42,9 +43,19 @@ class ExecutionFrame:
         self.execution_id = 0
         self.last_used = 0.0
         self.rng: Any = None
+        self.placement = plan.placement
+        self.times: NodeTimes | None = None
 
-    def load(self, template: list[Any], inputs: list[Any], execution_id: int) -> None:
-        """Start an execution: weights from `template`, the user inputs, fresh counters."""
+    def load(
+        self,
+        template: list[Any],
+        inputs: list[Any],
+        execution_id: int,
+        placement: tuple[Placement, ...] | None = None,
+        times: NodeTimes | None = None,
+    ) -> None:
+        """Start an execution: weights from `template`, the user inputs, fresh counters, and
+        where its nodes run (`times` collects node times while placement is profiled)."""
         plan = self.plan
         values = self.values
         values[:] = template
@@ -59,6 +70,8 @@ class ExecutionFrame:
         self.finished = False
         self.errors.clear()
         self.execution_id = execution_id
+        self.placement = placement if placement is not None else plan.placement
+        self.times = times
 
     def finish(self) -> None:
         """Mark the execution finished and wake its awaiting caller (loop thread only)."""
@@ -72,6 +85,7 @@ class ExecutionFrame:
         self.values[:] = [None] * len(self.values)
         self.errors.clear()
         self.waiter = None
+        self.times = None
 
     def __repr__(self) -> str:
         return f"<ExecutionFrame {self.id} pending={self.pending} finished={self.finished}>"

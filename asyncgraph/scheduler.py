@@ -36,6 +36,13 @@ from asyncgraph.workers import WorkerPool
 # behind it costs ~1 us, and the loop enters it on every slice.
 _inference_mode = getattr(torch._C, "_InferenceMode", torch.inference_mode)
 
+_START = (0, 0)
+
+
+def _clock() -> tuple[int, int]:
+    return time.perf_counter_ns(), time.thread_time_ns()
+
+
 _INLINE = Placement.INLINE
 _WORKER = Placement.WORKER
 _TASK = Placement.TASK
@@ -60,6 +67,9 @@ class Scheduler:
         self.recorder = recorder
         self.loop: asyncio.AbstractEventLoop | None = None
         self._seed = config.ready_order_seed
+        self._loop_busy = 0.0
+        self._window_start = 0.0
+        self._window_busy = 0.0
 
     # -- one execution, seen from the caller --------------------------------------------------
 
@@ -113,8 +123,10 @@ class Scheduler:
         roots = list(self.plan.roots)
         if frame.rng is not None:
             frame.rng.shuffle(roots)
+        placement = frame.placement
+        offload = self.config.adaptive_placement and self._loop_busy > 0.5
         for node in reversed(roots):
-            if self.plan.placement[node] in (_INLINE, _STREAM):
+            if placement[node] in (_INLINE, _STREAM) and not offload:
                 stack.append(node)
             else:
                 handoff.append(node)
@@ -123,8 +135,23 @@ class Scheduler:
         self._run_on_loop(frame, stack)
 
     def _run_on_loop(self, frame: ExecutionFrame, stack: list[int]) -> None:
+        start = time.perf_counter()
         with _inference_mode(self.config.inference_mode):
             self._drain(frame, stack, on_worker=False)
+        self._account_loop_time(start, time.perf_counter())
+
+    def _account_loop_time(self, start: float, end: float) -> None:
+        """Track the fraction of wall time the loop spends in kernels, per 20 ms window.
+
+        While it is above one half, new executions start on workers (adaptive placement), so
+        many concurrent callers of a cheap graph cannot starve the loop's other tasks.
+        """
+        span = end - self._window_start
+        if span > 0.02:
+            self._loop_busy = self._window_busy / span
+            self._window_start = end
+            self._window_busy = 0.0
+        self._window_busy += end - start
 
     def _drain(self, frame: ExecutionFrame, stack: list[int], on_worker: bool) -> None:
         """The run loop of one unit: run ready nodes from `stack` until none is left here."""
@@ -132,20 +159,22 @@ class Scheduler:
         calls, outputs, keep = plan.calls, plan.outputs, plan.keep_output
         values = frame.values
         recorder = self.recorder
+        times = frame.times
+        timed = recorder is not None or times is not None
         deadline = 0.0 if on_worker else time.perf_counter() + self.config.loop_slice_s
         ran = 0
         while stack:
             if frame.stopped:
                 break
             node = stack.pop()
-            start = time.perf_counter_ns() if recorder is not None else 0
+            start = _clock() if timed else _START
             try:
                 result = calls[node](values)
             except BaseException as exc:
                 self._fail(frame, node, exc, on_worker)
                 break
-            if recorder is not None:
-                recorder.node_span(frame.execution_id, node, start, time.perf_counter_ns())
+            if timed:
+                self._record(frame, node, start)
             if keep[node]:
                 values[outputs[node]] = result
             del result
@@ -157,6 +186,15 @@ class Scheduler:
                 return
         self._end_unit(frame, on_worker)
 
+    def _record(self, frame: ExecutionFrame, node: int, start: tuple[int, int]) -> None:
+        """Profile by thread CPU time (immune to GIL waits and a loaded machine); trace by
+        wall time."""
+        wall, cpu = _clock()
+        if frame.times is not None:
+            frame.times.add(node, cpu - start[1])
+        if self.recorder is not None:
+            self.recorder.node_span(frame.execution_id, node, start[0], wall)
+
     def _complete(
         self, frame: ExecutionFrame, node: int, stack: list[int], on_worker: bool
     ) -> None:
@@ -166,7 +204,7 @@ class Scheduler:
         are handed off. Allocation-free unless something is handed off.
         """
         plan = self.plan
-        placement = plan.placement
+        placement = frame.placement
         values, counts, reads = frame.values, frame.counts, frame.reads
         handoff: list[int] | None = None
         continued = False
@@ -201,9 +239,9 @@ class Scheduler:
 
     def _hand_off(self, frame: ExecutionFrame, nodes: list[int], on_worker: bool) -> None:
         """Start a new unit for each node; `pending` already counts them."""
-        placement = self.plan.placement
+        placement = frame.placement
         for node in nodes:
-            if placement[node] == _WORKER:
+            if placement[node] != _TASK:
                 self.workers.submit(self._run_on_worker_item, frame, node)
             elif on_worker:
                 assert self.loop is not None
@@ -257,10 +295,9 @@ class Scheduler:
         task.add_done_callback(functools.partial(self._task_done, frame, node))
 
     async def _await_kernel(self, frame: ExecutionFrame, node: int) -> Any:
-        start = time.perf_counter_ns()
+        start = _clock()
         result = await self.plan.calls[node](frame.values)
-        if self.recorder is not None:
-            self.recorder.node_span(frame.execution_id, node, start, time.perf_counter_ns())
+        self._record(frame, node, start)
         return result
 
     def _task_done(self, frame: ExecutionFrame, node: int, task: asyncio.Task[Any]) -> None:

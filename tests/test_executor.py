@@ -30,10 +30,17 @@ def clone_inputs(inputs: Any) -> Any:
 # heavy_op_flops=0 puts every CPU kernel on the worker threads, so the thread paths of the
 # scheduler (chains continuing on a worker, hand-offs, completion from threads) are exercised.
 MODES = {
-    "serial": ExecutorConfig(max_parallel_ops=1),
-    "serial-workers": ExecutorConfig(max_parallel_ops=1, heavy_op_flops=0),
-    "parallel2-workers": ExecutorConfig(max_parallel_ops=2, heavy_op_flops=0),
-    "parallel4-shuffled": ExecutorConfig(max_parallel_ops=4, heavy_op_flops=0, ready_order_seed=7),
+    "serial": ExecutorConfig(max_parallel_ops=1, adaptive_placement=False),
+    "serial-workers": ExecutorConfig(
+        max_parallel_ops=1, heavy_op_flops=0, adaptive_placement=False
+    ),
+    "parallel2-workers": ExecutorConfig(
+        max_parallel_ops=2, heavy_op_flops=0, adaptive_placement=False
+    ),
+    "parallel4-shuffled": ExecutorConfig(
+        max_parallel_ops=4, heavy_op_flops=0, ready_order_seed=7, adaptive_placement=False
+    ),
+    "adaptive": ExecutorConfig(max_parallel_ops=2, profile_executions=1, heavy_node_us=20),
 }
 
 
@@ -44,7 +51,7 @@ async def test_execute_matches_eager(case: Case, mode: str) -> None:
     reference = ep.module() if case.mutates else model
     config = MODES[mode]
     async with asyncgraph.Executor(ep, config) as ex:
-        for seed in range(3):
+        for seed in range(4):
             args, kwargs = case.make_inputs(seed)
             ours_args, ours_kwargs = clone_inputs((args, kwargs))
             ref_args, ref_kwargs = clone_inputs((args, kwargs))

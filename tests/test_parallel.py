@@ -56,7 +56,7 @@ async def test_exported_branches_overlap_on_two_workers() -> None:
     model = WideMatmul()
     x = torch.randn(256, 256)
     ep = torch.export.export(model, (x,))
-    config = ExecutorConfig(max_parallel_ops=2, trace=True)
+    config = ExecutorConfig(max_parallel_ops=2, trace=True, adaptive_placement=False)
     overlaps = 0
     async with asyncgraph.Executor(ep, config) as ex:
         placements = ex.placements()
@@ -300,7 +300,7 @@ async def test_weight_swap_under_load_never_mixes_versions() -> None:
     x = torch.randn(2, 8)
     expected = [m(x).detach() for m in versions]
     states = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in versions]
-    config = ExecutorConfig(max_parallel_ops=2, heavy_op_flops=0)
+    config = ExecutorConfig(max_parallel_ops=2, heavy_op_flops=0, adaptive_placement=False)
     async with asyncgraph.Executor(ep, config) as ex:
         stop = False
         seen: set[int] = set()

@@ -1,0 +1,162 @@
+"""AdaptivePlacement: decide inline versus worker from measured node times.
+
+The plan's first placement comes from estimated cost (kernels/cost.py). Estimates miss: a
+"large" matmul may take 20 us, a "small" op may be slow. As TensorFlow's executor marks kernels
+expensive by measured time, and torch.jit's profiling executor specialises after profiled runs,
+after one warm-up execution, the next `profile_executions` executions for each input-shape
+signature time every node (thread CPU time); then
+nodes whose best time reaches `heavy_node_us` run on worker threads and the rest inline (where
+a hop to a thread would cost more than the kernel). A new input-shape signature is profiled
+afresh. Only CPU kernels without an explicit placement hint move; async, prim and CUDA nodes
+keep their places.
+
+State: one entry per shape signature (at most `max_signatures`, oldest evicted), holding the
+best node times of the profiled runs and, once decided, the placement tuple.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncgraph.graph import Graph
+from asyncgraph.kernels import KernelKind, OpKernel
+from asyncgraph.plan import ExecutionPlan, Placement
+
+ShapeKey = tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementStatistics:
+    signatures: int
+    decided: int
+    profiling_runs: int
+    moved_inline: int
+    moved_to_worker: int
+
+
+class NodeTimes:
+    """The best (lowest) wall time of each node over the profiled runs, in ns.
+
+    The minimum, not the mean: the first call of an op pays one-off dispatch costs, and a
+    loaded machine adds noise that only ever makes a node look slower.
+    """
+
+    __slots__ = ("best_ns", "runs")
+
+    def __init__(self, num_nodes: int) -> None:
+        self.best_ns = [1 << 62] * num_nodes
+        self.runs = 0
+
+    def add(self, node: int, ns: int) -> None:
+        if ns < self.best_ns[node]:
+            self.best_ns[node] = ns
+
+    def best_us(self) -> list[float]:
+        return [t / 1000 if t != 1 << 62 else 0.0 for t in self.best_ns]
+
+
+class _Entry:
+    __slots__ = ("calls", "placement", "times")
+
+    def __init__(self, num_nodes: int) -> None:
+        self.times = NodeTimes(num_nodes)
+        self.placement: tuple[Placement, ...] | None = None
+        self.calls = 0
+
+
+class AdaptivePlacement:
+    """Chooses the placement each execution runs with (see the module docstring)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        kernels: Sequence[OpKernel],
+        *,
+        profile_executions: int = 3,
+        heavy_node_us: float = 80.0,
+        max_signatures: int = 16,
+    ) -> None:
+        self.base = plan.placement
+        self.profile_executions = profile_executions
+        self.heavy_node_us = heavy_node_us
+        self.max_signatures = max_signatures
+        self.movable = tuple(
+            k.kind is KernelKind.CPU and n.placement_hint is None
+            for n, k in zip(graph.nodes, kernels, strict=True)
+        )
+        self._entries: OrderedDict[ShapeKey, _Entry] = OrderedDict()
+        self._last: tuple[Placement, ...] = plan.placement
+        self._profiling_runs = 0
+
+    def choose(self, inputs: Sequence[Any]) -> tuple[tuple[Placement, ...], NodeTimes | None]:
+        """The placement for an execution on `inputs`, and where to record its node times
+        (None once the placement for this shape signature is decided)."""
+        key = shape_key(inputs)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(len(self.base))
+            if len(self._entries) > self.max_signatures:
+                self._entries.popitem(last=False)
+        if entry.placement is not None:
+            self._last = entry.placement
+            return entry.placement, None
+        entry.calls += 1
+        if entry.calls == 1:
+            return self.base, None  # a warm-up: first calls pay one-off costs per op and thread
+        self._profiling_runs += 1
+        return self.base, entry.times
+
+    def finished(self, inputs: Sequence[Any], times: NodeTimes) -> None:
+        """Account a profiled execution; decide the placement after enough of them."""
+        times.runs += 1
+        if times.runs < self.profile_executions:
+            return
+        entry = self._entries.get(shape_key(inputs))
+        if entry is None or entry.times is not times or entry.placement is not None:
+            return
+        entry.placement = self.decide(times.best_us())
+        self._last = entry.placement
+
+    def decide(self, best_us: Sequence[float]) -> tuple[Placement, ...]:
+        """Worker for movable nodes whose best time reaches heavy_node_us, inline otherwise."""
+        placement = list(self.base)
+        for node, us in enumerate(best_us):
+            if self.movable[node]:
+                heavy = us >= self.heavy_node_us
+                placement[node] = Placement.WORKER if heavy else Placement.INLINE
+        return tuple(placement)
+
+    @property
+    def current(self) -> tuple[Placement, ...]:
+        """The placement chosen most recently."""
+        return self._last
+
+    def statistics(self) -> PlacementStatistics:
+        decided = [e.placement for e in self._entries.values() if e.placement is not None]
+        last = self._last
+        return PlacementStatistics(
+            signatures=len(self._entries),
+            decided=len(decided),
+            profiling_runs=self._profiling_runs,
+            moved_inline=sum(
+                1 for b, p in zip(self.base, last, strict=True)
+                if b is Placement.WORKER and p is Placement.INLINE
+            ),
+            moved_to_worker=sum(
+                1 for b, p in zip(self.base, last, strict=True)
+                if b is Placement.INLINE and p is Placement.WORKER
+            ),
+        )
+
+
+def shape_key(inputs: Sequence[Any]) -> ShapeKey:
+    """The shapes (and dtypes) of tensor inputs; other inputs only by type."""
+    return tuple(
+        (x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in inputs
+    )
