@@ -64,7 +64,7 @@ class GraphBuilder:
         """
         if placement is not None and placement not in _PLACEMENTS:
             raise ValueError(f"placement must be one of {_PLACEMENTS}, got {placement!r}")
-        base = name or getattr(fn, "__name__", "node")
+        base = str(name or getattr(fn, "__name__", None) or "node")
         unique = base
         k = 1
         while unique in self._names:

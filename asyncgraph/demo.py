@@ -26,13 +26,16 @@ class DemoBlock(torch.nn.Module):
         self.norm1 = torch.nn.LayerNorm(hidden)
         self.norm2 = torch.nn.LayerNorm(hidden)
         self.mlp = torch.nn.Sequential(
-            torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)
+            torch.nn.Linear(hidden, 4 * hidden),
+            torch.nn.GELU(),
+            torch.nn.Linear(4 * hidden, hidden),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, _ = self.attn(x, x, x, need_weights=False)
         x = self.norm1(x + a)
-        return self.norm2(x + self.mlp(x))
+        out: torch.Tensor = self.norm2(x + self.mlp(x))
+        return out
 
 
 @dataclass(frozen=True)

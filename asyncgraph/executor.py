@@ -174,7 +174,7 @@ class Executor:
         values = frame.values
         outputs = [values[a.id] if isinstance(a, Ref) else a for a in self._user_outputs]
         if self._buffer_mutations:
-            updates = {name: values[a.id] for a, name in self._buffer_mutations}
+            updates = {str(name): values[a.id] for a, name in self._buffer_mutations}
             self._weights = self._weights.updated(updates)
         for arg, index in self._input_mutations:
             with torch.no_grad():

@@ -30,7 +30,7 @@ class Ref:
     id: int
 
 
-Dim = int | sympy.Expr
+Dim = Any  # an int, or a sympy expression over the program's symbols
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +323,8 @@ def _format_arg(arg: Any, values: list[Value]) -> str:
             return f"%{values[arg.id].name}"
         return f"%<missing {arg.id}>"
     if isinstance(arg, tuple):
-        return "(" + ", ".join(_format_arg(a, values) for a in arg) + ("," if len(arg) == 1 else "") + ")"
+        inner = ", ".join(_format_arg(a, values) for a in arg)
+        return f"({inner},)" if len(arg) == 1 else f"({inner})"
     if isinstance(arg, list):
         return "[" + ", ".join(_format_arg(a, values) for a in arg) + "]"
     if isinstance(arg, dict):

@@ -147,7 +147,7 @@ def compile_calls(
         fn = f"f{node.index}"
         namespace[fn] = kernel.fn
         lines.append(f"def n{node.index}(v):\n    return {fn}({', '.join(args)})\n")
-    exec(compile("\n".join(lines), "<asyncgraph plan>", "exec"), namespace)  # noqa: S102
+    exec(compile("\n".join(lines), "<asyncgraph plan>", "exec"), namespace)
     return tuple(namespace[f"n{node.index}"] for node in graph.nodes)
 
 

@@ -12,6 +12,7 @@ Idle frames are freed down to `min_frames` once they have been idle for `cleanup
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -151,10 +152,8 @@ class FramePool:
         return frame
 
     def _discard_waiter(self, waiter: asyncio.Future[ExecutionFrame]) -> None:
-        try:
+        with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
-        except ValueError:
-            pass
 
     def _schedule_cleanup(self) -> None:
         if self._timer is not None or self._interval <= 0 or self._closed:

@@ -18,6 +18,7 @@ Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 import time
@@ -95,7 +96,7 @@ class Scheduler:
             frame.errors.clear()
             if len(errors) == 1:
                 raise errors[0]
-            raise ExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
+            raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
 
     async def _wait_finished(self, frame: ExecutionFrame) -> None:
         """Wait for in-flight units after a cancellation, absorbing further cancellations."""
@@ -223,7 +224,7 @@ class Scheduler:
                 if c:
                     continue
                 where = placement[user]
-                if where == _INLINE or where == _STREAM:
+                if where in (_INLINE, _STREAM):
                     stack.append(user)
                 elif where == _WORKER and on_worker and not continued:
                     stack.append(user)  # continue the chain on this worker
@@ -328,8 +329,6 @@ def _add_node_note(exc: BaseException, graph: Graph, index: int) -> None:
         return
     if node.stack_trace:
         line += "\nOriginal traceback:\n" + node.stack_trace.rstrip()
-    try:
+    with contextlib.suppress(Exception):  # a type refusing attributes keeps its message
         exc.add_note(line)
-    except Exception:  # an exception type that refuses attributes keeps its message only
-        pass
 

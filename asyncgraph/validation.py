@@ -9,7 +9,7 @@ e.g. `args[0].shape[1]: expected 64, got 32`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import sympy
 import torch
@@ -185,12 +185,12 @@ class InputValidator:
                     path,
                 )
             return
-        if not isinstance(value, spec.type) or isinstance(value, bool) and spec.type is not bool:
+        if not isinstance(value, spec.type) or (isinstance(value, bool) and spec.type is not bool):
             raise InputValidationError(
                 f"{path}: expected {spec.type.__name__}, got {type(value).__name__}", path
             )
         if isinstance(spec.expr, sympy.Symbol):
-            self._bind(path, spec.expr, int(value), bound)
+            self._bind(path, spec.expr, int(cast(Any, value)), bound)
 
     def _bind(
         self, where: str, sym: sympy.Symbol, got: int, bound: dict[sympy.Expr, tuple[int, str]]

@@ -39,7 +39,7 @@ class WorkerPool:
         self._threads: list[threading.Thread] = []
         self._items_run = [0]
         self._lock = threading.Lock()
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     def submit(self, fn: Callable[[Any, int], None], frame: Any, node: int) -> None:
         """Run `fn(frame, node)` on a worker thread. `fn` must not raise."""

@@ -195,7 +195,9 @@ CASES: list[Case] = [
     Case("tuple_io", TupleIO, lambda s: (((_rand(3, 4, seed=s), _rand(4, 3, seed=s + 3)),), {})),
     Case(
         "kwargs", Kwargs,
-        lambda s: ((_rand(2, 3, seed=s),), {"scale": _rand(3, seed=s + 1), "bias": _rand(3, seed=s)}),
+        lambda s: (
+            (_rand(2, 3, seed=s),), {"scale": _rand(3, seed=s + 1), "bias": _rand(3, seed=s)}
+        ),
     ),
     Case("buffer_mutation", Counter, lambda s: ((_rand(5, 4, seed=s),), {}), mutates=True),
     Case("scalar_output", ScalarOut, lambda s: ((_rand(3, 2, seed=s),), {})),

@@ -127,7 +127,7 @@ async def test_runs_under_inference_mode() -> None:
 
 
 async def test_closed_executor_refuses_calls() -> None:
-    model, ep = exported(CASES[0])
+    _, ep = exported(CASES[0])
     ex = asyncgraph.Executor(ep)
     await ex.execute(torch.randn(4, 16))
     await ex.aclose()

@@ -6,6 +6,7 @@ import operator
 
 import pytest
 import torch
+from asyncgraph.kernels import KernelFactory
 
 from asyncgraph import GraphBuilder, GraphValidationError, UnsupportedOpsError
 from asyncgraph.graph import (
@@ -19,7 +20,6 @@ from asyncgraph.graph import (
     Signature,
     Value,
 )
-from asyncgraph.kernels import KernelFactory
 
 
 def _graph(nodes: list[Node], values: list[Value], outputs: list[int]) -> Graph:

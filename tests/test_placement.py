@@ -48,7 +48,7 @@ def test_new_shapes_are_profiled_again() -> None:
     adaptive = AdaptivePlacement(ex.graph, ex.plan, ex.kernels, profile_executions=1)
     first = [torch.randn(8, 8), torch.randn(4)]
     assert adaptive.choose(first)[1] is None  # the warm-up execution is not profiled
-    placement, times = adaptive.choose(first)
+    _, times = adaptive.choose(first)
     assert times is not None
     adaptive.finished(first, times)
     assert adaptive.choose(first)[1] is None  # decided for this signature
