@@ -3,12 +3,72 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
+
+from asyncgraph import cli_run, cli_serve
+from asyncgraph.errors import AsyncGraphError
+
+
+def _control_flow_exceptions() -> tuple[type[BaseException], ...]:
+    """What the CLI library raises to exit, show help or report a usage error: not errors of
+    ours. typer >= 0.29 vendors click (its exceptions derive from TyperException); older
+    versions raise click's own."""
+    found: list[type[BaseException]] = [typer.Exit, typer.Abort]
+    vendored = getattr(typer, "TyperException", None)
+    if isinstance(vendored, type) and issubclass(vendored, BaseException):
+        found.append(vendored)
+    try:
+        import click
+    except ImportError:
+        return tuple(found)
+    return (*found, click.ClickException, click.exceptions.Exit, click.Abort)
+
+
+_CONTROL_FLOW = _control_flow_exceptions()
+
+
+class _OneLineErrors(TyperGroup):
+    """Every command's errors as one line on stderr and exit status 1; --debug re-raises.
+
+    A user of the CLI needs the message (which file, which input, expected vs actual), not
+    asyncgraph's stack; the traceback is one flag away.
+    """
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except _CONTROL_FLOW:
+            raise
+        except Exception as exc:
+            if ctx.params.get("debug"):
+                raise
+            Console(stderr=True).print(
+                f"error: {error_line(exc)}", markup=False, highlight=False, soft_wrap=True
+            )
+            raise typer.Exit(1) from None
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception as one line: its message, and the node it came from when it has one."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    if not isinstance(exc, (AsyncGraphError, OSError)) or not text:
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    notes = [n.splitlines()[0] for n in getattr(exc, "__notes__", []) if n.strip()]
+    if notes:
+        text += f" ({notes[0]})"
+    if len(lines) > 1:
+        text += " [--debug for details]"
+    return text
+
 
 app = typer.Typer(
+    cls=_OneLineErrors,
     help="Run dataflow graphs - above all torch.export programs - from async Python.",
     no_args_is_help=True,
     add_completion=False,
@@ -17,7 +77,11 @@ console = Console()
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    debug: bool = typer.Option(
+        False, "--debug", help="Show full tracebacks instead of one-line errors."
+    ),
+) -> None:
     """asyncgraph: an asyncio-native dataflow executor for torch.export programs."""
 
 
@@ -47,6 +111,13 @@ def demo(
 
 # -- commands defined in their own modules (one registration line each) ------------------------
 # (keep this block sorted; each module defines a plain function taking typer options)
+app.command("bench")(__import__("asyncgraph.bench", fromlist=["bench"]).bench)
+app.command("check")(__import__("asyncgraph.check", fromlist=["check"]).check)
+app.command("profile")(__import__("asyncgraph.profile", fromlist=["profile"]).profile)
+app.command("run")(cli_run.run)
+app.command("serve")(cli_serve.serve)
+app.command("stress")(__import__("asyncgraph.cli_stress", fromlist=["stress"]).stress)
+app.command("trace")(cli_run.trace)
 
 
 def main() -> None:

@@ -30,6 +30,8 @@ class ExecutorConfig:
         min_frames: frames kept alive by the idle cleanup.
         frame_cleanup_interval_s: frames idle longer than this are freed down to min_frames;
             0 disables the cleanup.
+        max_unbounded_int: the largest value accepted for an int input whose symbol has no
+            upper bound (such ints size allocations inside kernels).
         inference_mode: run kernels under torch.inference_mode.
         loop_slice_s: the longest an execution runs inline kernels on the event loop before it
             yields, so other tasks stay responsive.
@@ -52,6 +54,7 @@ class ExecutorConfig:
     max_concurrent_executions: int = 8
     min_frames: int = 1
     frame_cleanup_interval_s: float = 600.0
+    max_unbounded_int: int = 1 << 24
     inference_mode: bool = True
     loop_slice_s: float = 0.001
     heavy_op_flops: int = 200_000

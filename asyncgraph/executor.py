@@ -73,7 +73,9 @@ class Executor:
         self.config = config if config is not None else ExecutorConfig()
         self.program: Program = to_program(program)
         self.graph: Graph = self.program.graph
-        self.kernels: list[OpKernel] = (kernel_factory or KernelFactory()).create(self.graph)
+        self.kernels: list[OpKernel] = (
+            kernel_factory or KernelFactory(self.config)
+        ).create(self.graph)
         self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
         self._adaptive = (
             AdaptivePlacement(
@@ -85,7 +87,7 @@ class Executor:
             else None
         )
         self._weights = Weights(self.program.weights)
-        self._validator = InputValidator(self.graph)
+        self._validator = InputValidator(self.graph, self.config.max_unbounded_int)
         self.recorder = TraceRecorder(self.graph) if self.config.trace else None
         self._workers = WorkerPool(
             self.config.max_parallel_ops, inference_mode=self.config.inference_mode
@@ -141,14 +143,18 @@ class Executor:
             self._validator.check(flat)  # the count is always checked
         self._bind_loop()
         execution = next(self._ids)
+        caller = asyncio.current_task()
+        if caller is not None:  # before the frame wait, so aclose(cancel=True) reaches waiters
+            self._callers.add(caller)
         waited = time.perf_counter_ns()
-        frame = await self._pool.acquire()
+        try:
+            frame = await self._pool.acquire()
+        except BaseException:
+            self._callers.discard(caller)  # type: ignore[arg-type]
+            raise
         if self.recorder is not None:
             self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
         self._started += 1
-        caller = asyncio.current_task()
-        if caller is not None:
-            self._callers.add(caller)
         placement, times = (
             self._adaptive.choose(flat) if self._adaptive is not None else (None, None)
         )
@@ -213,6 +219,10 @@ class Executor:
                     task.cancel()
         await self._pool.wait_idle()
         self._pool.close()
+        for kernel in self.kernels:  # subgraph kernels own executors of their own
+            close = getattr(kernel.fn, "aclose", None)
+            if close is not None:
+                await close()
         await self._workers.aclose()
 
     async def __aenter__(self) -> Executor:

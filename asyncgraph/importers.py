@@ -3,7 +3,9 @@
 Accepted: a torch.export.ExportedProgram, a .pt2 file written by torch.export.save, a
 torch.fx.GraphModule, a Graph made with GraphBuilder, or a Program. Exported programs that
 mutate buffers or inputs in place are functionalized first (run_decompositions with an empty
-table), so mutations appear in the signature and never touch shared weights during a run.
+table), so mutations appear in the signature and never touch shared weights during a run; so are
+programs that call effectful ops (so effect tokens order them) and pre-dispatch programs whose
+nodes change thread-local state (torch.vmap levels, grad mode).
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind as TorchInputKind
 from torch.export.graph_signature import OutputKind as TorchOutputKind
 from torch.utils import _pytree as pytree
+from torch.utils._sympy.numbers import int_oo
 
+from asyncgraph.archive import check_pt2_archive
 from asyncgraph.errors import GraphValidationError, ProgramLoadError
 from asyncgraph.graph import (
     Graph,
@@ -89,6 +94,7 @@ def load_pt2(path: str | os.PathLike[str]) -> Program:
             raise ProgramLoadError(f"{p}: archive member {bad!r} is corrupt")
     except zipfile.BadZipFile as exc:
         raise ProgramLoadError(f"{p}: truncated or corrupt archive ({exc})") from None
+    check_pt2_archive(p, verify_crc=False)  # nothing from the file runs (see archive.py)
     try:
         ep = torch.export.load(p)
     except ProgramLoadError:
@@ -101,7 +107,7 @@ def load_pt2(path: str | os.PathLike[str]) -> Program:
 
 def from_exported_program(ep: ExportedProgram) -> Program:
     """Import an ExportedProgram, functionalizing it first when it mutates in place."""
-    if _has_mutating_ops(ep.graph_module):
+    if _has_mutating_ops(ep.graph_module) or _has_global_state_calls(ep.graph_module):
         ep = ep.run_decompositions({})
     gm = ep.graph_module
     sig = ep.graph_signature
@@ -152,7 +158,7 @@ def from_exported_program(ep: ExportedProgram) -> Program:
         if out.kind is OutputKind.BUFFER_MUTATION and out.target in weights:
             weights[out.target] = weights[out.target].clone()
     ranges = {
-        sym: (int(vr.lower), _upper(vr.upper)) for sym, vr in ep.range_constraints.items()
+        sym: (_lower(vr.lower), _upper(vr.upper)) for sym, vr in ep.range_constraints.items()
     }
     signature = Signature(
         tuple(inputs), tuple(outputs), ep.call_spec.in_spec, ep.call_spec.out_spec, ranges
@@ -290,11 +296,55 @@ _OUTPUT_KINDS = {
 
 
 def _has_mutating_ops(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph calls an op that mutates its arguments or has registered effects."""
     for node in gm.graph.nodes:
         target = node.target
-        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-            if target._schema.is_mutable:
-                return True
+        if (
+            node.op == "call_function"
+            and isinstance(target, torch._ops.OpOverload)
+            and (target._schema.is_mutable or _has_effects(target))
+        ):
+            return True
+    return False
+
+
+def _has_effects(op: torch._ops.OpOverload) -> bool:
+    """Whether `op` is registered as effectful: functionalization threads effect tokens
+    through such ops (with_effects), which is what keeps them in order in a dataflow run."""
+    try:
+        from torch._higher_order_ops.effects import has_effects
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return bool(has_effects(op))
+
+
+def _global_state_functions() -> frozenset[Any]:
+    found: list[Any] = [torch._C._set_grad_enabled]
+    autocast = getattr(torch.amp, "autocast_mode", None)
+    for name in ("_enter_autocast", "_exit_autocast"):
+        if hasattr(autocast, name):
+            found.append(getattr(autocast, name))
+    return frozenset(found)
+
+
+_GLOBAL_STATE_FUNCTIONS = _global_state_functions()
+
+
+def _has_global_state_calls(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph calls functions that change thread-local state as separate nodes.
+
+    Pre-dispatch programs (torch.vmap, grad mode, autocast) contain calls such as
+    `_vmap_increment_nesting` that have no data dependence on the nodes they affect; a dataflow
+    schedule cannot keep them in order or on one thread, so such programs are lowered first.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if getattr(target, "__module__", None) == "torch._functorch.predispatch":
+            return True
+        if any(target is f for f in _GLOBAL_STATE_FUNCTIONS):
+            return True
     return False
 
 
@@ -303,7 +353,9 @@ def _lookup_weight(ep: ExportedProgram, name: str) -> Any:
         return ep.state_dict[name]
     if name in ep.constants:
         return ep.constants[name]
-    raise ProgramLoadError(f"weight {name!r} is named by the signature but missing from the program")
+    raise ProgramLoadError(
+        f"weight {name!r} is named by the signature but missing from the program"
+    )
 
 
 def _mutated_input_path(
@@ -346,10 +398,28 @@ def _get_attr(gm: torch.nn.Module, target: str) -> Any:
     return obj
 
 
+def _lower(lower: Any) -> int:
+    """A range's lower bound as an int; -int_oo (unbacked and int inputs) becomes -2**63, the
+    smallest value a size or a SymInt can hold, since the signature stores lower bounds as ints.
+    """
+    if lower is -int_oo or lower is -sympy.oo:
+        return -(2**63)
+    try:
+        return int(lower)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return -(2**63)
+
+
 def _upper(upper: Any) -> float:
+    """A range's upper bound as an int, or inf for sympy.oo and torch's int_oo.
+
+    int_oo claims to be finite and int() of it raises AttributeError, hence the explicit test.
+    """
+    if upper is int_oo or upper is sympy.oo:
+        return float("inf")
     try:
         return int(upper)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AttributeError, OverflowError):
         return float("inf")
 
 
@@ -363,9 +433,12 @@ def _meta_spec(fx_node: torch.fx.Node) -> ValueSpec | None:
         return ScalarSpec(float, None, fixed=False)
     if isinstance(val, torch.SymBool):
         return ScalarSpec(bool, None, fixed=False)
-    if fx_node.op == "placeholder" and (val is None or isinstance(val, (int, float, bool, str))):
-        if "val" in fx_node.meta:
-            return ScalarSpec(type(val), val)
+    if (
+        fx_node.op == "placeholder"
+        and (val is None or isinstance(val, (int, float, bool, str)))
+        and "val" in fx_node.meta
+    ):
+        return ScalarSpec(type(val), val)
     return None
 
 

@@ -34,7 +34,8 @@ def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
 class InputValidator:
     """Flattens `(args, kwargs)` by the input spec and checks every leaf."""
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, max_unbounded_int: int = 1 << 24) -> None:
+        self.max_unbounded_int = max_unbounded_int
         sig = graph.signature
         users = [s for s in sig.inputs if s.kind is InputKind.USER_INPUT]
         self.paths = [s.target or f"args[{i}]" for i, s in enumerate(users)]
@@ -190,7 +191,16 @@ class InputValidator:
                 f"{path}: expected {spec.type.__name__}, got {type(value).__name__}", path
             )
         if isinstance(spec.expr, sympy.Symbol):
-            self._bind(path, spec.expr, int(cast(Any, value)), bound)
+            number = int(cast(Any, value))
+            _, hi = self.ranges.get(str(spec.expr), (0, float("inf")))
+            if hi == float("inf") and not 0 <= number <= self.max_unbounded_int:
+                # an int without an upper bound sizes allocations inside kernels: cap it
+                raise InputValidationError(
+                    f"{path}: expected an int in [0, {self.max_unbounded_int}] "
+                    f"(max_unbounded_int) for unbounded {spec.expr}, got {number}",
+                    path,
+                )
+            self._bind(path, spec.expr, number, bound)
 
     def _bind(
         self, where: str, sym: sympy.Symbol, got: int, bound: dict[sympy.Expr, tuple[int, str]]

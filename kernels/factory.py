@@ -10,13 +10,14 @@ import inspect
 from typing import Any
 
 import torch
-
-from asyncgraph.errors import UnsupportedOpsError
-from asyncgraph.graph import Graph, Node, TensorSpec
 from asyncgraph.kernels.base import KernelKind, OpKernel
 from asyncgraph.kernels.cost import estimate_cost
 from asyncgraph.kernels.higher_order import higher_order_kernel, is_higher_order
 from asyncgraph.kernels.prim import PRIM_ATEN, PRIM_FUNCTIONS
+
+from asyncgraph.config import ExecutorConfig
+from asyncgraph.errors import UnsupportedOpsError
+from asyncgraph.graph import Graph, Node, TensorSpec
 
 _CPU_KEYS = ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
              "CompositeExplicitAutogradNonFunctional")
@@ -25,14 +26,28 @@ _CUDA_KEYS = ("CUDA", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
 
 
 class KernelFactory:
-    """Creates the kernels of a graph: aten, prim, higher-order, async and Python callables."""
+    """Creates the kernels of a graph: aten, prim, higher-order, async and Python callables.
+
+    `config` is the configuration the subgraphs of higher-order ops (cond, while_loop, map)
+    run with on their own executors; None means ExecutorConfig's defaults.
+    """
+
+    config: ExecutorConfig | None = None  # a class default: subclasses need not call __init__
+
+    def __init__(self, config: ExecutorConfig | None = None) -> None:
+        self.config = config
 
     def create(self, graph: Graph) -> list[OpKernel]:
         """One kernel per node, in node order; raises UnsupportedOpsError listing every gap."""
         kernels: list[OpKernel] = []
         missing: dict[str, list[str]] = {}
         for node in graph.nodes:
-            kernel = self.kernel_for(node, graph)
+            try:
+                kernel = self.kernel_for(node, graph)
+            except UnsupportedOpsError as exc:  # a subgraph of a higher-order op has gaps
+                for op in exc.ops:
+                    missing.setdefault(op, []).append(f"{node.name} (in a subgraph)")
+                continue
             if kernel is None:
                 missing.setdefault(node.target_name(), []).append(node.name)
                 continue
@@ -52,7 +67,7 @@ class KernelFactory:
         if isinstance(target, torch._ops.OpOverload):
             return self._aten(target, node, graph)
         if is_higher_order(target):
-            return higher_order_kernel(target)
+            return higher_order_kernel(target, node, self.config)
         if target in PRIM_FUNCTIONS:
             return OpKernel(target, KernelKind.PRIM, name)
         if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
@@ -65,7 +80,9 @@ class KernelFactory:
 
     def _aten(self, op: torch._ops.OpOverload, node: Node, graph: Graph) -> OpKernel | None:
         schema_name = op._schema.name
-        overload = f"{schema_name}.{op._overloadname}" if op._overloadname != "default" else schema_name
+        overload = (
+            f"{schema_name}.{op._overloadname}" if op._overloadname != "default" else schema_name
+        )
         fn = getattr(op, "_op", op)  # the C++ callable: skips one Python frame per call
         if schema_name in PRIM_ATEN or overload in PRIM_ATEN:
             return OpKernel(fn, KernelKind.PRIM, str(op))
@@ -77,7 +94,7 @@ class KernelFactory:
 
 
 def _has_kernel(op: torch._ops.OpOverload, keys: tuple[str, ...]) -> bool:
-    name = op.name()
+    name: str = op._name  # op.name() is untyped in torch
     if any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in keys):
         return True
     # Python-only kernels (torch.library in Python, py_impl) live on the OpOverload itself.

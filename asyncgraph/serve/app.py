@@ -1,0 +1,418 @@
+"""create_app: a Starlette app that serves Executors over the Open Inference Protocol (KServe v2).
+
+    app = create_app({"mlp": executor}, max_queue=64, timeout_ms=1000)
+
+The app is plain ASGI, so it runs on uvicorn (`asyncgraph serve`, `asyncgraph.serve.run`) or is
+mounted into an existing FastAPI or Starlette app. It does not need its lifespan to have run:
+a mounted app's lifespan is never run by its parent. `models` may be a dict the parent fills
+and empties in its own lifespan; the app reads it on every request.
+
+One inference request: look the model up (404) -> refuse at once if its queue is full (503) ->
+read the body within the size limit (413) -> decode and check every field against the
+signature (400, nothing allocated for a bad request) -> wait for an execution slot -> execute,
+cancelled by `timeout_ms` (504) or by the client going away -> encode JSON or binary outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive
+
+from asyncgraph.errors import ExecutorClosedError, InputValidationError
+from asyncgraph.executor import Executor
+from asyncgraph.serve import metrics as m
+from asyncgraph.serve.admission import Admission
+from asyncgraph.serve.codec import HEADER, InferRequest, decode_request, encode_response
+from asyncgraph.serve.errors import ProtocolError
+from asyncgraph.serve.interface import ModelInterface
+
+logger = logging.getLogger("asyncgraph.serve")
+
+T = TypeVar("T")
+
+#: Bodies larger than this are decoded and encoded on a thread, so the loop keeps serving.
+OFFLOAD_BYTES = 1 << 20
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+class ExecutionTimeout(Exception):
+    """The request took longer than timeout_ms; its execution was cancelled."""
+
+
+@dataclass(slots=True)
+class _Served:
+    executor: Executor
+    interface: ModelInterface
+    admission: Admission
+
+
+class InferenceServer:
+    """The state behind the routes: models, their queues, limits and metrics."""
+
+    def __init__(
+        self,
+        models: Mapping[str, Executor],
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        timeout_ms: float | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        version: str = "1",
+    ) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if timeout_ms is not None and timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be > 0 (or None for no timeout), got {timeout_ms}")
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        self.models = models
+        self.max_queue = max_queue
+        self.timeout_s = None if timeout_ms is None else timeout_ms / 1000
+        self.timeout_ms = timeout_ms
+        self.max_request_bytes = max_request_bytes
+        self.version = version
+        self.shutting_down = False
+        self._served: dict[str, _Served] = {}
+        self.metrics = m.ServerMetrics(models, self._admission, version)
+        for name in list(models):
+            self.served(name)  # a model that cannot be served fails here, not per request
+
+    # -- models -----------------------------------------------------------------------------
+
+    def served(self, name: str, version: str | None = None) -> _Served:
+        ex = self.models.get(name)
+        if ex is None:
+            serving = ", ".join(repr(n) for n in self.models) or "none"
+            raise ProtocolError(f"unknown model {name!r}; serving {serving}", status=404)
+        if version is not None and version != self.version:
+            raise ProtocolError(
+                f"model {name!r} has no version {version!r}; versions: {self.version}",
+                status=404,
+            )
+        served = self._served.get(name)
+        if served is None or served.executor is not ex:
+            served = _Served(
+                ex,
+                ModelInterface(name, ex.graph),
+                Admission(name, ex.config.max_concurrent_executions, self.max_queue),
+            )
+            self._served[name] = served
+        return served
+
+    def _admission(self, name: str) -> Admission | None:
+        served = self._served.get(name)
+        return served.admission if served is not None else None
+
+    def model_ready(self, name: str) -> bool:
+        return not self.shutting_down and not self.models[name].statistics().closed
+
+    # -- inference --------------------------------------------------------------------------
+
+    async def infer(self, request: Request) -> Response:
+        start = time.perf_counter()
+        name = request.path_params["name"]
+        served = self.served(name, request.path_params.get("version"))
+        timing: list[float] = []
+        response, failure = await self._infer(request, served, timing)
+        self.metrics.observe(
+            name,
+            response.status_code,
+            total_s=time.perf_counter() - start,
+            queue_s=timing[0] if timing else None,
+            compute_s=timing[1] if timing else None,
+            failure=failure,
+        )
+        return response
+
+    async def _infer(
+        self, request: Request, served: _Served, timing: list[float]
+    ) -> tuple[Response, str | None]:
+        """The response and Triton's failure reason (None on success) of one request."""
+        name = served.interface.model
+        try:
+            served.admission.check()  # a full queue answers before the body is even read
+            body = await self._read_body(request)
+            decoded = await _maybe_offload(
+                len(body), decode_request, body, request.headers.get(HEADER), served.interface
+            )
+            outputs, queue_s, compute_s = await self._execute(request, served, decoded)
+            timing += [queue_s, compute_s]
+            payload, headers = await _maybe_offload(
+                sum(o.numel() * o.element_size() for o in outputs if hasattr(o, "numel")),
+                encode_response, name, decoded, outputs, self.version,
+            )
+            return Response(payload, 200, headers=headers), None
+        except ProtocolError as exc:
+            return error_response(exc), m.REJECTED if exc.status == 503 else m.OTHER
+        except InputValidationError as exc:
+            return error_response(ProtocolError(f"model {name!r}: {exc}")), m.OTHER
+        except ExecutorClosedError as exc:
+            return error_response(ProtocolError(f"model {name!r}: {exc}", 503)), m.REJECTED
+        except ExecutionTimeout as exc:
+            return error_response(ProtocolError(str(exc), 504)), m.CANCELED
+        except (ClientDisconnected, ClientDisconnect):
+            return Response(status_code=499), m.CANCELED  # nobody reads it; it is for the log
+        except Exception as exc:
+            logger.exception("model %r: inference failed", name)
+            error = ProtocolError(f"model {name!r}: {_describe(exc)}", 500)
+            return error_response(error), m.BACKEND
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                raise ProtocolError(
+                    f"Content-Length header: expected an integer, got {declared!r}"
+                ) from None
+            if size > limit:
+                raise _too_large(size, limit)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "identity").lower()
+        if encoding in ("gzip", "deflate"):
+            body = _decompress(body, encoding, limit)
+        elif encoding != "identity":
+            raise ProtocolError(
+                f"Content-Encoding header: unsupported {encoding!r}; expected gzip or deflate",
+                status=415,
+            )
+        return body
+
+    async def _execute(
+        self, request: Request, served: _Served, decoded: InferRequest
+    ) -> tuple[list[Any], float, float]:
+        """Queue, execute and time one request; cancelled by the timeout or a disconnect."""
+        phase = "queued"
+        queue_s = 0.0
+
+        async def run() -> tuple[list[Any], float, float]:
+            nonlocal phase, queue_s
+            async with served.admission.slot() as queue_s:
+                phase = "running"
+                started = time.perf_counter()
+                outputs = await served.executor.execute_flat(decoded.inputs)
+                return outputs, queue_s, time.perf_counter() - started
+
+        async def bounded() -> tuple[list[Any], float, float]:
+            if self.timeout_s is None:
+                return await run()
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    return await run()
+            except TimeoutError:
+                raise ExecutionTimeout(
+                    f"model {served.interface.model!r}: the request exceeded the "
+                    f"{self.timeout_ms:g} ms timeout (--timeout-ms) while {phase} "
+                    f"(queued {queue_s * 1e3:.1f} ms); its execution was cancelled"
+                ) from None
+
+        return await _until_disconnect(bounded(), request.receive)
+
+
+# -- the app --------------------------------------------------------------------------------
+
+
+def create_app(
+    models: Mapping[str, Executor],
+    *,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    timeout_ms: float | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    close_executors: bool = False,
+    version: str = "1",
+) -> Starlette:
+    """A Starlette app serving `models` (name -> Executor) over the Open Inference Protocol.
+
+    Args:
+        models: the models by name; read on every request, so a dict filled later works.
+        max_queue: requests that may wait for an execution slot per model; more get 503.
+        timeout_ms: cancel a request (queued or running) after this long and answer 504.
+        max_request_bytes: larger request bodies get 413, before or while they are read.
+        close_executors: close every executor when the app's lifespan ends (the app owns
+            them, as under `asyncgraph serve`).
+        version: the single model version the app reports and accepts in URLs.
+    """
+    server = InferenceServer(
+        models, max_queue=max_queue, timeout_ms=timeout_ms,
+        max_request_bytes=max_request_bytes, version=version,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            server.shutting_down = True
+            if close_executors:
+                for ex in list(models.values()):
+                    await ex.aclose()
+
+    routes = _routes(server)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.add_exception_handler(ProtocolError, _protocol_error_handler)
+    app.add_exception_handler(HTTPException, _http_error_handler)
+    app.state.asyncgraph = server
+    return app
+
+
+def _routes(server: InferenceServer) -> list[Route]:
+    async def live(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(request: Request) -> Response:
+        ok = not server.shutting_down and all(
+            server.model_ready(n) for n in list(server.models)
+        )
+        return JSONResponse({"ready": ok}, 200 if ok else 503)
+
+    async def server_metadata(request: Request) -> Response:
+        from asyncgraph import __version__
+
+        return JSONResponse(
+            {"name": "asyncgraph", "version": __version__, "extensions": ["binary_tensor_data"]}
+        )
+
+    async def model_metadata(request: Request) -> Response:
+        name = request.path_params["name"]
+        served = server.served(name, request.path_params.get("version"))
+        return JSONResponse({
+            "name": name,
+            "versions": [server.version],
+            "platform": "asyncgraph",
+            **served.interface.metadata(),
+        })
+
+    async def model_ready(request: Request) -> Response:
+        name = request.path_params["name"]
+        server.served(name, request.path_params.get("version"))
+        ok = server.model_ready(name)
+        return JSONResponse({"name": name, "ready": ok}, 200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(server.metrics.render(), media_type=m.CONTENT_TYPE)
+
+    model = "/v2/models/{name}"
+    versioned = "/v2/models/{name}/versions/{version}"
+    return [
+        Route("/v2/health/live", live, methods=["GET"]),
+        Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/v2", server_metadata, methods=["GET"]),
+        Route(model, model_metadata, methods=["GET"]),
+        Route(versioned, model_metadata, methods=["GET"]),
+        Route(model + "/ready", model_ready, methods=["GET"]),
+        Route(versioned + "/ready", model_ready, methods=["GET"]),
+        Route(model + "/infer", server.infer, methods=["POST"]),
+        Route(versioned + "/infer", server.infer, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+
+def error_response(exc: ProtocolError) -> Response:
+    """The protocol's error body, `{"error": "..."}`, with the error's status."""
+    return JSONResponse(exc.body(), exc.status)
+
+
+async def _protocol_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ProtocolError)
+    return error_response(exc)
+
+
+async def _http_error_handler(request: Request, exc: Exception) -> Response:
+    """Routing errors (unknown path, wrong method) in the protocol's error format too."""
+    assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse({"error": message}, exc.status_code, headers=exc.headers)
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+async def _until_disconnect(work: Awaitable[T], receive: Receive) -> T:
+    """Await `work`; cancel it and raise ClientDisconnected if the client goes away first.
+
+    The body has been read, so the next ASGI message is `http.disconnect`, sent by the server
+    when the connection closes (or once the response is complete, which cannot happen here).
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+        # wait for both even if we are cancelled meanwhile: the frame must be back first
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if not task.cancelled():
+        return task.result()
+    raise ClientDisconnected()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _maybe_offload(size: int, fn: Callable[..., T], *args: Any) -> T:
+    if size > OFFLOAD_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """Inflate a compressed body, refusing one that inflates past the size limit."""
+    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise ProtocolError(f"request body: bad {encoding} data ({exc})") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise ProtocolError(
+            f"request body: inflates past the limit of {limit} bytes (--max-request-bytes)", 413
+        )
+    if not inflater.eof:
+        raise ProtocolError(f"request body: truncated {encoding} data")
+    return out
+
+
+def _too_large(size: int, limit: int) -> ProtocolError:
+    return ProtocolError(
+        f"request body: {size} bytes exceeds the limit of {limit} bytes (--max-request-bytes)",
+        status=413,
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    """An execution error in one line, with the node that raised it."""
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    notes = [n.splitlines()[0] for n in getattr(exc, "__notes__", [])]
+    return " ".join([text, *(f"({n})" for n in notes[:1])])

@@ -1,0 +1,186 @@
+"""Prometheus metrics of a server: Triton's names where Triton has one, asyncgraph_* otherwise.
+
+Dashboards built for Triton query `nv_inference_request_success`, `nv_inference_queue_duration_us`
+and friends by those exact names, with labels `model` and `version`. prometheus-client renames
+every counter to `*_total` in the text format, so the Triton-named counters are exposed as
+untyped samples under their exact names (PromQL's rate() works the same on them).
+
+Everything else uses ordinary prometheus-client metrics in a registry of the app's own, so two
+apps in one process (tests, a parent app mounting two) never collide in the global registry:
+
+- asyncgraph_requests_total{model,code}: every inference request by HTTP status;
+- asyncgraph_request_duration_seconds / asyncgraph_queue_duration_seconds: histograms;
+- asyncgraph_frames_in_use, asyncgraph_frames, asyncgraph_frame_waiters,
+  asyncgraph_queued_requests, asyncgraph_running_requests: read from the executors at scrape
+  time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from asyncgraph.executor import Executor
+from asyncgraph.serve.admission import Admission
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Triton's failure reasons (nv_inference_request_failure{reason=...}).
+REJECTED = "REJECTED"
+CANCELED = "CANCELED"
+BACKEND = "BACKEND"
+OTHER = "OTHER"
+
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
+)
+
+
+@dataclass(slots=True)
+class ModelCounters:
+    """Triton's cumulative per-model counters."""
+
+    success: int = 0
+    failure: dict[str, int] = field(default_factory=dict)
+    request_us: float = 0.0
+    queue_us: float = 0.0
+    compute_us: float = 0.0
+
+
+class ServerMetrics:
+    """The metrics of one app; `observe` is called once per inference request."""
+
+    def __init__(
+        self,
+        models: Mapping[str, Executor],
+        admission: Callable[[str], Admission | None],
+        version: str = "1",
+    ) -> None:
+        self.version = version
+        self.counters: dict[str, ModelCounters] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "asyncgraph_requests", "Inference requests by model and HTTP status.",
+            ["model", "code"], registry=self.registry,
+        )
+        self.latency = Histogram(
+            "asyncgraph_request_duration_seconds",
+            "Inference request latency, from the body read to the response ready.",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.queue = Histogram(
+            "asyncgraph_queue_duration_seconds",
+            "Time an inference request waited for a free execution slot.",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_LiveCollector(models, admission, self.counters, version))
+
+    def observe(
+        self,
+        model: str,
+        code: int,
+        *,
+        total_s: float,
+        queue_s: float | None = None,
+        compute_s: float | None = None,
+        failure: str | None = None,
+    ) -> None:
+        counters = self.counters.setdefault(model, ModelCounters())
+        self.requests.labels(model, str(code)).inc()
+        if failure is None:
+            counters.success += 1
+            counters.request_us += total_s * 1e6
+            self.latency.labels(model).observe(total_s)
+        else:
+            counters.failure[failure] = counters.failure.get(failure, 0) + 1
+        if queue_s is not None:
+            counters.queue_us += queue_s * 1e6
+            self.queue.labels(model).observe(queue_s)
+        if compute_s is not None:
+            counters.compute_us += compute_s * 1e6
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveCollector(Collector):
+    """Triton-named counters and the gauges read from executors and queues at scrape time."""
+
+    def __init__(
+        self,
+        models: Mapping[str, Executor],
+        admission: Callable[[str], Admission | None],
+        counters: Mapping[str, ModelCounters],
+        version: str,
+    ) -> None:
+        self.models = models
+        self.admission = admission
+        self.counters = counters
+        self.version = version
+
+    def describe(self) -> list[Metric]:
+        return []  # names vary with the models served; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.version
+        untyped = {
+            "nv_inference_request_success": "Number of successful inference requests.",
+            "nv_inference_request_failure": "Number of failed inference requests, by reason.",
+            "nv_inference_count": "Number of inferences performed.",
+            "nv_inference_exec_count": "Number of model executions performed.",
+            "nv_inference_request_duration_us": "Cumulative inference request duration (us).",
+            "nv_inference_queue_duration_us": "Cumulative time requests spent queued (us).",
+            "nv_inference_compute_infer_duration_us": "Cumulative model execution time (us).",
+        }
+        families = {name: Metric(name, doc, "unknown") for name, doc in untyped.items()}
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "Inference requests waiting for an execution slot.", labels=["model", "version"],
+        )
+        gauges = {
+            "asyncgraph_frames_in_use": "Execution frames in use.",
+            "asyncgraph_frames": "Execution frames allocated (in use and idle).",
+            "asyncgraph_frames_max": "The most execution frames the executor allocates.",
+            "asyncgraph_frame_waiters": "Executions waiting inside the executor for a frame.",
+            "asyncgraph_running_requests": "Inference requests holding an execution slot.",
+            "asyncgraph_queued_requests": "Inference requests queued for an execution slot.",
+        }
+        live = {
+            name: GaugeMetricFamily(name, doc, labels=["model"]) for name, doc in gauges.items()
+        }
+        for model, ex in list(self.models.items()):
+            c = self.counters.get(model, ModelCounters())
+            labels = {"model": model, "version": v}
+            families["nv_inference_request_success"].add_sample(
+                "nv_inference_request_success", labels, c.success)
+            for reason in (REJECTED, CANCELED, BACKEND, OTHER):
+                families["nv_inference_request_failure"].add_sample(
+                    "nv_inference_request_failure", {**labels, "reason": reason},
+                    c.failure.get(reason, 0))
+            for name, value in (
+                ("nv_inference_count", c.success),
+                ("nv_inference_exec_count", c.success),
+                ("nv_inference_request_duration_us", c.request_us),
+                ("nv_inference_queue_duration_us", c.queue_us),
+                ("nv_inference_compute_infer_duration_us", c.compute_us),
+            ):
+                families[name].add_sample(name, labels, value)
+            frames = ex.statistics().frames
+            gate = self.admission(model)
+            pending.add_metric([model, v], gate.queued if gate else 0)
+            for name, value in (
+                ("asyncgraph_frames_in_use", frames.in_use),
+                ("asyncgraph_frames", frames.total),
+                ("asyncgraph_frames_max", frames.max_frames),
+                ("asyncgraph_frame_waiters", frames.waiters),
+                ("asyncgraph_running_requests", gate.running if gate else 0),
+                ("asyncgraph_queued_requests", gate.queued if gate else 0),
+            ):
+                live[name].add_metric([model], value)
+        yield from families.values()
+        yield pending
+        yield from live.values()

@@ -1,0 +1,148 @@
+"""LeakChecker: after a block of code, nothing of any Executor it created may be left over.
+
+Checked: frames still in use, waiters for frames, tasks still pending on the loop, worker
+threads that outlive their Executor, and CUDA memory that grew (when CUDA is initialised).
+
+    async with LeakChecker():
+        async with Executor(program) as ex:
+            await ex.execute(x)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncgraph.executor import Executor
+
+_EXECUTORS: weakref.WeakSet[Executor] = weakref.WeakSet()
+
+
+def track(executor: Executor) -> None:
+    """Remember `executor` so a LeakChecker can inspect it (called by Executor.__init__)."""
+    _EXECUTORS.add(executor)
+
+
+def tracked_executors() -> list[Executor]:
+    """Every Executor still alive that was created in this process."""
+    return list(_EXECUTORS)
+
+
+class LeakError(AssertionError):
+    """Something outlived the test: a frame in use, a waiter, a task, a thread, CUDA memory."""
+
+
+class LeakChecker:
+    """Checks that executors, tasks, worker threads and CUDA memory are all gone after a block.
+
+    Args:
+        close_executors: aclose() every Executor created inside the block before checking
+            threads, as a test's teardown would.
+        settle_s: how long worker threads may take to exit after aclose().
+        thread_prefix: names of the threads that must not outlive the block.
+        cuda_slack_bytes: CUDA memory allowed to remain allocated (caches of the allocator).
+    """
+
+    def __init__(
+        self,
+        *,
+        close_executors: bool = True,
+        settle_s: float = 2.0,
+        thread_prefix: str = "asyncgraph",
+        cuda_slack_bytes: int = 0,
+    ) -> None:
+        self.close_executors = close_executors
+        self.settle_s = settle_s
+        self.thread_prefix = thread_prefix
+        self.cuda_slack_bytes = cuda_slack_bytes
+        self._executors_before: set[int] = set()
+        self._threads_before: set[threading.Thread] = set()
+        self._cuda_before: int | None = None
+
+    async def __aenter__(self) -> LeakChecker:
+        self._executors_before = {id(e) for e in _EXECUTORS}
+        self._threads_before = set(threading.enumerate())
+        self._cuda_before = _cuda_allocated()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            await self.check()
+
+    async def check(self) -> None:
+        """Raise LeakError naming everything that leaked."""
+        problems: list[str] = []
+        executors = [e for e in list(_EXECUTORS) if id(e) not in self._executors_before]
+        for ex in executors:
+            stats = ex.statistics()
+            if stats.frames.in_use:
+                problems.append(f"{ex!r}: {stats.frames.in_use} frame(s) still in use")
+            if stats.frames.waiters:
+                problems.append(f"{ex!r}: {stats.frames.waiters} waiter(s) for frames")
+        if self.close_executors:
+            for ex in executors:
+                await ex.aclose()
+        del executors
+        current = asyncio.current_task()
+        for _ in range(10):  # let done-callbacks and cancellations settle
+            await asyncio.sleep(0)
+        pending = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        if pending:
+            problems.append(f"{len(pending)} task(s) still pending: {pending[:5]!r}")
+        del pending
+        stray = await self._stray_threads()
+        if stray:
+            problems.append(f"{len(stray)} worker thread(s) still alive: {[t.name for t in stray]}")
+        grown = _cuda_growth(self._cuda_before, self.cuda_slack_bytes)
+        if grown:
+            problems.append(f"CUDA memory grew by {grown} bytes")
+        if problems:
+            raise LeakError("leak check failed:\n  " + "\n  ".join(problems))
+
+    async def _stray_threads(self) -> list[threading.Thread]:
+        deadline = asyncio.get_running_loop().time() + self.settle_s
+        while True:
+            stray = [
+                t for t in threading.enumerate()
+                if t not in self._threads_before and t.name.startswith(self.thread_prefix)
+            ]
+            if not stray or asyncio.get_running_loop().time() > deadline:
+                return stray
+            await asyncio.sleep(0.01)
+
+
+def _cuda_allocated() -> int | None:
+    """Bytes allocated by the CUDA caching allocator, or None when CUDA is not in use."""
+    import torch
+
+    if not _cuda_in_use():
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.memory_allocated())
+
+
+def _cuda_growth(before: int | None, slack: int) -> int:
+
+    if not _cuda_in_use():
+        return 0
+    gc.collect()
+    after = _cuda_allocated() or 0
+    grown = after - (before or 0)
+    return grown if grown > slack else 0
+
+
+def _cuda_in_use() -> bool:
+    import torch
+
+    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return bool(torch.cuda.is_available() and initialized)

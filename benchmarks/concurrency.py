@@ -1,0 +1,162 @@
+"""Target 4, concurrent callers: 64 tasks calling the transformer encoder at once.
+
+(Not named concurrent.py: run as a script from this folder, that would shadow the stdlib.)
+
+The baseline is what a service author writes without asyncgraph: `await asyncio.to_thread(
+model, x)` (asyncio's default thread pool, inference_mode inside the thread). A round starts
+all callers together, each making a few requests in a row, and measures throughput (requests
+per second over the round), each request's latency, and the event loop's lag: a heartbeat task
+sleeps 1 ms at a time and records how late it wakes up. Rounds alternate between the peers.
+
+Throughput is the median over rounds; latency percentiles and lag are pooled over all measured
+rounds of a peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from asyncgraph import Executor, ExecutorConfig
+from benchmarks.harness import (
+    CaseResult,
+    Context,
+    Peer,
+    PeerResult,
+    Target,
+    new_results,
+    quantile,
+    verify,
+)
+from benchmarks.models import call_nodes, exported_encoder
+from benchmarks.peers import asyncgraph_peer, in_inference
+from benchmarks.transformer import TOLERANCE, sizes
+
+NAME = "concurrent"
+HEARTBEAT_S = 0.001
+
+
+async def run(ctx: Context) -> list[CaseResult]:
+    s = ctx.settings
+    hidden, layers, seq = sizes(ctx)
+    callers = s.pick(64, 64, 4)
+    per_caller = s.pick(8, 4, 1)
+    model, ep = exported_encoder(hidden, layers, seq, False)
+    x = torch.randn(1, seq, hidden)
+    eager = in_inference(model)
+    ex = Executor(ep, ExecutorConfig())
+    inline = Executor(ep, ExecutorConfig(heavy_op_flops=2**62))
+
+    async def to_thread() -> Any:
+        return await asyncio.to_thread(eager, x)
+
+    peers = [
+        asyncgraph_peer("asyncgraph", ex, [x], "default config (8 frames, 2 workers)"),
+        asyncgraph_peer("asyncgraph (all inline)", inline, [x], "heavy_op_flops=2**62"),
+        Peer("to_thread(model, x)", to_thread, "asyncio.to_thread, default executor"),
+    ]
+    results = new_results(peers)
+    try:
+        await verify(peers, results, **TOLERANCE)
+        live = [p for p in peers if not results[p.name].failed]
+        rounds: dict[str, list[_Round]] = {p.name: [] for p in live}
+        advance = ctx.task(f"{NAME}: {callers} callers", ctx.rounds_total)
+        for r in range(ctx.rounds_total):
+            k = r % len(live)
+            for peer in live[k:] + live[:k]:
+                gc.collect()
+                measured = await _round(peer.call, callers, per_caller)
+                if r >= s.n_warmup:
+                    rounds[peer.name].append(measured)
+            advance()
+    finally:
+        await ex.aclose()
+        await inline.aclose()
+    for name, rs in rounds.items():
+        _summarise(results[name], rs)
+    case = CaseResult(
+        NAME, "concurrent",
+        f"{callers} concurrent callers x {per_caller} requests, transformer encoder",
+        {"nodes": call_nodes(ep), "callers": callers, "requests_per_caller": per_caller,
+         "hidden": hidden, "layers": layers, "seq": seq},
+        [results[p.name] for p in peers], columns="metrics",
+    )
+    ag, base = results["asyncgraph"].extra, results["to_thread(model, x)"].extra
+    case.targets.append(Target(
+        4, "throughput, asyncgraph / to_thread", _div(ag.get("throughput"),
+                                                      base.get("throughput")), ">=", 1.2))
+    case.targets.append(Target(
+        4, "p99 latency, asyncgraph / to_thread", _div(ag.get("p99_ms"), base.get("p99_ms")),
+        "<=", 1.0))
+    case.targets.append(Target(
+        4, "event-loop lag p99 (asyncgraph)", ag.get("lag_p99_ms"), "<=", 5.0, unit="ms"))
+    return [case]
+
+
+class _Round:
+    __slots__ = ("elapsed", "lags", "latencies", "requests")
+
+    def __init__(self, elapsed: float, latencies: list[float], lags: list[float]) -> None:
+        self.elapsed = elapsed
+        self.latencies = latencies
+        self.lags = lags
+        self.requests = len(latencies)
+
+
+async def _round(call: Callable[[], Awaitable[Any]], callers: int, per_caller: int) -> _Round:
+    latencies: list[float] = []
+    lags: list[float] = []
+    running = True
+
+    async def heartbeat() -> None:
+        while running:
+            start = time.perf_counter()
+            await asyncio.sleep(HEARTBEAT_S)
+            lags.append(max(0.0, time.perf_counter() - start - HEARTBEAT_S))
+
+    async def caller() -> None:
+        for _ in range(per_caller):
+            start = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - start)
+
+    beat = asyncio.create_task(heartbeat())
+    await asyncio.sleep(0)
+    start = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    elapsed = time.perf_counter() - start
+    running = False
+    await beat
+    return _Round(elapsed, latencies, lags)
+
+
+def _summarise(result: PeerResult, rounds: list[_Round]) -> None:
+    if not rounds:
+        return
+    latencies = [x for r in rounds for x in r.latencies]
+    lags = [x for r in rounds for x in r.lags] or [0.0]
+    throughput = [r.requests / r.elapsed for r in rounds]
+    result.samples = len(rounds)
+    result.median_s = statistics.median(latencies)
+    result.p10_s = quantile(latencies, 0.10)
+    result.p90_s = quantile(latencies, 0.90)
+    result.extra = {
+        "throughput": statistics.median(throughput),
+        "p50_ms": result.median_s * 1e3,
+        "p99_ms": quantile(latencies, 0.99) * 1e3,
+        "lag_p99_ms": quantile(lags, 0.99) * 1e3,
+        "lag_max_ms": max(lags) * 1e3,
+        "heartbeats": len(lags),
+    }
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b

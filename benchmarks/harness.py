@@ -1,0 +1,332 @@
+"""The common harness: alternating runs, warm-up, medians, ratios, targets, progress, reports.
+
+Why it is built this way: the machine is small and shared, so absolute times drift by tens of
+percent from one minute to the next. A ratio of two medians taken in the same process, with the
+peers interleaved round by round (and the order rotated each round, so nobody always runs first,
+after a cold cache or a GC pause), cancels most of that drift. Warm-up rounds are dropped: the
+first executions of anything pay for lazy initialisation (worker threads, frames, dispatcher
+caches). A sample is a batch of calls sized to last a few milliseconds, so timer resolution and
+the harness's own cost disappear in it.
+
+Every peer is first run once and its output compared with asyncgraph's; a peer that disagrees
+is reported as a mismatch, and its time still shown, so a "fast" wrong answer is visible.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.utils import _pytree as pytree
+
+Size = Literal["full", "quick", "tiny"]
+
+REFERENCE = "asyncgraph"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How big and how long a run is.
+
+    `full` is the measurement the targets are defined for; `quick` keeps the sizes of the
+    targets but runs few rounds (a look, not a figure to quote); `tiny` shrinks the graphs too
+    and runs one round: the smoke test CI runs, which checks structure and outputs only.
+    """
+
+    size: Size = "full"
+    rounds: int | None = None
+    warmup: int | None = None
+    sample_s: float | None = None
+    loop: Literal["asyncio", "uvloop"] = "asyncio"
+    threads: int = 1
+    seed: int = 0
+
+    def pick(self, full: Any, quick: Any, tiny: Any) -> Any:
+        """The value for this run's size."""
+        return {"full": full, "quick": quick, "tiny": tiny}[self.size]
+
+    @property
+    def n_rounds(self) -> int:
+        return self.rounds if self.rounds is not None else self.pick(15, 5, 1)
+
+    @property
+    def n_warmup(self) -> int:
+        return self.warmup if self.warmup is not None else self.pick(3, 1, 0)
+
+    @property
+    def target_sample_s(self) -> float:
+        """How long one timed sample (a batch of calls) should last."""
+        return self.sample_s if self.sample_s is not None else self.pick(0.02, 0.01, 0.0)
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+@dataclass
+class PeerResult:
+    """One peer of one case: its timing summary and whether its output matched asyncgraph's."""
+
+    name: str
+    note: str = ""
+    median_s: float | None = None
+    p10_s: float | None = None
+    p90_s: float | None = None
+    samples: int = 0
+    calls_per_sample: int = 0
+    matched: bool | None = None
+    failed: bool = False  # it raised: not timed
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Target:
+    """One of the issue's targets: `value op limit`, e.g. 1.7 <= 2.0 (a ratio, "x")."""
+
+    number: int
+    name: str
+    value: float | None
+    op: Literal["<=", ">="]
+    limit: float
+    unit: str = "x"
+    note: str = ""
+
+    @property
+    def met(self) -> bool:
+        if self.value is None or math.isnan(self.value):
+            return False
+        return self.value <= self.limit if self.op == "<=" else self.value >= self.limit
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "met": self.met}
+
+
+@dataclass
+class CaseResult:
+    """One measured case of a scenario (a graph, a configuration), with its peers and targets."""
+
+    scenario: str
+    case: str
+    description: str
+    params: dict[str, Any] = field(default_factory=dict)
+    peers: list[PeerResult] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    columns: str = "time"  # how the report shows the peers: "time" or "metrics"
+
+    def peer(self, name: str) -> PeerResult:
+        for p in self.peers:
+            if p.name == name:
+                return p
+        raise KeyError(f"{self.case}: no peer named {name!r}")
+
+    def ratio(self, name: str, baseline: str) -> float | None:
+        """median(name) / median(baseline): below 1 means `name` is faster."""
+        a, b = self.peer(name).median_s, self.peer(baseline).median_s
+        if a is None or b is None or b <= 0:
+            return None
+        return a / b
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["targets"] = [t.as_dict() for t in self.targets]
+        reference = self.peers[0].median_s if self.peers else None
+        for p in d["peers"]:
+            m = p["median_s"]
+            p["asyncgraph_over_peer"] = (
+                reference / m if reference and m and self.columns == "time" else None
+            )
+        return d
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers were measured on; they mean little without it."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+@dataclass
+class Peer:
+    """Something to time: `call()` runs the workload once and returns its output.
+
+    Sync peers are wrapped in a coroutine that never suspends (costs well under a microsecond),
+    so all peers are timed the same way, from the same event loop.
+    """
+
+    name: str
+    call: Callable[[], Awaitable[Any]]
+    note: str = ""
+
+
+def sync_peer(name: str, fn: Callable[[], Any], note: str = "") -> Peer:
+    async def call() -> Any:
+        return fn()
+
+    return Peer(name, call, note)
+
+
+def compare_outputs(expected: Any, actual: Any, rtol: float = 1e-4, atol: float = 1e-4) -> None:
+    """Raise AssertionError when the flat leaves of two outputs differ."""
+    a = [x for x in pytree.tree_leaves(expected)]
+    b = [x for x in pytree.tree_leaves(actual)]
+    if len(a) != len(b):
+        raise AssertionError(f"expected {len(a)} outputs, got {len(b)}")
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=lambda m, i=i: f"[{i}] {m}")
+        elif x != y:
+            raise AssertionError(f"[{i}] expected {x!r}, got {y!r}")
+
+
+async def verify(peers: Sequence[Peer], results: dict[str, PeerResult], **tol: float) -> None:
+    """Run every peer once and compare its output with the first peer's (asyncgraph)."""
+    expected: Any = None
+    for i, peer in enumerate(peers):
+        result = results[peer.name]
+        try:
+            out = await peer.call()
+        except Exception as exc:
+            result.error = f"{type(exc).__name__}: {exc}"[:300]
+            result.matched = False
+            result.failed = True
+            continue
+        if i == 0:
+            expected = out
+            result.matched = True
+            continue
+        try:
+            compare_outputs(expected, out, **tol)
+            result.matched = True
+        except AssertionError as exc:
+            result.matched = False
+            result.error = f"output mismatch: {str(exc).splitlines()[0][:200]}"
+
+
+async def alternate(
+    peers: Sequence[Peer],
+    settings: Settings,
+    advance: Callable[[], None],
+    results: dict[str, PeerResult],
+) -> None:
+    """Time the peers round by round, interleaved, and store median/p10/p90 in `results`.
+
+    Peers whose verification raised are skipped. Each round rotates the order by one.
+    """
+    live = [p for p in peers if not results[p.name].failed]
+    calls = {p.name: await _calls_per_sample(p, settings.target_sample_s) for p in live}
+    samples: dict[str, list[float]] = {p.name: [] for p in live}
+    total = settings.n_warmup + settings.n_rounds
+    for r in range(total):
+        gc.collect()
+        k = r % len(live) if live else 0
+        for peer in live[k:] + live[:k]:
+            n = calls[peer.name]
+            call = peer.call
+            start = time.perf_counter()
+            for _ in range(n):
+                await call()
+            elapsed = (time.perf_counter() - start) / n
+            if r >= settings.n_warmup:
+                samples[peer.name].append(elapsed)
+        advance()
+    for name, xs in samples.items():
+        res = results[name]
+        res.samples = len(xs)
+        res.calls_per_sample = calls[name]
+        if xs:
+            res.median_s = statistics.median(xs)
+            res.p10_s = quantile(xs, 0.10)
+            res.p90_s = quantile(xs, 0.90)
+
+
+async def _calls_per_sample(peer: Peer, target_s: float) -> int:
+    """How many calls make one sample last about `target_s` (at least one)."""
+    if target_s <= 0:
+        return 1
+    start = time.perf_counter()
+    await peer.call()
+    one = max(time.perf_counter() - start, 1e-7)
+    return max(1, min(10_000, round(target_s / one)))
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The q-quantile by linear interpolation (statistics.quantiles needs two points)."""
+    s = sorted(xs)
+    if len(s) == 1:
+        return s[0]
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def new_results(peers: Sequence[Peer]) -> dict[str, PeerResult]:
+    return {p.name: PeerResult(p.name, p.note) for p in peers}
+
+
+async def measure(
+    peers: Sequence[Peer],
+    settings: Settings,
+    advance: Callable[[], None],
+    **tol: float,
+) -> list[PeerResult]:
+    """Verify every peer against the first, then time them all alternately."""
+    results = new_results(peers)
+    await verify(peers, results, **tol)
+    await alternate(peers, settings, advance, results)
+    return [results[p.name] for p in peers]
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run a block with `n` intra-op threads, then restore the previous number."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- the suite's context ----------------------------------------------------------------------
+
+
+class Context:
+    """What a scenario gets: the settings and a way to report progress."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        start_task: Callable[[str, int], Callable[[], None]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._start_task = start_task
+
+    def task(self, description: str, total: int) -> Callable[[], None]:
+        """Start a progress bar of `total` steps; returns the function that advances it."""
+        if self._start_task is None:
+            return lambda: None
+        return self._start_task(description, total)
+
+    @property
+    def rounds_total(self) -> int:
+        return self.settings.n_warmup + self.settings.n_rounds

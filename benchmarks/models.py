@@ -1,0 +1,98 @@
+"""The workloads of the targets, as nn.Modules and the programs torch.export makes of them.
+
+Exports are cached per process: exporting the 1,000-node chain takes seconds, and the
+transformer is shared by three scenarios.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch.export import ExportedProgram
+
+
+class ReluChain(torch.nn.Module):
+    """Target 1: `n` tiny ops in a row; almost all the time is per-node overhead."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = torch.relu(x)
+        return x
+
+
+def encoder(hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0) -> torch.nn.Module:
+    """Target 2: a small transformer encoder (nn.TransformerEncoder, post-norm, no dropout)."""
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(
+        hidden, heads, 4 * hidden, dropout=0.0, batch_first=True
+    )
+    return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval()
+
+
+class WideMatmuls(torch.nn.Module):
+    """Target 3: `branches` independent chains of `depth` square matmuls, stacked at the end."""
+
+    def __init__(self, branches: int, depth: int, dim: int, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        # orthogonal-ish scaling keeps values O(1) through the chain
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(dim, dim, generator=g) / dim**0.5)
+            for _ in range(branches * depth)
+        )
+        self.branches = branches
+        self.depth = depth
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for b in range(self.branches):
+            y = x
+            for d in range(self.depth):
+                y = torch.mm(y, self.weights[b * self.depth + d])
+            outs.append(y)
+        return torch.stack(outs)
+
+
+@functools.cache
+def exported_chain(n: int, shape: tuple[int, ...]) -> tuple[torch.nn.Module, ExportedProgram]:
+    model = ReluChain(n)
+    return model, _export(model, torch.randn(shape))
+
+
+@functools.cache
+def exported_encoder(
+    hidden: int, layers: int, seq: int, core_aten: bool
+) -> tuple[torch.nn.Module, ExportedProgram]:
+    """The encoder exported with torch.export.export; `core_aten` runs run_decompositions()
+    as nativert's loaders do (about twice the nodes: views, permutes, addmm, bmm)."""
+    model = encoder(hidden, layers)
+    ep = _export(model, torch.randn(1, seq, hidden))
+    if core_aten:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = ep.run_decompositions()
+    return model, ep
+
+
+@functools.cache
+def exported_wide(
+    branches: int, depth: int, dim: int
+) -> tuple[torch.nn.Module, ExportedProgram]:
+    model = WideMatmuls(branches, depth, dim).eval()
+    return model, _export(model, torch.randn(dim, dim))
+
+
+def _export(model: torch.nn.Module, x: torch.Tensor) -> ExportedProgram:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation
+        return torch.export.export(model, (x,))
+
+
+def call_nodes(ep: ExportedProgram) -> int:
+    return sum(1 for n in ep.graph.nodes if n.op == "call_function")

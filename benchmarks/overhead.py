@@ -1,0 +1,210 @@
+"""Where asyncgraph's per-node and per-execution time goes (targets 1 and 2): a diagnostic.
+
+    python -m benchmarks.overhead            # breakdown for the chain and the transformer
+    python -m benchmarks.overhead --cprofile # plus cProfile's top functions
+
+Unlike the suite, this reaches into the executor's internals (scheduler._complete, the pool,
+frame.load), because the point is to price individual lines of the run loop; it will need
+updating when they change. Every figure is the minimum over repetitions, in microseconds:
+for pricing single lines the minimum is the cost without interference from the other
+processes on the machine (timeit's advice), where the suite's medians describe a whole run.
+
+Per node (chain of 1,000 relu, everything inline):
+  kernel       `fn(x)` with the OpOverload's C++ callable: the floor (python loop peer)
+  call         the plan's generated `n<i>(values)`, storing the result and dropping the
+               previous one (as the scheduler's frees do): binding arguments
+  complete     Scheduler._complete for one node: frees, counts, routing, under the lock
+  lock         one `with frame.lock:` alone
+  clock        one time.perf_counter() (the run loop reads it every node for the slice)
+  execute      `await ex.execute(x)` divided by the nodes: everything
+Per execution (a graph of one relu node):
+  execute      `await ex.execute(x)`
+  direct       the kernel alone
+  flatten, check (validation), acquire+release, load, run, outputs, clear:
+               the phases of Executor._execute
+  checkpoint   the `await asyncio.sleep(0)` execute starts with (one loop iteration)
+  unflatten    pytree.tree_unflatten of the outputs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from asyncgraph import Executor, ExecutorConfig
+from benchmarks.models import exported_chain, exported_encoder
+
+
+def median_us(fn: Callable[[], Any], repeat: int = 15, number: int = 200) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - start) / number)
+    return min(samples) * 1e6
+
+
+async def amedian_us(fn: Callable[[], Awaitable[Any]], repeat: int = 15, number: int = 20) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            await fn()
+        samples.append((time.perf_counter() - start) / number)
+    return min(samples) * 1e6
+
+
+async def per_node(n: int = 1000) -> dict[str, float]:
+    _, ep = exported_chain(n, (8, 64))
+    x = torch.randn(8, 64)
+    ex = Executor(ep, ExecutorConfig())
+    try:
+        await ex.execute(x)
+        plan, sched = ex.plan, ex._scheduler
+        frame = await ex._pool.acquire()
+        fns = [k.fn for k in ex.kernels]
+        calls, outputs = plan.calls, plan.outputs
+
+        def kernels() -> None:
+            y = x
+            with torch.inference_mode():
+                for fn in fns:
+                    y = fn(y)
+
+        def generated() -> None:
+            frame.load(ex._weights_template(), [x], 0)
+            values = frame.values
+            with torch.inference_mode():
+                prev = outputs[0] - 1  # the input
+                for i in range(n):
+                    out = outputs[i]
+                    values[out] = calls[i](values)
+                    values[prev] = None
+                    prev = out
+
+        def complete() -> None:
+            frame.load(ex._weights_template(), [x], 0)
+            stack: list[int] = []
+            for i in range(n):
+                sched._complete(frame, i, stack, False)
+                stack.clear()
+
+        def lock() -> None:
+            lk = frame.lock
+            for _ in range(n):
+                with lk:
+                    pass
+
+        def clock() -> None:
+            pc = time.perf_counter
+            for _ in range(n):
+                pc()
+
+        result = {
+            "kernel": median_us(kernels, number=5) / n,
+            "call": median_us(generated, number=5) / n,
+            "complete": median_us(complete, number=5) / n,
+            "lock": median_us(lock, number=5) / n,
+            "clock": median_us(clock, number=5) / n,
+        }
+        ex._pool.release(frame)
+        result["execute"] = await amedian_us(lambda: ex.execute(x), number=5) / n
+        return result
+    finally:
+        await ex.aclose()
+
+
+async def per_execution() -> dict[str, float]:
+    _, ep = exported_chain(1, (8, 64))
+    x = torch.randn(8, 64)
+    ex = Executor(ep, ExecutorConfig())
+    try:
+        await ex.execute(x)
+        fn = ex.kernels[0].fn
+        flat = [x]
+        out_spec = ex.graph.signature.out_spec
+
+        async def acquire_release() -> None:
+            ex._pool.release(await ex._pool.acquire())
+
+        frame = await ex._pool.acquire()
+        template = ex._weights_template()
+
+        async def run() -> None:
+            frame.load(template, flat, 1)
+            await ex._scheduler.run(frame)
+
+        r = {
+            "execute": await amedian_us(lambda: ex.execute(x), number=200),
+            "direct": median_us(lambda: fn(x)),
+            "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
+            "check": median_us(lambda: ex._validator.check(flat)),
+            "load": median_us(lambda: frame.load(template, flat, 1)),
+            "run": await amedian_us(run, number=200),
+            "outputs": median_us(lambda: ex._take_outputs(frame, flat)),
+            "clear": median_us(frame.clear),
+            "checkpoint": await amedian_us(lambda: asyncio.sleep(0), number=200),
+            "unflatten": median_us(lambda: pytree.tree_unflatten([x], out_spec)),
+        }
+        ex._pool.release(frame)
+        r["acquire+release"] = await amedian_us(acquire_release, number=200)
+        return r
+    finally:
+        await ex.aclose()
+
+
+async def profile(which: str, executions: int) -> str:
+    if which == "chain":
+        _, ep = exported_chain(1000, (8, 64))
+        x = torch.randn(8, 64)
+    else:
+        _, ep = exported_encoder(128, 2, 16, False)
+        x = torch.randn(1, 16, 128)
+    ex = Executor(ep, ExecutorConfig(heavy_op_flops=2**62))  # inline: cProfile sees one thread
+    try:
+        for _ in range(10):
+            await ex.execute(x)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(executions):
+            await ex.execute(x)
+        prof.disable()
+    finally:
+        await ex.aclose()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    return out.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Price the lines of asyncgraph's run loop.")
+    parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--executions", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    node = asyncio.run(per_node())
+    print("per node, chain of 1,000 relu (us):")
+    for k, v in node.items():
+        print(f"  {k:<16} {v:7.3f}")
+    execution = asyncio.run(per_execution())
+    print("per execution, one-node graph (us):")
+    for k, v in execution.items():
+        print(f"  {k:<16} {v:7.2f}")
+    if args.cprofile:
+        for which in ("chain", "transformer"):
+            print(f"\ncProfile, {which}, {args.executions} executions, all inline:")
+            print(asyncio.run(profile(which, args.executions)))
+
+
+if __name__ == "__main__":
+    main()

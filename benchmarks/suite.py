@@ -1,0 +1,233 @@
+"""The suite: run scenarios in one process, show progress, print tables, emit JSON, check.
+
+`asyncgraph bench` is a thin typer command over `run_suite`, `render` and `to_json`; the same
+functions run under pytest in the smoke test with `Settings(size="tiny")`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from benchmarks import chain, concurrency, memory, steady_state, transformer, wide
+from benchmarks.harness import CaseResult, Context, Settings, environment
+
+SCENARIOS: dict[str, ModuleType] = {
+    m.NAME: m for m in (chain, transformer, wide, concurrency, memory, steady_state)
+}
+
+
+@dataclass
+class Report:
+    environment: dict[str, Any]
+    settings: dict[str, Any]
+    cases: list[CaseResult] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def failures(self) -> list[str]:
+        """Targets missed, and peers whose output did not match asyncgraph's."""
+        out = []
+        for case in self.cases:
+            for t in case.targets:
+                if not t.met:
+                    out.append(f"target {t.number} missed: {t.name} = {_fmt(t.value)} "
+                               f"(needs {t.op} {t.limit:g})")
+        return out
+
+    @property
+    def mismatches(self) -> list[str]:
+        return [f"{c.case}: {p.name}: {p.error or 'mismatch'}"
+                for c in self.cases for p in c.peers if p.matched is False]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "environment": self.environment,
+            "settings": self.settings,
+            "elapsed_s": self.elapsed_s,
+            "ok": not self.failures,
+            "failures": self.failures,
+            "mismatches": self.mismatches,
+            "cases": [c.as_dict() for c in self.cases],
+        }
+
+
+def select(names: Iterable[str] | None) -> list[str]:
+    """Scenario names in suite order; raises ValueError naming the unknown ones."""
+    if not names:
+        return list(SCENARIOS)
+    names = list(names)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(
+            f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}"
+        )
+    return [n for n in SCENARIOS if n in names]
+
+
+async def run_scenarios(
+    names: Sequence[str],
+    settings: Settings,
+    start_task: Callable[[str, int], Callable[[], None]] | None = None,
+) -> Report:
+    """Run the named scenarios one after the other in the running event loop."""
+    report = Report(environment(), asdict(settings))
+    ctx = Context(settings, start_task)
+    start = time.perf_counter()
+    before = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        for name in select(names):
+            report.cases.extend(await SCENARIOS[name].run(ctx))
+    finally:
+        torch.set_num_threads(before)
+    report.elapsed_s = time.perf_counter() - start
+    report.environment["torch_threads"] = settings.threads
+    report.environment["load_average_end"] = environment()["load_average"]
+    return report
+
+
+def run_suite(
+    names: Sequence[str] | None, settings: Settings, console: Console | None = None
+) -> Report:
+    """Run the suite in a fresh event loop (asyncio or uvloop), with progress bars on `console`."""
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if settings.loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    chosen = select(names)
+    if console is None:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(run_scenarios(chosen, settings))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    # No auto-refresh: its thread would take the GIL (and allocate) in the middle of timed
+    # work; the bars are redrawn when a round ends instead, outside the timed regions.
+    with Progress(*columns, console=console, auto_refresh=False) as progress:
+
+        def start_task(description: str, total: int) -> Callable[[], None]:
+            task = progress.add_task(description, total=total)
+            progress.refresh()
+
+            def advance() -> None:
+                progress.advance(task)
+                progress.refresh()
+
+            return advance
+
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(run_scenarios(chosen, settings, start_task))
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def to_json(report: Report) -> str:
+    return json.dumps(report.as_dict(), indent=2, default=_json_default)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    return str(obj)
+
+
+def render(report: Report, console: Console) -> None:
+    """One table per case, then the targets."""
+    for case in report.cases:
+        console.print(_case_table(case))
+        if case.metrics:
+            console.print("  " + ", ".join(f"{k} = {_fmt(v)}" for k, v in case.metrics.items()))
+    console.print(_targets_table(report))
+    env = report.environment
+    console.print(
+        f"torch {env['torch']}, python {env['python']}, {env['cpu_count']} CPUs, "
+        f"{env['torch_threads']} intra-op thread(s), load average "
+        f"{_fmt_load(env.get('load_average'))} at the start, "
+        f"{_fmt_load(env.get('load_average_end'))} at the end; {report.settings['size']} run "
+        f"({report.settings['loop']} loop) in {report.elapsed_s:.0f} s. "
+        "Ratios are of medians measured alternately in this run; on a shared machine they "
+        "move by several percent between runs."
+    )
+    for line in report.mismatches:
+        console.print(f"[red]MISMATCH[/red] {line}")
+
+
+def _case_table(case: CaseResult) -> Table:
+    params = ", ".join(f"{k}={v}" for k, v in case.params.items())
+    table = Table(title=f"{case.case}: {case.description}", caption=params, title_justify="left")
+    table.add_column("peer")
+    if case.columns == "time":
+        for col in ("median ms", "p10-p90 ms", "asyncgraph / peer", "calls x samples"):
+            table.add_column(col, justify="right")
+    else:
+        keys: list[str] = []
+        for p in case.peers:
+            keys += [k for k in p.extra if k not in keys]
+        for k in keys:
+            table.add_column(k, justify="right")
+    table.add_column("output")
+    reference = case.peers[0].median_s if case.peers else None
+    for p in case.peers:
+        status = "ok" if p.matched else "[red]ERROR[/red]" if p.failed else "[red]MISMATCH[/red]"
+        if case.columns == "time":
+            if p.median_s is None:
+                cells = ["-", "-", "-", "-"]
+            else:
+                ratio = reference / p.median_s if reference else float("nan")
+                cells = [
+                    f"{p.median_s * 1e3:.3f}",
+                    f"{(p.p10_s or 0) * 1e3:.3f}-{(p.p90_s or 0) * 1e3:.3f}",
+                    f"{ratio:.2f}",
+                    f"{p.calls_per_sample}x{p.samples}",
+                ]
+        else:
+            cells = [_fmt(p.extra.get(k)) for k in keys]
+        table.add_row(p.name, *cells, status if not p.error else f"{status} {p.error[:60]}")
+    return table
+
+
+def _targets_table(report: Report) -> Table:
+    table = Table(title="targets (issue 6)", title_justify="left")
+    for col, justify in (("#", "right"), ("target", "left"), ("measured", "right"),
+                         ("needs", "right"), ("met", "center")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for case in report.cases:
+        for t in case.targets:
+            table.add_row(
+                str(t.number), t.name, _fmt(t.value) + t.unit, f"{t.op} {t.limit:g}{t.unit}",
+                "[green]yes[/green]" if t.met else "[red]no[/red]",
+            )
+    return table
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if v == 0 or abs(v) >= 100:
+            return f"{v:.0f}"
+        return f"{v:.3g}" if abs(v) >= 0.01 else f"{v:.2e}"
+    return str(v)
+
+
+def _fmt_load(load: Any) -> str:
+    if not load:
+        return "-"
+    return "/".join(f"{x:.1f}" for x in load)

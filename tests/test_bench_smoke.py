@@ -1,0 +1,86 @@
+"""Smoke test of the benchmark suite: tiny sizes, one round, structure and outputs only.
+
+Timing is never asserted here (a shared CI machine decides nothing about speed); what is
+checked is that every scenario runs, every peer produced a result, every peer's output matched
+asyncgraph's, and the JSON report has the shape `asyncgraph bench --json` promises.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from asyncgraph.profile import collect, example_inputs
+from benchmarks import suite
+from benchmarks.harness import Settings
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+EXPECTED_CASES = {
+    "chain": ["chain"],
+    "transformer": ["transformer (export)", "transformer (core-aten)"],
+    "wide": ["wide"],
+    "concurrent": ["concurrent"],
+    "memory": ["memory"],
+    "steady_state": ["steady_state"],
+}
+
+
+async def test_suite_tiny_runs_every_peer_and_matches() -> None:
+    report = await suite.run_scenarios(list(suite.SCENARIOS), Settings(size="tiny"))
+    data = json.loads(suite.to_json(report))
+
+    assert set(data) >= {"environment", "settings", "elapsed_s", "ok", "failures", "cases"}
+    assert data["settings"]["size"] == "tiny"
+    cases = [c["case"] for c in data["cases"]]
+    assert cases == [c for names in EXPECTED_CASES.values() for c in names]
+    assert data["mismatches"] == []
+    for case in data["cases"]:
+        assert case["peers"][0]["name"].startswith("asyncgraph")
+        assert len(case["peers"]) >= 3, case["case"]
+        for peer in case["peers"]:
+            where = f"{case['case']} / {peer['name']}"
+            assert peer["matched"] is True, f"{where}: {peer['error']}"
+            assert not peer["failed"], where
+            assert peer["samples"] >= 1, where
+            if case["columns"] == "time":
+                assert peer["median_s"] is not None and peer["median_s"] > 0, where
+            else:
+                assert peer["extra"], where
+        for target in case["targets"]:
+            assert set(target) >= {"number", "name", "value", "op", "limit", "met"}
+            assert target["value"] is not None, f"{case['case']}: {target['name']}"
+    numbers = {t["number"] for c in data["cases"] for t in c["targets"]}
+    assert numbers == {1, 2, 3, 4, 5, 6}
+
+
+def test_select_rejects_unknown_scenarios() -> None:
+    assert suite.select(["wide", "chain"]) == ["chain", "wide"]
+    with pytest.raises(ValueError, match="unknown scenario"):
+        suite.select(["nope"])
+
+
+async def test_profile_collects_every_node(tmp_path: Path) -> None:
+    import asyncgraph
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ep = torch.export.export(model, (torch.randn(3, 8),))
+    path = tmp_path / "m.pt2"
+    torch.export.save(ep, path)
+    ex = asyncgraph.Executor(path, asyncgraph.ExecutorConfig(trace=True))
+    try:
+        metrics = await collect(ex, example_inputs(ex), runs=2, warmup=1)
+    finally:
+        await ex.aclose()
+    assert metrics.total_nodes_count == ex.plan.num_nodes == len(metrics.time_per_node)
+    assert sum(metrics.instances_per_node_type.values()) == metrics.total_nodes_count
+    assert sum(metrics.placement_counts.values()) == metrics.total_nodes_count
+    assert abs(sum(metrics.percent_per_node_type.values()) - 100) < 1e-6
+    assert all(n.mean_us > 0 for n in metrics.time_per_node)
+    assert json.loads(json.dumps(metrics.as_dict()))["runs"] == 2

@@ -1,0 +1,238 @@
+"""The `asyncgraph` console script: help, run, trace, serve, and one-line errors.
+
+run and trace are invoked in-process with typer's CliRunner; serve is started as a real
+subprocess on a free port, queried over HTTP and stopped with SIGINT, all bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from asyncgraph.cli import app, error_line
+from asyncgraph.errors import InputValidationError
+
+runner = CliRunner()
+TIMEOUT_S = 60.0
+
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.linear(x) + bias
+        return y, y.sum(dim=1)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    torch.manual_seed(0)
+    model = TwoInputs().eval()
+    batch = torch.export.Dim("batch", min=1, max=32)
+    ep = torch.export.export(
+        model, (torch.randn(2, 4), torch.randn(3)), dynamic_shapes=({0: batch}, None)
+    )
+    path = tmp_path_factory.mktemp("models") / "two.pt2"
+    torch.export.save(ep, path)
+    return model, path
+
+
+def invoke(*args: str) -> Any:
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_error_line(result: Any) -> str:
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["trace"], ["serve"], ["demo"]])
+def test_help_everywhere(command: list[str]) -> None:
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.output
+
+
+def test_run_on_random_inputs_prints_the_outputs(model_file: Any) -> None:
+    _, path = model_file
+    result = invoke("run", path)
+    assert result.exit_code == 0, result.output
+    assert "2 output(s)" in result.output
+    assert "output_0" in result.output and "output_1" in result.output
+    assert "[2, 3]" in result.output  # the example batch of the export
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".pt", ".safetensors"])
+def test_run_on_input_files_saves_outputs_equal_to_eager(
+    model_file: Any, tmp_path: Path, suffix: str
+) -> None:
+    model, path = model_file
+    x, bias = torch.randn(5, 4), torch.randn(3)
+    if suffix == ".npy":
+        np.save(tmp_path / "x.npy", x.numpy())
+        np.save(tmp_path / "bias.npy", bias.numpy())
+        sources = ["-i", tmp_path / "x.npy", "-i", f"bias={tmp_path / 'bias.npy'}"]
+    elif suffix == ".pt":
+        torch.save([x, bias], tmp_path / "inputs.pt")
+        sources = ["-i", tmp_path / "inputs.pt"]
+    else:
+        save_file({"x": x, "bias": bias}, str(tmp_path / "inputs.safetensors"))
+        sources = ["-i", tmp_path / "inputs.safetensors"]
+    out = tmp_path / "out.safetensors"
+    result = invoke("run", path, *sources, "-o", out, "--quiet")
+    assert result.exit_code == 0, result.output
+    with torch.no_grad():
+        y, total = model(x, bias)
+    saved = load_file(str(out))
+    torch.testing.assert_close(saved["output_0"], y)
+    torch.testing.assert_close(saved["output_1"], total)
+
+    structured = tmp_path / "out.pt"
+    assert invoke("run", path, *sources, "-o", structured, "-q").exit_code == 0
+    got = torch.load(structured, weights_only=True)
+    assert isinstance(got, tuple) and len(got) == 2
+    torch.testing.assert_close(got[0], y)
+
+
+def test_run_errors_are_one_line(model_file: Any, tmp_path: Path) -> None:
+    _, path = model_file
+    line = one_error_line(invoke("run", tmp_path / "missing.pt2"))
+    assert line == f"error: {tmp_path / 'missing.pt2'}: no such file"
+
+    np.save(tmp_path / "x64.npy", np.zeros((2, 4)))  # float64, the program takes float32
+    np.save(tmp_path / "bias.npy", np.zeros(3, dtype=np.float32))
+    result = invoke("run", path, "-i", tmp_path / "x64.npy", "-i", tmp_path / "bias.npy")
+    expected = "error: args[0].dtype: expected torch.float32, got torch.float64"
+    assert one_error_line(result) == expected
+
+    result = invoke("run", path, "-i", f"nope={tmp_path / 'bias.npy'}")
+    assert "unknown input 'nope'; expected one of x, bias" in one_error_line(result)
+
+    result = invoke("run", path, "-i", tmp_path / "bias.npy")
+    assert "missing input(s) bias" in one_error_line(result)
+
+    result = invoke("run", path, "-o", tmp_path / "out.npy")
+    assert "holds one array and the program returns 2 outputs" in one_error_line(result)
+
+
+def test_debug_shows_the_exception(tmp_path: Path) -> None:
+    result = invoke("--debug", "run", tmp_path / "missing.pt2")
+    assert result.exit_code != 0
+    assert "no such file" in str(result.exception)
+    assert type(result.exception).__name__ == "ProgramLoadError"
+
+
+def test_error_line_names_the_node() -> None:
+    exc = RuntimeError("shapes cannot be multiplied\nmore detail")
+    exc.add_note("While executing %linear = aten.linear.default(...) [node 3]")
+    assert error_line(exc) == (
+        "RuntimeError: shapes cannot be multiplied "
+        "(While executing %linear = aten.linear.default(...) [node 3]) [--debug for details]"
+    )
+    assert error_line(InputValidationError("args[0]: bad")) == "args[0]: bad"
+
+
+def test_trace_command_writes_a_chrome_trace(model_file: Any, tmp_path: Path) -> None:
+    _, path = model_file
+    out = tmp_path / "trace.json"
+    result = invoke("trace", path, "-o", out, "--executions", "6", "--concurrency", "3",
+                    "--frames", "1")
+    assert result.exit_code == 0, result.output
+    assert "6 execution(s) traced" in result.output and "aten.linear.default" in result.output
+    events = json.loads(out.read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["args"]["execution"] for e in slices} == set(range(1, 7))
+    assert all({"op", "inputs", "output"} <= set(e["args"]) for e in slices)
+    waits = [e for e in events if e["ph"] == "b" and e["name"] == "frame wait"]
+    assert len(waits) == 6
+
+
+def test_serve_rejects_a_bad_model_list_in_one_line(tmp_path: Path) -> None:
+    line = one_error_line(invoke("serve", "--model", "justaname"))
+    assert line == "error: --model 'justaname': expected NAME=PATH"
+    line = one_error_line(invoke("serve", "--model", f"m={tmp_path / 'nope.pt2'}"))
+    assert line == f"error: {tmp_path / 'nope.pt2'}: no such file"
+    assert one_error_line(invoke("serve")).startswith("error: no model to serve")
+
+
+def _read_lines(stream: Any, into: queue.Queue[str]) -> None:
+    for line in iter(stream.readline, ""):
+        into.put(line)
+
+
+def test_serve_command_serves_until_interrupted(model_file: Any) -> None:
+    model, path = model_file
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncgraph.cli", "serve", str(path), "--name", "two",
+         "--model", f"again={path}", "--port", "0", "--max-queue", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        url = None
+        while url is None and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                assert proc.poll() is None, "".join(seen)
+                continue
+            seen.append(line)
+            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url is not None, "".join(seen)
+        x, bias = torch.randn(2, 4), torch.randn(3)
+        body = {"inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [2, 4], "data": x.reshape(-1).tolist()},
+            {"name": "bias", "datatype": "FP32", "shape": [3], "data": bias.tolist()},
+        ]}
+        with httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
+            assert client.get("/v2/health/ready").status_code == 200
+            assert client.get("/v2/models/again/ready").status_code == 200
+            meta = client.get("/v2/models/two").json()
+            assert [o["name"] for o in meta["outputs"]] == ["output_0", "output_1"]
+            r = client.post("/v2/models/two/infer", json=body)
+            assert r.status_code == 200, r.text
+        with torch.no_grad():
+            y, _ = model(x, bias)
+        got = torch.tensor(r.json()["outputs"][0]["data"]).reshape(2, 3)
+        torch.testing.assert_close(got, y)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=TIMEOUT_S)
+        reader.join(timeout=TIMEOUT_S)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    while not lines.empty():
+        seen.append(lines.get())
+    output = "".join(seen)
+    assert "Finished server process" in output and "server stopped" in output, output
+    assert "Traceback" not in output, output

@@ -1,0 +1,517 @@
+"""The Open Inference Protocol server, on a real uvicorn server on 127.0.0.1 (a free port).
+
+Each test starts the server inside its own event loop with `running_server` (so the server runs
+on asyncio in debug mode and on uvloop, like every async test), talks to it with httpx, with raw
+sockets, and with the stock tritonclient.http client (blocking, so on a thread), and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+
+import asyncgraph
+from asyncgraph.builder import GraphBuilder
+from asyncgraph.graph import Graph, TensorSpec
+from asyncgraph.serve import InferenceServer, create_app, running_server
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+CPU = torch.device("cpu")
+WAIT_S = 20.0  # the bound on every wait for something the server must do
+
+
+class Affine(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.fixture(scope="module")
+def linear() -> tuple[torch.nn.Module, torch.export.ExportedProgram]:
+    torch.manual_seed(0)
+    model = Affine().eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
+    return model, ep
+
+
+@asynccontextmanager
+async def serving(
+    models: dict[str, asyncgraph.Executor], **options: Any
+) -> AsyncIterator[tuple[InferenceServer, httpx.AsyncClient, str]]:
+    app = create_app(models, **options)
+    limits = httpx.Limits(max_connections=256)
+    async with (
+        running_server(app) as url,
+        httpx.AsyncClient(base_url=url, timeout=WAIT_S, limits=limits) as client,
+    ):
+        yield app.state.asyncgraph, client, url
+
+
+async def eventually(condition: Callable[[], bool], what: str) -> None:
+    """Poll server-side state that has no event to wait on, bounded by WAIT_S."""
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting: {what}"
+        await asyncio.sleep(0.005)
+
+
+def infer_body(x: torch.Tensor, name: str = "x", **extra: Any) -> dict[str, Any]:
+    return {"inputs": [{"name": name, "datatype": "FP32", "shape": list(x.shape),
+                        "data": x.reshape(-1).tolist()}], **extra}
+
+
+class Gate:
+    """An async kernel that signals it started, then waits to be released (or cancelled)."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.calls = 0
+        self.cancelled = 0
+
+    async def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.started.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return x * 2
+
+
+def gated_graph(gate: Any) -> Graph:
+    """x (FP32 [2]) -> gate(x); the async kernel lets a test hold an execution in flight."""
+    b = GraphBuilder()
+    x = b.input("x")
+    y = b.call(gate, x, name="gate")
+    b.output(y)
+    graph = b.build()
+    spec = TensorSpec(torch.float32, CPU, (2,), (2,))
+    graph.values[x.id].spec = spec
+    graph.values[y.id].spec = spec
+    return graph
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from Prometheus text, matched by exact name and these labels."""
+    for line in text.splitlines():
+        m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(m.group(4))
+    raise AssertionError(f"no sample {name}{labels} in metrics")
+
+
+# -- endpoints ------------------------------------------------------------------------------
+
+
+async def test_health_and_metadata(linear: Any) -> None:
+    _, ep = linear
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as (_, client, _url):
+        assert (await client.get("/v2/health/live")).json() == {"live": True}
+        assert (await client.get("/v2/health/ready")).status_code == 200
+        meta = (await client.get("/v2")).json()
+        assert meta["name"] == "asyncgraph" and "binary_tensor_data" in meta["extensions"]
+        model = (await client.get("/v2/models/lin")).json()
+        assert model["name"] == "lin" and model["versions"] == ["1"]
+        assert model["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+        assert model["outputs"] == [{"name": "output_0", "datatype": "FP32", "shape": [-1, 3]}]
+        assert (await client.get("/v2/models/lin/versions/1")).json() == model
+        ready = await client.get("/v2/models/lin/ready")
+        assert ready.status_code == 200 and ready.json()["ready"] is True
+        missing = await client.get("/v2/models/nope")
+        assert missing.status_code == 404
+        assert missing.json() == {"error": "unknown model 'nope'; serving 'lin'"}
+        wrong = await client.get("/v2/models/lin/versions/2")
+        assert wrong.status_code == 404 and "no version '2'" in wrong.json()["error"]
+        path = await client.get("/v2/nothing/here")
+        assert path.status_code == 404
+        assert path.json() == {"error": "GET /v2/nothing/here: Not Found"}
+        method = await client.get("/v2/models/lin/infer")
+        assert method.status_code == 405 and "Method Not Allowed" in method.json()["error"]
+
+
+async def test_json_and_binary_inference_equal_eager(linear: Any) -> None:
+    model, ep = linear
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        expected = model(x)
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as (_, client, _url):
+        r = await client.post("/v2/models/lin/infer", json=infer_body(x, id="req-1"))
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["id"] == "req-1" and doc["model_name"] == "lin"
+        [out] = doc["outputs"]
+        assert out["name"] == "output_0" and out["shape"] == [5, 3]
+        torch.testing.assert_close(torch.tensor(out["data"]).reshape(5, 3), expected)
+
+        header = json.dumps({
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [5, 4],
+                        "parameters": {"binary_data_size": 80}}],
+            "outputs": [{"name": "output_0", "parameters": {"binary_data": True}}],
+        }).encode()
+        r = await client.post(
+            "/v2/models/lin/infer", content=header + x.numpy().tobytes(),
+            headers={"Inference-Header-Content-Length": str(len(header))},
+        )
+        assert r.status_code == 200, r.text
+        n = int(r.headers["Inference-Header-Content-Length"])
+        meta = json.loads(r.content[:n])
+        assert meta["outputs"][0]["parameters"] == {"binary_data_size": 60}
+        got = torch.from_numpy(np.frombuffer(r.content[n:], dtype=np.float32).copy())
+        torch.testing.assert_close(got.reshape(5, 3), expected)
+        assert ex.statistics().completed == 2
+
+
+async def test_tritonclient_json_and_binary(linear: Any) -> None:
+    model, ep = linear
+    x = np.random.default_rng(0).standard_normal((3, 4), dtype=np.float32)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+
+    def client_calls(url: str) -> dict[str, Any]:
+        client = th.InferenceServerClient(url.removeprefix("http://"), network_timeout=WAIT_S)
+        try:
+            found: dict[str, Any] = {
+                "live": client.is_server_live(),
+                "ready": client.is_server_ready() and client.is_model_ready("lin"),
+                "metadata": client.get_model_metadata("lin"),
+            }
+            binary = th.InferInput("x", [3, 4], "FP32")
+            binary.set_data_from_numpy(x)  # the client's defaults: binary in and out
+            found["binary"] = client.infer("lin", [binary]).as_numpy("output_0")
+            plain = th.InferInput("x", [3, 4], "FP32")
+            plain.set_data_from_numpy(x, binary_data=False)
+            wanted = [th.InferRequestedOutput("output_0", binary_data=False)]
+            result = client.infer("lin", [plain], outputs=wanted)
+            found["json"] = result.as_numpy("output_0")
+            found["json_response"] = result.get_response()
+            bad = th.InferInput("y", [3, 4], "FP32")
+            bad.set_data_from_numpy(x)
+            try:
+                client.infer("lin", [bad])
+            except InferenceServerException as exc:
+                found["error"] = (exc.status(), exc.message())
+            return found
+        finally:
+            client.close()
+
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as (_, _client, url):
+        found = await asyncio.to_thread(client_calls, url)
+    assert found["live"] and found["ready"]
+    assert found["metadata"]["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": [-1, 4]}
+    np.testing.assert_allclose(found["binary"], expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(found["json"], expected, rtol=1e-6, atol=1e-6)
+    assert "data" in found["json_response"]["outputs"][0]
+    status, message = found["error"]
+    assert status == "400" and "inputs[0].name: unknown input 'y'" in message
+
+
+async def test_200_concurrent_requests(linear: Any) -> None:
+    model, ep = linear
+    xs = [torch.randn(1 + i % 4, 4) for i in range(200)]
+    with torch.no_grad():
+        expected = [model(x) for x in xs]
+    config = asyncgraph.ExecutorConfig(max_concurrent_executions=4)
+    async with asyncgraph.Executor(ep, config) as ex, serving({"lin": ex}, max_queue=256) as (
+        _, client, _url
+    ):
+        responses = await asyncio.gather(
+            *(client.post("/v2/models/lin/infer", json=infer_body(x)) for x in xs)
+        )
+        for r, x, want in zip(responses, xs, expected, strict=True):
+            assert r.status_code == 200, r.text
+            got = torch.tensor(r.json()["outputs"][0]["data"]).reshape(len(x), 3)
+            torch.testing.assert_close(got, want)
+        text = (await client.get("/metrics")).text
+        stats = ex.statistics()
+    assert stats.completed == 200 and stats.frames.in_use == 0
+    assert stats.frames.high_water <= 4
+    assert metric(text, "nv_inference_request_success", model="lin", version="1") == 200
+    assert metric(text, "asyncgraph_requests_total", model="lin", code="200") == 200
+    assert metric(text, "asyncgraph_request_duration_seconds_count", model="lin") == 200
+    assert metric(text, "nv_inference_queue_duration_us", model="lin") >= 0
+
+
+# -- cancellation, backpressure, timeouts ---------------------------------------------------
+
+
+async def test_client_disconnect_cancels_the_execution() -> None:
+    gate = Gate()
+    async with asyncgraph.Executor(gated_graph(gate)) as ex, serving({"g": ex}) as (
+        server, _client, url
+    ):
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps(infer_body(torch.ones(2))).encode()
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v2/models/g/infer HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
+            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        await writer.drain()
+        async with asyncio.timeout(WAIT_S):
+            await gate.started.wait()
+        assert ex.statistics().frames.in_use == 1
+        writer.close()
+        await writer.wait_closed()
+        await eventually(lambda: ex.statistics().frames.in_use == 0, "the frame came back")
+        await eventually(lambda: ex.statistics().cancelled == 1, "the execution was cancelled")
+        assert gate.cancelled == 1
+        served = server.served("g")
+        assert served.admission.running == 0 and served.admission.queued == 0
+        text = server.metrics.render().decode()
+        assert metric(text, "nv_inference_request_failure", model="g", reason="CANCELED") == 1
+
+
+async def test_overload_answers_503_at_once() -> None:
+    gate = Gate()
+    config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
+    async with asyncgraph.Executor(gated_graph(gate), config) as ex, serving(
+        {"g": ex}, max_queue=1
+    ) as (server, client, _url):
+        body = infer_body(torch.ones(2))
+        first = asyncio.create_task(client.post("/v2/models/g/infer", json=body))
+        async with asyncio.timeout(WAIT_S):
+            await gate.started.wait()
+        second = asyncio.create_task(client.post("/v2/models/g/infer", json=body))
+        admission = server.served("g").admission
+        await eventually(lambda: admission.queued == 1, "the second request is queued")
+        refused = await client.post("/v2/models/g/infer", json=body)
+        assert refused.status_code == 503
+        assert refused.json() == {"error": refused.json()["error"]}
+        assert "overloaded" in refused.json()["error"]
+        assert gate.calls == 1  # the refused request reached no kernel
+        gate.release.set()
+        done = await asyncio.gather(first, second)
+        assert [r.status_code for r in done] == [200, 200]
+        assert done[0].json()["outputs"][0]["data"] == [2.0, 2.0]
+        text = (await client.get("/metrics")).text
+        assert metric(text, "nv_inference_request_failure", model="g", reason="REJECTED") == 1
+        assert metric(text, "nv_inference_request_success", model="g") == 2
+
+
+async def test_timeout_cancels_a_slow_execution() -> None:
+    gate = Gate()
+    async with asyncgraph.Executor(gated_graph(gate)) as ex, serving(
+        {"g": ex}, timeout_ms=50
+    ) as (_, client, _url):
+        r = await client.post("/v2/models/g/infer", json=infer_body(torch.ones(2)))
+        assert r.status_code == 504
+        error = r.json()["error"]
+        assert "50 ms timeout" in error and "while running" in error and "cancelled" in error
+        assert gate.cancelled == 1
+        stats = ex.statistics()
+        assert stats.cancelled == 1 and stats.frames.in_use == 0
+
+
+async def test_kernel_error_is_500_naming_the_node() -> None:
+    def explode(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+    async with asyncgraph.Executor(gated_graph(explode)) as ex, serving({"g": ex}) as (
+        _, client, _url
+    ):
+        r = await client.post("/v2/models/g/infer", json=infer_body(torch.ones(2)))
+    assert r.status_code == 500
+    assert r.json()["error"].startswith("model 'g': ValueError: boom (While executing %gate")
+
+
+async def test_closed_executor_is_not_ready_and_answers_503(linear: Any) -> None:
+    _, ep = linear
+    ex = asyncgraph.Executor(ep)
+    async with serving({"lin": ex}) as (_, client, _url):
+        await ex.aclose()
+        assert (await client.get("/v2/models/lin/ready")).status_code == 503
+        assert (await client.get("/v2/health/ready")).json() == {"ready": False}
+        r = await client.post("/v2/models/lin/infer", json=infer_body(torch.ones(1, 4)))
+        assert r.status_code == 503 and "closed" in r.json()["error"]
+
+
+# -- malformed requests ----------------------------------------------------------------------
+
+
+def _binary(
+    doc: dict[str, Any], blob: bytes, header: str | None = None
+) -> tuple[bytes, dict[str, str]]:
+    head = json.dumps(doc).encode()
+    return head + blob, {"Inference-Header-Content-Length": header or str(len(head))}
+
+
+def _json(doc: Any) -> tuple[bytes, dict[str, str]]:
+    return json.dumps(doc).encode(), {"content-type": "application/json"}
+
+
+def _x(**changes: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1.0] * 4}
+    entry.update(changes)
+    return {"inputs": [{k: v for k, v in entry.items() if v is not None}]}
+
+
+MALFORMED: dict[str, tuple[tuple[bytes, dict[str, str]], str]] = {
+    "bad json": ((b'{"inputs": [', {}), "request body: not valid JSON"),
+    "not an object": (_json([1, 2]), "request body: expected a JSON object, got a list"),
+    "no inputs": (_json({}), "inputs: expected a list of tensors, got null"),
+    "unknown input": (
+        _json(_x(name="y")),
+        "inputs[0].name: unknown input 'y'; model 'lin' expects 'x'"),
+    "missing input": (_json({"inputs": []}), "inputs: missing input(s) 'x' (FP32 [-1, 4])"),
+    "duplicate input": (
+        _json({"inputs": _x()["inputs"] * 2}),
+        "inputs[1].name: input 'x' given twice"),
+    "wrong datatype": (
+        _json(_x(datatype="FP64")),
+        "inputs[0] ('x').datatype: expected 'FP32', got 'FP64'"),
+    "unsupported datatype": (
+        _json(_x(datatype="BYTES")),
+        "inputs[0] ('x').datatype: expected 'FP32', got 'BYTES'"),
+    "wrong rank": (
+        _json(_x(shape=[4])),
+        "inputs[0] ('x').shape: expected 2 dimension(s) [-1, 4], got 1 [4]"),
+    "wrong dimension": (
+        _json(_x(shape=[1, 5], data=[1.0] * 5)),
+        "inputs[0] ('x').shape[1]: expected 4, got 5"),
+    "dimension out of range": (
+        _json(_x(shape=[65, 4], data=[0.0] * 260)),
+        "inputs[0] ('x').shape[0]: expected a size in [1, 64], got 65"),
+    "negative dimension": (
+        _json(_x(shape=[-1, 4])),
+        "inputs[0] ('x').shape[0]: expected a non-negative integer, got -1"),
+    "huge shape": (
+        _json(_x(shape=[10**15, 4])),
+        "inputs[0] ('x').shape[0]: expected a size in [1, 64], got 1000000000000000"),
+    "data length": (
+        _json(_x(data=[1.0] * 3)),
+        "inputs[0] ('x').data: expected 4 element(s) for shape [1, 4], got 3"),
+    "data element": (
+        _json(_x(data=[1.0, "a", 2.0, 3.0])),
+        "inputs[0] ('x').data[1]: expected a number, got 'a'"),
+    "no data": (_json(_x(data=None)), "inputs[0] ('x').data: missing"),
+    "unknown output": (
+        _json({**_x(), "outputs": [{"name": "z"}]}),
+        "outputs[0].name: unknown output 'z'"),
+    "binary header not a number": (
+        _binary(_x(data=None, parameters={"binary_data_size": 16}), b"\0" * 16, "ten"),
+        "Inference-Header-Content-Length header: expected an integer, got 'ten'"),
+    "binary header too long": (
+        _binary(_x(data=None, parameters={"binary_data_size": 16}), b"\0" * 16, "100000"),
+        "Inference-Header-Content-Length header: expected a length in [1, "),
+    "binary size mismatch": (
+        _binary(_x(data=None, parameters={"binary_data_size": 12}), b"\0" * 12),
+        "inputs[0] ('x').parameters.binary_data_size: expected 16 bytes for FP32 [1, 4], got 12"),
+    "binary data short": (
+        _binary(_x(data=None, parameters={"binary_data_size": 16}), b"\0" * 15),
+        "binary data: the inputs declare 16 bytes, the body carries 15"),
+    "binary size without header": (
+        _json(_x(data=None, parameters={"binary_data_size": 16})),
+        "parameters.binary_data_size: set, but the request has no binary data"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+async def test_malformed_request_gets_400_naming_the_field(linear: Any, case: str) -> None:
+    (body, headers), message = MALFORMED[case]
+    _, ep = linear
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as (_, client, _url):
+        r = await client.post("/v2/models/lin/infer", content=body, headers=headers)
+        assert r.status_code == 400, r.text
+        assert message in r.json()["error"]
+        assert ex.statistics().started == 0  # no frame taken, no kernel reached
+
+
+async def test_request_size_limit_and_compressed_bodies(linear: Any) -> None:
+    model, ep = linear
+    x = torch.randn(2, 4)
+    body = json.dumps(infer_body(x)).encode()
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}, max_request_bytes=512) as (
+        _, client, _url
+    ):
+        big = json.dumps(infer_body(torch.randn(64, 4))).encode()
+        assert len(big) > 512
+        r = await client.post("/v2/models/lin/infer", content=big)
+        assert r.status_code == 413 and "exceeds the limit of 512 bytes" in r.json()["error"]
+        r = await client.post(
+            "/v2/models/lin/infer", content=gzip.compress(body),
+            headers={"content-encoding": "gzip"},
+        )
+        assert r.status_code == 200, r.text
+        with torch.no_grad():
+            expected = model(x)
+        torch.testing.assert_close(
+            torch.tensor(r.json()["outputs"][0]["data"]).reshape(2, 3), expected
+        )
+        bomb = gzip.compress(b" " * 100_000)
+        r = await client.post(
+            "/v2/models/lin/infer", content=bomb, headers={"content-encoding": "gzip"}
+        )
+        assert r.status_code == 413 and "inflates past the limit" in r.json()["error"]
+        assert ex.statistics().started == 1
+
+
+# -- embedding -------------------------------------------------------------------------------
+
+
+async def test_mounted_in_a_parent_app_that_owns_the_executor(linear: Any) -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    model, ep = linear
+    models: dict[str, asyncgraph.Executor] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with asyncgraph.Executor(ep) as ex:
+            models["lin"] = ex
+            yield
+            models.clear()
+
+    parent = Starlette(routes=[Mount("/kserve", create_app(models))], lifespan=lifespan)
+    x = torch.randn(1, 4)
+    async with running_server(parent) as url, httpx.AsyncClient(base_url=url) as client:
+        assert (await client.get("/kserve/v2/models/lin")).status_code == 200
+        r = await client.post("/kserve/v2/models/lin/infer", json=infer_body(x))
+        assert r.status_code == 200, r.text
+        ex = models["lin"]
+        assert ex.statistics().completed == 1
+    assert models == {} and ex.statistics().closed
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(torch.tensor(r.json()["outputs"][0]["data"]).reshape(1, 3), expected)
+
+
+async def test_metrics_use_triton_names(linear: Any) -> None:
+    _, ep = linear
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as (_, client, _url):
+        await client.post("/v2/models/lin/infer", json=infer_body(torch.ones(1, 4)))
+        await client.post("/v2/models/lin/infer", json={"inputs": []})
+        r = await client.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert "# TYPE nv_inference_request_success untyped" in text
+    assert metric(text, "nv_inference_request_success", model="lin", version="1") == 1
+    assert metric(text, "nv_inference_request_failure", model="lin", reason="OTHER") == 1
+    assert metric(text, "nv_inference_count", model="lin") == 1
+    assert metric(text, "nv_inference_compute_infer_duration_us", model="lin") > 0
+    assert metric(text, "nv_inference_pending_request_count", model="lin") == 0
+    assert metric(text, "asyncgraph_frames_in_use", model="lin") == 0
+    assert metric(text, "asyncgraph_frame_waiters", model="lin") == 0
+    assert metric(text, "asyncgraph_requests_total", model="lin", code="400") == 1
