@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-from asyncgraph import cli_run, cli_serve
+from asyncgraph import bench, check, cli_run, cli_serve, cli_stress, profile
 from asyncgraph.errors import AsyncGraphError
 
 
@@ -109,14 +109,13 @@ def demo(
         raise typer.Exit(1)
 
 
-# -- commands defined in their own modules (one registration line each) ------------------------
-# (keep this block sorted; each module defines a plain function taking typer options)
-app.command("bench")(__import__("asyncgraph.bench", fromlist=["bench"]).bench)
-app.command("check")(__import__("asyncgraph.check", fromlist=["check"]).check)
-app.command("profile")(__import__("asyncgraph.profile", fromlist=["profile"]).profile)
+# -- commands defined in their own modules (one registration line each, sorted) ---------------
+app.command("bench")(bench.bench)
+app.command("check")(check.check)
+app.command("profile")(profile.profile)
 app.command("run")(cli_run.run)
 app.command("serve")(cli_serve.serve)
-app.command("stress")(__import__("asyncgraph.cli_stress", fromlist=["stress"]).stress)
+app.command("stress")(cli_stress.stress)
 app.command("trace")(cli_run.trace)
 
 
