@@ -37,7 +37,7 @@ class WorkerPool:
         self._inference_mode = inference_mode
         self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._items_run = [0]
+        self._items_run: list[int] = []  # one slot per thread: no shared counter to race on
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -51,10 +51,11 @@ class WorkerPool:
         with self._lock:
             if self._threads:
                 return
+            self._items_run[:] = [0] * self.size
             for i in range(self.size):
                 thread = threading.Thread(
                     target=_worker_main,
-                    args=(self._queue, self._inference_mode, self._items_run),
+                    args=(self._queue, self._inference_mode, self._items_run, i),
                     name=f"{self._name}-{i}",
                     daemon=True,
                 )
@@ -78,7 +79,7 @@ class WorkerPool:
             thread.join()
 
     def statistics(self) -> WorkerPoolStatistics:
-        return WorkerPoolStatistics(len(self._threads), self._queue.qsize(), self._items_run[0])
+        return WorkerPoolStatistics(len(self._threads), self._queue.qsize(), sum(self._items_run))
 
 
 def _stop_threads(q: queue.SimpleQueue[WorkItem | None], count: int) -> None:
@@ -87,7 +88,7 @@ def _stop_threads(q: queue.SimpleQueue[WorkItem | None], count: int) -> None:
 
 
 def _worker_main(
-    q: queue.SimpleQueue[WorkItem | None], inference_mode: bool, items_run: list[int]
+    q: queue.SimpleQueue[WorkItem | None], inference_mode: bool, items_run: list[int], slot: int
 ) -> None:
     with torch.inference_mode(inference_mode):
         while True:
@@ -95,11 +96,11 @@ def _worker_main(
             if item is None:
                 return
             fn, frame, node = item
+            items_run[slot] += 1  # counted when taken, so it is exact once the execution ends
             try:
                 fn(frame, node)
             except BaseException:  # the scheduler catches kernel errors; this is a bug
                 sys.unraisablehook(_Unraisable(sys.exc_info()[1], fn))  # type: ignore[arg-type]
-            items_run[0] += 1
             del item, fn, frame
 
 
