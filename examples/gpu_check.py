@@ -1,0 +1,160 @@
+"""GPU check: run the GPU tests, then time a multi-branch model on 1 stream vs several.
+
+    python examples/gpu_check.py [--streams 4] [--iterations 50] [--concurrency 4]
+
+The timing runs each execution through the cuda layer (`asyncgraph.cuda.run_in_order`: the
+same begin / enqueue / host-wait / finish calls the scheduler makes), so it measures what
+streams buy independently of the scheduler; once `ExecutorConfig.cuda_streams` exists it also
+times the Executor. On a machine without CUDA it says so and exits 0: nothing was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from asyncgraph.config import ExecutorConfig
+from asyncgraph.cuda import CudaRuntime, FrameStreams, run_in_order
+from asyncgraph.executor import Executor
+from asyncgraph.streams import stream_plan_for
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+class Branches(torch.nn.Module):
+    """`width` independent MLP branches, summed: small kernels the GPU can overlap."""
+
+    def __init__(self, width: int, depth: int, dim: int) -> None:
+        super().__init__()
+        self.branches = torch.nn.ModuleList(
+            torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(depth)])
+            for _ in range(width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.relu(b(x)) for b in self.branches]).sum(0)
+
+
+async def run_once(ex: Executor, state: FrameStreams, x: torch.Tensor) -> torch.Tensor:
+    plan = ex.plan
+    values = list(ex.weights.template(plan.weight_slots, plan.num_values))
+    for slot in plan.token_slots:
+        values[slot] = torch.empty(0)
+    values[plan.user_input_slots[0]] = x
+    with torch.inference_mode():
+        await run_in_order(state, values)
+    out: torch.Tensor = values[ex.graph.signature.user_outputs[0].arg.id]
+    return out
+
+
+async def time_layer(
+    ep: Any, x: torch.Tensor, streams: int, iterations: int, concurrency: int
+) -> tuple[float, float]:
+    """(median latency of one execution in ms, executions/s with `concurrency` at once)."""
+    ex = Executor(ep, ExecutorConfig())
+    sp = stream_plan_for(
+        ex.graph, ex.plan, streams, costs=[float(k.cost) for k in ex.kernels],
+        default_device=torch.cuda.current_device(),
+    )
+    runtime = CudaRuntime(sp, ex.plan.outputs, max_stream_sets=concurrency)
+    states = [runtime.frame_state(ex.plan.calls) for _ in range(concurrency)]
+    for _ in range(5):
+        await run_once(ex, states[0], x)
+    latencies = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        await run_once(ex, states[0], x)
+        latencies.append(time.perf_counter() - start)
+
+    async def worker(state: FrameStreams) -> None:
+        for _ in range(iterations):
+            await run_once(ex, state, x)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(s) for s in states))
+    throughput = concurrency * iterations / (time.perf_counter() - start)
+    await ex.aclose()
+    return statistics.median(latencies) * 1e3, throughput
+
+
+async def time_executor(
+    ep: Any, x: torch.Tensor, streams: int, iterations: int, concurrency: int
+) -> float:
+    config = ExecutorConfig(  # type: ignore[call-arg]
+        cuda_streams=streams, max_concurrent_executions=concurrency
+    )
+    async with Executor(ep, config) as ex:
+        for _ in range(5):
+            await ex.execute(x)
+        start = time.perf_counter()
+        await asyncio.gather(*(ex.execute(x) for _ in range(concurrency * iterations)))
+        return concurrency * iterations / (time.perf_counter() - start)
+
+
+async def timing(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    model = Branches(args.width, args.depth, args.dim).cuda().eval()
+    x = torch.randn(args.batch, args.dim, device="cuda")
+    ep = torch.export.export(model, (x,))
+    print(
+        f"\nmodel: {args.width} branches x {args.depth} Linear({args.dim}) on "
+        f"{torch.cuda.get_device_name()}, batch {args.batch}"
+    )
+    print(f"{'streams':>8} {'latency ms':>11} {f'exec/s x{args.concurrency}':>14}")
+    results = {}
+    for streams in sorted({1, args.streams}):
+        latency, throughput = await time_layer(
+            ep, x, streams, args.iterations, args.concurrency
+        )
+        results[streams] = latency
+        print(f"{streams:>8} {latency:>11.3f} {throughput:>14.1f}")
+    if args.streams != 1:
+        ratio = results[1] / results[args.streams]
+        print(f"latency, 1 stream / {args.streams} streams: {ratio:.2f}x")
+    if "cuda_streams" in {f.name for f in dataclasses.fields(ExecutorConfig)}:
+        for streams in sorted({1, args.streams}):
+            rate = await time_executor(ep, x, streams, args.iterations, args.concurrency)
+            print(f"Executor, {streams} stream(s): {rate:.1f} exec/s")
+    else:
+        print("Executor timing skipped: ExecutorConfig.cuda_streams is not integrated yet")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--width", type=int, default=8)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(
+            "No GPU available (torch.cuda.is_available() is False): the GPU tests and the "
+            "stream timing were NOT run. Run this on a machine with a CUDA GPU."
+        )
+        return 0
+    rc = 0
+    if not args.skip_tests:
+        import pytest
+
+        rc = int(pytest.main(
+            ["-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_streams.py"),
+             "-k", "test_gpu_", "-rs"]
+        ))
+    asyncio.run(timing(args))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

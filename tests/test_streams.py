@@ -1,0 +1,1151 @@
+"""GPU streams (issue 4): the pure stream plan, the cuda layer on a simulated GPU, real GPUs.
+
+Three parts:
+
+1. `plan_streams` on hand-written graphs: chains, forks, diamonds, wide graphs, mixed CPU/GPU,
+   aliases and metadata, outputs, several devices, and the transitive reduction of waits.
+2. The cuda layer (`asyncgraph.cuda`) driven with fake streams and events over a simulated GPU
+   that runs each stream in order, honours `wait_event`, and interleaves streams at random.
+   A hypothesis test runs random graphs, concurrently and with several executions at once, and
+   checks every kernel starts after the kernels whose values it reads, every host read comes
+   after the GPU wrote the value, record_stream is issued for every cross-stream tensor, and
+   `finish` returns only when all of an execution's GPU work is done.
+3. Real-GPU tests, skipped without CUDA: results equal eager on 1 and several streams,
+   branches overlap, the loop stays responsive, mixed CPU/GPU graphs, cancellation, and a
+   TORCH_CUDA_SANITIZER run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+from asyncgraph.kernels import KernelFactory
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncgraph.builder import GraphBuilder
+from asyncgraph.config import ExecutorConfig
+from asyncgraph.cuda import (
+    CudaRuntime,
+    FrameStreams,
+    PollPolicy,
+    StreamPool,
+    TorchCudaBackend,
+    move_inputs_to_device,
+    run_in_order,
+    wait_events,
+)
+from asyncgraph.graph import ScalarSpec, TensorSpec
+from asyncgraph.plan import ExecutionPlan, Placement, build_plan
+from asyncgraph.streams import Role, StreamPlan, node_role, plan_streams, stream_plan_for
+
+C, A, M, S, H = Role.CUDA, Role.ALIAS, Role.META, Role.SCALAR, Role.HOST
+
+CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available())")
+
+
+def chain_producers(n: int) -> list[list[int]]:
+    return [[]] + [[i - 1] for i in range(1, n)]
+
+
+# =============================================================================================
+# 1. The pure plan
+# =============================================================================================
+
+
+def test_chain_stays_on_one_stream_without_events() -> None:
+    plan = plan_streams(chain_producers(6), [C] * 6, 4, outputs=[5])
+    assert plan.stream == (0,) * 6
+    assert plan.waits == ((),) * 6
+    assert plan.record_stream == ((),) * 6
+    assert plan.output_waits == (5,)
+    assert plan.records_event == (False,) * 5 + (True,)
+    assert plan.streams_used == ((0, 0),)
+
+
+def test_fork_puts_the_second_branch_on_a_new_stream() -> None:
+    # 0 -> 1, 0 -> 2
+    plan = plan_streams([[], [0], [0]], [C, C, C], 2)
+    assert plan.stream == (0, 0, 1)
+    assert plan.waits == ((), (), (0,))
+    assert plan.record_stream == ((), (), (0,))
+    assert plan.records_event == (True, False, False)
+
+
+def test_diamond_joins_with_one_cross_stream_wait() -> None:
+    # 0 -> 1 -> 3, 0 -> 2 -> 3
+    plan = plan_streams([[], [0], [0], [1, 2]], [C] * 4, 2, outputs=[3])
+    assert plan.stream == (0, 0, 1, 1)  # the join continues the latest producer's stream
+    assert plan.waits == ((), (), (0,), (1,))
+    assert plan.record_stream == ((), (), (0,), (1,))
+    assert plan.records_event == (True, True, False, True)
+    assert plan.output_waits == (3,)
+
+
+def test_diamond_on_one_stream_needs_no_event_between_nodes() -> None:
+    plan = plan_streams([[], [0], [0], [1, 2]], [C] * 4, 1, outputs=[3])
+    assert plan.stream == (0, 0, 0, 0)
+    assert plan.waits == ((),) * 4
+    assert plan.record_stream == ((),) * 4
+    assert plan.records_event == (False, False, False, True)
+
+
+def test_wide_graph_listed_branch_by_branch_spreads_branches() -> None:
+    # 8 independent chains of 3 reading a graph input, then a join of the 8 tails.
+    producers: list[list[int]] = []
+    for _ in range(8):
+        start = len(producers)
+        producers += [[], [start], [start + 1]]
+    tails = [3 * b + 2 for b in range(8)]
+    producers.append(tails)
+    plan = plan_streams(producers, [C] * 25, 4, outputs=[24])
+    for b in range(8):
+        assert {plan.stream[3 * b + k] for k in range(3)} == {b % 4}
+    assert all(plan.waits[i] == () for i in range(24))
+    assert plan.stream[24] == 3  # continues branch 7
+    # tails on other streams are waited on; branch 3's tail shares the join's stream
+    assert plan.waits[24] == tuple(t for b, t in enumerate(tails) if b % 4 != 3)
+    assert len(plan.streams_used) == 4
+
+
+def test_wide_graph_listed_layer_by_layer_spreads_branches() -> None:
+    width, depth = 6, 3
+    producers: list[list[int]] = [[] for _ in range(width)]
+    for layer in range(1, depth):
+        producers += [[(layer - 1) * width + b] for b in range(width)]
+    plan = plan_streams(producers, [C] * (width * depth), 3)
+    for b in range(width):
+        assert {plan.stream[layer * width + b] for layer in range(depth)} == {b % 3}
+    assert plan.waits == ((),) * (width * depth)
+
+
+def test_costs_balance_branches() -> None:
+    # four independent roots; the first is as heavy as all the others together
+    plan = plan_streams([[], [], [], []], [C] * 4, 2, costs=[100, 1, 1, 1])
+    assert plan.stream == (0, 1, 1, 1)
+
+
+def test_waits_implied_by_another_wait_are_dropped() -> None:
+    # 0(s0) -> 1(s0); 0 -> 2(s1); 3 = f(1, 2) on s1 waits on 1; 4 = g(0, 3) continues 3's
+    # stream: 0 is ordered before 3, so 4 needs no wait on 0 (but still record_stream).
+    plan = plan_streams([[], [0], [0], [1, 2], [0, 3]], [C] * 5, 2)
+    assert plan.stream == (0, 0, 1, 1, 1)
+    assert plan.waits[3] == (1,)
+    assert plan.waits[4] == ()
+    assert plan.record_stream[4] == (0,)
+
+
+def test_host_waits_only_for_the_latest_of_ordered_producers() -> None:
+    # a host node reading 0 and 3, where 0 is ordered before 3, awaits 3 alone
+    plan = plan_streams([[], [0], [0], [1, 2], [0, 3]], [C, C, C, C, H], 2)
+    assert plan.host_waits[4] == (3,)
+    assert plan.records_event[3]
+
+
+def test_mixed_cpu_gpu_host_node_waits_and_fences_its_gpu_readers() -> None:
+    # 0 cuda -> 1 host -> 2 cuda
+    plan = plan_streams([[], [0], [1]], [C, H, C], 2, outputs=[2])
+    assert plan.host_waits == ((), (0,), ())
+    assert plan.records_event[0]
+    assert plan.fence == (False, False, True)
+    assert plan.waits[2] == ()  # a host value carries no GPU event; the fence orders it
+
+
+def test_host_node_without_gpu_inputs_waits_for_nothing() -> None:
+    plan = plan_streams([[], [0], [1]], [H, H, C], 2)
+    assert plan.host_waits == ((), (), ())
+    assert plan.fence == (False, False, True)
+    assert plan.records_event == (False, False, False)
+
+
+def test_host_wait_upstream_makes_a_gpu_wait_unnecessary() -> None:
+    # 0 c; 1 c(0) continues s0; 2 scalar(0) waits 0 on the host; 3 c(0, 2) on s1: no wait
+    plan = plan_streams([[], [0], [0], [0, 2]], [C, C, S, C], 2)
+    assert plan.stream == (0, 0, None, 1)
+    assert plan.host_waits[2] == (0,)
+    assert plan.waits[3] == ()
+    assert plan.record_stream[3] == (0,)  # memory safety does not depend on the host wait
+    assert plan.fence[3] is False  # a SCALAR result is a host value, never a GPU tensor
+
+
+def test_metadata_reads_never_wait() -> None:
+    # 0 c -> 1 sym_size (meta) -> 2 mul (scalar) -> 3 view(0, 2) (cuda)
+    plan = plan_streams([[], [0], [1], [0, 2]], [C, M, S, C], 2, outputs=[3])
+    assert plan.host_waits == ((),) * 4
+    assert plan.waits == ((),) * 4
+    assert plan.stream[3] == plan.stream[0]
+    assert plan.records_event == (False, False, False, True)
+
+
+def test_aliases_pass_gpu_values_through() -> None:
+    # 0 c (tuple) -> 1 getitem, 2 getitem; 3 c(1), 4 c(2), 5 host(1), output 2
+    plan = plan_streams([[], [0], [0], [1], [2], [1]], [C, A, A, C, C, H], 2, outputs=[2])
+    assert plan.stream[3] == 0 and plan.stream[4] == 1
+    assert plan.waits[4] == (0,)
+    assert plan.record_stream[4] == (2,)  # the getitem's value: a view of 0's memory
+    assert plan.host_waits[5] == (0,)
+    assert plan.output_waits == (0,)
+
+
+def test_alias_of_a_host_value_fences() -> None:
+    plan = plan_streams([[], [0], [1]], [H, A, C], 2)
+    assert plan.fence[2] is True
+
+
+def test_outputs_are_reduced_to_the_latest_ordered_nodes() -> None:
+    plan = plan_streams([[], [0], [0], [1, 2]], [C] * 4, 2, outputs=[0, 1, 3])
+    assert plan.output_waits == (3,)
+    plan = plan_streams([[], [0], [0]], [C] * 3, 2, outputs=[1, 2])
+    assert plan.output_waits == (1, 2)
+    plan = plan_streams([[], [0]], [C, H], 2, outputs=[1])
+    assert plan.output_waits == ()  # a host value needs no GPU wait
+
+
+def test_several_devices_get_their_own_streams_and_cross_device_waits() -> None:
+    # 0 on cuda:0 -> 1 copy on cuda:1 -> 2 on cuda:1; 3 on cuda:0 reads 0
+    plan = plan_streams(
+        [[], [0], [1], [0]], [C] * 4, 2, devices={0: 0, 1: 1, 2: 1, 3: 0}
+    )
+    assert plan.device == (0, 1, 1, 0)
+    assert plan.stream == (0, 0, 0, 0)
+    assert plan.waits == ((), (0,), (), ())
+    assert plan.record_stream[1] == (0,)
+    assert plan.streams_used == ((0, 0), (1, 0))
+    assert plan.devices == (0, 1)
+
+
+def test_one_stream_random_graphs_never_wait_between_cuda_nodes() -> None:
+    rng = random.Random(7)
+    for _ in range(50):
+        n = rng.randint(1, 20)
+        producers = [rng.sample(range(i), k=min(i, rng.randint(0, 3))) for i in range(n)]
+        roles = [rng.choice([C, C, C, A, H]) for _ in range(n)]
+        plan = plan_streams(producers, roles, 1)
+        assert all(not w for w in plan.waits)
+        assert all(not r for r in plan.record_stream)
+        assert all(s in (None, 0) for s in plan.stream)
+
+
+def test_plans_are_deterministic_and_frozen() -> None:
+    args = ([[], [0], [0], [1, 2]], [C] * 4, 3)
+    first = plan_streams(*args, outputs=[3])
+    assert first == plan_streams(*args, outputs=[3])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.stream = ()  # type: ignore[misc]
+
+
+def test_describe_names_streams_waits_and_host_waits() -> None:
+    plan = plan_streams([[], [0], [0], [1, 2], [3]], [C, C, C, C, H], 2, outputs=[4])
+    text = plan.describe()
+    assert "2: cuda:0 stream 1 waits=[0]" in text
+    assert "4: host host waits [3]" in text
+
+
+@pytest.mark.parametrize(
+    ("producers", "roles", "streams", "message"),
+    [
+        ([[], [1]], [C, C], 2, "topological"),
+        ([[], [5]], [C, C], 2, "topological"),
+        ([[]], [C, C], 2, "producer lists"),
+        ([[]], [C], 0, "streams_per_device"),
+    ],
+)
+def test_invalid_input_is_rejected(
+    producers: list[list[int]], roles: list[Role], streams: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan_streams(producers, roles, streams)
+
+
+def test_invalid_device_costs_and_outputs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="device index"):
+        plan_streams([[]], [C], 1, devices={0: -1})
+    with pytest.raises(ValueError, match="costs"):
+        plan_streams([[]], [C], 1, costs=[1.0, 2.0])
+    with pytest.raises(ValueError, match="output node"):
+        plan_streams([[]], [C], 1, outputs=[3])
+
+
+# -- from a Graph and its ExecutionPlan ---------------------------------------------------------
+
+
+def _double(x: Any) -> Any:
+    return x * 2
+
+
+def _pair(x: Any) -> Any:
+    return (x + 1, x - 1)
+
+
+def _combine(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def _graph_with_stream_nodes(streams: Sequence[str]) -> tuple[Any, ExecutionPlan]:
+    """A builder graph whose `streams` nodes are marked STREAM, as CUDA nodes would be."""
+    import operator
+
+    b = GraphBuilder()
+    x = b.input("x")
+    p = b.call(_pair, x, name="pair")
+    first = b.call(operator.getitem, p, 0, name="first")
+    second = b.call(operator.getitem, p, 1, name="second")
+    left = b.call(_double, first, name="left")
+    right = b.call(_double, second, name="right")
+    host = b.call(_double, right, name="host")
+    out = b.call(_combine, left, host, name="out")
+    b.output(out)
+    graph = b.build()
+    plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
+    placement = tuple(
+        Placement.STREAM if n.name in streams else plan.placement[n.index] for n in graph.nodes
+    )
+    return graph, dataclasses.replace(plan, placement=placement)
+
+
+def test_stream_plan_for_takes_roles_from_placement_and_targets() -> None:
+    graph, plan = _graph_with_stream_nodes(["pair", "left", "right", "out"])
+    sp = stream_plan_for(graph, plan, 2, default_device=1)
+    idx = {n.name: n.index for n in graph.nodes}
+    assert [sp.roles[idx[k]] for k in ("pair", "first", "left", "host", "out")] == [
+        C, A, C, H, C,
+    ]
+    assert {sp.device[idx[k]] for k in ("pair", "left", "right", "out")} == {1}
+    assert sp.stream[idx["left"]] == sp.stream[idx["pair"]]
+    assert sp.stream[idx["right"]] != sp.stream[idx["pair"]]
+    assert sp.host_waits[idx["host"]] == (idx["right"],)
+    assert sp.fence[idx["out"]]
+    assert sp.output_waits == (idx["out"],)
+
+
+def test_stream_plan_for_without_stream_nodes_is_empty() -> None:
+    graph, plan = _graph_with_stream_nodes([])
+    sp = stream_plan_for(graph, plan, 4)
+    assert not sp.has_cuda
+    assert sp.streams_used == ()
+    assert all(not w for w in sp.host_waits)
+
+
+def test_node_role_of_aten_prim_ops() -> None:
+    b = GraphBuilder()
+    x = b.input("x")
+    size = b.call(torch.ops.aten.sym_size.int, x, 0, name="size")
+    item = b.call(torch.ops.aten._local_scalar_dense.default, x, name="item")
+    scal = b.call(torch.ops.aten.scalar_tensor.default, 1.0, name="scal")
+    n = b.call(len, x, name="n")
+    b.output((size, item, scal, n))
+    graph = b.build()
+    graph.values[graph.node("item").output].spec = ScalarSpec(float, None, fixed=False)
+    plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
+    roles = {node.name: node_role(graph, plan, node.index) for node in graph.nodes}
+    assert roles == {"size": M, "item": S, "scal": H, "n": M}
+
+
+# =============================================================================================
+# 2. The cuda layer on a simulated GPU
+# =============================================================================================
+
+
+class FakeEvent:
+    """A CUDA event: `record` enqueues a marker; `query` is true once the marker has run."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.token: int | None = None
+        self.synchronized = 0
+
+    def record(self, stream: FakeStream) -> None:
+        self.token = self.gpu.new_token()
+        stream.queue.append(("record", self.token))
+
+    def query(self) -> bool:
+        # a broken (deadlocked) simulation completes everything, so the test ends and reports
+        return self.token is None or self.token in self.gpu.done_tokens or self.gpu.broken
+
+    def synchronize(self) -> None:
+        assert self.query(), "synchronize() on a pending event would block the host"
+        self.synchronized += 1
+
+
+class FakeStream:
+    """An in-order queue of records, waits and kernels."""
+
+    def __init__(self, gpu: FakeGpu, name: str) -> None:
+        self.gpu = gpu
+        self.name = name
+        self.queue: deque[tuple[Any, ...]] = deque()
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.queue.append(("wait", event.token))  # waits for the record made before the call
+
+    def wait_stream(self, other: FakeStream) -> None:
+        event = FakeEvent(self.gpu)
+        event.record(other)
+        self.wait_event(event)
+
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.name}>"
+
+
+class FakeGpu:
+    """Streams run in order; at each step one random runnable stream advances by one op."""
+
+    def __init__(self, seed: int = 0, devices: int = 2) -> None:
+        self.rng = random.Random(seed)
+        self.streams: list[FakeStream] = []
+        self.default = [self.stream(f"default{d}") for d in range(devices)]
+        self.current: FakeStream | None = None
+        self.done_tokens: set[int] = set()
+        self.done_kernels: set[Any] = set()
+        self.launched: set[Any] = set()
+        self.errors: list[str] = []
+        self._tokens = 0
+
+    def stream(self, name: str) -> FakeStream:
+        s = FakeStream(self, name)
+        self.streams.append(s)
+        return s
+
+    def new_token(self) -> int:
+        self._tokens += 1
+        return self._tokens
+
+    def launch(self, name: Any, needs: set[Any], stream: FakeStream | None = None) -> None:
+        target = stream or self.current or self.default[0]
+        self.launched.add(name)
+        target.queue.append(("kernel", name, frozenset(needs)))
+
+    def runnable(self) -> list[FakeStream]:
+        out = []
+        for s in self.streams:
+            if s.queue:
+                op = s.queue[0]
+                if op[0] != "wait" or op[1] is None or op[1] in self.done_tokens:
+                    out.append(s)
+        return out
+
+    def step(self) -> bool:
+        ready = self.runnable()
+        if not ready:
+            if any(s.queue for s in self.streams) and not self.errors:
+                self.errors.append("deadlock: every non-empty stream waits")
+            return False
+        op = self.rng.choice(ready).queue.popleft()
+        if op[0] == "record":
+            self.done_tokens.add(op[1])
+        elif op[0] == "kernel":
+            missing = op[2] - self.done_kernels
+            if missing:
+                self.errors.append(f"kernel {op[1]} ran before {sorted(map(str, missing))}")
+            self.done_kernels.add(op[1])
+        return True
+
+    @property
+    def broken(self) -> bool:
+        return bool(self.errors)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            for _ in range(self.rng.randint(0, 3)):
+                self.step()
+            await asyncio.sleep(0)
+
+
+class FakeBackend:
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.recorded: list[tuple[Any, FakeStream]] = []
+
+    def new_stream(self, device: int) -> FakeStream:
+        return self.gpu.stream(f"d{device}#{len(self.gpu.streams)}")
+
+    def new_event(self) -> FakeEvent:
+        return FakeEvent(self.gpu)
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: FakeStream) -> Iterator[None]:
+        previous, self.gpu.current = self.gpu.current, stream
+        try:
+            yield
+        finally:
+            self.gpu.current = previous
+
+    def host_streams(self, device: int) -> list[FakeStream]:
+        return [self.gpu.default[device]]
+
+    def record_stream(self, value: Any, stream: FakeStream) -> None:
+        self.recorded.append((value, stream))
+
+
+FAST = PollPolicy(spin_s=0.0, max_delay_s=0.0)
+
+
+class Oracle:
+    """What the GPU semantics require, computed without the planner."""
+
+    def __init__(self, producers: list[list[int]], roles: list[Role]) -> None:
+        self.producers = producers
+        self.roles = roles
+        n = len(roles)
+        self.origins: list[set[int]] = []
+        self.host_made: list[set[int]] = []
+        for i in range(n):
+            if roles[i] is C:
+                o, h = {i}, set()
+            elif roles[i] is A:
+                o = set().union(*(self.origins[p] for p in producers[i]))
+                h = set().union(*(self.host_made[p] for p in producers[i]))
+            elif roles[i] is H:
+                o, h = set(), {i}
+            else:
+                o, h = set(), set()
+            self.origins.append(o)
+            self.host_made.append(h)
+
+    def read_origins(self, i: int) -> set[int]:
+        return set().union(*(self.origins[p] for p in self.producers[i]))
+
+    def read_host_made(self, i: int) -> set[int]:
+        return set().union(*(self.host_made[p] for p in self.producers[i]))
+
+
+class SimGraph:
+    """A random graph's node calls for the simulated GPU; values[n] holds the execution id."""
+
+    def __init__(
+        self,
+        producers: list[list[int]],
+        roles: list[Role],
+        devices: dict[int, int],
+        gpu: FakeGpu,
+        num_devices: int,
+    ) -> None:
+        self.producers = producers
+        self.roles = roles
+        self.devices = devices
+        self.gpu = gpu
+        self.num_devices = num_devices
+        self.oracle = Oracle(producers, roles)
+        self.n = len(roles)
+        self.calls = [self._call(i) for i in range(self.n)]
+
+    def _call(self, i: int) -> Any:
+        gpu, oracle, role, n = self.gpu, self.oracle, self.roles[i], self.n
+
+        def call(values: list[Any]) -> Any:
+            ex = values[n]
+            if role is C:
+                dev = self.devices.get(i, 0)
+                needs: set[tuple[Any, ...]] = {("k", ex, o) for o in oracle.read_origins(i)}
+                needs |= {("h", ex, h, dev) for h in oracle.read_host_made(i)}
+                needs.add(("in", ex, dev))
+                gpu.launch(("k", ex, i), needs)
+            elif role in (S, H):
+                missing = {("k", ex, o) for o in oracle.read_origins(i)} - gpu.done_kernels
+                if missing:
+                    gpu.errors.append(f"host node {i} read {sorted(map(str, missing))} early")
+                if role is H:  # a host kernel that makes a GPU tensor on every device
+                    for d in range(self.num_devices):
+                        gpu.launch(("h", ex, i, d), set(), gpu.default[d])
+            return (ex, i)
+
+        return call
+
+    def expected_record_stream(self, plan: StreamPlan, i: int) -> set[int]:
+        key = plan.key(i)
+        return {
+            p for p in self.producers[i]
+            if any(plan.key(o) != key for o in self.oracle.origins[p])
+        }
+
+
+async def simulate(
+    sim: SimGraph,
+    gpu_state: FrameStreams,
+    ex: int,
+    backend: FakeBackend,
+    rng: random.Random,
+    outputs: Sequence[int],
+) -> None:
+    """One execution, driven like the scheduler: each node runs when its producers have,
+    host nodes await their events, ready nodes interleave at random."""
+    gpu = sim.gpu
+    n = sim.n
+    for d in range(sim.num_devices):  # the caller's inputs, still being written
+        gpu.launch(("in", ex, d), set(), gpu.default[d])
+    values: list[Any] = [None] * n + [ex]
+    done = [asyncio.get_running_loop().create_future() for _ in range(n)]
+    runtime = gpu_state.runtime
+
+    async def node(i: int) -> None:
+        for p in sim.producers[i]:
+            await done[p]
+        for _ in range(rng.randint(0, 2)):
+            await asyncio.sleep(0)
+        if runtime.needs_host_wait[i] and not gpu_state.host_ready(i):
+            await gpu_state.wait_host(i)
+        values[i] = gpu_state.calls[i](values)
+        done[i].set_result(None)
+
+    gpu_state.begin()
+    stream_set = gpu_state.stream_set
+    assert stream_set is not None
+    try:
+        await asyncio.gather(*(node(i) for i in range(n)))
+        await gpu_state.wait_outputs()
+        for o in outputs:
+            for origin in sim.oracle.origins[o]:
+                assert ("k", ex, origin) in gpu.done_kernels, f"output {o} not ready"
+    finally:
+        assert not await gpu_state.finish()
+    mine = {k for k in gpu.launched if k[0] == "k" and k[1] == ex}  # on the executor's streams
+    assert mine <= gpu.done_kernels, gpu.errors or "finish() returned with GPU work in flight"
+    plan = runtime.plan
+    recorded = {(v, s) for v, s in backend.recorded if v[0] == ex}
+    expected = {
+        ((ex, p), stream_set.by_node[i])
+        for i in plan.cuda_nodes
+        for p in sim.expected_record_stream(plan, i)
+    }
+    assert recorded == expected
+
+
+roles_st = st.sampled_from([C, C, C, A, M, S, H])
+
+
+@st.composite
+def random_graphs(draw: st.DrawFn) -> tuple[list[list[int]], list[Role], dict[int, int], int]:
+    n = draw(st.integers(1, 14))
+    num_devices = draw(st.integers(1, 2))
+    producers: list[list[int]] = []
+    roles: list[Role] = []
+    devices: dict[int, int] = {}
+    for i in range(n):
+        k = draw(st.integers(0, min(i, 3)))
+        producers.append(sorted(draw(st.sets(st.integers(0, i - 1), min_size=k, max_size=k)))
+                         if i else [])
+        roles.append(draw(roles_st))
+        devices[i] = draw(st.integers(0, num_devices - 1))
+    return producers, roles, devices, num_devices
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    graph=random_graphs(),
+    streams=st.integers(1, 4),
+    executions=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_random_graphs_on_a_simulated_gpu(
+    graph: tuple[list[list[int]], list[Role], dict[int, int], int],
+    streams: int,
+    executions: int,
+    seed: int,
+) -> None:
+    producers, roles, devices, num_devices = graph
+    outputs = sorted({len(roles) - 1, seed % len(roles)})
+    plan = plan_streams(producers, roles, streams, devices=devices, outputs=outputs)
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        gpu = FakeGpu(seed, num_devices)
+        backend = FakeBackend(gpu)
+        sim = SimGraph(producers, roles, devices, gpu, num_devices)
+        runtime = CudaRuntime(
+            plan, range(len(roles)), max_stream_sets=2, backend=backend, poll=FAST
+        )
+        frames = [runtime.frame_state(sim.calls) for _ in range(executions)]
+        stop = asyncio.Event()
+        gpu_task = asyncio.create_task(gpu.run(stop))
+
+        async def frame_runs(k: int) -> None:  # two executions per frame, frames concurrently
+            for rep in range(2):
+                await simulate(sim, frames[k], 10 * k + rep, backend, rng, outputs)
+
+        try:  # the GPU keeps running until every execution has finished, failed or not
+            async with asyncio.timeout(20), asyncio.TaskGroup() as group:
+                for k in range(executions):
+                    group.create_task(frame_runs(k))
+        finally:
+            stop.set()
+            await gpu_task
+        assert gpu.errors == [], plan.describe()
+        assert runtime.pool.in_use == 0
+        assert len(runtime.pool.sets) <= 2
+
+    asyncio.run(main())
+
+
+# -- pool, lease and waits -----------------------------------------------------------------------
+
+
+def _diamond_runtime(
+    gpu: FakeGpu, max_sets: int = 2, streams: int = 2
+) -> tuple[CudaRuntime, FakeBackend]:
+    plan = plan_streams([[], [0], [0], [1, 2]], [C] * 4, streams, outputs=[3])
+    backend = FakeBackend(gpu)
+    runtime = CudaRuntime(plan, range(4), max_stream_sets=max_sets, backend=backend, poll=FAST)
+    return runtime, backend
+
+
+def test_pool_gives_concurrent_executions_distinct_stream_sets() -> None:
+    gpu = FakeGpu()
+    runtime, _ = _diamond_runtime(gpu, max_sets=3)
+    pool = runtime.pool
+    sets = [pool.acquire() for _ in range(3)]
+    streams = [set(map(id, s.streams.values())) for s in sets]
+    assert all(len(s) == 2 for s in streams)
+    assert not (streams[0] & streams[1]) and not (streams[1] & streams[2])
+    assert pool.in_use == 3
+    assert len(gpu.streams) == 2 + 6  # two default streams, two per set, created lazily
+
+
+def test_pool_reuses_idle_sets_before_creating_and_shares_when_exhausted() -> None:
+    gpu = FakeGpu()
+    runtime, _ = _diamond_runtime(gpu, max_sets=2)
+    pool = runtime.pool
+    a = pool.acquire()
+    pool.release(a)
+    assert pool.acquire() is a  # an idle set is reused, no new streams
+    b = pool.acquire()
+    assert b is not a
+    c = pool.acquire()  # exhausted: shares the least-used set
+    assert c in (a, b) and c.users == 2
+    d = pool.acquire()
+    assert d is not c  # the other one now has fewer users
+    assert len(pool.sets) == 2
+    for s in (a, b, c, d):
+        pool.release(s)
+    assert pool.in_use == 0
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release(a)
+
+
+def test_pool_maps_cuda_nodes_to_their_planned_streams() -> None:
+    gpu = FakeGpu()
+    runtime, _ = _diamond_runtime(gpu)
+    stream_set = runtime.pool.acquire()
+    plan = runtime.plan
+    for i in plan.cuda_nodes:
+        assert stream_set.by_node[i] is stream_set.streams[plan.key(i)]
+    with pytest.raises(ValueError, match="max_sets"):
+        StreamPool(plan, 0, FakeBackend(gpu))
+
+
+def test_run_enqueues_waits_kernels_record_stream_and_events_in_order() -> None:
+    gpu = FakeGpu()
+    runtime, backend = _diamond_runtime(gpu)
+    values: list[Any] = [None] * 4
+
+    def kernel(i: int) -> Any:
+        def call(v: list[Any]) -> Any:
+            gpu.launch(i, set())
+            return f"v{i}"
+
+        return call
+
+    state = runtime.frame_state([kernel(i) for i in range(4)])
+    with pytest.raises(RuntimeError, match="outside begin"):
+        state.calls[0](values)
+    state.begin()
+    with pytest.raises(RuntimeError, match="twice"):
+        state.begin()
+    stream_set = state.stream_set
+    assert stream_set is not None
+    s0: Any = stream_set.streams[(0, 0)]
+    s1: Any = stream_set.streams[(0, 1)]
+    for i in range(4):
+        values[i] = state.calls[i](values)
+    # each stream first waits for the caller's stream (begin), then runs its nodes
+    assert [op[0] for op in s0.queue] == ["wait", "kernel", "record", "kernel", "record"]
+    assert [op[0] for op in s1.queue] == ["wait", "wait", "kernel", "wait", "kernel", "record"]
+    assert backend.recorded == [("v0", s1), ("v1", s1)]
+
+
+async def test_wait_events_polls_without_blocking_then_synchronizes() -> None:
+    gpu = FakeGpu()
+    stream = gpu.stream("s")
+    events = [FakeEvent(gpu) for _ in range(3)]
+    for e in events:
+        e.record(stream)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def gpu_later() -> None:
+        await asyncio.sleep(0.005)
+        while gpu.step():
+            pass
+
+    tick_task = asyncio.create_task(ticker())
+    gpu_task = asyncio.create_task(gpu_later())
+    await wait_events(events, PollPolicy(spin_s=1e-4, max_delay_s=1e-3))
+    tick_task.cancel()
+    await gpu_task
+    assert all(e.query() and e.synchronized == 1 for e in events)
+    assert ticks > 3  # the loop kept running other tasks meanwhile
+
+
+async def test_wait_events_is_cancellable() -> None:
+    gpu = FakeGpu()
+    event = FakeEvent(gpu)
+    event.record(gpu.stream("s"))  # never runs
+    task = asyncio.create_task(wait_events([event], FAST))
+    await asyncio.sleep(0.002)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert event.synchronized == 0
+
+
+async def test_finish_waits_for_the_gpu_through_cancellation() -> None:
+    gpu = FakeGpu()
+    runtime, _ = _diamond_runtime(gpu)
+
+    def kernel(i: int) -> Any:
+        return lambda v: gpu.launch(i, set())
+
+    state = runtime.frame_state([kernel(i) for i in range(4)])
+
+    async def execution() -> None:
+        await run_in_order(state, [None] * 4)
+
+    task = asyncio.create_task(execution())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert runtime.pool.in_use == 1
+    task.cancel()  # while finish() waits on a GPU that has not started
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not task.done()  # still waiting for the GPU, not abandoning the frame
+    assert runtime.pool.in_use == 1
+    task.cancel()  # a second cancellation is absorbed as well
+    while gpu.step():
+        pass
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert runtime.pool.in_use == 0
+    assert gpu.launched <= gpu.done_kernels
+
+
+async def test_finish_without_begin_is_a_no_op() -> None:
+    runtime, _ = _diamond_runtime(FakeGpu())
+    state = runtime.frame_state([lambda v: None] * 4)
+    assert await state.finish() is False
+
+
+async def test_run_in_order_with_host_nodes_waits_for_their_events() -> None:
+    gpu = FakeGpu(seed=3)
+    producers = [[], [0], [0], [1, 2], [3]]
+    roles = [C, C, C, C, H]
+    sim = SimGraph(producers, roles, {}, gpu, 1)
+    plan = plan_streams(producers, roles, 2, outputs=[4])
+    runtime = CudaRuntime(
+        plan, range(5), max_stream_sets=1, backend=FakeBackend(gpu), poll=FAST
+    )
+    state = runtime.frame_state(sim.calls)
+    stop = asyncio.Event()
+    gpu_task = asyncio.create_task(gpu.run(stop))
+    values: list[Any] = [None] * 5 + [0]
+    for d in range(1):
+        gpu.launch(("in", 0, d), set(), gpu.default[d])
+    try:
+        await run_in_order(state, values)
+    finally:
+        stop.set()
+        await gpu_task
+    assert gpu.errors == []
+    assert values[4] == (0, 4)
+
+
+def test_cuda_runtime_checks_value_ids() -> None:
+    plan = plan_streams([[]], [C], 1)
+    with pytest.raises(ValueError, match="value ids"):
+        CudaRuntime(plan, [0, 1], max_stream_sets=1, backend=FakeBackend(FakeGpu()))
+
+
+def test_protect_outputs_records_the_callers_stream_on_gpu_tensors_only() -> None:
+    gpu = FakeGpu()
+    runtime, backend = _diamond_runtime(gpu)
+    state = runtime.frame_state([lambda v: None] * 4)
+    state.protect_outputs([torch.ones(2), 3, (torch.zeros(1),)])
+    assert backend.recorded == []  # CPU tensors need nothing
+
+
+@pytest.mark.skipif(CUDA, reason="checks the message on a machine without CUDA")
+def test_torch_backend_without_cuda_says_so_plainly() -> None:
+    backend = TorchCudaBackend()  # constructing it touches nothing
+    with pytest.raises(RuntimeError, match=r"torch.cuda.is_available\(\) is False"):
+        backend.new_stream(0)
+
+
+def test_move_inputs_to_device_moves_only_mismatched_tensors() -> None:
+    cpu = torch.ones(2)
+    spec_cpu = TensorSpec(torch.float32, torch.device("cpu"), (2,), (2,))
+    spec_meta = TensorSpec(torch.float32, torch.device("meta"), (2,), (2,))
+    moved = move_inputs_to_device([cpu, cpu, 5], [spec_cpu, spec_meta, None])
+    assert moved[0] is cpu
+    assert moved[1].device.type == "meta"
+    assert moved[2] == 5
+
+
+# =============================================================================================
+# 3. Real GPUs (skipped without one)
+# =============================================================================================
+
+
+class Branches(torch.nn.Module):
+    """Independent branches of small matmuls: on one stream they serialise; on several the
+    GPU can overlap them."""
+
+    def __init__(self, width: int = 4, depth: int = 4, dim: int = 64) -> None:
+        super().__init__()
+        self.branches = torch.nn.ModuleList(
+            torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(depth)])
+            for _ in range(width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.relu(b(x)) for b in self.branches]).sum(0)
+
+
+def gpu_program(
+    model: torch.nn.Module, x: torch.Tensor, streams: int, max_sets: int = 2
+) -> tuple[Any, CudaRuntime]:
+    """Executor parts for a CUDA program, run by `run_in_order` (independent of the scheduler)."""
+    from asyncgraph.executor import Executor
+
+    ep = torch.export.export(model, (x,))
+    ex = Executor(ep, ExecutorConfig())
+    costs = [float(k.cost) for k in ex.kernels]
+    sp = stream_plan_for(ex.graph, ex.plan, streams, costs=costs,
+                         default_device=torch.cuda.current_device())
+    runtime = CudaRuntime(sp, ex.plan.outputs, max_stream_sets=max_sets)
+    return ex, runtime
+
+
+async def run_gpu(ex: Any, state: FrameStreams, x: torch.Tensor) -> list[Any]:
+    plan = ex.plan
+    values = list(ex.weights.template(plan.weight_slots, plan.num_values))
+    for slot in plan.token_slots:
+        values[slot] = torch.empty(0)
+    (slot,) = plan.user_input_slots
+    values[slot] = x
+    with torch.inference_mode():
+        await run_in_order(state, values)
+    outputs = [values[o.arg.id] for o in ex.graph.signature.user_outputs]
+    state.protect_outputs(outputs)
+    return outputs
+
+
+@needs_gpu
+@pytest.mark.parametrize("streams", [1, 4])
+async def test_gpu_results_equal_eager(streams: int) -> None:
+    torch.manual_seed(0)
+    model = Branches().cuda().eval()
+    x = torch.randn(32, 64, device="cuda")
+    ex, runtime = gpu_program(model, x, streams)
+    assert len(runtime.plan.streams_used) == min(streams, 4)
+    state = runtime.frame_state(ex.plan.calls)
+    for _ in range(3):
+        x = torch.randn(32, 64, device="cuda")
+        (out,) = await run_gpu(ex, state, x)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x))
+    await ex.aclose()
+
+
+@needs_gpu
+async def test_gpu_concurrent_executions_use_distinct_streams_and_agree() -> None:
+    torch.manual_seed(0)
+    model = Branches().cuda().eval()
+    x = torch.randn(32, 64, device="cuda")
+    ex, runtime = gpu_program(model, x, streams=2, max_sets=4)
+    states = [runtime.frame_state(ex.plan.calls) for _ in range(4)]
+    xs = [torch.randn(32, 64, device="cuda") for _ in states]
+    outs = await asyncio.gather(*(run_gpu(ex, s, xi) for s, xi in zip(states, xs, strict=True)))
+    assert len(runtime.pool.sets) == 4
+    ids = [set(map(id, s.streams.values())) for s in runtime.pool.sets]
+    assert all(not (ids[i] & ids[j]) for i in range(4) for j in range(i))
+    with torch.no_grad():
+        for (out,), xi in zip(outs, xs, strict=True):
+            torch.testing.assert_close(out, model(xi))
+    await ex.aclose()
+
+
+def _sleep_graph(cycles: int, branches: int) -> tuple[Any, ExecutionPlan]:
+    """Branches of `torch.cuda._sleep` kernels, marked STREAM as CUDA nodes."""
+
+    def spin(x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+        return x + 1
+
+    def total(*xs: torch.Tensor) -> torch.Tensor:
+        return torch.stack(xs).sum(0)
+
+    b = GraphBuilder()
+    x = b.input("x")
+    tails = [b.call(spin, b.call(spin, x)) for _ in range(branches)]
+    b.output(b.call(total, *tails))
+    graph = b.build()
+    plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
+    return graph, dataclasses.replace(plan, placement=(Placement.STREAM,) * len(graph.nodes))
+
+
+@needs_gpu
+async def test_gpu_branches_overlap_on_several_streams_and_the_loop_stays_free() -> None:
+    cycles = 50_000_000  # tens of milliseconds per kernel on current GPUs
+    graph, plan = _sleep_graph(cycles, branches=4)
+    elapsed = {}
+    for streams in (1, 4):
+        sp = stream_plan_for(graph, plan, streams, default_device=torch.cuda.current_device())
+        runtime = CudaRuntime(sp, plan.outputs, max_stream_sets=1)
+        state = runtime.frame_state(plan.calls)
+        values: list[Any] = [None] * plan.num_values
+        values[plan.user_input_slots[0]] = torch.zeros(4, device="cuda")
+        torch.cuda.synchronize()
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        tick_task = asyncio.create_task(ticker())
+        start = time.perf_counter()
+        await run_in_order(state, values)
+        elapsed[streams] = time.perf_counter() - start
+        tick_task.cancel()
+        assert values[plan.outputs[-1]].tolist() == [8.0] * 4
+        # the loop ran its other task all along: about one tick per ms of GPU time
+        assert ticks > elapsed[streams] * 1000 / 4
+    assert elapsed[4] < 0.6 * elapsed[1], elapsed
+
+
+@needs_gpu
+async def test_gpu_mixed_cpu_and_gpu_nodes() -> None:
+    def gpu_op(x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
+        return x * 2
+
+    def to_host(x: torch.Tensor) -> torch.Tensor:  # a CPU node reading a GPU value
+        return x.cpu() + 1
+
+    def back(x: torch.Tensor) -> torch.Tensor:  # a CPU node making a GPU tensor
+        return x.to("cuda") * 3
+
+    b = GraphBuilder()
+    x = b.input("x")
+    g = b.call(gpu_op, x, name="g")
+    h = b.call(to_host, g, name="h")
+    c = b.call(back, h, name="c")
+    out = b.call(gpu_op, c, name="out")
+    b.output((h, out))
+    graph = b.build()
+    plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
+    streams_at = {graph.node(n).index for n in ("g", "out")}
+    plan = dataclasses.replace(plan, placement=tuple(
+        Placement.STREAM if i in streams_at else p for i, p in enumerate(plan.placement)
+    ))
+    sp = stream_plan_for(graph, plan, 2, default_device=torch.cuda.current_device())
+    assert sp.host_waits[graph.node("h").index] == (graph.node("g").index,)
+    runtime = CudaRuntime(sp, plan.outputs, max_stream_sets=1)
+    state = runtime.frame_state(plan.calls)
+    values: list[Any] = [None] * plan.num_values
+    values[plan.user_input_slots[0]] = torch.arange(4.0, device="cuda")
+    await run_in_order(state, values)
+    assert values[graph.node("h").output].tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert values[graph.node("out").output].tolist() == [6.0, 18.0, 30.0, 42.0]
+
+
+@needs_gpu
+async def test_gpu_cancellation_waits_for_kernels_in_flight() -> None:
+    graph, plan = _sleep_graph(200_000_000, branches=2)
+    sp = stream_plan_for(graph, plan, 2, default_device=torch.cuda.current_device())
+    runtime = CudaRuntime(sp, plan.outputs, max_stream_sets=1)
+    state = runtime.frame_state(plan.calls)
+    values: list[Any] = [None] * plan.num_values
+    values[plan.user_input_slots[0]] = torch.zeros(4, device="cuda")
+    task = asyncio.create_task(run_in_order(state, values))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert runtime.pool.in_use == 0
+    (stream_set,) = runtime.pool.sets
+    streams: list[Any] = list(stream_set.streams.values())
+    assert all(s.query() for s in streams)  # nothing left in flight
+
+
+_SANITIZER_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_streams import Branches, gpu_program, run_gpu
+
+    async def main():
+        torch.manual_seed(0)
+        model = Branches().cuda().eval()
+        x = torch.randn(32, 64, device="cuda")
+        ex, runtime = gpu_program(model, x, streams=4)
+        state = runtime.frame_state(ex.plan.calls)
+        for _ in range(3):
+            (out,) = await run_gpu(ex, state, x)
+            out.sum().item()
+        await ex.aclose()
+
+    asyncio.run(main())
+    print("ok")
+    """
+)
+
+
+@needs_gpu
+def test_gpu_sanitizer_finds_no_race() -> None:
+    script = _SANITIZER_SCRIPT.format(tests=os.path.dirname(__file__))
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "CSAN" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("ok")
+
+
+@needs_gpu
+async def test_gpu_executor_with_cuda_streams() -> None:
+    """Through the Executor once the scheduler runs STREAM nodes on streams."""
+    if "cuda_streams" not in {f.name for f in dataclasses.fields(ExecutorConfig)}:
+        pytest.skip("the scheduler integration (ExecutorConfig.cuda_streams) has not landed")
+    from asyncgraph.executor import Executor
+
+    torch.manual_seed(0)
+    model = Branches().cuda().eval()
+    x = torch.randn(32, 64, device="cuda")
+    ep = torch.export.export(model, (x,))
+    config = ExecutorConfig(cuda_streams=4)  # type: ignore[call-arg]
+    async with Executor(ep, config) as ex:
+        xs = [torch.randn(32, 64, device="cuda") for _ in range(8)]
+        outs = await asyncio.gather(*(ex.execute(xi) for xi in xs))
+        with torch.no_grad():
+            for out, xi in zip(outs, xs, strict=True):
+                torch.testing.assert_close(out, model(xi))
