@@ -102,5 +102,12 @@ def _has_kernel(op: torch._ops.OpOverload, keys: tuple[str, ...]) -> bool:
 
 
 def _on_cuda(node: Node, graph: Graph) -> bool:
+    """A node producing a CUDA tensor; for multi-output ops (no single output spec), one
+    reading a CUDA tensor."""
     spec = graph.values[node.output].spec
-    return isinstance(spec, TensorSpec) and spec.device.type == "cuda"
+    if isinstance(spec, TensorSpec):
+        return spec.device.type == "cuda"
+    return any(
+        isinstance(s, TensorSpec) and s.device.type == "cuda"
+        for s in (graph.values[v].spec for v in node.inputs())
+    )
