@@ -148,7 +148,10 @@ class InputValidator:
             raise InputValidationError(
                 f"{path}.dtype: expected {spec.dtype}, got {value.dtype}", path
             )
-        if value.device.type != spec.device.type:
+        want = spec.device
+        if value.device.type != want.type or (
+            want.index is not None and value.device.index != want.index
+        ):
             raise InputValidationError(
                 f"{path}.device: expected {spec.device}, got {value.device}", path
             )

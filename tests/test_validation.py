@@ -98,3 +98,16 @@ async def test_validation_can_be_disabled_but_count_is_kept() -> None:
         torch.testing.assert_close(out, [torch.zeros(3)])
         with pytest.raises(InputValidationError, match="expected 2 input"):
             await ex.execute_flat([torch.ones(3)])
+
+
+def test_device_index_is_checked() -> None:
+    from asyncgraph.graph import TensorSpec
+    from asyncgraph.validation import InputValidator
+
+    b = asyncgraph.GraphBuilder()
+    b.output(b.call(lambda t: t, b.input("x"), name="ident"))
+    graph = b.build()
+    validator = InputValidator(graph)
+    validator.specs = [TensorSpec(torch.float32, torch.device("meta", 0), (2,), (2,))]
+    with pytest.raises(InputValidationError, match=r"^args\[0\]\.device: expected meta:0, got"):
+        validator.check([torch.empty(2, device="meta")])
