@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from asyncgraph.compare import random_flat_inputs
 from asyncgraph.errors import InputValidationError
-from asyncgraph.graph import Graph, ScalarSpec, TensorSpec
+from asyncgraph.graph import Graph, ScalarSpec
 
 INPUT_SUFFIXES = (".pt", ".pth", ".npy", ".safetensors")
 
@@ -30,38 +31,10 @@ def input_names(graph: Graph) -> list[str]:
 
 def random_inputs(graph: Graph, seed: int = 0) -> list[Any]:
     """Flat user inputs that fit the signature: example shapes, random values."""
-    gen = torch.Generator().manual_seed(seed)
-    flat: list[Any] = []
-    for spec_in in graph.signature.user_inputs:
-        value = graph.values[spec_in.value]
-        spec = value.spec
-        if isinstance(spec, TensorSpec):
-            flat.append(_random_tensor(spec, gen))
-        elif isinstance(spec, ScalarSpec):
-            flat.append(spec.value if spec.value is not None or spec.fixed else spec.type(1))
-        else:
-            raise InputValidationError(
-                f"input {value.name!r}: the program records no dtype and shape for it; "
-                "give its value with --input",
-                value.name,
-            )
-    return flat
-
-
-def _random_tensor(spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
-    shape = tuple(spec.hint)
-    dtype = spec.dtype
-    if dtype == torch.bool:
-        t = torch.randint(0, 2, shape, generator=gen).bool()
-    elif dtype.is_floating_point or dtype.is_complex:
-        t = torch.randn(shape, generator=gen, dtype=dtype)
-    else:
-        # small non-negative integers: valid as indices, token ids and counts in most models
-        t = torch.randint(0, 8, shape, generator=gen).to(dtype)
-    device = spec.device
-    if device.type == "cuda" and torch.cuda.is_available():
-        t = t.to(device)
-    return t
+    try:
+        return random_flat_inputs(graph, seed)
+    except ValueError as exc:
+        raise InputValidationError(f"{exc} (give its value with --input)") from None
 
 
 def load_inputs(graph: Graph, sources: Sequence[str]) -> list[Any]:

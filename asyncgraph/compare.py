@@ -152,7 +152,17 @@ def _spec_text(spec: pytree.TreeSpec) -> str:
 def random_inputs(
     graph: Graph, seed: int = 0, *, vary_dims: bool = False
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Random `(args, kwargs)` that fit the graph's signature.
+    """Random `(args, kwargs)` that fit the graph's signature (see random_flat_inputs)."""
+    flat = random_flat_inputs(graph, seed, vary_dims=vary_dims)
+    in_spec = graph.signature.in_spec
+    if in_spec is None:
+        return tuple(flat), {}
+    args, kwargs = pytree.tree_unflatten(flat, in_spec)
+    return tuple(args), dict(kwargs)
+
+
+def random_flat_inputs(graph: Graph, seed: int = 0, *, vary_dims: bool = False) -> list[Any]:
+    """Random flat user inputs that fit the graph's signature, in signature order.
 
     Tensors get the exported example's sizes, or with `vary_dims` a size for every symbolic
     dimension drawn from its range (capped at twice the example size); dimensions that are
@@ -181,14 +191,10 @@ def random_inputs(
             flat.append(_random_scalar(spec, ranges, bound, rng))
         else:
             raise ValueError(
-                f"input {spec_in.target}: the program does not record what it expects "
-                "(no example value), so no random input can be made for it"
+                f"input {spec_in.target}: no tensor spec or example value is recorded for it, "
+                "so no random input can be made; pass the inputs yourself"
             )
-    in_spec = sig.in_spec
-    if in_spec is None:
-        return tuple(flat), {}
-    args, kwargs = pytree.tree_unflatten(flat, in_spec)
-    return tuple(args), dict(kwargs)
+    return flat
 
 
 def _size(

@@ -27,9 +27,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from asyncgraph.compare import random_flat_inputs
 from asyncgraph.config import ExecutorConfig
 from asyncgraph.executor import Executor
-from asyncgraph.graph import Graph, ScalarSpec, TensorSpec
 from asyncgraph.kernels import KernelKind
 
 
@@ -82,30 +82,7 @@ def example_inputs(ex: Executor) -> list[Any]:
         leaves = torch.utils._pytree.tree_leaves(saved)
         if len(leaves) == len(ex.graph.signature.user_inputs):
             return list(leaves)
-    return _random_inputs(ex.graph)
-
-
-def _random_inputs(graph: Graph) -> list[Any]:
-    gen = torch.Generator().manual_seed(0)
-    flat: list[Any] = []
-    for spec_in in graph.signature.user_inputs:
-        value = graph.values[spec_in.value]
-        spec = value.spec
-        if isinstance(spec, TensorSpec):
-            if spec.dtype == torch.bool:
-                t = torch.randint(0, 2, spec.hint, generator=gen).bool()
-            elif spec.dtype.is_floating_point or spec.dtype.is_complex:
-                t = torch.randn(spec.hint, generator=gen, dtype=spec.dtype)
-            else:
-                t = torch.randint(0, 8, spec.hint, generator=gen).to(spec.dtype)
-            flat.append(t.to(spec.device))
-        elif isinstance(spec, ScalarSpec) and spec.value is not None:
-            flat.append(spec.value)
-        else:
-            raise ValueError(
-                f"input {spec_in.target or value.name}: the program records no example for it"
-            )
-    return flat
+    return random_flat_inputs(ex.graph)
 
 
 async def collect(

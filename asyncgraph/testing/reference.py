@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from asyncgraph.graph import WEIGHT_KINDS, InputKind, OutputKind, Ref, ScalarSpec, TensorSpec
+from asyncgraph.compare import random_flat_inputs
+from asyncgraph.graph import WEIGHT_KINDS, InputKind, OutputKind, Ref
 from asyncgraph.importers import Program, ProgramLike, to_program
 from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.validation import InputValidator
@@ -140,40 +141,11 @@ def _bind(arg: Any, values: list[Any]) -> Any:
 
 
 def random_inputs(program: ProgramLike, rng: random.Random | int = 0) -> list[Any]:
-    """Flat user inputs for `program`, from its signature's specs and example shapes.
-
-    Floating tensors are standard normal, integer tensors small non-negative integers, bools
-    random; fixed scalars take their exported value. Raises ValueError when an input has no
-    spec (graphs made with GraphBuilder): pass your own inputs then.
-    """
-    prog = to_program(program)
+    """Flat user inputs for `program`, from its signature's specs and example shapes
+    (asyncgraph.compare.random_flat_inputs). Raises ValueError when an input has no spec
+    (graphs made with GraphBuilder): pass your own inputs then."""
     rng = rng if isinstance(rng, random.Random) else random.Random(rng)
-    gen = torch.Generator().manual_seed(rng.getrandbits(63))
-    out: list[Any] = []
-    for spec_in in prog.graph.signature.user_inputs:
-        spec = prog.graph.values[spec_in.value].spec
-        path = spec_in.target or prog.graph.values[spec_in.value].name
-        if isinstance(spec, TensorSpec):
-            out.append(_random_tensor(spec, gen))
-        elif isinstance(spec, ScalarSpec) and spec.fixed:
-            out.append(spec.value)
-        else:
-            raise ValueError(
-                f"input {path}: no tensor spec or fixed value to make a random input from; "
-                "pass an `inputs` function"
-            )
-    return out
-
-
-def _random_tensor(spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
-    shape = spec.hint
-    if spec.dtype.is_floating_point or spec.dtype.is_complex:
-        t = torch.randn(shape, generator=gen, dtype=torch.float64).to(spec.dtype)
-    elif spec.dtype is torch.bool:
-        t = torch.randint(0, 2, shape, generator=gen).bool()
-    else:
-        t = torch.randint(0, 8, shape, generator=gen).to(spec.dtype)
-    return t.to(spec.device)
+    return random_flat_inputs(to_program(program).graph, rng.getrandbits(63))
 
 
 def perturbed_weights(weights: Mapping[str, Any], rng: random.Random | int = 0) -> dict[str, Any]:
