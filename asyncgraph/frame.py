@@ -15,6 +15,8 @@ import asyncio
 import threading
 from typing import Any
 
+import torch
+
 from asyncgraph.placement import NodeTimes
 from asyncgraph.plan import ExecutionPlan, Placement
 
@@ -62,7 +64,7 @@ class ExecutionFrame:
         for slot, value in zip(plan.user_input_slots, inputs, strict=True):
             values[slot] = value
         for slot in plan.token_slots:
-            values[slot] = _token()
+            values[slot] = torch.empty(0)  # a fresh effect token per execution
         self.counts[:] = plan.producer_counts
         self.reads[:] = plan.read_counts
         self.pending = 0
@@ -90,8 +92,3 @@ class ExecutionFrame:
     def __repr__(self) -> str:
         return f"<ExecutionFrame {self.id} pending={self.pending} finished={self.finished}>"
 
-
-def _token() -> Any:
-    import torch
-
-    return torch.empty(0)

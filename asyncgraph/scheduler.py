@@ -112,8 +112,7 @@ class Scheduler:
         """Stop dispatching and cancel the frame's async kernels (loop thread)."""
         with frame.lock:
             frame.stopped = True
-        for task in list(frame.tasks):
-            task.cancel()
+        self._cancel_tasks(frame)
 
     # -- units -----------------------------------------------------------------------------
 
