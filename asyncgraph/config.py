@@ -43,6 +43,8 @@ class ExecutorConfig:
             loop is more than half busy running inline kernels.
         profile_executions: profiled executions per input-shape signature.
         heavy_node_us: measured (best) time from which a CPU node is worth a worker thread.
+        max_fused_nodes: the longest run of consecutive inline nodes compiled into one
+            straight-line function (a unit); 1 runs every node as its own unit.
         trace: record a span per node (thread, start, end) for traces and tests.
         ready_order_seed: when set, ready nodes are taken in a seeded random order instead of
             graph order; differential tests use it to shake out ordering bugs.
@@ -61,6 +63,7 @@ class ExecutorConfig:
     adaptive_placement: bool = True
     profile_executions: int = 3
     heavy_node_us: float = 80.0
+    max_fused_nodes: int = 32
     trace: bool = False
     ready_order_seed: int | None = None
 
@@ -87,5 +90,7 @@ class ExecutorConfig:
             raise ValueError(f"profile_executions must be >= 1, got {self.profile_executions}")
         if self.heavy_node_us < 0:
             raise ValueError(f"heavy_node_us must be >= 0, got {self.heavy_node_us}")
+        if self.max_fused_nodes < 1:
+            raise ValueError(f"max_fused_nodes must be >= 1, got {self.max_fused_nodes}")
         if self.heavy_op_flops < 0:
             raise ValueError(f"heavy_op_flops must be >= 0, got {self.heavy_op_flops}")

@@ -32,6 +32,7 @@ from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.placement import AdaptivePlacement, PlacementStatistics
 from asyncgraph.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.pool import FramePool, FramePoolStatistics
+from asyncgraph.schedule import ScheduleCache
 from asyncgraph.scheduler import Scheduler
 from asyncgraph.trace import TraceRecorder
 from asyncgraph.validation import InputValidator
@@ -86,6 +87,11 @@ class Executor:
             if self.config.adaptive_placement
             else None
         )
+        self._schedules = ScheduleCache(
+            self.graph, self.plan, self.kernels, self.config.max_fused_nodes
+        )
+        # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
+        self._fuse = not self.config.trace and self.config.ready_order_seed is None
         self._weights = Weights(self.program.weights)
         self._validator = InputValidator(self.graph, self.config.max_unbounded_int)
         self.recorder = TraceRecorder(self.graph) if self.config.trace else None
@@ -156,10 +162,13 @@ class Executor:
             self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
         self._started += 1
         placement, times = (
-            self._adaptive.choose(flat) if self._adaptive is not None else (None, None)
+            self._adaptive.choose(flat)
+            if self._adaptive is not None
+            else (self.plan.placement, None)
         )
+        schedule = self._schedules.get(placement, fused=self._fuse and times is None)
         try:
-            frame.load(self._weights_template(), flat, execution, placement, times)
+            frame.load(self._weights_template(), flat, execution, schedule, times)
             await self._scheduler.run(frame)
             outputs = self._take_outputs(frame, flat)
             if times is not None and self._adaptive is not None:

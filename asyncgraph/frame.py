@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from asyncgraph.placement import NodeTimes
-from asyncgraph.plan import ExecutionPlan, Placement
+from asyncgraph.plan import ExecutionPlan
+from asyncgraph.schedule import Schedule
 
 
 class ExecutionFrame:
@@ -26,14 +27,14 @@ class ExecutionFrame:
 
     __slots__ = (
         "counts", "errors", "execution_id", "finished", "id", "last_used", "lock", "pending",
-        "placement", "plan", "reads", "rng", "stopped", "tasks", "times", "values", "waiter",
+        "plan", "reads", "rng", "schedule", "stopped", "tasks", "times", "values", "waiter",
     )
 
     def __init__(self, plan: ExecutionPlan, frame_id: int) -> None:
         self.id = frame_id
         self.plan = plan
         self.values: list[Any] = [None] * plan.num_values
-        self.counts: list[int] = list(plan.producer_counts)
+        self.counts: list[int] = []  # per unit of the loaded schedule
         self.reads: list[int] = list(plan.read_counts)
         self.lock = threading.Lock()
         self.pending = 0
@@ -45,7 +46,7 @@ class ExecutionFrame:
         self.execution_id = 0
         self.last_used = 0.0
         self.rng: Any = None
-        self.placement = plan.placement
+        self.schedule: Schedule | None = None
         self.times: NodeTimes | None = None
 
     def load(
@@ -53,11 +54,11 @@ class ExecutionFrame:
         template: list[Any],
         inputs: list[Any],
         execution_id: int,
-        placement: tuple[Placement, ...] | None = None,
+        schedule: Schedule,
         times: NodeTimes | None = None,
     ) -> None:
-        """Start an execution: weights from `template`, the user inputs, fresh counters, and
-        where its nodes run (`times` collects node times while placement is profiled)."""
+        """Start an execution: weights from `template`, the user inputs, the units it runs
+        and their fresh counters (`times` collects node times while placement is profiled)."""
         plan = self.plan
         values = self.values
         values[:] = template
@@ -65,14 +66,14 @@ class ExecutionFrame:
             values[slot] = value
         for slot in plan.token_slots:
             values[slot] = torch.empty(0)  # a fresh effect token per execution
-        self.counts[:] = plan.producer_counts
+        self.counts[:] = schedule.producer_counts
         self.reads[:] = plan.read_counts
         self.pending = 0
         self.stopped = False
         self.finished = False
         self.errors.clear()
         self.execution_id = execution_id
-        self.placement = placement if placement is not None else plan.placement
+        self.schedule = schedule
         self.times = times
 
     def finish(self) -> None:

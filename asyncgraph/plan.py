@@ -5,7 +5,7 @@ producers_), and shared read-only by every execution:
 
 - `calls[i]`: node i compiled to a function of the frame's value list (generated code, so
   binding arguments costs one Python call instead of a walk over the argument structure);
-- `users[i]`, `producer_counts[i]`: the dataflow edges; an execution copies the counts;
+- `users[i]`: the dataflow edges (schedule.py groups nodes into units and counts producers);
 - `read_counts[v]`, `frees[i]`: how many nodes read value v, and which values node i may be
   the last reader of, so intermediates are dropped as soon as their last reader has run, in
   whatever order a parallel run takes;
@@ -47,12 +47,10 @@ class ExecutionPlan:
     calls: tuple[Callable[[list[Any]], Any], ...]
     outputs: tuple[int, ...]
     users: tuple[tuple[int, ...], ...]
-    users_reversed: tuple[tuple[int, ...], ...]
-    producer_counts: tuple[int, ...]
-    roots: tuple[int, ...]
     read_counts: tuple[int, ...]
     frees: tuple[tuple[int, ...], ...]
     keep_output: tuple[bool, ...]
+    retained: tuple[bool, ...]  # node's value is never freed: an output, or freeing is off
     placement: tuple[Placement, ...]
     user_input_slots: tuple[int, ...]
     token_slots: tuple[int, ...]
@@ -83,12 +81,6 @@ def choose_placement(node: Node, kernel: OpKernel, config: ExecutorConfig) -> Pl
 def build_plan(graph: Graph, kernels: list[OpKernel], config: ExecutorConfig) -> ExecutionPlan:
     """Compute the plan of `graph` with one kernel per node."""
     users = graph.user_nodes()
-    producer_counts = []
-    for node in graph.nodes:
-        producers = {graph.values[v].producer for v in node.inputs()}
-        producers.discard(None)
-        producer_counts.append(len(producers))
-
     sig = graph.signature
     pinned = {spec.value for spec in sig.inputs if spec.kind in WEIGHT_KINDS}
     for out in sig.outputs:
@@ -101,9 +93,11 @@ def build_plan(graph: Graph, kernels: list[OpKernel], config: ExecutorConfig) ->
             read_counts[v] += 1
         can_free = config.free_values_after_use
         frees.append(tuple(v for v in reads if v not in pinned) if can_free else ())
+    retained = tuple(
+        n.output in pinned or not config.free_values_after_use for n in graph.nodes
+    )
     keep_output = tuple(
-        read_counts[n.output] > 0 or n.output in pinned or not config.free_values_after_use
-        for n in graph.nodes
+        read_counts[n.output] > 0 or kept for n, kept in zip(graph.nodes, retained, strict=True)
     )
 
     return ExecutionPlan(
@@ -111,12 +105,10 @@ def build_plan(graph: Graph, kernels: list[OpKernel], config: ExecutorConfig) ->
         calls=compile_calls(graph, kernels),
         outputs=tuple(n.output for n in graph.nodes),
         users=tuple(tuple(u) for u in users),
-        users_reversed=tuple(tuple(reversed(u)) for u in users),
-        producer_counts=tuple(producer_counts),
-        roots=tuple(i for i, c in enumerate(producer_counts) if c == 0),
         read_counts=tuple(read_counts),
         frees=tuple(frees),
         keep_output=keep_output,
+        retained=retained,
         placement=tuple(
             choose_placement(n, k, config) for n, k in zip(graph.nodes, kernels, strict=True)
         ),
@@ -141,27 +133,39 @@ def compile_calls(
     namespace: dict[str, Any] = {}
     lines: list[str] = []
     for node, kernel in zip(graph.nodes, kernels, strict=True):
-        emit = _Emitter(namespace, node.index)
-        args = [emit(a) for a in node.args]
-        args += [f"{k}={emit(v)}" for k, v in node.kwargs.items()]
         fn = f"f{node.index}"
         namespace[fn] = kernel.fn
-        lines.append(f"def n{node.index}(v):\n    return {fn}({', '.join(args)})\n")
+        args = emit_args(node, namespace, _slot)
+        lines.append(f"def n{node.index}(v):\n    return {fn}({args})\n")
     exec(compile("\n".join(lines), "<asyncgraph plan>", "exec"), namespace)
     return tuple(namespace[f"n{node.index}"] for node in graph.nodes)
+
+
+def emit_args(node: Node, namespace: dict[str, Any], name: Callable[[Ref], str]) -> str:
+    """The argument list of a call to `node`'s kernel as Python source; `name(ref)` writes a
+    value read (a frame slot or a local), constants are bound in `namespace`."""
+    emit = _Emitter(namespace, node.index, name)
+    args = [emit(a) for a in node.args]
+    args += [f"{k}={emit(v)}" for k, v in node.kwargs.items()]
+    return ", ".join(args)
+
+
+def _slot(ref: Ref) -> str:
+    return f"v[{ref.id}]"
 
 
 class _Emitter:
     """Writes an argument structure as a Python expression over the value list `v`."""
 
-    def __init__(self, namespace: dict[str, Any], index: int) -> None:
+    def __init__(self, namespace: dict[str, Any], index: int, name: Callable[[Ref], str]) -> None:
         self.namespace = namespace
         self.index = index
+        self.name = name
         self.count = 0
 
     def __call__(self, arg: Any) -> str:
         if isinstance(arg, Ref):
-            return f"v[{arg.id}]"
+            return self.name(arg)
         if type(arg) is tuple and any(True for _ in iter_refs(arg)):
             return "(" + "".join(f"{self(a)}, " for a in arg) + ")"
         if type(arg) is list and any(True for _ in iter_refs(arg)):

@@ -2,12 +2,13 @@
 
 Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
 
-- A *unit* is a run of nodes on one thread. It runs a node, drops values past their last use,
-  decrements its users' producer counts, and keeps going with the users that became ready and
-  may run where it is; the others are handed off: heavy CPU nodes to the worker threads, async
-  nodes to tasks on the loop. A chain therefore costs no scheduling round trip, and a chain of
-  heavy nodes stays on its worker without a hop back to the loop.
-- On the loop thread a unit runs inline nodes for at most `loop_slice_s`, then yields.
+- The frame's Schedule says what a unit is: one node, or a run of inline nodes fused into one
+  function (schedule.py). A *work item* runs units on one thread: it runs a unit, drops values
+  past their last use, decrements its users' producer counts, and keeps going with the users
+  that became ready and may run where it is; the others are handed off: heavy CPU units to the
+  worker threads, async ones to tasks on the loop. A chain therefore costs no scheduling round
+  trip, and a chain of heavy nodes stays on its worker without a hop back to the loop.
+- On the loop thread a work item runs inline units for at most `loop_slice_s`, then yields.
 - State: only the frame (values, counts, reads, `pending` units, `stopped`, `errors`). Counters
   change under the frame's lock. The unit that brings `pending` to zero ends the execution and
   wakes the awaiting caller once, on the loop thread.
@@ -30,6 +31,7 @@ from asyncgraph.config import ExecutorConfig
 from asyncgraph.frame import ExecutionFrame
 from asyncgraph.graph import Graph
 from asyncgraph.plan import ExecutionPlan, Placement
+from asyncgraph.schedule import Schedule
 from asyncgraph.trace import TraceRecorder
 from asyncgraph.workers import WorkerPool
 
@@ -120,16 +122,17 @@ class Scheduler:
         frame.pending = 1
         stack: list[int] = []
         handoff: list[int] = []
-        roots = list(self.plan.roots)
+        schedule = _schedule(frame)
+        roots = list(schedule.roots)
         if frame.rng is not None:
             frame.rng.shuffle(roots)
-        placement = frame.placement
+        where = schedule.where
         offload = self.config.adaptive_placement and self._loop_busy > 0.5
-        for node in reversed(roots):
-            if placement[node] in (_INLINE, _STREAM) and not offload:
-                stack.append(node)
+        for unit in reversed(roots):
+            if where[unit] in (_INLINE, _STREAM) and not offload:
+                stack.append(unit)
             else:
-                handoff.append(node)
+                handoff.append(unit)
         frame.pending += len(handoff)
         self._hand_off(frame, handoff, on_worker=False)
         self._run_on_loop(frame, stack)
@@ -154,41 +157,39 @@ class Scheduler:
         self._window_busy += end - start
 
     def _drain(self, frame: ExecutionFrame, stack: list[int], on_worker: bool) -> None:
-        """The run loop of one unit: run ready nodes from `stack` until none is left here."""
-        plan = self.plan
-        calls, outputs, keep = plan.calls, plan.outputs, plan.keep_output
+        """The run loop of one work item: run ready units from `stack` until none is left
+        here."""
+        schedule = _schedule(frame)
+        calls, stores = schedule.calls, schedule.stores
         values = frame.values
-        recorder = self.recorder
-        times = frame.times
-        timed = recorder is not None or times is not None
+        timed = self.recorder is not None or frame.times is not None
         deadline = 0.0 if on_worker else time.perf_counter() + self.config.loop_slice_s
-        ran = 0
         while stack:
             if frame.stopped:
                 break
-            node = stack.pop()
+            unit = stack.pop()
             start = _clock() if timed else _START
             try:
-                result = calls[node](values)
+                result = calls[unit](values)
             except BaseException as exc:
-                self._fail(frame, node, exc, on_worker)
+                self._fail(frame, schedule.failed_node(unit, exc), exc, on_worker)
                 break
             if timed:
-                self._record(frame, node, start)
-            if keep[node]:
-                values[outputs[node]] = result
+                self._record(frame, schedule.nodes[unit][0], start)
+            store = stores[unit]
+            if store >= 0:
+                values[store] = result
             del result
-            self._complete(frame, node, stack, on_worker)
-            ran += 1
-            if not on_worker and stack and ran % 8 == 0 and time.perf_counter() > deadline:
+            self._complete(frame, unit, stack, on_worker)
+            if not on_worker and stack and time.perf_counter() > deadline:
                 assert self.loop is not None
-                self.loop.call_soon(self._run_on_loop, frame, stack)  # yield; same unit
+                self.loop.call_soon(self._run_on_loop, frame, stack)  # yield; same item
                 return
         self._end_unit(frame, on_worker)
 
     def _record(self, frame: ExecutionFrame, node: int, start: tuple[int, int]) -> None:
         """Profile by thread CPU time (immune to GIL waits and a loaded machine); trace by
-        wall time."""
+        wall time. Timed executions run unfused schedules: one unit per node."""
         wall, cpu = _clock()
         if frame.times is not None:
             frame.times.add(node, cpu - start[1])
@@ -196,25 +197,25 @@ class Scheduler:
             self.recorder.node_span(frame.execution_id, node, start[0], wall)
 
     def _complete(
-        self, frame: ExecutionFrame, node: int, stack: list[int], on_worker: bool
+        self, frame: ExecutionFrame, unit: int, stack: list[int], on_worker: bool
     ) -> None:
         """Free values past their last use, wake users that became ready, route them.
 
         Ready users that may run here go on `stack` (the first ready user on top); the others
         are handed off. Allocation-free unless something is handed off.
         """
-        plan = self.plan
-        placement = frame.placement
+        schedule = _schedule(frame)
+        placement = schedule.where
         values, counts, reads = frame.values, frame.counts, frame.reads
         handoff: list[int] | None = None
         continued = False
         with frame.lock:
-            for v in plan.frees[node]:
+            for v in schedule.frees[unit]:
                 r = reads[v] - 1
                 reads[v] = r
                 if r == 0:
                     values[v] = None
-            users = plan.users_reversed[node]
+            users = schedule.users_reversed[unit]
             if frame.rng is not None:
                 users = tuple(frame.rng.sample(users, len(users)))
             for user in users:
@@ -237,20 +238,20 @@ class Scheduler:
         if handoff is not None:
             self._hand_off(frame, handoff, on_worker)
 
-    def _hand_off(self, frame: ExecutionFrame, nodes: list[int], on_worker: bool) -> None:
-        """Start a new unit for each node; `pending` already counts them."""
-        placement = frame.placement
-        for node in nodes:
-            if placement[node] != _TASK:
-                self.workers.submit(self._run_on_worker_item, frame, node)
+    def _hand_off(self, frame: ExecutionFrame, units: list[int], on_worker: bool) -> None:
+        """Start a new work item for each unit; `pending` already counts them."""
+        where = _schedule(frame).where
+        for unit in units:
+            if where[unit] != _TASK:
+                self.workers.submit(self._run_on_worker_item, frame, unit)
             elif on_worker:
                 assert self.loop is not None
-                self.loop.call_soon_threadsafe(self._start_task, frame, node)
+                self.loop.call_soon_threadsafe(self._start_task, frame, unit)
             else:
-                self._start_task(frame, node)
+                self._start_task(frame, unit)
 
-    def _run_on_worker_item(self, frame: Any, node: int) -> None:
-        self._drain(frame, [node], on_worker=True)
+    def _run_on_worker_item(self, frame: Any, unit: int) -> None:
+        self._drain(frame, [unit], on_worker=True)
 
     def _end_unit(self, frame: ExecutionFrame, on_worker: bool) -> None:
         with frame.lock:
@@ -283,25 +284,29 @@ class Scheduler:
 
     # -- async kernels -----------------------------------------------------------------------
 
-    def _start_task(self, frame: ExecutionFrame, node: int) -> None:
+    def _start_task(self, frame: ExecutionFrame, unit: int) -> None:
+        """An async kernel's unit (always a single node) as a task of the frame."""
         if frame.stopped:
             self._end_unit(frame, on_worker=False)
             return
         assert self.loop is not None
-        task = self.loop.create_task(self._await_kernel(frame, node))
+        task = self.loop.create_task(self._await_kernel(frame, unit))
         frame.tasks.add(task)
         # Bookkeeping lives in the done-callback, not in the coroutine: a task cancelled
         # before its first step never runs any of its code, but its callbacks always run.
-        task.add_done_callback(functools.partial(self._task_done, frame, node))
+        task.add_done_callback(functools.partial(self._task_done, frame, unit))
 
-    async def _await_kernel(self, frame: ExecutionFrame, node: int) -> Any:
+    async def _await_kernel(self, frame: ExecutionFrame, unit: int) -> Any:
         start = _clock()
-        result = await self.plan.calls[node](frame.values)
-        self._record(frame, node, start)
+        schedule = _schedule(frame)
+        result = await schedule.calls[unit](frame.values)
+        self._record(frame, schedule.nodes[unit][0], start)
         return result
 
-    def _task_done(self, frame: ExecutionFrame, node: int, task: asyncio.Task[Any]) -> None:
+    def _task_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:
         frame.tasks.discard(task)
+        schedule = _schedule(frame)
+        node = schedule.nodes[unit][0]
         if task.cancelled():
             if not frame.stopped:  # cancelled by someone else than us: an error of this node
                 self._fail(frame, node, asyncio.CancelledError(), on_worker=False)
@@ -312,11 +317,17 @@ class Scheduler:
             self._fail(frame, node, exc, on_worker=False)
             self._end_unit(frame, on_worker=False)
             return
-        if self.plan.keep_output[node]:
-            frame.values[self.plan.outputs[node]] = task.result()
+        if schedule.stores[unit] >= 0:
+            frame.values[schedule.stores[unit]] = task.result()
         stack: list[int] = []
-        self._complete(frame, node, stack, on_worker=False)
+        self._complete(frame, unit, stack, on_worker=False)
         self._run_on_loop(frame, stack)
+
+
+def _schedule(frame: ExecutionFrame) -> Schedule:
+    schedule = frame.schedule
+    assert schedule is not None, "the frame was not loaded"
+    return schedule
 
 
 def _add_node_note(exc: BaseException, graph: Graph, index: int) -> None:

@@ -1,0 +1,246 @@
+"""Schedule: the graph of units one execution runs, for one placement of the nodes.
+
+A unit is what the scheduler dispatches: one node, or a *fused run* of inline nodes compiled
+into one straight-line function, as torch.fx's codegen writes a whole graph. Inside a run,
+values that never leave it are Python locals deleted after their last use; only values read
+elsewhere (or returned) are stored in the frame. So a run of N cheap ops costs one dispatch,
+one lock and one count update instead of N of each, and reads locals instead of list slots.
+
+Runs are consecutive nodes of the graph's topological order, hence convex: no path leaves a
+run and comes back, and the units form a DAG. A run ends after a node with a user that is not
+inline, so a worker, task or stream node never waits for unrelated inline work, and after
+`max_fused_nodes` nodes, so the loop can check its time slice between units.
+
+Timed executions (adaptive-placement profiling, traces) and seeded ready orders use the
+unfused schedule, where unit i is node i.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncgraph.graph import Graph, Ref
+from asyncgraph.kernels import OpKernel
+from asyncgraph.plan import ExecutionPlan, Placement, emit_args
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Units, their dataflow edges and what each frees, for one node placement."""
+
+    placement: tuple[Placement, ...]  # per node: the placement this schedule was built for
+    calls: tuple[Callable[[list[Any]], Any], ...]  # per unit
+    stores: tuple[int, ...]  # per unit: the slot its call's result goes to; -1 when none
+    nodes: tuple[tuple[int, ...], ...]  # per unit: the nodes it runs, in order
+    where: tuple[Placement, ...]  # per unit
+    users_reversed: tuple[tuple[int, ...], ...]  # per unit: the units reading its values
+    producer_counts: tuple[int, ...]  # per unit
+    roots: tuple[int, ...]
+    frees: tuple[tuple[int, ...], ...]  # per unit: one value id per read of a frame slot
+    fused: bool
+
+    @property
+    def num_units(self) -> int:
+        return len(self.calls)
+
+    def failed_node(self, unit: int, exc: BaseException) -> int:
+        """The node of `unit` whose kernel raised `exc` (from the traceback's line)."""
+        nodes = self.nodes[unit]
+        if len(nodes) == 1:
+            return nodes[0]
+        code = getattr(self.calls[unit], "__code__", None)
+        line = None
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is code:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        lines: dict[int, int] = getattr(self.calls[unit], "node_lines", {})
+        return lines.get(line, nodes[0]) if line is not None else nodes[0]
+
+
+class ScheduleCache:
+    """The schedules of one Executor, built on first use per placement tuple.
+
+    Keyed by the placement tuple's identity: placements come from the plan or from adaptive
+    placement's decided entries, which live as long as the Executor, and hashing a tuple of
+    thousands of entries per execution would cost more than the lookup saves.
+    """
+
+    def __init__(
+        self, graph: Graph, plan: ExecutionPlan, kernels: Sequence[OpKernel], max_fused: int
+    ) -> None:
+        self.graph = graph
+        self.plan = plan
+        self.kernels = kernels
+        self.max_fused = max_fused
+        self._cache: dict[tuple[int, bool], tuple[tuple[Placement, ...], Schedule]] = {}
+
+    def get(self, placement: tuple[Placement, ...], fused: bool) -> Schedule:
+        fused = fused and self.max_fused > 1
+        key = (id(placement), fused)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] is placement:
+            return hit[1]
+        schedule = build_schedule(
+            self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1
+        )
+        self._cache[key] = (placement, schedule)
+        return schedule
+
+    def statistics(self) -> dict[str, int]:
+        schedules = [s for _, s in self._cache.values()]
+        return {
+            "schedules": len(schedules),
+            "fused_units": sum(
+                sum(1 for n in s.nodes if len(n) > 1) for s in schedules if s.fused
+            ),
+        }
+
+
+def build_schedule(
+    graph: Graph,
+    plan: ExecutionPlan,
+    kernels: Sequence[OpKernel],
+    placement: tuple[Placement, ...],
+    max_fused: int,
+) -> Schedule:
+    """Group nodes into units (see the module docstring) and derive the unit graph."""
+    runs = _runs(plan, placement, max_fused)
+    unit_of = [0] * plan.num_nodes
+    for u, run in enumerate(runs):
+        for node in run:
+            unit_of[node] = u
+    producer_of = {plan.outputs[n]: n for n in range(plan.num_nodes)}
+
+    calls: list[Callable[[list[Any]], Any]] = []
+    stores: list[int] = []
+    frees: list[tuple[int, ...]] = []
+    users: list[list[int]] = []
+    producers: list[set[int]] = []
+    for u, run in enumerate(runs):
+        members = set(run)
+        escaping = {
+            plan.outputs[n] for n in run
+            if plan.keep_output[n]
+            and (plan.retained[n] or any(user not in members for user in plan.users[n]))
+        }
+        if len(run) == 1:
+            node = run[0]
+            calls.append(plan.calls[node])
+            stores.append(plan.outputs[node] if plan.keep_output[node] else -1)
+            frees.append(plan.frees[node])
+        else:
+            reads = Counter(v for n in run for v in plan.frees[n])
+            # Values from outside that only this run reads: cleared at their last read.
+            owned = {
+                v for v, k in reads.items()
+                if k == plan.read_counts[v] and producer_of.get(v) not in members
+            }
+            calls.append(_compile_run(graph, plan, kernels, run, escaping, owned, u))
+            stores.append(-1)
+            local = {plan.outputs[n] for n in run} - escaping
+            frees.append(tuple(
+                v for n in run for v in plan.frees[n] if v not in local and v not in owned
+            ))
+        unit_users: list[int] = []
+        for n in run:
+            for user in plan.users[n]:
+                uu = unit_of[user]
+                if uu != u and uu not in unit_users:
+                    unit_users.append(uu)
+        users.append(unit_users)
+        producers.append({
+            unit_of[producer_of[v]]
+            for n in run for v in graph.nodes[n].inputs() if v in producer_of
+        } - {u})
+
+    counts = tuple(len(p) for p in producers)
+    return Schedule(
+        placement=placement,
+        calls=tuple(calls),
+        stores=tuple(stores),
+        nodes=tuple(tuple(r) for r in runs),
+        where=tuple(placement[r[0]] for r in runs),
+        users_reversed=tuple(tuple(reversed(us)) for us in users),
+        producer_counts=counts,
+        roots=tuple(u for u, c in enumerate(counts) if c == 0),
+        frees=tuple(frees),
+        fused=max_fused > 1,
+    )
+
+
+def _runs(plan: ExecutionPlan, placement: tuple[Placement, ...], max_fused: int) -> list[list[int]]:
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for node in range(plan.num_nodes):
+        if placement[node] is not Placement.INLINE:
+            if current:
+                runs.append(current)
+                current = []
+            runs.append([node])
+            continue
+        current.append(node)
+        feeds_elsewhere = any(placement[u] is not Placement.INLINE for u in plan.users[node])
+        if feeds_elsewhere or len(current) >= max_fused:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def _compile_run(
+    graph: Graph,
+    plan: ExecutionPlan,
+    kernels: Sequence[OpKernel],
+    run: list[int],
+    escaping: set[int],
+    owned: set[int],
+    unit: int,
+) -> Callable[[list[Any]], Any]:
+    """One function running `run` in order: locals for its own values, `del` after last use.
+
+    Values in `escaping` are also stored in the frame (`v[id] = t<id> = ...`); frame slots in
+    `owned` are read by this run only and cleared after its last read. Each node's call is on
+    its own line, so a failing kernel is found from the traceback's line number.
+    """
+    namespace: dict[str, Any] = {}
+    produced = {plan.outputs[n] for n in run}
+    last_read: dict[int, int] = {}
+    for position, node in enumerate(run):
+        for v in graph.nodes[node].inputs():
+            if v in produced or v in owned:
+                last_read[v] = position
+
+    def name(ref: Ref) -> str:
+        return f"t{ref.id}" if ref.id in produced else f"v[{ref.id}]"
+
+    body: list[str] = []
+    node_lines: dict[int, int] = {}
+    for position, node in enumerate(run):
+        n = graph.nodes[node]
+        fn = f"f{node}"
+        namespace[fn] = kernels[node].fn
+        out = plan.outputs[node]
+        target = f"v[{out}] = " if out in escaping else ""
+        if out in last_read:
+            target += f"t{out} = "  # unbound when no later node of the run reads it
+        node_lines[len(body) + 2] = node  # line 1 is the def
+        body.append(f"    {target}{fn}({emit_args(n, namespace, name)})")
+        dead = sorted(v for v, p in last_read.items() if p == position)
+        if locals_ := [f"t{v}" for v in dead if v in produced]:
+            body.append(f"    del {', '.join(locals_)}")
+        for v in dead:
+            if v in owned:
+                body.append(f"    v[{v}] = None")
+    source = f"def unit{unit}(v):\n" + "\n".join(body) + "\n"
+    code = compile(source, f"<asyncgraph unit {unit}: nodes {run[0]}..{run[-1]}>", "exec")
+    exec(code, namespace)
+    fn_obj: types.FunctionType = namespace[f"unit{unit}"]
+    fn_obj.node_lines = node_lines  # type: ignore[attr-defined]
+    return fn_obj
