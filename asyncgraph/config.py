@@ -43,6 +43,10 @@ class ExecutorConfig:
             loop is more than half busy running inline kernels.
         profile_executions: profiled executions per input-shape signature.
         heavy_node_us: measured (best) time from which a CPU node is worth a worker thread.
+        fast_bindings: call aten ops through torch's generated Python bindings where one
+            reaches exactly the same overload (kernels/fast_bindings.py): 0.3-1.5 us less per
+            call than the OpOverload. Tensor subclasses' __torch_function__ then sees the
+            binding instead of the OpOverload.
         max_fused_nodes: the longest run of consecutive inline nodes compiled into one
             straight-line function (a unit); 1 runs every node as its own unit.
         trace: record a span per node (thread, start, end) for traces and tests.
@@ -63,6 +67,7 @@ class ExecutorConfig:
     adaptive_placement: bool = True
     profile_executions: int = 3
     heavy_node_us: float = 80.0
+    fast_bindings: bool = True
     max_fused_nodes: int = 32
     trace: bool = False
     ready_order_seed: int | None = None

@@ -71,6 +71,7 @@ class Scheduler:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._seed = config.ready_order_seed
         self._loop_busy = 0.0
+        self._running = 0  # executions between start and finish
         self._window_start = 0.0
         self._window_busy = 0.0
 
@@ -85,14 +86,17 @@ class Scheduler:
         frame.waiter = loop.create_future()
         if self._seed is not None:
             frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
-        self._start(frame)
+        self._running += 1
         try:
+            self._start(frame)
             if not frame.finished:
                 await frame.waiter
         except asyncio.CancelledError:
             self._stop(frame)
             await self._wait_finished(frame)
             raise
+        finally:
+            self._running -= 1
         if frame.errors:
             errors = list(frame.errors)
             frame.errors.clear()
@@ -127,7 +131,11 @@ class Scheduler:
         if frame.rng is not None:
             frame.rng.shuffle(roots)
         where = schedule.where
-        offload = self.config.adaptive_placement and self._loop_busy > 0.5
+        # A lone execution runs inline (the loop still yields every slice): a hop to a worker
+        # only adds latency. Under concurrency a busy loop offloads new executions.
+        offload = (
+            self.config.adaptive_placement and self._running > 1 and self._loop_busy > 0.5
+        )
         for unit in reversed(roots):
             if where[unit] in (_INLINE, _STREAM) and not offload:
                 stack.append(unit)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from asyncgraph.kernels.base import KernelKind, OpKernel
 from asyncgraph.kernels.cost import estimate_cost
+from asyncgraph.kernels.fast_bindings import fast_binding
 from asyncgraph.kernels.higher_order import higher_order_kernel, is_higher_order
 from asyncgraph.kernels.prim import PRIM_ATEN, PRIM_FUNCTIONS
 
@@ -83,7 +84,9 @@ class KernelFactory:
         overload = (
             f"{schema_name}.{op._overloadname}" if op._overloadname != "default" else schema_name
         )
-        fn = getattr(op, "_op", op)  # the C++ callable: skips one Python frame per call
+        fn: Any = getattr(op, "_op", op)  # the C++ callable: skips one Python frame per call
+        if self.config is None or self.config.fast_bindings:  # the arg parser beats _op
+            fn = fast_binding(op, node.kwargs) or fn
         if schema_name in PRIM_ATEN or overload in PRIM_ATEN:
             return OpKernel(fn, KernelKind.PRIM, str(op))
         kind = KernelKind.CUDA if _on_cuda(node, graph) else KernelKind.CPU

@@ -14,8 +14,8 @@ from asyncgraph.plan import ExecutionPlan
 def _plan() -> ExecutionPlan:
     return ExecutionPlan(
         num_values=2, calls=(), outputs=(), users=(),
-        read_counts=(0, 0), frees=(), keep_output=(), retained=(), placement=(), user_input_slots=(),
-        token_slots=(), weight_slots=(),
+        read_counts=(0, 0), frees=(), keep_output=(), retained=(), placement=(),
+        user_input_slots=(), token_slots=(), weight_slots=(),
     )
 
 
