@@ -4,11 +4,19 @@ The plan's first placement comes from estimated cost (kernels/cost.py). Estimate
 "large" matmul may take 20 us, a "small" op may be slow. As TensorFlow's executor marks kernels
 expensive by measured time, and torch.jit's profiling executor specialises after profiled runs,
 after one warm-up execution, the next `profile_executions` executions for each input-shape
-signature time every node (thread CPU time); then
-nodes whose best time reaches `heavy_node_us` run on worker threads and the rest inline (where
-a hop to a thread would cost more than the kernel). A new input-shape signature is profiled
-afresh. Only CPU kernels without an explicit placement hint move; async, prim and CUDA nodes
-keep their places.
+signature time every node (thread CPU time). Then a node goes to a worker thread when a hop
+buys something:
+
+- it is heavy (best time >= `heavy_node_us`) and another heavy node is independent of it
+  (neither its ancestor nor its descendant), so the two can overlap on two cores; or
+- it alone would take longer than the loop's time slice (`loop_slice_us`), so running it
+  inline would stall every other task on the loop.
+
+Everything else runs inline: a heavy node on the graph's serial spine gains nothing from a
+worker but the hop's latency (a transformer's feed-forward matmuls, one after another). Under
+concurrency the scheduler moves whole executions off a busy loop instead. A new input-shape
+signature is profiled afresh. Only CPU kernels without an explicit placement hint move; async,
+prim and CUDA nodes keep their places.
 
 State: one entry per shape signature (at most `max_signatures`, oldest evicted), holding the
 best node times of the profiled runs and, once decided, the placement tuple.
@@ -80,11 +88,14 @@ class AdaptivePlacement:
         *,
         profile_executions: int = 3,
         heavy_node_us: float = 80.0,
+        loop_slice_us: float = 1000.0,
         max_signatures: int = 16,
     ) -> None:
         self.base = plan.placement
+        self.users = plan.users
         self.profile_executions = profile_executions
         self.heavy_node_us = heavy_node_us
+        self.loop_slice_us = loop_slice_us
         self.max_signatures = max_signatures
         self.movable = tuple(
             k.kind is KernelKind.CPU and n.placement_hint is None
@@ -124,13 +135,38 @@ class AdaptivePlacement:
         self._last = entry.placement
 
     def decide(self, best_us: Sequence[float]) -> tuple[Placement, ...]:
-        """Worker for movable nodes whose best time reaches heavy_node_us, inline otherwise."""
+        """Worker for movable nodes that can overlap another heavy node or would overrun the
+        loop's slice; inline for the rest (see the module docstring)."""
         placement = list(self.base)
+        heavy = [us >= self.heavy_node_us for us in best_us]
+        alone = self._without_heavy_peer(heavy)
         for node, us in enumerate(best_us):
             if self.movable[node]:
-                heavy = us >= self.heavy_node_us
-                placement[node] = Placement.WORKER if heavy else Placement.INLINE
+                worker = heavy[node] and (not alone[node] or us >= self.loop_slice_us)
+                placement[node] = Placement.WORKER if worker else Placement.INLINE
         return tuple(placement)
+
+    def _without_heavy_peer(self, heavy: Sequence[bool]) -> list[bool]:
+        """For each heavy node: whether every other heavy node is its ancestor or descendant.
+
+        Reachability as bitsets (Python ints) over the topological order: O(nodes x edges)
+        word operations, computed once per decided shape signature.
+        """
+        n = len(heavy)
+        heavy_bits = sum(1 << i for i in range(n) if heavy[i])
+        ancestors = [0] * n
+        for node in range(n):  # node order is topological: producers come first
+            for user in self.users[node]:
+                ancestors[user] |= ancestors[node] | (1 << node)
+        descendants = [0] * n
+        for node in reversed(range(n)):
+            for user in self.users[node]:
+                descendants[node] |= descendants[user] | (1 << user)
+        return [
+            heavy[i]
+            and not heavy_bits & ~(ancestors[i] | descendants[i] | (1 << i))
+            for i in range(n)
+        ]
 
     @property
     def current(self) -> tuple[Placement, ...]:

@@ -65,3 +65,41 @@ def test_decide_moves_only_cpu_nodes_without_hints() -> None:
     ex = asyncgraph.Executor(b.build())
     adaptive = AdaptivePlacement(ex.graph, ex.plan, ex.kernels)
     assert adaptive.decide([0.0]) == (Placement.WORKER,)
+
+
+def _diamond_of_heavy_nodes() -> asyncgraph.Executor:
+    """x -> a -> b -> (c, d) -> e: a and b on the spine, c and d independent of each other."""
+    b = asyncgraph.GraphBuilder()
+    x = b.input("x")
+    a = b.call(torch.relu, x, name="a")
+    spine = b.call(torch.relu, a, name="b")
+    c = b.call(torch.relu, spine, name="c")
+    d = b.call(torch.relu, spine, name="d")
+    b.output(b.call(torch.add, c, d, name="e"))
+    return asyncgraph.Executor(b.build(), ExecutorConfig(heavy_op_flops=0))
+
+
+def test_heavy_nodes_on_the_serial_spine_run_inline() -> None:
+    ex = _diamond_of_heavy_nodes()
+    adaptive = AdaptivePlacement(ex.graph, ex.plan, ex.kernels, heavy_node_us=80)
+    for node in ex.graph.nodes:  # Python callables start on workers; only measured CPU ops move
+        assert ex.plan.placement[node.index] is Placement.WORKER
+    adaptive.movable = (True,) * 5
+    w, i = Placement.WORKER, Placement.INLINE
+    # all heavy: a, b and e are ancestors or descendants of every other node; c and d overlap
+    assert adaptive.decide([200.0] * 5) == (i, i, w, w, i)
+    # only c heavy: it has no heavy peer, so a hop would buy nothing
+    assert adaptive.decide([1.0, 1.0, 200.0, 1.0, 1.0]) == (i, i, i, i, i)
+    # a node longer than the loop's slice leaves the loop even alone
+    assert adaptive.decide([5000.0, 1.0, 1.0, 1.0, 1.0]) == (w, i, i, i, i)
+
+
+def test_independent_heavy_branches_go_to_workers() -> None:
+    b = asyncgraph.GraphBuilder()
+    x = b.input("x")
+    b.output([b.call(torch.relu, x, name=f"branch{k}") for k in range(4)])
+    ex = asyncgraph.Executor(b.build())
+    adaptive = AdaptivePlacement(ex.graph, ex.plan, ex.kernels, heavy_node_us=80)
+    adaptive.movable = (True,) * 4
+    assert set(adaptive.decide([100.0] * 4)) == {Placement.WORKER}
+    assert set(adaptive.decide([100.0, 1.0, 1.0, 1.0])) == {Placement.INLINE}
