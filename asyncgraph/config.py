@@ -49,6 +49,15 @@ class ExecutorConfig:
             binding instead of the OpOverload.
         max_fused_nodes: the longest run of consecutive inline nodes compiled into one
             straight-line function (a unit); 1 runs every node as its own unit.
+        cuda_streams: CUDA streams per device that one execution spreads its CUDA nodes over
+            (docs/gpu.md): independent branches on different streams can overlap on the GPU;
+            1 runs every CUDA node of an execution in order on one stream. Concurrent
+            executions get stream sets of their own, up to `max_concurrent_executions` sets.
+            Unused by programs without CUDA nodes.
+        move_inputs_to_device: move a tensor input that is on another device than the program
+            was exported for (a CPU tensor for a CUDA program, say) instead of rejecting it;
+            copies to a GPU are enqueued without a host wait. Off by default, because a silent
+            copy per call hides a caller's mistake that costs time on every execution.
         trace: record a span per node (thread, start, end) for traces and tests.
         ready_order_seed: when set, ready nodes are taken in a seeded random order instead of
             graph order; differential tests use it to shake out ordering bugs.
@@ -69,6 +78,8 @@ class ExecutorConfig:
     heavy_node_us: float = 80.0
     fast_bindings: bool = True
     max_fused_nodes: int = 32
+    cuda_streams: int = 4
+    move_inputs_to_device: bool = False
     trace: bool = False
     ready_order_seed: int | None = None
 
@@ -97,5 +108,10 @@ class ExecutorConfig:
             raise ValueError(f"heavy_node_us must be >= 0, got {self.heavy_node_us}")
         if self.max_fused_nodes < 1:
             raise ValueError(f"max_fused_nodes must be >= 1, got {self.max_fused_nodes}")
+        if self.cuda_streams < 1:
+            raise ValueError(
+                f"cuda_streams must be >= 1 (streams per device for one execution), "
+                f"got {self.cuda_streams}"
+            )
         if self.heavy_op_flops < 0:
             raise ValueError(f"heavy_op_flops must be >= 0, got {self.heavy_op_flops}")

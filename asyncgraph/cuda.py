@@ -257,8 +257,8 @@ class FrameStreams:
     """
 
     __slots__ = (
-        "_begin_events", "_end_events", "_events", "_host_waits", "_outputs", "_set", "_waits",
-        "calls", "runtime",
+        "_begin_events", "_end_events", "_events", "_host", "_host_waits", "_outputs", "_set",
+        "_waits", "calls", "runtime",
     )
 
     def __init__(self, runtime: CudaRuntime, calls: Sequence[Callable[[list[Any]], Any]]) -> None:
@@ -275,6 +275,7 @@ class FrameStreams:
         self._begin_events = {d: backend.new_event() for d in plan.devices}
         self._end_events = {key: backend.new_event() for key in plan.streams_used}
         self._set: StreamSet | None = None
+        self._host: dict[int, tuple[Any, ...]] = {}  # per device: the caller's streams
         # CUDA nodes run through `run`; the scheduler calls `calls[i](values)` for every node,
         # so its hot loop needs no test for placement.
         self.calls: tuple[Callable[[list[Any]], Any], ...] = tuple(
@@ -291,14 +292,19 @@ class FrameStreams:
 
         The inputs and weights may have been written by kernels still queued on the caller's
         current (or default) stream; one event per device makes our streams wait for them.
+        Those streams are also what a fenced CUDA node waits on (`run`): host kernels run on
+        the loop thread, whose current stream is the caller's, or on worker threads, whose
+        current stream is the default one; asking `host_streams` again from the thread that
+        enqueues the CUDA node (a worker, possibly) could miss the caller's stream.
         """
         if self._set is not None:
             raise RuntimeError("begin() called twice without finish()")
         runtime = self.runtime
         stream_set = runtime.pool.acquire()
         try:
+            host = {d: tuple(runtime.backend.host_streams(d)) for d in self._begin_events}
             for device, event in self._begin_events.items():
-                for host_stream in runtime.backend.host_streams(device):
+                for host_stream in host[device]:
                     event.record(host_stream)
                     for (d, _), stream in stream_set.streams.items():
                         if d == device:
@@ -306,6 +312,7 @@ class FrameStreams:
         except BaseException:
             runtime.pool.release(stream_set)
             raise
+        self._host = host
         self._set = stream_set
 
     def run(self, node: int, call: Callable[[list[Any]], Any], values: list[Any]) -> Any:
@@ -323,7 +330,7 @@ class FrameStreams:
         if plan.fence[node]:
             device = plan.device[node]
             assert device is not None
-            for host_stream in backend.host_streams(device):
+            for host_stream in self._host[device]:
                 stream.wait_stream(host_stream)
         with backend.use_stream(stream):
             result = call(values)
@@ -415,7 +422,9 @@ def move_inputs_to_device(flat: Sequence[Any], specs: Sequence[ValueSpec | None]
     """Move tensor inputs to the device their spec names (`move_inputs_to_device=True`).
 
     Copies to a GPU are enqueued on the caller's current stream without a host wait
-    (`non_blocking`); `FrameStreams.begin` orders the execution's streams after them.
+    (`non_blocking`); `FrameStreams.begin` orders the execution's streams after them. Copies
+    to the CPU block until the data has arrived: a non-blocking one would hand CPU kernels a
+    tensor the GPU may still be writing, and nothing would order them after it.
     """
     import torch
 
@@ -427,7 +436,7 @@ def move_inputs_to_device(flat: Sequence[Any], specs: Sequence[ValueSpec | None]
         if value.device.type != want.type or (
             want.index is not None and value.device.index != want.index
         ):
-            out[i] = value.to(want, non_blocking=True)
+            out[i] = value.to(want, non_blocking=want.type == "cuda")
     return out
 
 

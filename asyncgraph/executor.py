@@ -6,6 +6,11 @@ WorkUnits -> take the outputs, apply mutations -> clear and return the frame -> 
 
 The Executor holds only what all executions share (plan, weights, pools); everything of one
 execution lives in its frame.
+
+A program with CUDA nodes (placement STREAM) also gets a StreamPlan and a CudaRuntime (the
+stream sets of all its executions); each frame owns the GPU state of its executions, and the
+scheduler enqueues CUDA nodes on their streams (docs/gpu.md). A program without CUDA nodes
+builds none of that and never touches torch.cuda, so CPU-only machines never initialise CUDA.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from asyncgraph import testing
 from asyncgraph.config import ExecutorConfig
+from asyncgraph.cuda import Backend, CudaRuntime, move_inputs_to_device
 from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.frame import ExecutionFrame
 from asyncgraph.graph import Graph, InputKind, OutputKind, Ref
@@ -34,6 +40,7 @@ from asyncgraph.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.pool import FramePool, FramePoolStatistics
 from asyncgraph.schedule import ScheduleCache
 from asyncgraph.scheduler import Scheduler
+from asyncgraph.streams import StreamPlan, stream_plan_for
 from asyncgraph.trace import TraceRecorder
 from asyncgraph.validation import InputValidator
 from asyncgraph.weights import Weights
@@ -62,6 +69,9 @@ class Executor:
     One Executor serves many concurrent callers; at most `max_concurrent_executions` run at
     once and the others wait their turn. Use it as `async with Executor(p) as ex:` or call
     `await ex.aclose()` when done; resources start lazily on the first execution.
+
+    `_cuda_backend` replaces torch.cuda for the GPU layer (asyncgraph.cuda.Backend): tests run
+    programs with CUDA nodes on a simulated GPU with it. Not part of the public API.
     """
 
     def __init__(
@@ -70,6 +80,7 @@ class Executor:
         config: ExecutorConfig | None = None,
         *,
         kernel_factory: KernelFactory | None = None,
+        _cuda_backend: Backend | None = None,
     ) -> None:
         self.config = config if config is not None else ExecutorConfig()
         self.program: Program = to_program(program)
@@ -78,17 +89,33 @@ class Executor:
             kernel_factory or KernelFactory(self.config)
         ).create(self.graph)
         self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
+        self.stream_plan: StreamPlan | None = None
+        self.cuda_runtime: CudaRuntime | None = None
+        if Placement.STREAM in self.plan.placement:  # exactly when the program has CUDA nodes
+            self.stream_plan = stream_plan_for(
+                self.graph, self.plan, self.config.cuda_streams,
+                costs=[float(k.cost) for k in self.kernels],
+            )
+            self.cuda_runtime = CudaRuntime(
+                self.stream_plan, self.plan.outputs,
+                max_stream_sets=self.config.max_concurrent_executions,
+                backend=_cuda_backend,
+            )
         self._adaptive = (
             AdaptivePlacement(
                 self.graph, self.plan, self.kernels,
                 profile_executions=self.config.profile_executions,
                 heavy_node_us=self.config.heavy_node_us,
+                loop_slice_us=self.config.loop_slice_s * 1e6,
             )
             if self.config.adaptive_placement
             else None
         )
+        # A CPU node reading GPU values may have to wait for them: it is never fused.
+        runtime = self.cuda_runtime
         self._schedules = ScheduleCache(
-            self.graph, self.plan, self.kernels, self.config.max_fused_nodes
+            self.graph, self.plan, self.kernels, self.config.max_fused_nodes,
+            unfusable=runtime.needs_host_wait if runtime is not None else None,
         )
         # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
         self._fuse = not self.config.trace and self.config.ready_order_seed is None
@@ -102,7 +129,7 @@ class Executor:
             self.graph, self.plan, self.config, self._workers, self.recorder
         )
         self._pool = FramePool(
-            lambda i: ExecutionFrame(self.plan, i),
+            self._new_frame,
             self.config.max_concurrent_executions,
             self.config.min_frames,
             self.config.frame_cleanup_interval_s,
@@ -143,6 +170,9 @@ class Executor:
         return await self._execute(list(inputs))
 
     async def _execute(self, flat: list[Any]) -> list[Any]:
+        caller_inputs = flat  # user-input mutations are copied back into the caller's tensors
+        if self.config.move_inputs_to_device and len(flat) == self._validator.count:
+            flat = move_inputs_to_device(flat, self._validator.specs)  # before the device check
         if self.config.validate_inputs:
             self._validator.check(flat)
         elif len(flat) != self._validator.count:
@@ -170,7 +200,7 @@ class Executor:
         try:
             frame.load(self._weights_template(), flat, execution, schedule, times)
             await self._scheduler.run(frame)
-            outputs = self._take_outputs(frame, flat)
+            outputs = self._take_outputs(frame, caller_inputs)
             if times is not None and self._adaptive is not None:
                 self._adaptive.finished(flat, times)
         except asyncio.CancelledError:
@@ -188,6 +218,8 @@ class Executor:
     def _take_outputs(self, frame: ExecutionFrame, flat: list[Any]) -> list[Any]:
         values = frame.values
         outputs = [values[a.id] if isinstance(a, Ref) else a for a in self._user_outputs]
+        if frame.gpu is not None:  # the caller's stream will use them: see protect_outputs
+            frame.gpu.protect_outputs(outputs)
         if self._buffer_mutations:
             updates = {str(name): values[a.id] for a, name in self._buffer_mutations}
             self._weights = self._weights.updated(updates)
@@ -195,6 +227,12 @@ class Executor:
             with torch.no_grad():
                 flat[index].copy_(values[arg.id])
         return outputs
+
+    def _new_frame(self, frame_id: int) -> ExecutionFrame:
+        """A frame, with its GPU state (events made once, reused by its executions)."""
+        runtime = self.cuda_runtime
+        gpu = runtime.frame_state(self.plan.calls) if runtime is not None else None
+        return ExecutionFrame(self.plan, frame_id, gpu)
 
     def _weights_template(self) -> list[Any]:
         return self._weights.template(self.plan.weight_slots, self.plan.num_values)

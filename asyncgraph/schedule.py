@@ -9,7 +9,9 @@ one lock and one count update instead of N of each, and reads locals instead of 
 Runs are consecutive nodes of the graph's topological order, hence convex: no path leaves a
 run and comes back, and the units form a DAG. A run ends after a node with a user that is not
 inline, so a worker, task or stream node never waits for unrelated inline work, and after
-`max_fused_nodes` nodes, so the loop can check its time slice between units.
+`max_fused_nodes` nodes, so the loop can check its time slice between units. A node marked
+`unfusable` (a CPU node reading GPU values, which the scheduler may have to start only once the
+GPU has written them: docs/gpu.md) is a unit of its own, and runs end before it.
 
 Timed executions (adaptive-placement profiling, traces) and seeded ready orders use the
 unfused schedule, where unit i is node i.
@@ -72,12 +74,18 @@ class ScheduleCache:
     """
 
     def __init__(
-        self, graph: Graph, plan: ExecutionPlan, kernels: Sequence[OpKernel], max_fused: int
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        kernels: Sequence[OpKernel],
+        max_fused: int,
+        unfusable: Sequence[bool] | None = None,
     ) -> None:
         self.graph = graph
         self.plan = plan
         self.kernels = kernels
         self.max_fused = max_fused
+        self.unfusable = unfusable
         self._cache: dict[tuple[int, bool], tuple[tuple[Placement, ...], Schedule]] = {}
 
     def get(self, placement: tuple[Placement, ...], fused: bool) -> Schedule:
@@ -87,7 +95,8 @@ class ScheduleCache:
         if hit is not None and hit[0] is placement:
             return hit[1]
         schedule = build_schedule(
-            self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1
+            self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1,
+            self.unfusable,
         )
         self._cache[key] = (placement, schedule)
         return schedule
@@ -108,9 +117,13 @@ def build_schedule(
     kernels: Sequence[OpKernel],
     placement: tuple[Placement, ...],
     max_fused: int,
+    unfusable: Sequence[bool] | None = None,
 ) -> Schedule:
-    """Group nodes into units (see the module docstring) and derive the unit graph."""
-    runs = _runs(plan, placement, max_fused)
+    """Group nodes into units (see the module docstring) and derive the unit graph.
+
+    `unfusable[i]`: node i must be a unit of its own even when it is inline.
+    """
+    runs = _runs(plan, placement, max_fused, unfusable)
     unit_of = [0] * plan.num_nodes
     for u, run in enumerate(runs):
         for node in run:
@@ -174,18 +187,27 @@ def build_schedule(
     )
 
 
-def _runs(plan: ExecutionPlan, placement: tuple[Placement, ...], max_fused: int) -> list[list[int]]:
+def _runs(
+    plan: ExecutionPlan,
+    placement: tuple[Placement, ...],
+    max_fused: int,
+    unfusable: Sequence[bool] | None,
+) -> list[list[int]]:
+    alone = [
+        p is not Placement.INLINE or (unfusable is not None and unfusable[i])
+        for i, p in enumerate(placement)
+    ]
     runs: list[list[int]] = []
     current: list[int] = []
     for node in range(plan.num_nodes):
-        if placement[node] is not Placement.INLINE:
+        if alone[node]:
             if current:
                 runs.append(current)
                 current = []
             runs.append([node])
             continue
         current.append(node)
-        feeds_elsewhere = any(placement[u] is not Placement.INLINE for u in plan.users[node])
+        feeds_elsewhere = any(alone[u] for u in plan.users[node])
         if feeds_elsewhere or len(current) >= max_fused:
             runs.append(current)
             current = []

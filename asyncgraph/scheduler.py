@@ -14,6 +14,12 @@ Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
   wakes the awaiting caller once, on the loop thread.
 - Errors and cancellation set `stopped`: nothing new is dispatched, in-flight units drain, and
   the caller is woken only when no thread or task can touch the frame any more.
+- GPU programs (docs/gpu.md): the frame's unit tables make a CUDA unit enqueue its kernel on
+  its stream (it then runs like an inline unit: microseconds, never a host wait) and mark a
+  unit reading GPU values HOST_WAIT, which is handed off: it runs at once if the GPU has
+  written its inputs, or else after awaiting their events as a task of the frame, so no
+  thread ever blocks on the GPU. `run` leases the execution's streams before the roots start
+  and returns only once the GPU has finished the execution's work as well.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 
 from asyncgraph.config import ExecutorConfig
-from asyncgraph.frame import ExecutionFrame
+from asyncgraph.frame import HOST_WAIT, ExecutionFrame
 from asyncgraph.graph import Graph
 from asyncgraph.plan import ExecutionPlan, Placement
 from asyncgraph.schedule import Schedule
@@ -50,6 +56,7 @@ _INLINE = Placement.INLINE
 _WORKER = Placement.WORKER
 _TASK = Placement.TASK
 _STREAM = Placement.STREAM
+_HOST_WAIT = HOST_WAIT
 
 
 class Scheduler:
@@ -80,23 +87,33 @@ class Scheduler:
     async def run(self, frame: ExecutionFrame) -> None:
         """Run the loaded frame to completion; raise its error, or re-raise a cancellation.
 
-        Returns only when no unit is in flight, so the caller may release the frame.
+        Returns only when no unit is in flight and, with a GPU, when none of the execution's
+        GPU work is (its kernels may still write the frame's tensors), so the caller may
+        release the frame. A cancellation while the GPU finishes is absorbed, then re-raised.
         """
         loop = self.loop = asyncio.get_running_loop()
         frame.waiter = loop.create_future()
         if self._seed is not None:
             frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
+        gpu = frame.gpu
+        if gpu is not None:
+            gpu.begin()  # lease a stream set, ordered after the caller's stream
         self._running += 1
+        cancelled: asyncio.CancelledError | None = None
         try:
             self._start(frame)
             if not frame.finished:
                 await frame.waiter
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             self._stop(frame)
             await self._wait_finished(frame)
-            raise
+            cancelled = exc
         finally:
             self._running -= 1
+            if gpu is not None and await gpu.finish() and cancelled is None:
+                cancelled = asyncio.CancelledError()
+        if cancelled is not None:
+            raise cancelled
         if frame.errors:
             errors = list(frame.errors)
             frame.errors.clear()
@@ -130,7 +147,7 @@ class Scheduler:
         roots = list(schedule.roots)
         if frame.rng is not None:
             frame.rng.shuffle(roots)
-        where = schedule.where
+        where = frame.where
         # A lone execution runs inline (the loop still yields every slice): a hop to a worker
         # only adds latency. Under concurrency a busy loop offloads new executions.
         offload = (
@@ -168,7 +185,7 @@ class Scheduler:
         """The run loop of one work item: run ready units from `stack` until none is left
         here."""
         schedule = _schedule(frame)
-        calls, stores = schedule.calls, schedule.stores
+        calls, stores = frame.calls, schedule.stores
         values = frame.values
         timed = self.recorder is not None or frame.times is not None
         deadline = 0.0 if on_worker else time.perf_counter() + self.config.loop_slice_s
@@ -213,7 +230,7 @@ class Scheduler:
         are handed off. Allocation-free unless something is handed off.
         """
         schedule = _schedule(frame)
-        placement = schedule.where
+        placement = frame.where
         values, counts, reads = frame.values, frame.counts, frame.reads
         handoff: list[int] | None = None
         continued = False
@@ -247,16 +264,28 @@ class Scheduler:
             self._hand_off(frame, handoff, on_worker)
 
     def _hand_off(self, frame: ExecutionFrame, units: list[int], on_worker: bool) -> None:
-        """Start a new work item for each unit; `pending` already counts them."""
-        where = _schedule(frame).where
+        """Start a new work item for each unit; `pending` already counts them.
+
+        Async and host-wait units start on the loop: their tasks belong to it.
+        """
+        where = frame.where
+        loop = self.loop
         for unit in units:
-            if where[unit] != _TASK:
-                self.workers.submit(self._run_on_worker_item, frame, unit)
-            elif on_worker:
-                assert self.loop is not None
-                self.loop.call_soon_threadsafe(self._start_task, frame, unit)
+            w = where[unit]
+            if w == _TASK:
+                if on_worker:
+                    assert loop is not None
+                    loop.call_soon_threadsafe(self._start_task, frame, unit)
+                else:
+                    self._start_task(frame, unit)
+            elif w == _HOST_WAIT:
+                if on_worker:
+                    assert loop is not None
+                    loop.call_soon_threadsafe(self._start_host_wait, frame, unit, False)
+                else:
+                    self._start_host_wait(frame, unit, True)
             else:
-                self._start_task(frame, unit)
+                self.workers.submit(self._run_on_worker_item, frame, unit)
 
     def _run_on_worker_item(self, frame: Any, unit: int) -> None:
         self._drain(frame, [unit], on_worker=True)
@@ -306,30 +335,83 @@ class Scheduler:
 
     async def _await_kernel(self, frame: ExecutionFrame, unit: int) -> Any:
         start = _clock()
-        schedule = _schedule(frame)
-        result = await schedule.calls[unit](frame.values)
-        self._record(frame, schedule.nodes[unit][0], start)
+        result = await frame.calls[unit](frame.values)
+        self._record(frame, _schedule(frame).nodes[unit][0], start)
         return result
 
     def _task_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:
-        frame.tasks.discard(task)
+        if self._task_failed(frame, unit, task):
+            return
         schedule = _schedule(frame)
-        node = schedule.nodes[unit][0]
-        if task.cancelled():
-            if not frame.stopped:  # cancelled by someone else than us: an error of this node
-                self._fail(frame, node, asyncio.CancelledError(), on_worker=False)
-            self._end_unit(frame, on_worker=False)
-            return
-        exc = task.exception()
-        if exc is not None:
-            self._fail(frame, node, exc, on_worker=False)
-            self._end_unit(frame, on_worker=False)
-            return
         if schedule.stores[unit] >= 0:
             frame.values[schedule.stores[unit]] = task.result()
         stack: list[int] = []
         self._complete(frame, unit, stack, on_worker=False)
         self._run_on_loop(frame, stack)
+
+    def _task_failed(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> bool:
+        """Forget a finished task of the frame; if it failed or was cancelled, account the
+        failure, end its unit and return True."""
+        frame.tasks.discard(task)
+        node = _schedule(frame).nodes[unit][0]
+        if task.cancelled():
+            if not frame.stopped:  # cancelled by someone else than us: an error of this node
+                self._fail(frame, node, asyncio.CancelledError(), on_worker=False)
+        elif (exc := task.exception()) is not None:
+            self._fail(frame, node, exc, on_worker=False)
+        else:
+            return False
+        self._end_unit(frame, on_worker=False)
+        return True
+
+    # -- CPU units reading GPU values --------------------------------------------------------
+
+    def _start_host_wait(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
+        """A unit whose node reads GPU values (loop thread): run it once the GPU wrote them.
+
+        If its events have completed it continues at once; otherwise a task of the frame
+        awaits them (`FrameStreams.wait_host` polls, the loop never blocks) and the unit
+        continues when it is done. A stop cancels that task like an async kernel's.
+        """
+        if frame.stopped:
+            self._end_unit(frame, on_worker=False)
+            return
+        gpu = frame.gpu
+        assert gpu is not None and self.loop is not None
+        node = _schedule(frame).nodes[unit][0]
+        try:
+            ready = gpu.host_ready(node)
+        except BaseException as exc:  # a CUDA error surfaces at the first query after it
+            self._fail(frame, node, exc, on_worker=False)
+            self._end_unit(frame, on_worker=False)
+            return
+        if ready:
+            self._continue_unit(frame, unit, in_drain)
+            return
+        task = self.loop.create_task(gpu.wait_host(node))
+        frame.tasks.add(task)
+        task.add_done_callback(functools.partial(self._host_wait_done, frame, unit))
+
+    def _host_wait_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:
+        if not self._task_failed(frame, unit, task):
+            self._continue_unit(frame, unit, in_drain=False)
+
+    def _continue_unit(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
+        """Run a host-wait unit whose GPU inputs are ready where its schedule places it.
+
+        An inline unit found ready inside a drain starts on the next loop iteration rather
+        than in a nested drain, so chains of CPU and GPU nodes cannot grow the stack.
+        """
+        where = _schedule(frame).where[unit]
+        if where == _TASK:
+            self._start_task(frame, unit)
+        elif where == _WORKER:
+            self.workers.submit(self._run_on_worker_item, frame, unit)
+        elif in_drain:
+            assert self.loop is not None
+            self.loop.call_soon(self._run_on_loop, frame, [unit])
+        else:
+            self._run_on_loop(frame, [unit])
 
 
 def _schedule(frame: ExecutionFrame) -> Schedule:

@@ -13,6 +13,8 @@ Three parts:
 3. Real-GPU tests, skipped without CUDA: results equal eager on 1 and several streams,
    branches overlap, the loop stays responsive, mixed CPU/GPU graphs, cancellation, and a
    TORCH_CUDA_SANITIZER run.
+
+The same layer run by the Executor's scheduler is tested in test_gpu_executor.py.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -846,6 +849,33 @@ async def test_finish_waits_for_the_gpu_through_cancellation() -> None:
     assert gpu.launched <= gpu.done_kernels
 
 
+def test_a_fenced_node_waits_on_the_callers_streams_from_any_thread() -> None:
+    """The host streams are those of the thread that began the execution: a CUDA node
+    enqueued from a worker thread (whose current stream is the default one) still orders
+    itself after a host kernel that ran on the caller's stream."""
+    gpu = FakeGpu()
+    caller = gpu.stream("caller")
+    local = threading.local()
+
+    class CallerBackend(FakeBackend):
+        def host_streams(self, device: int) -> list[FakeStream]:
+            current: FakeStream | None = getattr(local, "stream", None)
+            default = self.gpu.default[device]
+            return [current, default] if current is not None else [default]
+
+    plan = plan_streams([[], [0]], [H, C], 1)  # a host node, then a CUDA node reading it
+    assert plan.fence[1]
+    runtime = CudaRuntime(plan, range(2), max_stream_sets=1, backend=CallerBackend(gpu))
+    state = runtime.frame_state([lambda v: None, lambda v: None])
+    local.stream = caller
+    state.begin()
+    worker = threading.Thread(target=state.calls[1], args=([None, None],))
+    worker.start()
+    worker.join()
+    # begin's event and the fence's wait_stream were both recorded on the caller's stream
+    assert [op[0] for op in caller.queue] == ["record", "record"]
+
+
 async def test_finish_without_begin_is_a_no_op() -> None:
     runtime, _ = _diamond_runtime(FakeGpu())
     state = runtime.frame_state([lambda v: None] * 4)
@@ -1129,23 +1159,3 @@ def test_gpu_sanitizer_finds_no_race() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "CSAN" not in proc.stderr, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("ok")
-
-
-@needs_gpu
-async def test_gpu_executor_with_cuda_streams() -> None:
-    """Through the Executor once the scheduler runs STREAM nodes on streams."""
-    if "cuda_streams" not in {f.name for f in dataclasses.fields(ExecutorConfig)}:
-        pytest.skip("the scheduler integration (ExecutorConfig.cuda_streams) has not landed")
-    from asyncgraph.executor import Executor
-
-    torch.manual_seed(0)
-    model = Branches().cuda().eval()
-    x = torch.randn(32, 64, device="cuda")
-    ep = torch.export.export(model, (x,))
-    config = ExecutorConfig(cuda_streams=4)  # type: ignore[call-arg]
-    async with Executor(ep, config) as ex:
-        xs = [torch.randn(32, 64, device="cuda") for _ in range(8)]
-        outs = await asyncio.gather(*(ex.execute(xi) for xi in xs))
-        with torch.no_grad():
-            for out, xi in zip(outs, xs, strict=True):
-                torch.testing.assert_close(out, model(xi))

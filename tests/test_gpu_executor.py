@@ -1,0 +1,848 @@
+"""The Executor with CUDA nodes (issue 4): end to end on a simulated GPU, and on a real one.
+
+On the simulated GPU (the fake in-order streams and events of test_streams.py), the graphs are
+GraphBuilder graphs whose `gpu*` nodes a KernelFactory marks as CUDA kernels, so the real
+placement (STREAM), StreamPlan, CudaRuntime, schedules and scheduler run them. A CUDA node's
+callable enqueues a fake kernel on the current stream that needs the kernels which wrote its
+inputs; the simulated GPU runs streams in a random interleaving and reports any kernel that
+starts before one it reads, and a CPU node reports any GPU value it reads before it was
+written. Values are `FakeCudaTensor`s: the data, computed on the host at once, and the kernel
+that writes it on the GPU.
+
+The real-GPU tests at the end skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
+from test_streams import FakeBackend, FakeEvent, FakeGpu, FakeStream
+
+from asyncgraph import Executor, ExecutorConfig, GraphBuilder, InputValidationError
+from asyncgraph.cuda import FrameStreams, move_inputs_to_device
+from asyncgraph.frame import HOST_WAIT
+from asyncgraph.graph import Graph, Node, Ref, TensorSpec
+from asyncgraph.plan import Placement
+from asyncgraph.testing import LeakChecker
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available())")
+
+
+@pytest.fixture
+async def leak_check() -> AsyncIterator[LeakChecker]:
+    """conftest's leak check, except that cuBLAS's per-stream workspaces are dropped first.
+
+    cuBLAS keeps a workspace for every stream it has run on, allocated through the caching
+    allocator, so the first matmul on each of an execution's new streams would read as CUDA
+    memory growth; it is torch's cache, not something an execution left behind.
+    """
+    async with LeakChecker() as checker:
+        yield checker
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        initialized = CUDA and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        if initialized and clear is not None:
+            torch.cuda.synchronize()
+            clear()
+
+
+# =============================================================================================
+# The simulated GPU
+# =============================================================================================
+
+
+class ThreadGpu(FakeGpu):
+    """The fake GPU with a current stream per thread, as torch.cuda's: CUDA units may be
+    enqueued from worker threads while the loop enqueues others."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._local = threading.local()
+        super().__init__(seed, devices=1)
+
+    @property  # type: ignore[override]
+    def current(self) -> FakeStream | None:
+        stream: FakeStream | None = getattr(self._local, "stream", None)
+        return stream
+
+    @current.setter
+    def current(self, stream: FakeStream | None) -> None:
+        self._local.stream = stream
+
+    def drain(self) -> None:
+        while self.step():
+            pass
+
+    def pending_kernels(self) -> set[Any]:
+        """Kernels of CUDA nodes enqueued and not yet run."""
+        return {k for k in self.launched if k[0] == "k"} - self.done_kernels
+
+
+class EagerEvent(FakeEvent):
+    """An event of a GPU that is always idle by the time the host asks: `query` first runs
+    everything enqueued."""
+
+    def query(self) -> bool:
+        assert isinstance(self.gpu, ThreadGpu)
+        self.gpu.drain()
+        return super().query()
+
+
+class EagerBackend(FakeBackend):
+    def new_event(self) -> EagerEvent:
+        return EagerEvent(self.gpu)
+
+
+class FaultyEvent(FakeEvent):
+    """An event whose query reports a CUDA error once the GPU has faulted, as cudaEventQuery
+    reports an earlier kernel's illegal memory access."""
+
+    def query(self) -> bool:
+        if getattr(self.gpu, "fault", False):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().query()
+
+
+class FaultyBackend(FakeBackend):
+    def new_event(self) -> FaultyEvent:
+        return FaultyEvent(self.gpu)
+
+
+class FakeCudaTensor:
+    """A value on the simulated GPU: `data` (computed at once) and the kernel writing it."""
+
+    __slots__ = ("data", "writer")
+
+    def __init__(self, data: Any, writer: Any) -> None:
+        self.data = data
+        self.writer = writer
+
+    def __repr__(self) -> str:
+        return f"FakeCudaTensor({self.data!r}, writer={self.writer!r})"
+
+
+def unwrap(value: Any) -> Any:
+    return value.data if isinstance(value, FakeCudaTensor) else value
+
+
+class Sim:
+    """Makes node callables for the simulated GPU and records where host nodes ran."""
+
+    def __init__(self, gpu: ThreadGpu) -> None:
+        self.gpu = gpu
+        self.ids = itertools.count()
+        self.host_threads: dict[str, str] = {}
+
+    def kernel(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A CUDA node: enqueue a kernel that needs the writers of its inputs."""
+
+        def enqueue(*args: Any) -> FakeCudaTensor:
+            assert self.gpu.current is not None, "a CUDA node ran outside its stream"
+            needs = {a.writer for a in args if isinstance(a, FakeCudaTensor)}
+            name = ("k", fn.__name__, next(self.ids))
+            self.gpu.launch(name, needs)
+            return FakeCudaTensor(fn(*map(unwrap, args)), name)
+
+        enqueue.raw = fn  # type: ignore[attr-defined]
+        return enqueue
+
+    def host(self, fn: Callable[..., Any], makes_gpu_tensor: bool = False) -> Callable[..., Any]:
+        """A CPU node: reads GPU values (they must have been written by then); with
+        `makes_gpu_tensor` it returns a GPU tensor made on its thread's current stream."""
+
+        def run(*args: Any) -> Any:
+            self._check_reads(fn.__name__, args)
+            out = fn(*map(unwrap, args))
+            if makes_gpu_tensor:
+                name = ("h", fn.__name__, next(self.ids))
+                self.gpu.launch(name, set())  # no stream set: the default stream
+                return FakeCudaTensor(out, name)
+            return out
+
+        run.raw = fn  # type: ignore[attr-defined]
+        return run
+
+    def host_async(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """An async CPU node (a task on the loop) reading GPU values."""
+
+        async def run(*args: Any) -> Any:
+            await asyncio.sleep(0)
+            self._check_reads(fn.__name__, args)
+            return fn(*map(unwrap, args))
+
+        run.raw = fn  # type: ignore[attr-defined]
+        return run
+
+    def _check_reads(self, name: str, args: tuple[Any, ...]) -> None:
+        self.host_threads[name] = threading.current_thread().name
+        for a in args:
+            written = not isinstance(a, FakeCudaTensor) or a.writer[0] != "k" or (
+                a.writer in self.gpu.done_kernels
+            )
+            if not written:
+                self.gpu.errors.append(f"host node {name} read {a.writer} before it ran")
+
+    def upload(self, data: Any) -> FakeCudaTensor:
+        """A caller's input, still being written on the caller's (default) stream."""
+        name = ("in", next(self.ids))
+        self.gpu.launch(name, set(), self.gpu.default[0])
+        return FakeCudaTensor(data, name)
+
+
+class CudaNodes(KernelFactory):
+    """Builder graphs' kernels, with every node named `gpu*` a CUDA kernel, as an aten op on
+    a CUDA tensor is (so its placement is STREAM)."""
+
+    def kernel_for(self, node: Node, graph: Graph) -> OpKernel | None:
+        kernel = super().kernel_for(node, graph)
+        if kernel is not None and node.name.startswith("gpu"):
+            return OpKernel(kernel.fn, KernelKind.CUDA, kernel.name, cost=1000)
+        return kernel
+
+
+@contextlib.asynccontextmanager
+async def gpu_running(gpu: ThreadGpu) -> AsyncIterator[None]:
+    """The simulated GPU making progress in the background until the block ends."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(gpu.run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+
+
+@contextlib.asynccontextmanager
+async def gpu_executor(
+    graph: Graph, gpu: ThreadGpu, *, backend: FakeBackend | None = None, **config: Any
+) -> AsyncIterator[Executor]:
+    """An Executor of `graph` on the simulated GPU, closed with the GPU running: aclose waits
+    for executions in flight, which a test that failed while the GPU was paused leaves."""
+    ex = Executor(
+        graph,
+        ExecutorConfig(**{"adaptive_placement": False, **config}),
+        kernel_factory=CudaNodes(),
+        _cuda_backend=backend or FakeBackend(gpu),
+    )
+    try:
+        yield ex
+    finally:
+        async with gpu_running(gpu):
+            await ex.aclose()
+
+
+def reference(graph: Graph, *inputs: Any) -> list[Any]:
+    """The graph's flat outputs computed directly from the node functions' host halves."""
+    env: dict[int, Any] = {}
+    for spec, value in zip(graph.signature.inputs, inputs, strict=True):
+        env[spec.value] = value
+    for node in graph.nodes:
+        args = [env[a.id] if isinstance(a, Ref) else a for a in node.args]
+        env[node.output] = node.target.raw(*args)
+    return [env[o.arg.id] for o in graph.signature.outputs]
+
+
+def index(graph: Graph, name: str) -> int:
+    return graph.node(name).index
+
+
+def add(*xs: int) -> int:
+    return sum(xs)
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+def add_one(x: int) -> int:
+    return x + 1
+
+
+def times_ten(x: int) -> int:
+    return 10 * x
+
+
+def fail(x: int) -> int:
+    raise ValueError("bad kernel")
+
+
+# -- graphs ------------------------------------------------------------------------------------
+
+
+def diamond(sim: Sim) -> Graph:
+    b = GraphBuilder()
+    x = b.input("x")
+    src = b.call(sim.kernel(add_one), x, name="gpu_src")
+    left = b.call(sim.kernel(double), src, name="gpu_left")
+    right = b.call(sim.kernel(add_one), src, name="gpu_right")
+    b.output(b.call(sim.kernel(add), left, right, name="gpu_join"))
+    return b.build()
+
+
+def wide(sim: Sim, width: int = 6, depth: int = 3) -> Graph:
+    """`width` chains of CUDA nodes joined by one; a CPU node reads a chain's GPU value (a
+    host wait) and a worker node turns its result back into a GPU tensor that a CUDA node
+    reads (a fence on the host's streams)."""
+    b = GraphBuilder()
+    x = b.input("x")
+    tails = []
+    for k in range(width):
+        v = x
+        for d in range(depth):
+            v = b.call(sim.kernel(add), v, k + d, name=f"gpu_b{k}_{d}")
+        tails.append(v)
+    read = b.call(sim.host(times_ten), tails[0], name="host_read", placement="inline")
+    made = b.call(sim.host(add_one, True), read, name="host_make", placement="worker")
+    mixed = b.call(sim.kernel(add), made, tails[1], name="gpu_mix")
+    b.output((b.call(sim.kernel(add), *tails, mixed, name="gpu_total"), read))
+    return b.build()
+
+
+# =============================================================================================
+# Results and ordering
+# =============================================================================================
+
+CONFIGS = {
+    "default": {"adaptive_placement": True, "profile_executions": 1},
+    "unfused": {"max_fused_nodes": 1},
+    "shuffled": {"ready_order_seed": 3},
+    "one-stream": {"cuda_streams": 1},
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("seed", range(3))
+async def test_diamond_runs_on_two_streams_in_order(
+    seed: int, config: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu = ThreadGpu(seed)
+    sim = Sim(gpu)
+    graph = diamond(sim)
+    protected: list[list[Any]] = []
+    protect = FrameStreams.protect_outputs
+    monkeypatch.setattr(
+        FrameStreams, "protect_outputs",
+        lambda self, outputs: (protected.append(list(outputs)), protect(self, outputs))[1],
+    )
+    async with gpu_running(gpu), gpu_executor(graph, gpu, **CONFIGS[config]) as ex:
+        sp = ex.stream_plan
+        assert sp is not None and ex.cuda_runtime is not None
+        streams = 1 if config == "one-stream" else 2
+        assert len(sp.streams_used) == streams
+        if streams == 2:  # the second branch waits on the fork's event on the other stream
+            assert sp.waits[index(graph, "gpu_right")] == (index(graph, "gpu_src"),)
+        for k in range(5):
+            out = await ex.execute(sim.upload(k))
+            assert out.data == reference(graph, k)[0] == 3 * k + 4
+            assert gpu.pending_kernels() == set()  # execute returned after the GPU finished
+            assert protected[-1] == [out]
+    assert gpu.errors == [], sp.describe()
+    assert ex.cuda_runtime.pool.in_use == 0
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("seed", range(3))
+async def test_wide_graph_spreads_over_streams_and_reads_after_writes(
+    seed: int, config: str
+) -> None:
+    gpu = ThreadGpu(seed)
+    sim = Sim(gpu)
+    graph = wide(sim)
+    async with gpu_running(gpu), gpu_executor(graph, gpu, **CONFIGS[config]) as ex:
+        sp = ex.stream_plan
+        assert sp is not None and ex.cuda_runtime is not None
+        assert len(sp.streams_used) == (1 if config == "one-stream" else 4)
+        assert ex.cuda_runtime.needs_host_wait[index(graph, "host_read")]
+        assert sp.fence[index(graph, "gpu_mix")]
+        for k in range(4):
+            total, read = await ex.execute(sim.upload(k))
+            assert [total.data, read] == reference(graph, k)
+            assert gpu.pending_kernels() == set()
+    assert gpu.errors == [], sp.describe()
+    assert sim.host_threads["add_one"].startswith("asyncgraph")  # the worker node
+
+
+async def test_a_cpu_node_reading_gpu_values_is_a_unit_of_its_own() -> None:
+    gpu = ThreadGpu()
+    sim = Sim(gpu)
+    b = GraphBuilder()
+    x = b.input("x")
+    g = b.call(sim.kernel(double), x, name="gpu_a")
+    v = b.call(sim.host(add_one), g, name="host_1", placement="inline")
+    v = b.call(sim.host(add_one), v, name="host_2", placement="inline")
+    v = b.call(sim.host(add_one), v, name="host_3", placement="inline")
+    b.output(v)
+    async with gpu_running(gpu), gpu_executor(b.build(), gpu) as ex:
+        schedule = ex._schedules.get(ex.plan.placement, fused=True)
+        # host_1 waits for gpu_a: not fused with host_2 and host_3, which need no wait
+        assert schedule.nodes == ((0,), (1,), (2, 3))
+        assert await ex.execute(sim.upload(4)) == 11
+        (frame,) = ex._pool._idle
+        assert frame.where == (Placement.STREAM, HOST_WAIT, Placement.INLINE)
+        assert frame.gpu is not None and frame.calls[0] is frame.gpu.calls[0]
+    assert gpu.errors == []
+
+
+# =============================================================================================
+# Host waits
+# =============================================================================================
+
+
+def host_reader_graph(sim: Sim, placement: str) -> Graph:
+    b = GraphBuilder()
+    x = b.input("x")
+    g = b.call(sim.kernel(double), x, name="gpu_double")
+    if placement == "task":
+        h = b.call(sim.host_async(add_one), g, name="host_add")
+    else:
+        h = b.call(sim.host(add_one), g, name="host_add", placement=placement)
+    b.output(h)
+    return b.build()
+
+
+@pytest.mark.parametrize("placement", ["inline", "worker", "task"])
+async def test_a_cpu_node_awaits_its_gpu_input_without_blocking_the_loop(placement: str) -> None:
+    gpu = ThreadGpu()
+    sim = Sim(gpu)
+    graph = host_reader_graph(sim, placement)
+    async with gpu_executor(graph, gpu) as ex:
+        assert ex.cuda_runtime is not None
+        assert ex.cuda_runtime.needs_host_wait[index(graph, "host_add")]
+        beats = asyncio.Event()
+
+        async def heartbeat() -> None:
+            for _ in range(100):
+                await asyncio.sleep(0)
+            beats.set()
+            await asyncio.Event().wait()
+
+        beat = asyncio.create_task(heartbeat())
+        execution = asyncio.create_task(ex.execute(sim.upload(5)))
+        try:
+            await beats.wait()  # the loop runs other tasks while the GPU has run nothing
+            assert not execution.done()
+            assert "add_one" not in sim.host_threads  # the CPU node has not run
+            async with gpu_running(gpu):
+                assert await execution == 11
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+    assert gpu.errors == []
+    on_worker = sim.host_threads["add_one"].startswith("asyncgraph")
+    assert on_worker == (placement == "worker")
+
+
+@pytest.mark.parametrize("placement", ["inline", "worker", "task"])
+async def test_a_cpu_node_whose_gpu_input_is_ready_runs_without_a_wait_task(
+    placement: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waits = 0
+    wait_host = FrameStreams.wait_host
+
+    async def counting(self: FrameStreams, node: int) -> None:
+        nonlocal waits
+        waits += 1
+        await wait_host(self, node)
+
+    monkeypatch.setattr(FrameStreams, "wait_host", counting)
+    gpu = ThreadGpu()
+    sim = Sim(gpu)
+    graph = host_reader_graph(sim, placement)
+    async with gpu_executor(graph, gpu, backend=EagerBackend(gpu)) as ex:
+        for k in range(3):
+            execution = asyncio.create_task(ex.execute(sim.upload(k)))
+            while not execution.done():
+                gpu.drain()  # the caller's input and the end-of-stream events
+                await asyncio.sleep(0)
+            assert execution.result() == 2 * k + 1
+    assert waits == 0
+    assert gpu.errors == []
+
+
+# =============================================================================================
+# Concurrency, cancellation, errors
+# =============================================================================================
+
+
+async def test_concurrent_executions_each_get_a_stream_set_of_their_own() -> None:
+    gpu = ThreadGpu(seed=5)
+    sim = Sim(gpu)
+    graph = wide(sim)
+    config = {"max_concurrent_executions": 4, "cuda_streams": 2}
+    async with gpu_running(gpu), gpu_executor(graph, gpu, **config) as ex:
+        assert ex.cuda_runtime is not None
+        pool = ex.cuda_runtime.pool
+        acquire = pool.acquire
+        shared: list[Any] = []
+        in_use: list[int] = []
+
+        def spy() -> Any:
+            stream_set = acquire()
+            if stream_set.users != 1:
+                shared.append(stream_set)
+            in_use.append(pool.in_use)
+            return stream_set
+
+        pool.acquire = spy  # type: ignore[method-assign]
+        inputs = list(range(12))
+        outs = await asyncio.gather(*(ex.execute(sim.upload(k)) for k in inputs))
+        for (total, read), k in zip(outs, inputs, strict=True):
+            assert [total.data, read] == reference(graph, k)
+    assert shared == []  # the pool never handed a set to two executions at once
+    assert max(in_use) > 1  # executions did overlap
+    assert 1 < len(pool.sets) <= 4
+    streams = [set(map(id, s.streams.values())) for s in pool.sets]
+    assert all(not (a & b) for a, b in itertools.combinations(streams, 2))
+    assert pool.in_use == 0
+    assert gpu.errors == []
+
+
+def chain(sim: Sim, length: int = 4) -> Graph:
+    b = GraphBuilder()
+    v = b.input("x")
+    for i in range(length):
+        v = b.call(sim.kernel(add_one), v, name=f"gpu_{i}")
+    b.output(v)
+    return b.build()
+
+
+async def test_cancellation_waits_for_the_gpu_before_the_frame_is_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpu = ThreadGpu()
+    sim = Sim(gpu)
+    pending_at_begin: list[set[Any]] = []
+    begin = FrameStreams.begin
+
+    def recording_begin(self: FrameStreams) -> None:
+        pending_at_begin.append(gpu.pending_kernels())
+        begin(self)
+
+    monkeypatch.setattr(FrameStreams, "begin", recording_begin)
+    async with gpu_executor(chain(sim), gpu, max_concurrent_executions=1) as ex:
+        first = asyncio.create_task(ex.execute(sim.upload(0)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(gpu.pending_kernels()) == 4  # all enqueued; finish() awaits the GPU
+        first.cancel()
+        await asyncio.sleep(0.01)
+        assert not first.done()  # still waiting for the GPU, cancellation absorbed
+        assert ex.statistics().frames.in_use == 1
+        second = asyncio.create_task(ex.execute(sim.upload(10)))
+        await asyncio.sleep(0.01)
+        assert ex.statistics().frames.waiters == 1  # the only frame is not handed on early
+        first.cancel()  # a second cancellation is absorbed too
+        await asyncio.sleep(0.01)
+        assert not first.done()
+        async with gpu_running(gpu):
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            assert (await second).data == 14
+        assert ex.statistics().cancelled == 1
+    assert pending_at_begin == [set(), set()]  # the second began after the first's GPU work
+    assert gpu.errors == []
+
+
+async def test_cancellation_during_a_host_wait_cancels_it_and_finishes_the_gpu() -> None:
+    gpu = ThreadGpu()
+    sim = Sim(gpu)
+    async with gpu_executor(host_reader_graph(sim, "inline"), gpu) as ex:
+        assert ex.cuda_runtime is not None
+        execution = asyncio.create_task(ex.execute(sim.upload(1)))
+        await asyncio.sleep(0.01)  # waiting for gpu_double's event
+        execution.cancel()
+        await asyncio.sleep(0.01)
+        assert not execution.done()  # the host-wait task is gone; finish() awaits the GPU
+        assert ex.cuda_runtime.pool.in_use == 1
+        async with gpu_running(gpu):
+            with pytest.raises(asyncio.CancelledError):
+                await execution
+        assert ex.cuda_runtime.pool.in_use == 0
+    assert "add_one" not in sim.host_threads  # the CPU node never ran
+    assert gpu.errors == []
+
+
+async def test_an_error_in_a_cuda_node_stops_the_execution_after_the_gpu_finished() -> None:
+    gpu = ThreadGpu()
+    sim = Sim(gpu)
+    b = GraphBuilder()
+    x = b.input("x")
+    a = b.call(sim.kernel(add_one), x, name="gpu_a")
+    bad = b.call(sim.kernel(fail), a, name="gpu_bad")
+    c = b.call(sim.kernel(double), x, name="gpu_c")
+    seen = b.call(sim.host(add_one), c, name="host_seen", placement="inline")
+    b.output(b.call(sim.kernel(add), bad, seen, name="gpu_join"))
+    graph = b.build()
+    async with gpu_executor(graph, gpu) as ex:
+        assert ex.cuda_runtime is not None
+        execution = asyncio.create_task(ex.execute(sim.upload(1)))
+        await asyncio.sleep(0.01)
+        assert not execution.done()  # failed, but gpu_a's kernel is still in flight
+        assert gpu.pending_kernels()
+        async with gpu_running(gpu):
+            with pytest.raises(ValueError, match="bad kernel") as info:
+                await execution
+            assert any("%gpu_bad" in note for note in info.value.__notes__)
+            assert gpu.pending_kernels() == set()
+            assert ex.cuda_runtime.pool.in_use == 0
+            stats = ex.statistics()
+            assert (stats.failed, stats.frames.in_use) == (1, 0)
+            # the frame is reusable: the next execution fails the same way
+            with pytest.raises(ValueError, match="bad kernel"):
+                await ex.execute(sim.upload(2))
+    assert not any(k[1] == "add" for k in gpu.launched if k[0] == "k")  # gpu_join never ran
+    assert gpu.errors == []
+
+
+@pytest.mark.parametrize("when", ["before the host wait", "during the host wait"])
+async def test_a_gpu_fault_seen_by_an_event_fails_the_execution(when: str) -> None:
+    gpu = ThreadGpu()
+    sim = Sim(gpu)
+    graph = host_reader_graph(sim, "inline")
+    async with gpu_executor(graph, gpu, backend=FaultyBackend(gpu)) as ex:
+        assert ex.cuda_runtime is not None
+        gpu.fault = True  # type: ignore[attr-defined]
+        if when == "before the host wait":
+            execution = asyncio.create_task(ex.execute(sim.upload(1)))
+        else:
+            gpu.fault = False  # type: ignore[attr-defined]
+            execution = asyncio.create_task(ex.execute(sim.upload(1)))
+            await asyncio.sleep(0.005)  # polling gpu_double's event
+            gpu.fault = True  # type: ignore[attr-defined]
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await execution
+        assert ex.cuda_runtime.pool.in_use == 0
+        assert ex.statistics().frames.in_use == 0
+        gpu.fault = False  # type: ignore[attr-defined]
+        async with gpu_running(gpu):  # the executor is still usable
+            assert await ex.execute(sim.upload(2)) == 5
+    assert "add_one" in sim.host_threads
+
+
+# =============================================================================================
+# Configuration and inputs
+# =============================================================================================
+
+
+def test_cuda_streams_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError, match=r"cuda_streams must be >= 1 .*got 0"):
+        ExecutorConfig(cuda_streams=0)
+
+
+async def test_a_cpu_program_builds_no_gpu_state() -> None:
+    b = GraphBuilder()
+    b.output(b.call(add_one, b.input("x"), name="cpu_only", placement="inline"))
+    async with Executor(b.build(), ExecutorConfig(cuda_streams=2)) as ex:
+        assert await ex.execute(1) == 2
+        assert ex.stream_plan is None and ex.cuda_runtime is None
+        (frame,) = ex._pool._idle
+        assert frame.gpu is None
+        assert frame.calls is frame.schedule.calls  # type: ignore[union-attr]
+    assert CUDA or not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+
+
+def device_program(device: str) -> Graph:
+    """`x -> x.device.type`, for a tensor input the program expects on `device`."""
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output(b.call(lambda t: t.device.type, x, name="where", placement="inline"))
+    graph = b.build()
+    graph.values[x.id].spec = TensorSpec(torch.float32, torch.device(device), (2,), (2,))
+    return graph
+
+
+async def test_without_move_inputs_a_wrong_device_names_the_input_and_both_devices() -> None:
+    async with Executor(device_program("cuda:0")) as ex:
+        with pytest.raises(InputValidationError) as info:
+            await ex.execute(torch.ones(2))
+        assert str(info.value) == "args[0].device: expected cuda:0, got cpu"
+        assert ex.statistics().started == 0
+
+
+async def test_move_inputs_to_device_moves_before_validation() -> None:
+    # on a machine without a GPU, the meta device stands in for a CUDA device
+    config = ExecutorConfig(move_inputs_to_device=True)
+    async with Executor(device_program("meta"), config) as ex:
+        assert await ex.execute(torch.ones(2)) == "meta"
+        assert await ex.execute(torch.ones(2, device="meta")) == "meta"
+
+
+async def test_moved_inputs_are_not_what_input_mutations_write_back_to() -> None:
+    """An input the program mutates is copied back into the caller's tensor, not the copy."""
+
+    class Scale(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2)
+            return x + 1
+
+    ep = torch.export.export(Scale(), (torch.ones(2),))
+    config = ExecutorConfig(move_inputs_to_device=True)
+    async with Executor(ep, config) as ex:
+        x = torch.ones(2)
+        out = await ex.execute(x)
+        torch.testing.assert_close(out, torch.full((2,), 3.0))
+        torch.testing.assert_close(x, torch.full((2,), 2.0))
+
+
+def test_move_inputs_to_device_blocks_only_for_copies_to_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[str, bool]] = []
+
+    def fake_to(self: torch.Tensor, device: torch.device, non_blocking: bool = False) -> Any:
+        calls.append((str(device), non_blocking))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    spec = TensorSpec(torch.float32, torch.device("cuda", 0), (2,), (2,))
+    cpu_spec = TensorSpec(torch.float32, torch.device("cpu"), (2,), (2,))
+    move_inputs_to_device([torch.ones(2), torch.ones(2, device="meta")], [spec, cpu_spec])
+    assert calls == [("cuda:0", True), ("cpu", False)]
+
+
+# =============================================================================================
+# Real GPUs (skipped without one)
+# =============================================================================================
+
+
+class Branches(torch.nn.Module):
+    """Two independent branches of small matmuls, summed."""
+
+    def __init__(self, dim: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.left = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(depth)])
+        self.right = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.left(x)) + torch.sigmoid(self.right(x))
+
+
+@needs_gpu
+@pytest.mark.parametrize("streams", [1, 4])
+async def test_gpu_exported_model_matches_eager(streams: int) -> None:
+    torch.manual_seed(0)
+    model = Branches().cuda().eval()
+    ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
+    config = ExecutorConfig(cuda_streams=streams, max_concurrent_executions=4)
+    async with Executor(ep, config) as ex:
+        assert ex.stream_plan is not None
+        used = len(ex.stream_plan.streams_used)
+        assert used == 1 if streams == 1 else used >= 2  # the two branches on two streams
+        xs = [torch.randn(16, 64, device="cuda") for _ in range(8)]
+        outs = await asyncio.gather(*(ex.execute(x) for x in xs))
+        with torch.no_grad():
+            for out, x in zip(outs, xs, strict=True):
+                torch.testing.assert_close(out, model(x))
+        # a CPU input is rejected, or moved when asked to
+        with pytest.raises(InputValidationError, match=r"args\[0\]\.device: expected cuda"):
+            await ex.execute(xs[0].cpu())
+    moving = ExecutorConfig(cuda_streams=streams, move_inputs_to_device=True)
+    async with Executor(ep, moving) as ex:
+        out = await ex.execute(xs[0].cpu())
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(xs[0]))
+
+
+def _sleep_kernel(cycles: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def spin(x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+        return x + 1
+
+    return spin
+
+
+@needs_gpu
+async def test_gpu_cpu_node_awaits_a_slow_kernel_while_the_loop_runs() -> None:
+    def to_host(x: torch.Tensor) -> torch.Tensor:
+        return x.cpu() * 10
+
+    b = GraphBuilder()
+    x = b.input("x")
+    g = b.call(_sleep_kernel(100_000_000), x, name="gpu_spin")
+    b.output(b.call(to_host, g, name="host_read", placement="inline"))
+    async with Executor(b.build(), kernel_factory=CudaNodes()) as ex:
+        ticks = 0
+
+        async def heartbeat() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        beat = asyncio.create_task(heartbeat())
+        start = time.perf_counter()
+        out = await ex.execute(torch.zeros(4, device="cuda"))
+        elapsed = time.perf_counter() - start
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+        assert out.tolist() == [10.0] * 4
+        assert ticks > elapsed * 1000 / 4  # about one tick per ms of GPU time
+
+
+@needs_gpu
+async def test_gpu_cancellation_returns_only_after_the_kernels() -> None:
+    b = GraphBuilder()
+    x = b.input("x")
+    tails = [b.call(_sleep_kernel(200_000_000), x, name=f"gpu_{i}") for i in range(2)]
+    b.output(b.call(lambda p, q: p + q, *tails, name="gpu_sum"))
+    async with Executor(b.build(), kernel_factory=CudaNodes()) as ex:
+        assert ex.cuda_runtime is not None
+        task = asyncio.create_task(ex.execute(torch.zeros(4, device="cuda")))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ex.cuda_runtime.pool.in_use == 0
+        for stream_set in ex.cuda_runtime.pool.sets:
+            assert all(s.query() for s in stream_set.streams.values())  # type: ignore[attr-defined]
+
+
+_SANITIZER_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_gpu_executor import Branches
+    from asyncgraph import Executor, ExecutorConfig
+
+    async def main():
+        torch.manual_seed(0)
+        model = Branches().cuda().eval()
+        x = torch.randn(16, 64, device="cuda")
+        ep = torch.export.export(model, (x,))
+        async with Executor(ep, ExecutorConfig(cuda_streams=4)) as ex:
+            outs = await asyncio.gather(*(ex.execute(x) for _ in range(4)))
+            for out in outs:
+                out.sum().item()
+
+    asyncio.run(main())
+    print("ok")
+    """
+)
+
+
+@needs_gpu
+def test_gpu_executor_under_the_cuda_sanitizer() -> None:
+    script = _SANITIZER_SCRIPT.format(tests=os.path.dirname(__file__))
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "CSAN" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("ok")
