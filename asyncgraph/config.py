@@ -33,14 +33,15 @@ class ExecutorConfig:
         max_unbounded_int: the largest value accepted for an int input whose symbol has no
             upper bound (such ints size allocations inside kernels).
         inference_mode: run kernels under torch.inference_mode.
-        loop_slice_s: the longest an execution runs inline kernels on the event loop before it
-            yields, so other tasks stay responsive.
+        loop_slice_s: the time per event-loop iteration that inline kernels may take, shared
+            by all executions on the loop (asyncgraph/loop_budget.py), so timers and I/O keep
+            their turn however many callers there are.
         heavy_op_flops: estimated work (multiply-adds or elements) above which a CPU kernel runs
             on a worker thread instead of inline on the loop.
         adaptive_placement: time every node during the first `profile_executions` executions
             of each input-shape signature, then run nodes taking at least `heavy_node_us` on
-            workers and the rest inline; also start executions on a worker while the event
-            loop is more than half busy running inline kernels.
+            workers where they can overlap other heavy work (parallel branches, or other
+            executions while the loop is busy) and the rest inline (asyncgraph/placement.py).
         profile_executions: profiled executions per input-shape signature.
         heavy_node_us: measured (best) time from which a CPU node is worth a worker thread.
         fast_bindings: call aten ops through torch's generated Python bindings where one

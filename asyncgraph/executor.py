@@ -192,7 +192,7 @@ class Executor:
             self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
         self._started += 1
         placement, times = (
-            self._adaptive.choose(flat)
+            self._adaptive.choose(flat, self._scheduler.loaded)
             if self._adaptive is not None
             else (self.plan.placement, None)
         )

@@ -13,8 +13,11 @@ buys something:
   inline would stall every other task on the loop.
 
 Everything else runs inline: a heavy node on the graph's serial spine gains nothing from a
-worker but the hop's latency (a transformer's feed-forward matmuls, one after another). Under
-concurrency the scheduler moves whole executions off a busy loop instead. A new input-shape
+worker but the hop's latency (a transformer's feed-forward matmuls, one after another). While
+executions overlap on a busy loop, a second placement applies, with every heavy node on a
+worker: there the spine of one execution overlaps the others'. Light nodes always stay on the
+loop: they are mostly Python dispatch, which holds the GIL wherever it runs, and moving them to
+threads only adds contention. A new input-shape
 signature is profiled afresh. Only CPU kernels without an explicit placement hint move; async,
 prim and CUDA nodes keep their places.
 
@@ -69,11 +72,12 @@ class NodeTimes:
 
 
 class _Entry:
-    __slots__ = ("calls", "placement", "times")
+    __slots__ = ("calls", "loaded", "placement", "times")
 
     def __init__(self, num_nodes: int) -> None:
         self.times = NodeTimes(num_nodes)
-        self.placement: tuple[Placement, ...] | None = None
+        self.placement: tuple[Placement, ...] | None = None  # for a quiet loop
+        self.loaded: tuple[Placement, ...] | None = None  # while executions overlap
         self.calls = 0
 
 
@@ -105,18 +109,22 @@ class AdaptivePlacement:
         self._last: tuple[Placement, ...] = plan.placement
         self._profiling_runs = 0
 
-    def choose(self, inputs: Sequence[Any]) -> tuple[tuple[Placement, ...], NodeTimes | None]:
+    def choose(
+        self, inputs: Sequence[Any], loaded: bool = False
+    ) -> tuple[tuple[Placement, ...], NodeTimes | None]:
         """The placement for an execution on `inputs`, and where to record its node times
-        (None once the placement for this shape signature is decided)."""
+        (None once the placement for this shape signature is decided). `loaded`: other
+        executions are in flight and the loop is busy (Scheduler.loaded)."""
         key = shape_key(inputs)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry(len(self.base))
             if len(self._entries) > self.max_signatures:
                 self._entries.popitem(last=False)
-        if entry.placement is not None:
-            self._last = entry.placement
-            return entry.placement, None
+        if entry.placement is not None and entry.loaded is not None:
+            chosen = entry.loaded if loaded else entry.placement
+            self._last = chosen
+            return chosen, None
         entry.calls += 1
         if entry.calls == 1:
             return self.base, None  # a warm-up: first calls pay one-off costs per op and thread
@@ -131,15 +139,18 @@ class AdaptivePlacement:
         entry = self._entries.get(shape_key(inputs))
         if entry is None or entry.times is not times or entry.placement is not None:
             return
-        entry.placement = self.decide(times.best_us())
+        best = times.best_us()
+        entry.placement = self.decide(best)
+        entry.loaded = self.decide(best, loaded=True)
         self._last = entry.placement
 
-    def decide(self, best_us: Sequence[float]) -> tuple[Placement, ...]:
+    def decide(self, best_us: Sequence[float], loaded: bool = False) -> tuple[Placement, ...]:
         """Worker for movable nodes that can overlap another heavy node or would overrun the
-        loop's slice; inline for the rest (see the module docstring)."""
+        loop's slice; inline for the rest (see the module docstring). `loaded`: for a loop
+        shared by overlapping executions, where every heavy node overlaps something."""
         placement = list(self.base)
         heavy = [us >= self.heavy_node_us for us in best_us]
-        alone = self._without_heavy_peer(heavy)
+        alone = [False] * len(heavy) if loaded else self._without_heavy_peer(heavy)
         for node, us in enumerate(best_us):
             if self.movable[node]:
                 worker = heavy[node] and (not alone[node] or us >= self.loop_slice_us)

@@ -8,7 +8,9 @@ Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
   that became ready and may run where it is; the others are handed off: heavy CPU units to the
   worker threads, async ones to tasks on the loop. A chain therefore costs no scheduling round
   trip, and a chain of heavy nodes stays on its worker without a hop back to the loop.
-- On the loop thread a work item runs inline units for at most `loop_slice_s`, then yields.
+- On the loop thread inline units run within the loop's shared slice (LoopBudget:
+  `loop_slice_s` per loop iteration, for all executions together); work that finds the slice
+  spent, or overruns it, goes on in a later iteration.
 - State: only the frame (values, counts, reads, `pending` units, `stopped`, `errors`). Counters
   change under the frame's lock. The unit that brings `pending` to zero ends the execution and
   wakes the awaiting caller once, on the loop thread.
@@ -36,6 +38,7 @@ import torch
 from asyncgraph.config import ExecutorConfig
 from asyncgraph.frame import HOST_WAIT, ExecutionFrame
 from asyncgraph.graph import Graph
+from asyncgraph.loop_budget import LoopBudget, loop_budget
 from asyncgraph.plan import ExecutionPlan, Placement
 from asyncgraph.schedule import Schedule
 from asyncgraph.trace import TraceRecorder
@@ -79,6 +82,7 @@ class Scheduler:
         self._seed = config.ready_order_seed
         self._loop_busy = 0.0
         self._running = 0  # executions between start and finish
+        self._budget: LoopBudget | None = None  # the loop's, once the loop is known
         self._window_start = 0.0
         self._window_busy = 0.0
 
@@ -92,6 +96,8 @@ class Scheduler:
         release the frame. A cancellation while the GPU finishes is absorbed, then re-raised.
         """
         loop = self.loop = asyncio.get_running_loop()
+        if self._budget is None:
+            self._budget = loop_budget(loop, self.config.loop_slice_s)
         frame.waiter = loop.create_future()
         if self._seed is not None:
             frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
@@ -148,13 +154,8 @@ class Scheduler:
         if frame.rng is not None:
             frame.rng.shuffle(roots)
         where = frame.where
-        # A lone execution runs inline (the loop still yields every slice): a hop to a worker
-        # only adds latency. Under concurrency a busy loop offloads new executions.
-        offload = (
-            self.config.adaptive_placement and self._running > 1 and self._loop_busy > 0.5
-        )
         for unit in reversed(roots):
-            if where[unit] in (_INLINE, _STREAM) and not offload:
+            if where[unit] in (_INLINE, _STREAM):
                 stack.append(unit)
             else:
                 handoff.append(unit)
@@ -163,17 +164,29 @@ class Scheduler:
         self._run_on_loop(frame, stack)
 
     def _run_on_loop(self, frame: ExecutionFrame, stack: list[int]) -> None:
+        """Run inline work within the loop's shared slice, or defer it to the next iteration
+        when this iteration's slice is spent (LoopBudget)."""
+        assert self._budget is not None
+        deadline = self._budget.deadline()
+        if deadline is None and stack and not frame.stopped:
+            self._budget.note_deferred()
+            assert self.loop is not None
+            self.loop.call_soon(self._run_on_loop, frame, stack)
+            return
         start = time.perf_counter()
         with _inference_mode(self.config.inference_mode):
-            self._drain(frame, stack, on_worker=False)
+            self._drain(frame, stack, on_worker=False, deadline=deadline or 0.0)
         self._account_loop_time(start, time.perf_counter())
 
-    def _account_loop_time(self, start: float, end: float) -> None:
-        """Track the fraction of wall time the loop spends in kernels, per 20 ms window.
+    @property
+    def loaded(self) -> bool:
+        """Whether executions overlap and the loop spends over half its time in kernels: then
+        adaptive placement also sends heavy nodes of the serial spine to workers, where they
+        overlap other executions' work (light nodes stay on the loop: they hold the GIL)."""
+        return self._running > 0 and self._loop_busy > 0.5
 
-        While it is above one half, new executions start on workers (adaptive placement), so
-        many concurrent callers of a cheap graph cannot starve the loop's other tasks.
-        """
+    def _account_loop_time(self, start: float, end: float) -> None:
+        """Track the fraction of wall time the loop spends in kernels, per 20 ms window."""
         span = end - self._window_start
         if span > 0.02:
             self._loop_busy = self._window_busy / span
@@ -181,14 +194,15 @@ class Scheduler:
             self._window_busy = 0.0
         self._window_busy += end - start
 
-    def _drain(self, frame: ExecutionFrame, stack: list[int], on_worker: bool) -> None:
+    def _drain(
+        self, frame: ExecutionFrame, stack: list[int], on_worker: bool, deadline: float = 0.0
+    ) -> None:
         """The run loop of one work item: run ready units from `stack` until none is left
-        here."""
+        here (on the loop: or until `deadline`, then the rest goes on in a later iteration)."""
         schedule = _schedule(frame)
         calls, stores = frame.calls, schedule.stores
         values = frame.values
         timed = self.recorder is not None or frame.times is not None
-        deadline = 0.0 if on_worker else time.perf_counter() + self.config.loop_slice_s
         while stack:
             if frame.stopped:
                 break
