@@ -103,3 +103,13 @@ def test_independent_heavy_branches_go_to_workers() -> None:
     adaptive.movable = (True,) * 4
     assert set(adaptive.decide([100.0] * 4)) == {Placement.WORKER}
     assert set(adaptive.decide([100.0, 1.0, 1.0, 1.0])) == {Placement.INLINE}
+
+
+def test_a_loaded_loop_sends_every_heavy_node_to_a_worker() -> None:
+    ex = _diamond_of_heavy_nodes()
+    adaptive = AdaptivePlacement(ex.graph, ex.plan, ex.kernels, heavy_node_us=80)
+    adaptive.movable = (True,) * 5
+    w, i = Placement.WORKER, Placement.INLINE
+    best = [200.0, 1.0, 200.0, 1.0, 1.0]
+    assert adaptive.decide(best) == (i, i, i, i, i)  # quiet: nothing overlaps a or c
+    assert adaptive.decide(best, loaded=True) == (w, i, w, i, i)  # other executions do
