@@ -74,6 +74,7 @@ async def per_node(n: int = 1000) -> dict[str, float]:
         frame = await ex._pool.acquire()
         fns = [k.fn for k in ex.kernels]
         calls, outputs = plan.calls, plan.outputs
+        per_node = ex._schedules.get(plan.placement, fused=False)  # unit i is node i
 
         def kernels() -> None:
             y = x
@@ -82,7 +83,7 @@ async def per_node(n: int = 1000) -> dict[str, float]:
                     y = fn(y)
 
         def generated() -> None:
-            frame.load(ex._weights_template(), [x], 0)
+            frame.load(ex._weights_template(), [x], 0, per_node)
             values = frame.values
             with torch.inference_mode():
                 prev = outputs[0] - 1  # the input
@@ -93,7 +94,7 @@ async def per_node(n: int = 1000) -> dict[str, float]:
                     prev = out
 
         def complete() -> None:
-            frame.load(ex._weights_template(), [x], 0)
+            frame.load(ex._weights_template(), [x], 0, per_node)
             stack: list[int] = []
             for i in range(n):
                 sched._complete(frame, i, stack, False)
@@ -139,9 +140,10 @@ async def per_execution() -> dict[str, float]:
 
         frame = await ex._pool.acquire()
         template = ex._weights_template()
+        schedule = ex._schedules.get(ex.plan.placement, fused=True)
 
         async def run() -> None:
-            frame.load(template, flat, 1)
+            frame.load(template, flat, 1, schedule)
             await ex._scheduler.run(frame)
 
         r = {
@@ -149,7 +151,7 @@ async def per_execution() -> dict[str, float]:
             "direct": median_us(lambda: fn(x)),
             "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
             "check": median_us(lambda: ex._validator.check(flat)),
-            "load": median_us(lambda: frame.load(template, flat, 1)),
+            "load": median_us(lambda: frame.load(template, flat, 1, schedule)),
             "run": await amedian_us(run, number=200),
             "outputs": median_us(lambda: ex._take_outputs(frame, flat)),
             "clear": median_us(frame.clear),
