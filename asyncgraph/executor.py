@@ -38,7 +38,7 @@ from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.placement import AdaptivePlacement, PlacementStatistics
 from asyncgraph.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.pool import FramePool, FramePoolStatistics
-from asyncgraph.schedule import ScheduleCache
+from asyncgraph.schedule import ScheduleCache, ScheduleStatistics
 from asyncgraph.scheduler import Scheduler
 from asyncgraph.streams import StreamPlan, stream_plan_for
 from asyncgraph.trace import TraceRecorder
@@ -61,6 +61,7 @@ class ExecutorStatistics:
     weights_version: int
     nodes: int
     closed: bool
+    schedules: ScheduleStatistics
 
 
 class Executor:
@@ -297,6 +298,7 @@ class Executor:
             weights_version=self._weights.version,
             nodes=self.plan.num_nodes,
             closed=self._closed,
+            schedules=self._schedules.statistics(),
         )
 
     def placements(self) -> dict[str, Placement]:

@@ -65,6 +65,13 @@ class Schedule:
         return lines.get(line, nodes[0]) if line is not None else nodes[0]
 
 
+@dataclass(frozen=True, slots=True)
+class ScheduleStatistics:
+    schedules: int  # built so far (one per placement in use, fused and unfused)
+    fused_units: int  # units of more than one node, over all schedules
+    fused_nodes: int  # nodes in those units
+
+
 class ScheduleCache:
     """The schedules of one Executor, built on first use per placement tuple.
 
@@ -101,14 +108,13 @@ class ScheduleCache:
         self._cache[key] = (placement, schedule)
         return schedule
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> ScheduleStatistics:
         schedules = [s for _, s in self._cache.values()]
-        return {
-            "schedules": len(schedules),
-            "fused_units": sum(
-                sum(1 for n in s.nodes if len(n) > 1) for s in schedules if s.fused
-            ),
-        }
+        return ScheduleStatistics(
+            schedules=len(schedules),
+            fused_units=sum(sum(1 for n in s.nodes if len(n) > 1) for s in schedules),
+            fused_nodes=sum(sum(len(n) for n in s.nodes if len(n) > 1) for s in schedules),
+        )
 
 
 def build_schedule(

@@ -206,3 +206,12 @@ async def test_units_form_a_dag_in_topological_order() -> None:
         config = ExecutorConfig(adaptive_placement=False, max_fused_nodes=max_fused)
         async with Executor(graph, config) as other:
             assert await other.execute(1) == expected
+
+
+async def test_statistics_count_schedules_and_fused_units() -> None:
+    async with Executor(chain(40), ExecutorConfig(max_fused_nodes=16)) as ex:
+        assert await ex.execute(0) == 40
+        stats = ex.statistics().schedules
+    # the first execution is adaptive placement's warm-up: the plan's placement, fused
+    assert stats.schedules >= 1
+    assert stats.fused_units >= 3 and stats.fused_nodes >= 40
