@@ -142,18 +142,19 @@ def build_schedule(
     users: list[list[int]] = []
     producers: list[set[int]] = []
     for u, run in enumerate(runs):
-        members = set(run)
-        escaping = {
-            plan.outputs[n] for n in run
-            if plan.keep_output[n]
-            and (plan.retained[n] or any(user not in members for user in plan.users[n]))
-        }
         if len(run) == 1:
             node = run[0]
             calls.append(plan.calls[node])
             stores.append(plan.outputs[node] if plan.keep_output[node] else -1)
             frees.append(plan.frees[node])
         else:
+            members = set(run)
+            # Values the frame must hold: outputs, or read by another unit.
+            escaping = {
+                plan.outputs[n] for n in run
+                if plan.keep_output[n]
+                and (plan.retained[n] or any(user not in members for user in plan.users[n]))
+            }
             reads = Counter(v for n in run for v in plan.frees[n])
             # Values from outside that only this run reads: cleared at their last read.
             owned = {
