@@ -5,9 +5,11 @@ but not many: asyncio runs every callback that is ready at the start of an itera
 callers each running a 0.4 ms graph inline delay a timer by 25 ms. The budget is shared by
 all executions of all Executors on one loop: the first inline work of an iteration opens a
 slice and schedules its close with `call_soon`, which runs at the start of the next iteration;
-until then, work that finds the slice spent goes to the back of the ready queue instead of
-running. So each iteration spends at most about one slice (plus one unit) in inline kernels,
-whatever the number of callers, and timers and I/O get their turn in between.
+until then, work that finds the slice spent waits in the budget's FIFO queue, which one
+callback per iteration runs until the next slice is spent. So each iteration spends at most
+about one slice (plus one unit) in inline kernels, whatever the number of callers, timers and
+I/O get their turn in between, and deferred work costs one loop callback per iteration rather
+than one per waiting execution.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +32,9 @@ class LoopBudgetStatistics:
 class LoopBudget:
     """The per-iteration inline-kernel budget of one event loop (loop thread only)."""
 
-    __slots__ = ("_deadline", "_deferred", "_loop", "_open", "_slices", "slice_s")
+    __slots__ = (
+        "_deadline", "_deferred", "_loop", "_open", "_queue", "_scheduled", "_slices", "slice_s",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, slice_s: float) -> None:
         self._loop = loop
@@ -36,10 +43,12 @@ class LoopBudget:
         self._deadline = 0.0
         self._slices = 0
         self._deferred = 0
+        self._queue: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        self._scheduled = False
 
     def deadline(self) -> float | None:
         """The perf_counter time the current slice ends, opening one if none is open; None
-        when the slice is spent (the caller defers its work with `defer`)."""
+        when the slice is spent (the caller hands its work to `defer`)."""
         now = time.perf_counter()
         if not self._open:
             self._open = True
@@ -51,8 +60,30 @@ class LoopBudget:
             return None
         return self._deadline
 
-    def note_deferred(self) -> None:
+    def defer(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` in a later iteration, after the work deferred before it."""
         self._deferred += 1
+        self._queue.append((fn, args))
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._run_deferred)
+
+    def _run_deferred(self) -> None:
+        """Run deferred work in order until the slice is spent; the rest waits a turn.
+
+        Only the entries present at the start run: work that defers itself again goes to the
+        back and waits for the next iteration.
+        """
+        self._scheduled = False
+        queue = self._queue
+        for _ in range(len(queue)):
+            if self._open and time.perf_counter() >= self._deadline:
+                break
+            fn, args = queue.popleft()
+            fn(*args)
+        if queue and not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._run_deferred)
 
     def _close(self) -> None:
         self._open = False

@@ -169,9 +169,7 @@ class Scheduler:
         assert self._budget is not None
         deadline = self._budget.deadline()
         if deadline is None and stack and not frame.stopped:
-            self._budget.note_deferred()
-            assert self.loop is not None
-            self.loop.call_soon(self._run_on_loop, frame, stack)
+            self._budget.defer(self._run_on_loop, frame, stack)
             return
         start = time.perf_counter()
         with _inference_mode(self.config.inference_mode):
@@ -221,8 +219,8 @@ class Scheduler:
             del result
             self._complete(frame, unit, stack, on_worker)
             if not on_worker and stack and time.perf_counter() > deadline:
-                assert self.loop is not None
-                self.loop.call_soon(self._run_on_loop, frame, stack)  # yield; same item
+                assert self._budget is not None
+                self._budget.defer(self._run_on_loop, frame, stack)  # yield; same item
                 return
         self._end_unit(frame, on_worker)
 

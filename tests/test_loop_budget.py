@@ -34,6 +34,26 @@ async def test_the_budget_is_shared_per_loop_with_the_smallest_slice() -> None:
     assert a is b and a.slice_s == 0.001
 
 
+async def test_deferred_work_runs_in_order_one_slice_per_iteration() -> None:
+    budget = LoopBudget(asyncio.get_running_loop(), slice_s=1e-9)
+    ran: list[int] = []
+
+    def work(k: int) -> None:
+        budget.deadline()  # opens a slice, which the next check finds spent
+        ran.append(k)
+
+    for k in range(3):
+        budget.defer(work, k)
+    assert ran == []
+    await asyncio.sleep(0)
+    assert ran == [0]  # the slice was spent after the first: the rest waits a turn
+    await asyncio.sleep(0)
+    assert ran == [0, 1]
+    await asyncio.sleep(0)
+    assert ran == [0, 1, 2]
+    assert budget.statistics().deferred == 3
+
+
 def spin(x: int) -> int:
     """An inline kernel that holds the loop thread for 100 us."""
     end = time.perf_counter() + 1e-4
