@@ -76,14 +76,16 @@ class LoopBudget:
         """
         self._scheduled = False
         queue = self._queue
-        for _ in range(len(queue)):
-            if self._open and time.perf_counter() >= self._deadline:
-                break
-            fn, args = queue.popleft()
-            fn(*args)
-        if queue and not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self._run_deferred)
+        try:
+            for _ in range(len(queue)):
+                if self._open and time.perf_counter() >= self._deadline:
+                    break
+                fn, args = queue.popleft()
+                fn(*args)
+        finally:  # even if a callback raised, the work behind it must not be stranded
+            if queue and not self._scheduled:
+                self._scheduled = True
+                self._loop.call_soon(self._run_deferred)
 
     def _close(self) -> None:
         self._open = False

@@ -54,6 +54,27 @@ async def test_deferred_work_runs_in_order_one_slice_per_iteration() -> None:
     assert budget.statistics().deferred == 3
 
 
+async def test_a_failing_deferred_callback_does_not_strand_the_rest() -> None:
+    loop = asyncio.get_running_loop()
+    seen: list[object] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(context.get("exception")))
+    try:
+        budget = LoopBudget(loop, slice_s=10.0)
+        ran: list[int] = []
+
+        def fail() -> None:
+            raise RuntimeError("boom")
+
+        budget.defer(fail)
+        budget.defer(ran.append, 1)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert ran == [1]
+        assert len(seen) == 1 and isinstance(seen[0], RuntimeError)
+    finally:
+        loop.set_exception_handler(None)
+
+
 def spin(x: int) -> int:
     """An inline kernel that holds the loop thread for 100 us."""
     end = time.perf_counter() + 1e-4
