@@ -134,7 +134,6 @@ def build_schedule(
     for u, run in enumerate(runs):
         for node in run:
             unit_of[node] = u
-    producer_of = {plan.outputs[n]: n for n in range(plan.num_nodes)}
 
     calls: list[Callable[[list[Any]], Any]] = []
     stores: list[int] = []
@@ -159,7 +158,7 @@ def build_schedule(
             # Values from outside that only this run reads: cleared at their last read.
             owned = {
                 v for v, k in reads.items()
-                if k == plan.read_counts[v] and producer_of.get(v) not in members
+                if k == plan.read_counts[v] and graph.values[v].producer not in members
             }
             calls.append(_compile_run(graph, plan, kernels, run, escaping, owned, u))
             stores.append(-1)
@@ -175,8 +174,9 @@ def build_schedule(
                     unit_users.append(uu)
         users.append(unit_users)
         producers.append({
-            unit_of[producer_of[v]]
-            for n in run for v in graph.nodes[n].inputs() if v in producer_of
+            unit_of[producer]
+            for n in run for v in graph.nodes[n].inputs()
+            if (producer := graph.values[v].producer) is not None
         } - {u})
 
     counts = tuple(len(p) for p in producers)

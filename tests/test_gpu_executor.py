@@ -17,9 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -29,7 +26,15 @@ from typing import Any
 import pytest
 import torch
 from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
-from test_streams import FakeBackend, FakeEvent, FakeGpu, FakeStream
+from test_streams import (
+    CUDA,
+    FakeBackend,
+    FakeEvent,
+    FakeGpu,
+    FakeStream,
+    assert_sanitizer_clean,
+    needs_gpu,
+)
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder, InputValidationError
 from asyncgraph.cuda import FrameStreams, move_inputs_to_device
@@ -37,11 +42,10 @@ from asyncgraph.frame import HOST_WAIT
 from asyncgraph.graph import Graph, Node, Ref, TensorSpec
 from asyncgraph.plan import Placement
 from asyncgraph.testing import LeakChecker
+from tests.loop_turns import LoopTurns
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
-CUDA = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available())")
 
 
 @pytest.fixture
@@ -776,23 +780,12 @@ async def test_gpu_cpu_node_awaits_a_slow_kernel_while_the_loop_runs() -> None:
     g = b.call(_sleep_kernel(100_000_000), x, name="gpu_spin")
     b.output(b.call(to_host, g, name="host_read", placement="inline"))
     async with Executor(b.build(), kernel_factory=CudaNodes()) as ex:
-        ticks = 0
-
-        async def heartbeat() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.001)
-
-        beat = asyncio.create_task(heartbeat())
-        start = time.perf_counter()
-        out = await ex.execute(torch.zeros(4, device="cuda"))
-        elapsed = time.perf_counter() - start
-        beat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await beat
+        async with LoopTurns(0.001) as turns:
+            start = time.perf_counter()
+            out = await ex.execute(torch.zeros(4, device="cuda"))
+            elapsed = time.perf_counter() - start
         assert out.tolist() == [10.0] * 4
-        assert ticks > elapsed * 1000 / 4  # about one tick per ms of GPU time
+        assert turns.count > elapsed * 1000 / 4  # about one tick per ms of GPU time
 
 
 @needs_gpu
@@ -838,11 +831,4 @@ _SANITIZER_SCRIPT = textwrap.dedent(
 
 @needs_gpu
 def test_gpu_executor_under_the_cuda_sanitizer() -> None:
-    script = _SANITIZER_SCRIPT.format(tests=os.path.dirname(__file__))
-    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "CSAN" not in proc.stderr, proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("ok")
+    assert_sanitizer_clean(_SANITIZER_SCRIPT)

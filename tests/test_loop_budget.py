@@ -9,6 +9,7 @@ import pytest
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.loop_budget import LoopBudget, loop_budget
+from tests.loop_turns import LoopTurns
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -89,15 +90,6 @@ async def test_many_callers_share_one_slice_per_iteration() -> None:
     for i in range(4):
         v = b.call(spin, v, name=f"spin{i}", placement="inline")
     b.output(v)
-    ticks = 0
-    running = True
-
-    async def heartbeat() -> None:
-        nonlocal ticks
-        while running:
-            ticks += 1
-            await asyncio.sleep(0)
-
     # Slices shorter than a node: each iteration runs one unit of one execution, so the
     # heartbeat gets a turn per unit; without a shared budget all 32 callers would run in
     # one iteration between two ticks.
@@ -105,14 +97,10 @@ async def test_many_callers_share_one_slice_per_iteration() -> None:
         max_fused_nodes=1, loop_slice_s=1e-6, adaptive_placement=False,
         max_concurrent_executions=32,
     )
-    async with Executor(b.build(), config) as ex:
-        beat = asyncio.create_task(heartbeat())
-        await asyncio.sleep(0)
-        before = ticks
+    async with Executor(b.build(), config) as ex, LoopTurns() as turns:
+        before = turns.count
         results = await asyncio.gather(*(ex.execute(k) for k in range(32)))
-        during = ticks - before
-        running = False
-        await beat
+        during = turns.count - before
     assert results == [k + 4 for k in range(32)]
     units = 32 * 4
     assert during >= units // 2, f"{during} heartbeat turns for {units} units"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import weakref
 from typing import Any
@@ -14,6 +13,7 @@ from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.graph import Graph
 from asyncgraph.plan import Placement
 from asyncgraph.schedule import build_schedule
+from tests.loop_turns import LoopTurns
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -161,24 +161,11 @@ async def test_fused_and_unfused_agree_on_an_exported_encoder() -> None:
 
 
 async def test_the_loop_gets_a_turn_between_fused_units() -> None:
-    ticks = 0
-    running = True
-
-    async def heartbeat() -> None:
-        nonlocal ticks
-        while running:
-            ticks += 1
-            await asyncio.sleep(0)
-
     config = ExecutorConfig(max_fused_nodes=4, loop_slice_s=1e-9, adaptive_placement=False)
-    async with Executor(chain(40), config) as ex:
-        beat = asyncio.create_task(heartbeat())
-        await asyncio.sleep(0)
-        before = ticks
+    async with Executor(chain(40), config) as ex, LoopTurns() as turns:
+        before = turns.count
         assert await ex.execute(0) == 40
-        during = ticks - before
-        running = False
-        await beat
+        during = turns.count - before
     assert during >= 5, f"the heartbeat ran {during} times during 10 units"
 
 

@@ -54,6 +54,7 @@ from asyncgraph.cuda import (
 from asyncgraph.graph import ScalarSpec, TensorSpec
 from asyncgraph.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.streams import Role, StreamPlan, node_role, plan_streams, stream_plan_for
+from tests.loop_turns import LoopTurns
 
 C, A, M, S, H = Role.CUDA, Role.ALIAS, Role.META, Role.SCALAR, Role.HOST
 
@@ -785,26 +786,18 @@ async def test_wait_events_polls_without_blocking_then_synchronizes() -> None:
     events = [FakeEvent(gpu) for _ in range(3)]
     for e in events:
         e.record(stream)
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
 
     async def gpu_later() -> None:
         await asyncio.sleep(0.005)
         while gpu.step():
             pass
 
-    tick_task = asyncio.create_task(ticker())
-    gpu_task = asyncio.create_task(gpu_later())
-    await wait_events(events, PollPolicy(spin_s=1e-4, max_delay_s=1e-3))
-    tick_task.cancel()
+    async with LoopTurns() as turns:
+        gpu_task = asyncio.create_task(gpu_later())
+        await wait_events(events, PollPolicy(spin_s=1e-4, max_delay_s=1e-3))
     await gpu_task
     assert all(e.query() and e.synchronized == 1 for e in events)
-    assert ticks > 3  # the loop kept running other tasks meanwhile
+    assert turns.count > 3  # the loop kept running other tasks meanwhile
 
 
 async def test_wait_events_is_cancellable() -> None:
@@ -1052,22 +1045,13 @@ async def test_gpu_branches_overlap_on_several_streams_and_the_loop_stays_free()
         values: list[Any] = [None] * plan.num_values
         values[plan.user_input_slots[0]] = torch.zeros(4, device="cuda")
         torch.cuda.synchronize()
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.001)
-
-        tick_task = asyncio.create_task(ticker())
-        start = time.perf_counter()
-        await run_in_order(state, values)
-        elapsed[streams] = time.perf_counter() - start
-        tick_task.cancel()
+        async with LoopTurns(0.001) as turns:
+            start = time.perf_counter()
+            await run_in_order(state, values)
+            elapsed[streams] = time.perf_counter() - start
         assert values[plan.outputs[-1]].tolist() == [8.0] * 4
         # the loop ran its other task all along: about one tick per ms of GPU time
-        assert ticks > elapsed[streams] * 1000 / 4
+        assert turns.count > elapsed[streams] * 1000 / 4
     assert elapsed[4] < 0.6 * elapsed[1], elapsed
 
 
@@ -1149,13 +1133,19 @@ _SANITIZER_SCRIPT = textwrap.dedent(
 )
 
 
-@needs_gpu
-def test_gpu_sanitizer_finds_no_race() -> None:
-    script = _SANITIZER_SCRIPT.format(tests=os.path.dirname(__file__))
+def assert_sanitizer_clean(script: str) -> None:
+    """Run `script` (formatted with `tests`, this folder) under TORCH_CUDA_SANITIZER in a
+    subprocess: it must succeed, print "ok" last, and the sanitizer must report nothing."""
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script.format(tests=os.path.dirname(__file__))],
+        env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "CSAN" not in proc.stderr, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+@needs_gpu
+def test_gpu_sanitizer_finds_no_race() -> None:
+    assert_sanitizer_clean(_SANITIZER_SCRIPT)
