@@ -5,7 +5,7 @@
 """
 
 from asyncgraph.builder import GraphBuilder
-from asyncgraph.config import ExecutorConfig
+from asyncgraph.config import BatchingConfig, ExecutorConfig
 from asyncgraph.errors import (
     AsyncGraphError,
     ExecutorClosedError,
@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncGraphError",
+    "BatchingConfig",
     "ExecutionFrame",
     "ExecutionPlan",
     "Executor",

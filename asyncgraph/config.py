@@ -15,6 +15,36 @@ def _default_parallel_ops() -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchingConfig:
+    """Dynamic batching (asyncgraph/batching.py): concurrent requests run as one execution.
+
+    Attributes:
+        max_batch_size: rows per execution; a request with more rows runs alone.
+        max_delay_s: how long a batch that is not full may wait for more requests. 0 takes
+            what has queued by the end of the loop iteration: no added latency when idle.
+        max_concurrent_batches: batches running at once; the next batch forms from what
+            queues meanwhile, so batches grow with load.
+        retry_alone: when a batch of several requests fails, run each alone so a bad request
+            fails alone and the others succeed.
+    """
+
+    max_batch_size: int = 32
+    max_delay_s: float = 0.0
+    max_concurrent_batches: int = 2
+    retry_alone: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_delay_s < 0:
+            raise ValueError(f"max_delay_s must be >= 0, got {self.max_delay_s}")
+        if self.max_concurrent_batches < 1:
+            raise ValueError(
+                f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutorConfig:
     """How an Executor runs its graph.
 
@@ -59,6 +89,9 @@ class ExecutorConfig:
             was exported for (a CPU tensor for a CUDA program, say) instead of rejecting it;
             copies to a GPU are enqueued without a host wait. Off by default, because a silent
             copy per call hides a caller's mistake that costs time on every execution.
+        batching: run concurrent requests in batches along dim 0 (BatchingConfig); needs a
+            program whose inputs and outputs share a dynamic batch dimension 0 and whose rows
+            are independent. None (the default) runs every request as its own execution.
         trace: record a span per node (thread, start, end) for traces and tests.
         ready_order_seed: when set, ready nodes are taken in a seeded random order instead of
             graph order; differential tests use it to shake out ordering bugs.
@@ -81,6 +114,7 @@ class ExecutorConfig:
     max_fused_nodes: int = 32
     cuda_streams: int = 4
     move_inputs_to_device: bool = False
+    batching: BatchingConfig | None = None
     trace: bool = False
     ready_order_seed: int | None = None
 

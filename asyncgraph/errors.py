@@ -35,6 +35,10 @@ class ProgramLoadError(AsyncGraphError, ValueError):
     """A program file could not be loaded (not a .pt2, truncated, inconsistent, unsafe)."""
 
 
+class BatchingError(AsyncGraphError, ValueError):
+    """Batching was asked for a program whose signature cannot batch along dim 0."""
+
+
 class ExecutorClosedError(AsyncGraphError, RuntimeError):
     """The executor was closed with aclose(); it takes no new executions."""
 

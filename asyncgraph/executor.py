@@ -28,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from asyncgraph import testing
+from asyncgraph.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.config import ExecutorConfig
 from asyncgraph.cuda import Backend, CudaRuntime, move_inputs_to_device
 from asyncgraph.errors import ExecutorClosedError
@@ -35,7 +36,7 @@ from asyncgraph.frame import ExecutionFrame
 from asyncgraph.graph import Graph, InputKind, OutputKind, Ref
 from asyncgraph.importers import Program, ProgramLike, to_program
 from asyncgraph.kernels import KernelFactory, OpKernel
-from asyncgraph.placement import AdaptivePlacement, PlacementStatistics
+from asyncgraph.placement import AdaptivePlacement, PlacementStatistics, batch_bucket_key
 from asyncgraph.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.pool import FramePool, FramePoolStatistics
 from asyncgraph.schedule import ScheduleCache, ScheduleStatistics
@@ -108,6 +109,7 @@ class Executor:
                 profile_executions=self.config.profile_executions,
                 heavy_node_us=self.config.heavy_node_us,
                 loop_slice_us=self.config.loop_slice_s * 1e6,
+                key=batch_bucket_key if self.config.batching is not None else None,
             )
             if self.config.adaptive_placement
             else None
@@ -146,6 +148,12 @@ class Executor:
             for o in sig.outputs
             if o.kind is OutputKind.USER_INPUT_MUTATION
         ]
+        self._batcher = (
+            Batcher(batch_layout(self.graph, self.config.batching), self.config.batching,
+                    self._execute)
+            if self.config.batching is not None
+            else None
+        )
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -160,7 +168,7 @@ class Executor:
         await asyncio.sleep(0)  # a checkpoint: a call made while cancelled takes no frame
         self._check_open()
         flat = self._validator.flatten(args, kwargs)
-        outputs = await self._execute(flat)
+        outputs = await self._submit(flat)
         out_spec = self.graph.signature.out_spec
         return pytree.tree_unflatten(outputs, out_spec) if out_spec is not None else outputs
 
@@ -168,9 +176,10 @@ class Executor:
         """Run the program on flat user inputs; returns the flat user outputs (nativert's path)."""
         await asyncio.sleep(0)
         self._check_open()
-        return await self._execute(list(inputs))
+        return await self._submit(list(inputs))
 
-    async def _execute(self, flat: list[Any]) -> list[Any]:
+    async def _submit(self, flat: list[Any]) -> list[Any]:
+        """Validate one request, then run it alone or in a batch with others."""
         caller_inputs = flat  # user-input mutations are copied back into the caller's tensors
         if self.config.move_inputs_to_device and len(flat) == self._validator.count:
             flat = move_inputs_to_device(flat, self._validator.specs)  # before the device check
@@ -179,6 +188,12 @@ class Executor:
         elif len(flat) != self._validator.count:
             self._validator.check(flat)  # the count is always checked
         self._bind_loop()
+        if self._batcher is not None:
+            return await self._batcher.submit(flat)
+        return await self._execute(flat, caller_inputs)
+
+    async def _execute(self, flat: list[Any], caller_inputs: list[Any] | None = None) -> list[Any]:
+        """One execution of validated inputs: take a frame, run, take the outputs."""
         execution = next(self._ids)
         caller = asyncio.current_task()
         if caller is not None:  # before the frame wait, so aclose(cancel=True) reaches waiters
@@ -201,7 +216,7 @@ class Executor:
         try:
             frame.load(self._weights_template(), flat, execution, schedule, times)
             await self._scheduler.run(frame)
-            outputs = self._take_outputs(frame, caller_inputs)
+            outputs = self._take_outputs(frame, flat if caller_inputs is None else caller_inputs)
             if times is not None and self._adaptive is not None:
                 self._adaptive.finished(flat, times)
         except asyncio.CancelledError:
@@ -265,6 +280,8 @@ class Executor:
             if cancel:
                 for task in self._in_flight_tasks():
                     task.cancel()
+        if self._batcher is not None:  # queued requests were accepted: they still run
+            await self._batcher.aclose(cancel=cancel)
         await self._pool.wait_idle()
         self._pool.close()
         for kernel in self.kernels:  # subgraph kernels own executors of their own
@@ -300,6 +317,10 @@ class Executor:
             closed=self._closed,
             schedules=self._schedules.statistics(),
         )
+
+    def batching_statistics(self) -> BatcherStatistics | None:
+        """Requests and batches so far (None when batching is off)."""
+        return self._batcher.statistics() if self._batcher is not None else None
 
     def placements(self) -> dict[str, Placement]:
         """Where each node runs (after adaptive placement, the latest choice), by node name."""

@@ -28,7 +28,7 @@ best node times of the profiled runs and, once decided, the placement tuple.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,7 @@ class AdaptivePlacement:
         heavy_node_us: float = 80.0,
         loop_slice_us: float = 1000.0,
         max_signatures: int = 16,
+        key: Callable[[Sequence[Any]], ShapeKey] | None = None,
     ) -> None:
         self.base = plan.placement
         self.users = plan.users
@@ -101,6 +102,7 @@ class AdaptivePlacement:
         self.heavy_node_us = heavy_node_us
         self.loop_slice_us = loop_slice_us
         self.max_signatures = max_signatures
+        self.key = key if key is not None else shape_key
         self.movable = tuple(
             k.kind is KernelKind.CPU and n.placement_hint is None
             for n, k in zip(graph.nodes, kernels, strict=True)
@@ -115,7 +117,7 @@ class AdaptivePlacement:
         """The placement for an execution on `inputs`, and where to record its node times
         (None once the placement for this shape signature is decided). `loaded`: other
         executions are in flight and the loop is busy (Scheduler.loaded)."""
-        key = shape_key(inputs)
+        key = self.key(inputs)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry(len(self.base))
@@ -136,7 +138,7 @@ class AdaptivePlacement:
         times.runs += 1
         if times.runs < self.profile_executions:
             return
-        entry = self._entries.get(shape_key(inputs))
+        entry = self._entries.get(self.key(inputs))
         if entry is None or entry.times is not times or entry.placement is not None:
             return
         best = times.best_us()
@@ -206,4 +208,16 @@ def shape_key(inputs: Sequence[Any]) -> ShapeKey:
     """The shapes (and dtypes) of tensor inputs; other inputs only by type."""
     return tuple(
         (x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in inputs
+    )
+
+
+def batch_bucket_key(inputs: Sequence[Any]) -> ShapeKey:
+    """shape_key with dim 0 rounded up to a power of two, for batched executions: a batch
+    of 23 rows runs with the placement profiled for 32, so batch sizes that vary with load
+    share a few profiled signatures instead of re-profiling (and evicting) one per size."""
+    return tuple(
+        ((1 << (max(x.shape[0], 1) - 1).bit_length(), *x.shape[1:]), x.dtype)
+        if isinstance(x, torch.Tensor) and x.dim() > 0
+        else type(x)
+        for x in inputs
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
@@ -67,12 +68,18 @@ def exported_chain(n: int, shape: tuple[int, ...]) -> tuple[torch.nn.Module, Exp
 
 @functools.cache
 def exported_encoder(
-    hidden: int, layers: int, seq: int, core_aten: bool
+    hidden: int, layers: int, seq: int, core_aten: bool, max_batch: int = 1
 ) -> tuple[torch.nn.Module, ExportedProgram]:
     """The encoder exported with torch.export.export; `core_aten` runs run_decompositions()
-    as nativert's loaders do (about twice the nodes: views, permutes, addmm, bmm)."""
+    as nativert's loaders do (about twice the nodes: views, permutes, addmm, bmm).
+    `max_batch` > 1 exports dim 0 as a dynamic batch dimension up to that size (for
+    dynamic batching); 1 exports batch 1 static."""
     model = encoder(hidden, layers)
-    ep = _export(model, torch.randn(1, seq, hidden))
+    if max_batch > 1:
+        batch = torch.export.Dim("batch", min=1, max=max_batch)
+        ep = _export(model, torch.randn(2, seq, hidden), ({0: batch},))
+    else:
+        ep = _export(model, torch.randn(1, seq, hidden))
     if core_aten:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -88,10 +95,12 @@ def exported_wide(
     return model, _export(model, torch.randn(dim, dim))
 
 
-def _export(model: torch.nn.Module, x: torch.Tensor) -> ExportedProgram:
+def _export(
+    model: torch.nn.Module, x: torch.Tensor, dynamic_shapes: Any = None
+) -> ExportedProgram:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation
-        return torch.export.export(model, (x,))
+        return torch.export.export(model, (x,), dynamic_shapes=dynamic_shapes)
 
 
 def call_nodes(ep: ExportedProgram) -> int:

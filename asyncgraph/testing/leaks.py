@@ -89,6 +89,12 @@ class LeakChecker:
                 problems.append(f"{ex!r}: {stats.frames.in_use} frame(s) still in use")
             if stats.frames.waiters:
                 problems.append(f"{ex!r}: {stats.frames.waiters} waiter(s) for frames")
+            batching = ex.batching_statistics()
+            if batching is not None and (batching.queued or batching.running):
+                problems.append(
+                    f"{ex!r}: {batching.queued} request(s) queued and {batching.running} "
+                    "batch(es) running"
+                )
         if self.close_executors:
             for ex in executors:
                 await ex.aclose()
