@@ -212,7 +212,10 @@ class Executor:
             if self._adaptive is not None
             else (self.plan.placement, None)
         )
-        schedule = self._schedules.get(placement, fused=self._fuse and times is None)
+        schedule = self._schedules.get(
+            placement, fused=self._fuse and times is None,
+            solo=self._adaptive.solo(placement) if self._adaptive is not None else None,
+        )
         try:
             frame.load(self._weights_template(), flat, execution, schedule, times)
             await self._scheduler.run(frame)

@@ -21,6 +21,10 @@ threads only adds contention. A new input-shape
 signature is profiled afresh. Only CPU kernels without an explicit placement hint move; async,
 prim and CUDA nodes keep their places.
 
+A heavy node that stays inline also runs as a unit of its own rather than fused with its
+neighbours (`solo`): the loop's budget is checked between units, and a fused run of several
+heavy nodes (a batch of 32 rows through an encoder) would hold the loop for milliseconds.
+
 State: one entry per shape signature (at most `max_signatures`, oldest evicted), holding the
 best node times of the profiled runs and, once decided, the placement tuple.
 """
@@ -108,6 +112,8 @@ class AdaptivePlacement:
             for n, k in zip(graph.nodes, kernels, strict=True)
         )
         self._entries: OrderedDict[ShapeKey, _Entry] = OrderedDict()
+        # id(decided placement) -> (that placement, which nodes are heavy): see solo()
+        self._heavy: dict[int, tuple[tuple[Placement, ...], tuple[bool, ...]]] = {}
         self._last: tuple[Placement, ...] = plan.placement
         self._profiling_runs = 0
 
@@ -122,7 +128,9 @@ class AdaptivePlacement:
         if entry is None:
             entry = self._entries[key] = _Entry(len(self.base))
             if len(self._entries) > self.max_signatures:
-                self._entries.popitem(last=False)
+                _, evicted = self._entries.popitem(last=False)
+                for placement in (evicted.placement, evicted.loaded):
+                    self._heavy.pop(id(placement), None)
         if entry.placement is not None and entry.loaded is not None:
             chosen = entry.loaded if loaded else entry.placement
             self._last = chosen
@@ -144,7 +152,16 @@ class AdaptivePlacement:
         best = times.best_us()
         entry.placement = self.decide(best)
         entry.loaded = self.decide(best, loaded=True)
+        heavy = tuple(us >= self.heavy_node_us for us in best)
+        for placement in (entry.placement, entry.loaded):
+            self._heavy[id(placement)] = (placement, heavy)
         self._last = entry.placement
+
+    def solo(self, placement: tuple[Placement, ...]) -> tuple[bool, ...] | None:
+        """For a decided placement: the nodes that must be units of their own (the heavy
+        ones, so the loop budget can yield between them); None for other placements."""
+        hit = self._heavy.get(id(placement))
+        return hit[1] if hit is not None and hit[0] is placement else None
 
     def decide(self, best_us: Sequence[float], loaded: bool = False) -> tuple[Placement, ...]:
         """Worker for movable nodes that can overlap another heavy node or would overrun the

@@ -95,15 +95,25 @@ class ScheduleCache:
         self.unfusable = unfusable
         self._cache: dict[tuple[int, bool], tuple[tuple[Placement, ...], Schedule]] = {}
 
-    def get(self, placement: tuple[Placement, ...], fused: bool) -> Schedule:
+    def get(
+        self,
+        placement: tuple[Placement, ...],
+        fused: bool,
+        solo: Sequence[bool] | None = None,
+    ) -> Schedule:
+        """The schedule for `placement`; `solo[i]`: node i is a unit of its own (a heavy
+        inline node). `solo` must be a function of the placement object (it is keyed by it)."""
         fused = fused and self.max_fused > 1
         key = (id(placement), fused)
         hit = self._cache.get(key)
         if hit is not None and hit[0] is placement:
             return hit[1]
+        unfusable = self.unfusable
+        if solo is not None:
+            unfusable = [a or b for a, b in zip(solo, unfusable or solo, strict=True)]
         schedule = build_schedule(
             self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1,
-            self.unfusable,
+            unfusable,
         )
         self._cache[key] = (placement, schedule)
         return schedule

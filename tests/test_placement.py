@@ -113,3 +113,33 @@ def test_a_loaded_loop_sends_every_heavy_node_to_a_worker() -> None:
     best = [200.0, 1.0, 200.0, 1.0, 1.0]
     assert adaptive.decide(best) == (i, i, i, i, i)  # quiet: nothing overlaps a or c
     assert adaptive.decide(best, loaded=True) == (w, i, w, i, i)  # other executions do
+
+
+class Spine(torch.nn.Module):
+    """Light ops around one matmul on the serial spine: it stays inline once measured."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x + 1).relu() @ x).neg().abs()
+
+
+async def test_a_heavy_inline_node_runs_as_a_unit_of_its_own() -> None:
+    """Fused with its light neighbours, a heavy node would hide inside one long unit, past
+    the loop budget's checks between units."""
+    x = torch.randn(256, 256)
+    ep = torch.export.export(Spine(), (x,))
+    config = ExecutorConfig(profile_executions=1, heavy_node_us=0.0, loop_slice_s=10.0)
+    async with asyncgraph.Executor(ep, config) as ex:
+        for _ in range(3):
+            out = await ex.execute(x)
+        torch.testing.assert_close(out, Spine()(x))
+        placement = ex._adaptive.current if ex._adaptive is not None else None
+        assert placement is not None and set(placement) == {Placement.INLINE}
+        solo = ex._adaptive.solo(placement) if ex._adaptive is not None else None
+        assert solo is not None and all(solo)  # every node measured >= 0 us: all heavy
+        schedule = ex._schedules.get(placement, fused=True, solo=solo)
+        unfused = ex._schedules.get(placement, fused=True)  # same placement: the cached one
+    assert all(len(unit) == 1 for unit in schedule.nodes)
+    assert unfused is schedule
+    # without the heavy marks the same chain is one fused unit
+    fused = ex._schedules.get(tuple(list(placement)), fused=True)  # a new tuple object
+    assert len(fused.nodes) == 1
