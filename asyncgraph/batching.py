@@ -199,7 +199,7 @@ class Batcher:
                 except TypeError:
                     return max(rows, 1), object()
                 key.append((type(x), x))
-        return max(rows, 1), tuple(key)
+        return (rows if rows >= 0 else 1), tuple(key)
 
     # -- dispatch ----------------------------------------------------------------------------
 

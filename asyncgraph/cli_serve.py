@@ -70,6 +70,15 @@ def serve(
     parallel_ops: Annotated[
         int | None, typer.Option(min=1, help="Worker threads per model (max_parallel_ops).")
     ] = None,
+    max_batch_size: Annotated[
+        int, typer.Option(min=0, help="Dynamic batching: stack concurrent requests into "
+                          "executions of up to this many rows (0: off). Needs a program "
+                          "exported with a dynamic batch dimension 0.")
+    ] = 0,
+    batch_delay_ms: Annotated[
+        float, typer.Option(min=0, help="How long a batch that is not full may wait for "
+                            "more requests.")
+    ] = 0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
@@ -79,7 +88,7 @@ def serve(
     POST /v2/models/NAME/infer (JSON and Triton's binary tensor data) and /metrics. The stock
     tritonclient.http client works with its defaults.
     """
-    from asyncgraph.config import ExecutorConfig
+    from asyncgraph.config import BatchingConfig, ExecutorConfig
     from asyncgraph.executor import Executor
     from asyncgraph.serve import create_app, run
 
@@ -87,6 +96,8 @@ def serve(
     config: dict[str, Any] = {"max_concurrent_executions": frames}
     if parallel_ops is not None:
         config["max_parallel_ops"] = parallel_ops
+    if max_batch_size:
+        config["batching"] = BatchingConfig(max_batch_size, batch_delay_ms / 1000)
     executors: dict[str, Executor] = {}
     for key, path in specs.items():
         with console.status(f"loading {key} from {path} ..."):

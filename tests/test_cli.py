@@ -236,3 +236,12 @@ def test_serve_command_serves_until_interrupted(model_file: Any) -> None:
     output = "".join(seen)
     assert "Finished server process" in output and "server stopped" in output, output
     assert "Traceback" not in output, output
+
+
+def test_serve_with_batching_refuses_a_model_that_cannot_batch_in_one_line(
+    model_file: Any,
+) -> None:
+    _, path = model_file  # its second input, the bias, has no batch dimension
+    line = one_error_line(invoke("serve", str(path), "--max-batch-size", "8"))
+    assert line.startswith("error: batching needs dim 0 of every tensor input")
+    assert "args[1]" in line and "[3]" in line

@@ -227,12 +227,16 @@ async def test_tritonclient_json_and_binary(linear: Any) -> None:
     assert status == "400" and "inputs[0].name: unknown input 'y'" in message
 
 
-async def test_200_concurrent_requests(linear: Any) -> None:
+@pytest.mark.parametrize("batching", [False, True], ids=["alone", "batched"])
+async def test_200_concurrent_requests(linear: Any, batching: bool) -> None:
     model, ep = linear
     xs = [torch.randn(1 + i % 4, 4) for i in range(200)]
     with torch.no_grad():
         expected = [model(x) for x in xs]
-    config = asyncgraph.ExecutorConfig(max_concurrent_executions=4)
+    config = asyncgraph.ExecutorConfig(
+        max_concurrent_executions=4,
+        batching=asyncgraph.BatchingConfig(max_batch_size=32) if batching else None,
+    )
     async with asyncgraph.Executor(ep, config) as ex, serving({"lin": ex}, max_queue=256) as (
         _, client, _url
     ):
@@ -245,7 +249,13 @@ async def test_200_concurrent_requests(linear: Any) -> None:
             torch.testing.assert_close(got, want)
         text = (await client.get("/metrics")).text
         stats = ex.statistics()
-    assert stats.completed == 200 and stats.frames.in_use == 0
+        batches = ex.batching_statistics()
+    if batching:  # requests that arrived while a batch ran were stacked into the next one
+        assert batches is not None and batches.requests == 200
+        assert stats.completed == batches.batches < 200
+    else:
+        assert stats.completed == 200
+    assert stats.frames.in_use == 0
     assert stats.frames.high_water <= 4
     assert metric(text, "nv_inference_request_success", model="lin", version="1") == 200
     assert metric(text, "asyncgraph_requests_total", model="lin", code="200") == 200
