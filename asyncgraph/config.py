@@ -78,6 +78,9 @@ class ExecutorConfig:
             reaches exactly the same overload (kernels/fast_bindings.py): 0.3-1.5 us less per
             call than the OpOverload. Tensor subclasses' __torch_function__ then sees the
             binding instead of the OpOverload.
+        fold_constants: run the nodes that read only weights once per weights version (at
+            construction and on swap_weights) instead of on every call (asyncgraph/folding.py);
+            they leave the graph, so they are not in placements, profiles or traces.
         max_fused_nodes: the longest run of consecutive inline nodes compiled into one
             straight-line function (a unit); 1 runs every node as its own unit.
         cuda_streams: CUDA streams per device that one execution spreads its CUDA nodes over
@@ -111,6 +114,7 @@ class ExecutorConfig:
     profile_executions: int = 3
     heavy_node_us: float = 80.0
     fast_bindings: bool = True
+    fold_constants: bool = True
     max_fused_nodes: int = 32
     cuda_streams: int = 4
     move_inputs_to_device: bool = False

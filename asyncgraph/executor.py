@@ -32,6 +32,7 @@ from asyncgraph.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.config import ExecutorConfig
 from asyncgraph.cuda import Backend, CudaRuntime, move_inputs_to_device
 from asyncgraph.errors import ExecutorClosedError
+from asyncgraph.folding import ConstantFolder, fold_constants
 from asyncgraph.frame import ExecutionFrame
 from asyncgraph.graph import Graph, InputKind, OutputKind, Ref
 from asyncgraph.importers import Program, ProgramLike, to_program
@@ -61,6 +62,7 @@ class ExecutorStatistics:
     workers: WorkerPoolStatistics
     weights_version: int
     nodes: int
+    folded_nodes: int
     closed: bool
     schedules: ScheduleStatistics
 
@@ -86,10 +88,12 @@ class Executor:
     ) -> None:
         self.config = config if config is not None else ExecutorConfig()
         self.program: Program = to_program(program)
+        kernels = (kernel_factory or KernelFactory(self.config)).create(self.program.graph)
         self.graph: Graph = self.program.graph
-        self.kernels: list[OpKernel] = (
-            kernel_factory or KernelFactory(self.config)
-        ).create(self.graph)
+        self.kernels: list[OpKernel] = kernels
+        self._folder: ConstantFolder | None = None
+        if self.config.fold_constants:  # the executed graph: without what reads only weights
+            self.graph, self.kernels, self._folder = fold_constants(self.graph, kernels)
         self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
         self.stream_plan: StreamPlan | None = None
         self.cuda_runtime: CudaRuntime | None = None
@@ -122,7 +126,7 @@ class Executor:
         )
         # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
         self._fuse = not self.config.trace and self.config.ready_order_seed is None
-        self._weights = Weights(self.program.weights)
+        self._weights = self._with_folded(Weights(self.program.weights))
         self._validator = InputValidator(self.graph, self.config.max_unbounded_int)
         self.recorder = TraceRecorder(self.graph) if self.config.trace else None
         self._workers = WorkerPool(
@@ -264,8 +268,13 @@ class Executor:
         Executions already running finish on the old weights; later ones see the new ones.
         """
         self._check_open()
-        self._weights = self._weights.swapped(state_dict, strict=strict)
+        self._weights = self._with_folded(self._weights.swapped(state_dict, strict=strict))
         return self._weights.version
+
+    def _with_folded(self, weights: Weights) -> Weights:
+        """`weights` with the folded constants computed from them (asyncgraph/folding.py)."""
+        folder = self._folder
+        return weights.with_derived(folder(weights.tensors)) if folder is not None else weights
 
     @property
     def weights(self) -> Weights:
@@ -317,6 +326,7 @@ class Executor:
             workers=self._workers.statistics(),
             weights_version=self._weights.version,
             nodes=self.plan.num_nodes,
+            folded_nodes=len(self._folder) if self._folder is not None else 0,
             closed=self._closed,
             schedules=self._schedules.statistics(),
         )

@@ -65,6 +65,7 @@ class ProfileMetrics:
     placement_counts: dict[str, int]
     total_time_us: float  # summed node time per execution
     wall_time_us: float  # median time of `await execute_flat(...)`
+    folded_nodes_count: int = 0  # run once per weights version, not per execution
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,6 +142,7 @@ def _metrics(ex: Executor, mean_us: list[float], runs: int, wall_s: float) -> Pr
         placement_counts=dict(placements),
         total_time_us=total,
         wall_time_us=wall_s * 1e6,
+        folded_nodes_count=ex.statistics().folded_nodes,
     )
 
 
@@ -164,10 +166,13 @@ def render(metrics: ProfileMetrics, console: Console, top: int) -> None:
                       f"{us / count:.1f}")
     console.print(types)
     overhead = metrics.wall_time_us - metrics.total_time_us
+    folded = (f"; {metrics.folded_nodes_count} nodes read only weights and were folded into "
+              "constants" if metrics.folded_nodes_count else "")
     placements = ", ".join(f"{k} {v}" for k, v in sorted(metrics.placement_counts.items()))
     console.print(
         f"nodes {metrics.total_nodes_count} (prim {metrics.prim_nodes_count}, aten "
-        f"{metrics.static_dispatch_nodes_count}); placement: {placements}\n"
+        f"{metrics.static_dispatch_nodes_count}); placement: {placements}"
+        f"{folded}\n"
         f"node time {metrics.total_time_us:.1f} us, wall {metrics.wall_time_us:.1f} us per "
         f"execution; wall - node time = {overhead:.1f} us "
         f"({overhead / max(1, metrics.total_nodes_count):.2f} us per node, tracing included)"

@@ -18,11 +18,19 @@ from asyncgraph.errors import WeightsError
 class Weights:
     """One immutable version of a program's named weights."""
 
-    __slots__ = ("_template", "tensors", "version")
+    __slots__ = ("_template", "derived", "tensors", "version")
 
-    def __init__(self, tensors: Mapping[str, Any], version: int = 0) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, Any],
+        version: int = 0,
+        derived: Mapping[str, Any] | None = None,
+    ) -> None:
         self.tensors: dict[str, Any] = dict(tensors)
         self.version = version
+        # values computed from the tensors (folded constants, asyncgraph/folding.py): in the
+        # template, but not weights a caller can swap
+        self.derived: dict[str, Any] = dict(derived or {})
         self._template: list[Any] | None = None
 
     def template(self, slots: tuple[tuple[int, str], ...], num_values: int) -> list[Any]:
@@ -30,9 +38,15 @@ class Weights:
         if self._template is None:
             template: list[Any] = [None] * num_values
             for slot, name in slots:
-                template[slot] = self.tensors[name]
+                template[slot] = (
+                    self.tensors[name] if name in self.tensors else self.derived[name]
+                )
             self._template = template
         return self._template
+
+    def with_derived(self, derived: Mapping[str, Any]) -> Weights:
+        """This version with `derived` values (computed from these tensors)."""
+        return Weights(self.tensors, self.version, derived)
 
     def swapped(self, state_dict: Mapping[str, Any], *, strict: bool = False) -> Weights:
         """A new version with `state_dict` replacing the named weights, checked first."""
@@ -56,11 +70,12 @@ class Weights:
                     raise WeightsError(f"{name}.dtype: expected {old.dtype}, got {new.dtype}")
                 if new.device != old.device:
                     raise WeightsError(f"{name}.device: expected {old.device}, got {new.device}")
-        return self.updated(state_dict)
+        return Weights({**self.tensors, **state_dict}, self.version + 1)  # derived: recompute
 
     def updated(self, state_dict: Mapping[str, Any]) -> Weights:
-        """A new version with `state_dict` replacing the named weights, unchecked."""
-        return Weights({**self.tensors, **state_dict}, self.version + 1)
+        """A new version with `state_dict` replacing the named weights, unchecked; the derived
+        values carry over (buffer updates from executions: folded values never read those)."""
+        return Weights({**self.tensors, **state_dict}, self.version + 1, self.derived)
 
     def __repr__(self) -> str:
         return f"<Weights version={self.version}: {len(self.tensors)} tensors>"
