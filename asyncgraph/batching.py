@@ -184,7 +184,8 @@ class Batcher:
 
     def _rows_and_key(self, flat: Sequence[Any]) -> tuple[int, Hashable]:
         """Rows of the request and what a batch-mate must match; a unique key when the
-        request cannot share a batch (an unhashable scalar input, or inconsistent rows)."""
+        request cannot share a batch (an unhashable scalar input, a tensor where the
+        signature has none, or inconsistent rows: possible only with validation off)."""
         rows = -1
         key: list[Hashable] = []
         for batched, x in zip(self.layout.batched, flat, strict=True):
@@ -194,6 +195,8 @@ class Batcher:
                 rows = x.shape[0]
                 key.append((tuple(x.shape[1:]), x.dtype, x.device, x.requires_grad))
             else:
+                if isinstance(x, torch.Tensor):  # == on tensors is elementwise: never equal
+                    return max(rows, 1), object()
                 try:
                     hash(x)
                 except TypeError:

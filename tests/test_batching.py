@@ -8,12 +8,14 @@ import warnings
 from typing import Any
 
 import pytest
+import sympy
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.export import Dim
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
+from asyncgraph.batching import Batcher, BatchLayout
 from asyncgraph.errors import BatchingError, InputValidationError
 from asyncgraph.placement import batch_bucket_key
 from asyncgraph.testing import FaultInjector
@@ -375,3 +377,26 @@ async def test_varying_batch_sizes_profile_a_few_signatures(
             await ex.execute(*_request(rows, 3, seed=rows))
         placement = ex.placement_statistics()
     assert placement is not None and placement.signatures == 5  # 1, 2, 4, 8, 16
+
+
+def test_batch_keys_separate_what_cannot_be_stacked() -> None:
+    """Requests share a batch only with equal shapes past dim 0, dtypes and non-tensor inputs;
+    a request the key cannot compare (an unhashable value, a tensor in a non-tensor place,
+    which only validate_inputs=False lets through) gets a key of its own."""
+    layout = BatchLayout((True, False), sympy.Symbol("s0"), 8)
+    batcher = Batcher(layout, BatchingConfig(max_batch_size=8), _never_run)
+
+    def key(*flat: Any) -> Any:
+        return batcher._rows_and_key(list(flat))
+
+    x3, x2 = torch.zeros(3, 4), torch.zeros(2, 4)
+    assert key(x3, 1.5) == (3, key(x2, 1.5)[1])
+    assert key(x3, 1.5)[1] != key(x3, 2.5)[1]
+    assert key(x3, 1.5)[1] != key(torch.zeros(3, 5), 1.5)[1]
+    assert key(x3, 1.5)[1] != key(x3.double(), 1.5)[1]
+    for odd in ([1, 2], torch.ones(2)):
+        assert key(x3, odd)[1] != key(x3, odd)[1]
+
+
+async def _never_run(flat: list[Any]) -> list[Any]:
+    raise AssertionError("not expected to run")
