@@ -21,25 +21,15 @@ from executions keep the folded values (folded nodes never read a mutated buffer
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from asyncgraph.graph import (
-    WEIGHT_KINDS,
-    Graph,
-    InputKind,
-    InputSpec,
-    Node,
-    OutputKind,
-    OutputSpec,
-    Ref,
-    iter_refs,
-)
+from asyncgraph.graph import WEIGHT_KINDS, Graph, Node, OutputKind, iter_refs
 from asyncgraph.kernels import KernelKind, OpKernel
+from asyncgraph.rewrite import rebuild, substitute
 
 FOLDED_PREFIX = "_folded."
 
@@ -66,7 +56,7 @@ class ConstantFolder:
             for node, kernel in zip(self.nodes, self.kernels, strict=True):
                 try:
                     values[node.output] = kernel.fn(
-                        *_bind(node.args, values), **_bind(node.kwargs, values)
+                        *substitute(node.args, values), **substitute(node.kwargs, values)
                     )
                 except Exception as exc:
                     exc.add_note(
@@ -108,7 +98,7 @@ def fold_constants(
         [graph.nodes[i] for i in folded], [kernels[i] for i in folded],
         {v: name for v, name in weights.items()}, new_constants,
     )
-    return _without(graph, kept, new_constants), [kernels[n.index] for n in kept], folder
+    return rebuild(graph, kept, new_constants), [kernels[n.index] for n in kept], folder
 
 
 def _foldable(node: Node, kernel: OpKernel) -> bool:
@@ -126,63 +116,3 @@ def _foldable(node: Node, kernel: OpKernel) -> bool:
     except ImportError:  # pragma: no cover - older torch
         return True
     return not has_effects(target)
-
-
-def _without(graph: Graph, kept: list[Node], new_constants: Mapping[int, str]) -> Graph:
-    """`graph` with only the `kept` nodes; the values they and the outputs read, renumbered;
-    the folded values they read as CONSTANT inputs."""
-    sig = graph.signature
-    live: set[int] = {s.value for s in sig.inputs} | set(new_constants)
-    for node in kept:
-        live.add(node.output)
-        live.update(node.inputs())
-    for out in sig.outputs:
-        live.update(ref.id for ref in iter_refs(out.arg))
-    ids = {old: new for new, old in enumerate(sorted(live))}
-    index = {node.index: i for i, node in enumerate(kept)}
-    values = [
-        dataclasses.replace(
-            v, id=ids[v.id],
-            producer=index[v.producer] if v.producer is not None and v.producer in index
-            else None,
-        )
-        for v in graph.values if v.id in ids
-    ]
-    nodes = [
-        dataclasses.replace(
-            n, index=index[n.index], output=ids[n.output],
-            args=_remap(n.args, ids), kwargs=_remap(n.kwargs, ids),
-        )
-        for n in kept
-    ]
-    inputs = [dataclasses.replace(s, value=ids[s.value]) for s in sig.inputs]
-    inputs += [InputSpec(InputKind.CONSTANT, ids[v], name) for v, name in new_constants.items()]
-    signature = dataclasses.replace(
-        sig, inputs=tuple(inputs),
-        outputs=tuple(OutputSpec(o.kind, _remap(o.arg, ids), o.target) for o in sig.outputs),
-    )
-    return Graph(values, nodes, signature)
-
-
-def _remap(obj: Any, ids: Mapping[int, int]) -> Any:
-    if isinstance(obj, Ref):
-        return Ref(ids[obj.id])
-    if isinstance(obj, tuple):
-        return tuple(_remap(x, ids) for x in obj)
-    if isinstance(obj, list):
-        return [_remap(x, ids) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _remap(x, ids) for k, x in obj.items()}
-    return obj
-
-
-def _bind(obj: Any, values: Mapping[int, Any]) -> Any:
-    if isinstance(obj, Ref):
-        return values[obj.id]
-    if isinstance(obj, tuple):
-        return tuple(_bind(x, values) for x in obj)
-    if isinstance(obj, list):
-        return [_bind(x, values) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _bind(x, values) for k, x in obj.items()}
-    return obj
