@@ -78,6 +78,9 @@ class ExecutorConfig:
             reaches exactly the same overload (kernels/fast_bindings.py): 0.3-1.5 us less per
             call than the OpOverload. Tensor subclasses' __torch_function__ then sees the
             binding instead of the OpOverload.
+        recompose_attention: rewrite the decomposed attention of a core-ATen graph (two bmms,
+            a softmax and the ops around them) back into one scaled_dot_product_attention
+            (asyncgraph/recompose.py); results then agree with the graph's to float rounding.
         fold_constants: run the nodes that read only weights once per weights version (at
             construction and on swap_weights) instead of on every call (asyncgraph/folding.py);
             they leave the graph, so they are not in placements, profiles or traces.
@@ -114,6 +117,7 @@ class ExecutorConfig:
     profile_executions: int = 3
     heavy_node_us: float = 80.0
     fast_bindings: bool = True
+    recompose_attention: bool = True
     fold_constants: bool = True
     max_fused_nodes: int = 32
     cuda_streams: int = 4

@@ -40,6 +40,7 @@ from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.placement import AdaptivePlacement, PlacementStatistics, batch_bucket_key
 from asyncgraph.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.pool import FramePool, FramePoolStatistics
+from asyncgraph.recompose import recompose_attention
 from asyncgraph.schedule import ScheduleCache, ScheduleStatistics
 from asyncgraph.scheduler import Scheduler
 from asyncgraph.streams import StreamPlan, stream_plan_for
@@ -88,8 +89,11 @@ class Executor:
     ) -> None:
         self.config = config if config is not None else ExecutorConfig()
         self.program: Program = to_program(program)
-        kernels = (kernel_factory or KernelFactory(self.config)).create(self.program.graph)
         self.graph: Graph = self.program.graph
+        self.recomposed = 0  # attention patterns put back together (asyncgraph/recompose.py)
+        if self.config.recompose_attention:
+            self.graph, self.recomposed = recompose_attention(self.graph)
+        kernels = (kernel_factory or KernelFactory(self.config)).create(self.graph)
         self.kernels: list[OpKernel] = kernels
         self._folder: ConstantFolder | None = None
         if self.config.fold_constants:  # the executed graph: without what reads only weights
