@@ -45,7 +45,7 @@ async def run(ctx: Context) -> list[CaseResult]:
         ]
         advance = ctx.task(f"{NAME}: {branches}x{depth} matmuls {dim}", ctx.rounds_total)
         results = await measure(peers, ctx.settings, advance, rtol=1e-3, atol=1e-3)
-        workers = sum(1 for p in parallel.plan.placement if p.name == "WORKER")
+        workers = sum(1 for p in parallel.placements().values() if p.name == "WORKER")
     finally:
         await parallel.aclose()
         await serial.aclose()
