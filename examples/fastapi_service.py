@@ -4,7 +4,9 @@
     ASYNCGRAPH_MODEL=model.pt2 uvicorn examples.fastapi_service:app --loop uvloop
     python examples/fastapi_service.py                            # the same, on 127.0.0.1:8000
 
-One Executor, two faces:
+One Executor, two faces (requests arriving together are stacked into one execution: dynamic
+batching, on for the bundled model; ASYNCGRAPH_MAX_BATCH=N turns it on for a .pt2 whose batch
+dimension is dynamic):
 
 - POST /predict - the service's own JSON API: `{"x": [[...], ...]}` in, `{"y": ...}` out, by
   `await executor.execute(x)`; bad input is a 422 from FastAPI or a 400 naming the input.
@@ -46,8 +48,12 @@ class MLP(torch.nn.Module):
 
 
 def load_executor() -> asyncgraph.Executor:
-    config = asyncgraph.ExecutorConfig(max_concurrent_executions=8)
+    """Concurrent requests are batched (dynamic batching) for the bundled model, whose batch
+    dimension is dynamic, and for a .pt2 when ASYNCGRAPH_MAX_BATCH is set."""
     path = os.environ.get("ASYNCGRAPH_MODEL")
+    max_batch = int(os.environ.get("ASYNCGRAPH_MAX_BATCH", "0" if path else "64"))
+    batching = asyncgraph.BatchingConfig(max_batch_size=max_batch) if max_batch else None
+    config = asyncgraph.ExecutorConfig(max_concurrent_executions=8, batching=batching)
     if path:
         return asyncgraph.load(path, config)
     torch.manual_seed(0)

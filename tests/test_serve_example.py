@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import sys
 from pathlib import Path
@@ -54,3 +55,24 @@ async def test_fastapi_example_owns_its_executor() -> None:
     kserve = torch.tensor(served.json()["outputs"][0]["data"]).reshape(3, 4)
     torch.testing.assert_close(y, kserve)
     assert executor.statistics().completed == 2
+
+
+async def test_fastapi_example_batches_concurrent_predictions() -> None:
+    example = load_example()
+    xs = [torch.randn(1 + i % 3, 8) for i in range(24)]
+    async with running_server(example.app) as url, httpx.AsyncClient(
+        base_url=url, timeout=30
+    ) as client:
+        executor = example.models["mlp"]
+        responses = await asyncio.gather(
+            *(client.post("/predict", json={"x": x.tolist()}) for x in xs)
+        )
+    torch.manual_seed(0)
+    reference = example.MLP().eval()  # the bundled model, as the example builds it
+    for x, r in zip(xs, responses, strict=True):
+        assert r.status_code == 200, r.text
+        with torch.no_grad():
+            torch.testing.assert_close(torch.tensor(r.json()["y"]), reference(x))
+    stats = executor.batching_statistics()
+    assert stats is not None and stats.requests == 24 and stats.rows == sum(len(x) for x in xs)
+    assert executor.statistics().completed == stats.batches
