@@ -3,6 +3,10 @@
 torch releases the GIL inside its kernels, so `size` threads run independent branches truly in
 parallel. Work items are plain `(function, frame, node)` tuples on a SimpleQueue: no Future per
 item, because the scheduler does its own completion accounting in the frame.
+
+Each thread sets torch's intra-op thread count to the one of the thread that started the pool:
+with OpenMP a new thread does not inherit `torch.set_num_threads`, and would run every matmul
+on all cores (two workers on two cores then oversubscribe them four times over).
 """
 
 from __future__ import annotations
@@ -52,10 +56,11 @@ class WorkerPool:
             if self._threads:
                 return
             self._items_run[:] = [0] * self.size
+            intra_op = torch.get_num_threads()
             for i in range(self.size):
                 thread = threading.Thread(
                     target=_worker_main,
-                    args=(self._queue, self._inference_mode, self._items_run, i),
+                    args=(self._queue, self._inference_mode, self._items_run, i, intra_op),
                     name=f"{self._name}-{i}",
                     daemon=True,
                 )
@@ -88,8 +93,13 @@ def _stop_threads(q: queue.SimpleQueue[WorkItem | None], count: int) -> None:
 
 
 def _worker_main(
-    q: queue.SimpleQueue[WorkItem | None], inference_mode: bool, items_run: list[int], slot: int
+    q: queue.SimpleQueue[WorkItem | None],
+    inference_mode: bool,
+    items_run: list[int],
+    slot: int,
+    intra_op_threads: int,
 ) -> None:
+    torch.set_num_threads(intra_op_threads)
     with torch.inference_mode(inference_mode):
         while True:
             item = q.get()

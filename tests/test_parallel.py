@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 
@@ -343,3 +344,23 @@ async def test_swap_weights_checks_names_shapes_and_dtypes() -> None:
         version = ex.swap_weights({"b.weight": torch.zeros(8, 8), "b.bias": torch.ones(8)})
         assert version == 1
         torch.testing.assert_close(await ex.execute(x), torch.ones(2, 8))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+async def test_workers_keep_the_intra_op_thread_count_of_the_process() -> None:
+    """torch.set_num_threads does not reach new threads under OpenMP: a worker that did not
+    set it again would run each matmul on every core (its own thread team, seen in /proc)."""
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output(b.call(torch.mm, x, x, name="mm", placement="worker"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        async with asyncgraph.Executor(b.build(), ExecutorConfig(max_parallel_ops=1)) as ex:
+            threads = len(os.listdir("/proc/self/task"))
+            a = torch.randn(512, 512)
+            torch.testing.assert_close(await ex.execute(a), a @ a)
+            started = len(os.listdir("/proc/self/task")) - threads
+    finally:
+        torch.set_num_threads(before)
+    assert started == 1  # the worker itself, and no team of intra-op threads behind it
