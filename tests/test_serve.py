@@ -253,6 +253,10 @@ async def test_200_concurrent_requests(linear: Any, batching: bool) -> None:
     if batching:  # requests that arrived while a batch ran were stacked into the next one
         assert batches is not None and batches.requests == 200
         assert stats.completed == batches.batches < 200
+        assert metric(text, "nv_inference_exec_count", model="lin", version="1") == batches.batches
+        assert metric(text, "asyncgraph_batches_total", model="lin") == batches.batches
+        assert metric(text, "asyncgraph_batch_rows_total", model="lin") == sum(len(x) for x in xs)
+        assert metric(text, "asyncgraph_batch_queued_requests", model="lin") == 0
     else:
         assert stats.completed == 200
     assert stats.frames.in_use == 0

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from asyncgraph.executor import Executor
@@ -148,7 +148,15 @@ class _LiveCollector(Collector):
             "asyncgraph_frame_waiters": "Executions waiting inside the executor for a frame.",
             "asyncgraph_running_requests": "Inference requests holding an execution slot.",
             "asyncgraph_queued_requests": "Inference requests queued for an execution slot.",
+            "asyncgraph_batch_queued_requests": "Requests waiting in the dynamic batcher.",
         }
+        batching = {
+            "asyncgraph_batches": "Executions of stacked requests (dynamic batching).",
+            "asyncgraph_batch_rows": "Rows (dim 0) run in batches; / asyncgraph_batches = "
+                                     "mean batch size.",
+        }
+        totals = {name: CounterMetricFamily(name, doc, labels=["model"])
+                  for name, doc in batching.items()}
         live = {
             name: GaugeMetricFamily(name, doc, labels=["model"]) for name, doc in gauges.items()
         }
@@ -161,9 +169,10 @@ class _LiveCollector(Collector):
                 families["nv_inference_request_failure"].add_sample(
                     "nv_inference_request_failure", {**labels, "reason": reason},
                     c.failure.get(reason, 0))
+            batches = ex.batching_statistics()
             for name, value in (
                 ("nv_inference_count", c.success),
-                ("nv_inference_exec_count", c.success),
+                ("nv_inference_exec_count", c.success if batches is None else batches.batches),
                 ("nv_inference_request_duration_us", c.request_us),
                 ("nv_inference_queue_duration_us", c.queue_us),
                 ("nv_inference_compute_infer_duration_us", c.compute_us),
@@ -179,8 +188,13 @@ class _LiveCollector(Collector):
                 ("asyncgraph_frame_waiters", frames.waiters),
                 ("asyncgraph_running_requests", gate.running if gate else 0),
                 ("asyncgraph_queued_requests", gate.queued if gate else 0),
+                ("asyncgraph_batch_queued_requests", batches.queued if batches else 0),
             ):
                 live[name].add_metric([model], value)
+            if batches is not None:
+                totals["asyncgraph_batches"].add_metric([model], batches.batches)
+                totals["asyncgraph_batch_rows"].add_metric([model], batches.rows)
         yield from families.values()
         yield pending
         yield from live.values()
+        yield from totals.values()
