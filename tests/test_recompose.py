@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import warnings
 from typing import Any
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncgraph import Executor, ExecutorConfig
+from asyncgraph import BatchingConfig, Executor, ExecutorConfig
 from asyncgraph.graph import Graph, OutputKind, OutputSpec, Ref
 from asyncgraph.importers import to_program
 from asyncgraph.recompose import SDPA, recompose_attention
@@ -114,3 +115,43 @@ def test_an_intermediate_read_elsewhere_blocks_the_rewrite() -> None:
                               out_spec=None)
     exposed = Graph(graph.values, graph.nodes, sig)
     assert recompose_attention(exposed) == (exposed, 0)
+
+
+class CrossAttention(torch.nn.Module):
+    """Keys and values longer than the queries, values narrower, an explicit scale."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, scale=0.3)
+
+
+async def test_cross_attention_with_its_own_scale_recomposes() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 7, 8, generator=g),
+               torch.randn(2, 3, 7, 6, generator=g))
+    async with Executor(_core_aten(CrossAttention(), q, k, v)) as ex:
+        assert ex.recomposed == 1
+        sdpa = next(n for n in ex.graph.nodes if n.target is SDPA)
+        assert sdpa.kwargs["scale"] == pytest.approx(0.3)
+        out = await ex.execute(q, k, v)
+    with torch.no_grad():
+        torch.testing.assert_close(out, CrossAttention()(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+async def test_a_dynamic_batch_program_recomposes_and_batches() -> None:
+    """Symbolic shapes (a dynamic batch) match as static ones do; batching runs on top."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    batch = torch.export.Dim("batch", min=1, max=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ep = torch.export.export(model, (torch.randn(2, 6, 32),),
+                                 dynamic_shapes=({0: batch},)).run_decompositions()
+    xs = [torch.randn(1 + i % 3, 6, 32) for i in range(8)]
+    config = ExecutorConfig(batching=BatchingConfig(max_batch_size=16))
+    async with Executor(ep, config) as ex:
+        assert ex.recomposed == 1
+        outs = await asyncio.gather(*(ex.execute(x) for x in xs))
+    with torch.inference_mode():
+        for x, out in zip(xs, outs, strict=True):
+            torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
