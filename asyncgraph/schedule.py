@@ -20,7 +20,7 @@ unfused schedule, where unit i is node i.
 from __future__ import annotations
 
 import types
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +67,8 @@ class Schedule:
 
 @dataclass(frozen=True, slots=True)
 class ScheduleStatistics:
-    schedules: int  # built so far (one per placement in use, fused and unfused)
+    schedules: int  # kept now (one per placement in use, fused and unfused)
+    built: int  # built so far, including those evicted
     fused_units: int  # units of more than one node, over all schedules
     fused_nodes: int  # nodes in those units
 
@@ -76,8 +77,11 @@ class ScheduleCache:
     """The schedules of one Executor, built on first use per placement tuple.
 
     Keyed by the placement tuple's identity: placements come from the plan or from adaptive
-    placement's decided entries, which live as long as the Executor, and hashing a tuple of
-    thousands of entries per execution would cost more than the lookup saves.
+    placement's decided entries, and hashing a tuple of thousands of entries per execution
+    would cost more than the lookup saves. The entry keeps its placement alive, so the id is
+    never reused while the entry exists. At most `max_schedules` are kept, least recently used
+    evicted: a service seeing ever new input shapes (each decided anew) must not keep every
+    schedule, with its compiled units, it ever built.
     """
 
     def __init__(
@@ -87,13 +91,18 @@ class ScheduleCache:
         kernels: Sequence[OpKernel],
         max_fused: int,
         unfusable: Sequence[bool] | None = None,
+        max_schedules: int = 64,
     ) -> None:
         self.graph = graph
+        self.max_schedules = max_schedules
         self.plan = plan
         self.kernels = kernels
         self.max_fused = max_fused
         self.unfusable = unfusable
-        self._cache: dict[tuple[int, bool], tuple[tuple[Placement, ...], Schedule]] = {}
+        self._cache: OrderedDict[tuple[int, bool], tuple[tuple[Placement, ...], Schedule]] = (
+            OrderedDict()
+        )
+        self._built = 0
 
     def get(
         self,
@@ -107,6 +116,7 @@ class ScheduleCache:
         key = (id(placement), fused)
         hit = self._cache.get(key)
         if hit is not None and hit[0] is placement:
+            self._cache.move_to_end(key)
             return hit[1]
         unfusable = self.unfusable
         if solo is not None:
@@ -116,12 +126,17 @@ class ScheduleCache:
             unfusable,
         )
         self._cache[key] = (placement, schedule)
+        self._cache.move_to_end(key)
+        self._built += 1
+        if len(self._cache) > self.max_schedules:
+            self._cache.popitem(last=False)
         return schedule
 
     def statistics(self) -> ScheduleStatistics:
         schedules = [s for _, s in self._cache.values()]
         return ScheduleStatistics(
             schedules=len(schedules),
+            built=self._built,
             fused_units=sum(sum(1 for n in s.nodes if len(n) > 1) for s in schedules),
             fused_nodes=sum(sum(len(n) for n in s.nodes if len(n) > 1) for s in schedules),
         )

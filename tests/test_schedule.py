@@ -12,7 +12,7 @@ import torch
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.graph import Graph
 from asyncgraph.plan import Placement
-from asyncgraph.schedule import build_schedule
+from asyncgraph.schedule import ScheduleCache, build_schedule
 from tests.loop_turns import LoopTurns
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -202,3 +202,20 @@ async def test_statistics_count_schedules_and_fused_units() -> None:
     # the first execution is adaptive placement's warm-up: the plan's placement, fused
     assert stats.schedules >= 1
     assert stats.fused_units >= 3 and stats.fused_nodes >= 40
+
+
+def test_the_schedule_cache_keeps_the_most_recently_used() -> None:
+    """A service seeing ever new shapes decides ever new placements: the cache stays bounded
+    and evicts the schedule used least recently."""
+    ex = Executor(chain(3))
+    cache = ScheduleCache(ex.graph, ex.plan, ex.kernels, max_fused=8, max_schedules=2)
+    placements = [tuple(list(ex.plan.placement)) for _ in range(3)]  # equal, distinct objects
+    first = cache.get(placements[0], fused=True)
+    cache.get(placements[1], fused=True)
+    assert cache.get(placements[0], fused=True) is first  # a hit, now the most recent
+    cache.get(placements[2], fused=True)  # evicts placements[1]'s
+    assert cache.get(placements[0], fused=True) is first
+    stats = cache.statistics()
+    assert (stats.schedules, stats.built) == (2, 3)
+    cache.get(placements[1], fused=True)  # built again
+    assert cache.statistics().built == 4
