@@ -11,6 +11,7 @@ nodes change thread-local state (torch.vmap levels, grad mode).
 from __future__ import annotations
 
 import os
+import weakref
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,10 +106,20 @@ def load_pt2(path: str | os.PathLike[str]) -> Program:
     return Program(program.graph, program.weights, p.name, program.reference, ep)
 
 
+# ExportedProgram -> its functionalized form: run_decompositions takes 0.3-1 s, and services
+# and tests build several Executors from one program
+_FUNCTIONALIZED: weakref.WeakKeyDictionary[ExportedProgram, ExportedProgram] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def from_exported_program(ep: ExportedProgram) -> Program:
     """Import an ExportedProgram, functionalizing it first when it mutates in place."""
     if _has_mutating_ops(ep.graph_module) or _has_global_state_calls(ep.graph_module):
-        ep = ep.run_decompositions({})
+        functional = _FUNCTIONALIZED.get(ep)
+        if functional is None:
+            functional = _FUNCTIONALIZED[ep] = ep.run_decompositions({})
+        ep = functional
     gm = ep.graph_module
     sig = ep.graph_signature
     builder = _FxImporter(gm)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
 import torch
 
 import asyncgraph
-from asyncgraph import ExecutorConfig
-from tests.models import CASES, Case
+from asyncgraph import ExecutorConfig, importers
+from tests.models import CASES, Case, Counter
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -135,3 +137,20 @@ async def test_closed_executor_refuses_calls() -> None:
     with pytest.raises(asyncgraph.ExecutorClosedError, match="the executor is closed"):
         await ex.execute(torch.randn(4, 16))
     assert ex.statistics().closed
+
+
+async def test_executors_of_one_mutating_program_functionalize_it_once() -> None:
+    """run_decompositions takes a large part of a second: the second Executor reuses the
+    first one's functionalized program, and it goes when the program goes."""
+    ep = torch.export.export(Counter(), (torch.randn(3, 4),))
+    async with asyncgraph.Executor(ep) as first, asyncgraph.Executor(ep) as second:
+        assert first.program.exported is second.program.exported is not ep
+        x = torch.ones(3, 4)
+        await first.execute(x)
+        out = await second.execute(x)  # each Executor has its own buffers
+    torch.testing.assert_close(out, torch.full((4,), 3.0) * 2 + 1)
+    program = weakref.ref(ep)
+    assert ep in importers._FUNCTIONALIZED
+    del first, second, ep
+    gc.collect()
+    assert program() is None  # the cache does not keep the program alive
