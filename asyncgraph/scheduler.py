@@ -41,7 +41,7 @@ from asyncgraph.graph import Graph
 from asyncgraph.loop_budget import LoopBudget, loop_budget
 from asyncgraph.plan import ExecutionPlan, Placement
 from asyncgraph.schedule import Schedule
-from asyncgraph.trace import TraceRecorder
+from asyncgraph.trace import TraceRecorder, runtime_shape
 from asyncgraph.workers import WorkerPool
 
 # torch.inference_mode() is a Python context manager costing ~3 us per entry; the C++ guard
@@ -212,7 +212,7 @@ class Scheduler:
                 self._fail(frame, schedule.failed_node(unit, exc), exc, on_worker)
                 break
             if timed:
-                self._record(frame, schedule.nodes[unit][0], start)
+                self._record(frame, schedule.nodes[unit][0], start, result)
             store = stores[unit]
             if store >= 0:
                 values[store] = result
@@ -224,14 +224,18 @@ class Scheduler:
                 return
         self._end_unit(frame, on_worker)
 
-    def _record(self, frame: ExecutionFrame, node: int, start: tuple[int, int]) -> None:
+    def _record(
+        self, frame: ExecutionFrame, node: int, start: tuple[int, int], result: Any = None
+    ) -> None:
         """Profile by thread CPU time (immune to GIL waits and a loaded machine); trace by
         wall time. Timed executions run unfused schedules: one unit per node."""
         wall, cpu = _clock()
         if frame.times is not None:
             frame.times.add(node, cpu - start[1])
         if self.recorder is not None:
-            self.recorder.node_span(frame.execution_id, node, start[0], wall)
+            self.recorder.node_span(
+                frame.execution_id, node, start[0], wall, shape=runtime_shape(result)
+            )
 
     def _complete(
         self, frame: ExecutionFrame, unit: int, stack: list[int], on_worker: bool
@@ -348,7 +352,7 @@ class Scheduler:
     async def _await_kernel(self, frame: ExecutionFrame, unit: int) -> Any:
         start = _clock()
         result = await frame.calls[unit](frame.values)
-        self._record(frame, _schedule(frame).nodes[unit][0], start)
+        self._record(frame, _schedule(frame).nodes[unit][0], start, result)
         return result
 
     def _task_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:

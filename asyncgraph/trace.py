@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from asyncgraph.graph import Graph, ScalarSpec, TensorSpec, ValueSpec
 
 _STREAM_TID_BASE = 1_000_000
@@ -45,6 +47,7 @@ class Span:
     start_ns: int
     end_ns: int
     stream: int | None = None
+    shape: Any = None  # the output's shape as it ran (runtime_shape), None when not a tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +74,19 @@ class TraceRecorder:
         self.dropped = 0
 
     def node_span(
-        self, execution: int, node: int, start_ns: int, end_ns: int, stream: int | None = None
+        self,
+        execution: int,
+        node: int,
+        start_ns: int,
+        end_ns: int,
+        stream: int | None = None,
+        shape: Any = None,
     ) -> None:
         if len(self.spans) < self.max_spans:
             thread = threading.current_thread()
-            self.spans.append(
-                Span(execution, node, thread.ident or 0, thread.name, start_ns, end_ns, stream)
-            )
+            self.spans.append(Span(
+                execution, node, thread.ident or 0, thread.name, start_ns, end_ns, stream, shape
+            ))
         else:
             self.dropped += 1
 
@@ -138,6 +147,8 @@ class TraceRecorder:
         for span in self.spans:
             node = self.graph.nodes[span.node]
             args = {**node_args[span.node], "execution": span.execution}
+            if span.shape is not None:  # the signature's shapes may be symbolic: s0 x 64
+                args["output_shape"] = span.shape
             ts, dur = span.start_ns / 1000, (span.end_ns - span.start_ns) / 1000
             if span.stream is not None:
                 tid = _STREAM_TID_BASE + span.stream
@@ -247,3 +258,15 @@ def _describe(spec: ValueSpec | None) -> str:
     if isinstance(spec, ScalarSpec):
         return spec.type.__name__
     return "?"
+
+
+def runtime_shape(value: Any) -> Any:
+    """A tensor's shape as a list; for a tuple or list of tensors, the list of their shapes;
+    None otherwise."""
+    if isinstance(value, torch.Tensor):
+        return list(value.shape)
+    if isinstance(value, (tuple, list)) and value and all(
+        isinstance(v, torch.Tensor) for v in value
+    ):
+        return [list(v.shape) for v in value]
+    return None

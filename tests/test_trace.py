@@ -78,6 +78,7 @@ async def test_trace_file_structure(program: Any, tmp_path: Path) -> None:
     linear = next(e for e in slices if e["name"] == "linear")
     assert linear["args"]["inputs"][1:] == ["float32[128, 128]", "float32[128]"]
     assert linear["args"]["inputs"][0].endswith(", 128]")  # [batch symbol, 128]
+    assert linear["args"]["output_shape"] == [16, 128]  # and the shape it ran with
 
     rows = {e["tid"]: e["args"]["name"] for e in events
             if e["ph"] == "M" and e["name"] == "thread_name"}
