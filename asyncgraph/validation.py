@@ -18,6 +18,23 @@ from torch.utils import _pytree as pytree
 from asyncgraph.errors import InputValidationError
 from asyncgraph.graph import Graph, InputKind, ScalarSpec, TensorSpec, ValueSpec
 
+_MAX_PASSED = 256
+_PLAIN_SCALARS = (int, float, bool, str, type(None))
+
+
+def _signature(flat: Sequence[Any]) -> tuple[Any, ...] | None:
+    """What validation depends on, hashable; None when an input is neither a tensor nor a
+    plain scalar (such calls are checked in full every time)."""
+    parts: list[Any] = []
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            parts.append((type(x), x.shape, x.dtype, x.device))
+        elif type(x) in _PLAIN_SCALARS:
+            parts.append((type(x), x))
+        else:
+            return None
+    return tuple(parts)
+
 
 def _is_none(x: Any) -> bool:
     return x is None
@@ -43,6 +60,7 @@ class InputValidator:
         self.in_spec = sig.in_spec
         self.ranges = {str(k): v for k, v in sig.range_constraints.items()}
         self.count = len(users)
+        self._passed: dict[tuple[Any, ...], None] = {}  # signatures of inputs that passed
         # Most programs take plain positional leaves: flatten those without pytree (~10 us).
         self.positional_leaves = False
         if self.in_spec is not None:
@@ -111,9 +129,24 @@ class InputValidator:
     # -- leaves ------------------------------------------------------------------------------
 
     def check(self, flat: Sequence[Any]) -> None:
-        """Check count, type, dtype, device and every dimension of the flat inputs."""
+        """Check count, type, dtype, device and every dimension of the flat inputs.
+
+        The outcome depends on nothing but the types, dtypes, devices and shapes of the
+        tensors and the values of the scalars, so inputs like ones that passed before pass
+        at once (a few hundred nanoseconds instead of a few microseconds).
+        """
         if len(flat) != self.count:
             raise InputValidationError(f"expected {self.count} input(s), got {len(flat)}")
+        key = _signature(flat)
+        if key is not None and key in self._passed:
+            return
+        self._check(flat)
+        if key is not None:
+            if len(self._passed) >= _MAX_PASSED:
+                self._passed.clear()
+            self._passed[key] = None
+
+    def _check(self, flat: Sequence[Any]) -> None:
         bound: dict[sympy.Expr, tuple[int, str]] = {}
         derived: list[tuple[str, sympy.Expr, int]] = []
         for path, spec, value in zip(self.paths, self.specs, flat, strict=True):

@@ -111,3 +111,27 @@ def test_device_index_is_checked() -> None:
     validator.specs = [TensorSpec(torch.float32, torch.device("meta", 0), (2,), (2,))]
     with pytest.raises(InputValidationError, match=r"^args\[0\]\.device: expected meta:0, got"):
         validator.check([torch.empty(2, device="meta")])
+
+
+async def test_inputs_like_ones_that_passed_skip_the_check_and_others_are_still_checked(
+    pair_ep: torch.export.ExportedProgram,
+) -> None:
+    """Validation remembers the signatures (shapes, dtypes, devices, scalar values) that
+    passed; anything that differs in one of them is checked in full, errors included."""
+    async with asyncgraph.Executor(pair_ep) as ex:
+        validator = ex._validator
+        x = torch.randn(4, 8)
+        await ex.execute(x, x, scale=2.0)
+        await ex.execute(torch.randn(4, 8), torch.randn(4, 8), scale=2.0)
+        assert len(validator._passed) == 1  # the same signature, other values
+        bad = [
+            ((x, torch.randn(5, 8)), "the same dimension"),
+            ((x.double(), x), "dtype"),
+            ((torch.randn(32, 8), torch.randn(32, 8)), "expected a size in"),
+        ]
+        for args, message in bad:
+            with pytest.raises(InputValidationError, match=message):
+                await ex.execute(*args, scale=2.0)
+        with pytest.raises(InputValidationError, match="fixed when the program was exported"):
+            await ex.execute(x, x, scale=3.0)
+        assert len(validator._passed) == 1  # failures are not remembered
