@@ -9,10 +9,11 @@ encoder). ONNX Runtime's attention fusion and TensorRT's MHA fusion recompose th
 What is matched, exactly (anything else is left alone): from `view(bmm(P, V'), shape)` back to
 `q * a`, `permute(k, [0, 1, 3, 2]) * b` and `v`, where P is `_safe_softmax(S, -1)` or the
 where/any/eq(-inf) construction that computes it, and S is `view(bmm(q', k'))`; every expand
-must keep the shape it is given (no broadcast), q, k and v must be 4-D, and no intermediate may
-be read outside the pattern or be a graph output. The match becomes
-`scaled_dot_product_attention(q, k, v, scale=a * b)`: the same math, including zeros for rows
-whose scores are all -inf, summed in another order (results agree to float rounding).
+must keep the shape it is given (no broadcast), q, k and v must be 4-D, the final view must give
+SDPA's output shape, and no intermediate may be read outside the pattern or be a graph output.
+The match becomes `scaled_dot_product_attention(q, k, v, scale=a * b)`: the same math, including
+zeros for rows whose scores are all -inf, summed in another order (results agree to float
+rounding).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class _Matcher:
         q, k, v = mq.args[0], pk.args[0], e3.args[0]
         a, b = mq.args[1], mk.args[1]
         if not (all(self._rank(x) == 4 for x in (q, k, v))
-                and all(isinstance(f, (int, float)) and math.isfinite(f) for f in (a, b))):
+                and all(isinstance(f, (int, float)) and math.isfinite(f) for f in (a, b))
+                and self._is_attention_output(out, q, v)):
             return None
         inner = seen - {out.index}
         if any(self.graph.nodes[i].output in self.outputs for i in inner):
@@ -137,6 +139,13 @@ class _Matcher:
                 and self._last_dim(any_.args[1:2], scores) and any_.args[2] is True):
             return None
         return scores  # type: ignore[no-any-return]
+
+    def _is_attention_output(self, out: Node, q: Any, v: Any) -> bool:
+        """Whether the final view gives SDPA's shape, [*q.shape[:-1], v.shape[-1]]."""
+        spec, qs, vs = self._spec(Ref(out.output)), self._spec(q), self._spec(v)
+        if spec is None or qs is None or vs is None:
+            return False
+        return tuple(spec.shape) == (*qs.shape[:-1], vs.shape[-1])
 
     def _expand(self, view: Node, seen: set[int]) -> Node | None:
         """The expand feeding `view`, when it keeps its input's shape (no broadcast)."""

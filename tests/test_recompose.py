@@ -155,3 +155,19 @@ async def test_a_dynamic_batch_program_recomposes_and_batches() -> None:
     with torch.inference_mode():
         for x, out in zip(xs, outs, strict=True):
             torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_final_view_to_another_shape_blocks_the_rewrite() -> None:
+    """SDPA gives [*q.shape[:-1], v.shape[-1]]: a pattern ending in any other view is not it."""
+    graph = to_program(_core_aten(Attention(), *_qkv())).graph
+    sdpa_graph, count = recompose_attention(graph)
+    assert count == 1
+    out = next(n for n in sdpa_graph.nodes if n.target is SDPA)
+    last = graph.node(out.name.removesuffix("_sdpa"))  # the view the SDPA node replaced
+    values = list(graph.values)
+    spec = values[last.output].spec
+    values[last.output] = dataclasses.replace(
+        values[last.output], spec=dataclasses.replace(spec, shape=(6, 5, 8)),
+    )
+    reshaped = Graph(values, graph.nodes, graph.signature)
+    assert recompose_attention(reshaped) == (reshaped, 0)
