@@ -18,7 +18,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from asyncgraph import ExecutorConfig, GraphBuilder
+from asyncgraph import BatchingConfig, ExecutorConfig, GraphBuilder
 from asyncgraph.cli import app
 from asyncgraph.graph import Graph
 from asyncgraph.testing import (
@@ -83,6 +83,27 @@ async def test_short_soak_exported_program(block_ep: torch.export.ExportedProgra
     assert report.weight_swaps == (config.executions - 1) // config.swap_weights_every
     assert 1 <= report.frames_high_water <= report.max_frames == 4
     assert report.loop_lag_p99_ms >= 0.0
+    assert "mismatches   0" in report.summary()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_short_soak_with_dynamic_batching(seed: int) -> None:
+    """Cancellations, timeouts, faults (a faulted batch retries its requests alone), delays and
+    weight swaps, with concurrent requests stacked into batches."""
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(Block().eval(), (torch.randn(16, 32),), dynamic_shapes=({0: batch},))
+    config = StressConfig(
+        executions=240, concurrency=16, cancel_rate=0.1, timeout_rate=0.1, fault_rate=0.1,
+        delay_rate=0.2, max_delay_s=0.001, swap_weights_every=30, seed=seed,
+    )
+    executor_config = ExecutorConfig(
+        max_concurrent_executions=4, batching=BatchingConfig(max_batch_size=64)
+    )
+    report = await run_stress(ep, config, executor_config=executor_config)
+    assert report.ok, report.summary()
+    total = report.completed + report.cancelled + report.timed_out + report.faulted
+    assert total == config.executions and report.errors == 0 and report.completed > 0
     assert "mismatches   0" in report.summary()
 
 

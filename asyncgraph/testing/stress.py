@@ -468,12 +468,24 @@ def _check_after(
             f"{stats.frames.total} frames exist, more than the maximum {stats.frames.max_frames}"
         )
     completed = tally.completed + _WARM_UP
-    if stats.completed != completed:
+    failed = tally.faulted + tally.errors
+    batching = executor.batching_statistics()
+    if batching is not None:  # executions are batches: count requests instead
+        if batching.requests < completed + failed:
+            tally.violations.append(
+                f"the batcher took {batching.requests} requests, callers got "
+                f"{completed + failed} results"
+            )
+        if batching.queued or batching.running:
+            tally.violations.append(
+                f"{batching.queued} request(s) queued and {batching.running} batch(es) "
+                "running after the run"
+            )
+    elif stats.completed != completed:
         tally.violations.append(
             f"executor counted {stats.completed} completed executions, callers got {completed}"
         )
-    failed = tally.faulted + tally.errors
-    if not tally.faulted <= stats.failed <= failed:
+    if batching is None and not tally.faulted <= stats.failed <= failed:
         tally.violations.append(
             f"executor counted {stats.failed} failed executions, callers saw {failed} failures"
         )
