@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -52,9 +52,12 @@ def stress(
         float | None,
         typer.Option(min=0.0, help="Fail when the loop-lag p99 exceeds this."),
     ] = None,
+    max_batch_size: Annotated[
+        int, typer.Option(min=0, help="Dynamic batching of up to this many rows (0: off).")
+    ] = 0,
 ) -> None:
     """Stress a model: concurrent callers, cancellations, timeouts, faults, weight swaps."""
-    from asyncgraph.config import ExecutorConfig
+    from asyncgraph.config import BatchingConfig, ExecutorConfig
     from asyncgraph.testing import StressConfig, run_stress
 
     config = StressConfig(
@@ -69,11 +72,12 @@ def stress(
         seed=seed,
         max_loop_lag_s=None if max_loop_lag_ms is None else max_loop_lag_ms / 1e3,
     )
-    executor_config = ExecutorConfig(max_concurrent_executions=max_frames)
+    options: dict[str, Any] = {"max_concurrent_executions": max_frames}
     if parallel_ops is not None:
-        executor_config = ExecutorConfig(
-            max_concurrent_executions=max_frames, max_parallel_ops=parallel_ops
-        )
+        options["max_parallel_ops"] = parallel_ops
+    if max_batch_size:
+        options["batching"] = BatchingConfig(max_batch_size=max_batch_size)
+    executor_config = ExecutorConfig(**options)
     with console.status(f"stressing {model} ..."):
         report = asyncio.run(run_stress(model, config, executor_config=executor_config))
 

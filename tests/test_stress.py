@@ -257,6 +257,20 @@ def test_cli_stress(tmp_path: Path, block_ep: torch.export.ExportedProgram) -> N
         assert word in result.output
 
 
+def test_cli_stress_with_batching(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(Block().eval(), (torch.randn(16, 32),), dynamic_shapes=({0: batch},))
+    path = tmp_path / "block.pt2"
+    torch.export.save(ep, path)
+    result = CliRunner().invoke(app, [
+        "stress", str(path), "--executions", "60", "--concurrency", "8", "--cancel-rate", "0.1",
+        "--fault-rate", "0.1", "--swap-weights-every", "10", "--max-batch-size", "16",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "no violation" in result.output
+
+
 def test_cli_stress_refuses_a_bad_archive(tmp_path: Path) -> None:
     path = tmp_path / "bad.pt2"
     path.write_bytes(b"this is not a zip file")
