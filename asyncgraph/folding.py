@@ -95,8 +95,7 @@ def fold_constants(
     new_constants = {graph.nodes[i].output: FOLDED_PREFIX + graph.nodes[i].name
                      for i in folded if graph.nodes[i].output in read}
     folder = ConstantFolder(
-        [graph.nodes[i] for i in folded], [kernels[i] for i in folded],
-        {v: name for v, name in weights.items()}, new_constants,
+        [graph.nodes[i] for i in folded], [kernels[i] for i in folded], weights, new_constants
     )
     return rebuild(graph, kept, new_constants), [kernels[n.index] for n in kept], folder
 
