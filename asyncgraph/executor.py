@@ -93,11 +93,12 @@ class Executor:
         self.recomposed = 0  # attention patterns put back together (asyncgraph/recompose.py)
         if self.config.recompose_attention:
             self.graph, self.recomposed = recompose_attention(self.graph)
-        kernels = (kernel_factory or KernelFactory(self.config)).create(self.graph)
-        self.kernels: list[OpKernel] = kernels
+        self.kernels: list[OpKernel] = (
+            kernel_factory or KernelFactory(self.config)
+        ).create(self.graph)
         self._folder: ConstantFolder | None = None
         if self.config.fold_constants:  # the executed graph: without what reads only weights
-            self.graph, self.kernels, self._folder = fold_constants(self.graph, kernels)
+            self.graph, self.kernels, self._folder = fold_constants(self.graph, self.kernels)
         self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
         self.stream_plan: StreamPlan | None = None
         self.cuda_runtime: CudaRuntime | None = None
@@ -127,6 +128,7 @@ class Executor:
         self._schedules = ScheduleCache(
             self.graph, self.plan, self.kernels, self.config.max_fused_nodes,
             unfusable=runtime.needs_host_wait if runtime is not None else None,
+            solo=self._adaptive.solo if self._adaptive is not None else None,
         )
         # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
         self._fuse = not self.config.trace and self.config.ready_order_seed is None
@@ -220,10 +222,7 @@ class Executor:
             if self._adaptive is not None
             else (self.plan.placement, None)
         )
-        schedule = self._schedules.get(
-            placement, fused=self._fuse and times is None,
-            solo=self._adaptive.solo(placement) if self._adaptive is not None else None,
-        )
+        schedule = self._schedules.get(placement, fused=self._fuse and times is None)
         try:
             frame.load(self._weights_template(), flat, execution, schedule, times)
             await self._scheduler.run(frame)

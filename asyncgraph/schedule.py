@@ -92,6 +92,7 @@ class ScheduleCache:
         max_fused: int,
         unfusable: Sequence[bool] | None = None,
         max_schedules: int = 64,
+        solo: Callable[[tuple[Placement, ...]], Sequence[bool] | None] | None = None,
     ) -> None:
         self.graph = graph
         self.max_schedules = max_schedules
@@ -99,19 +100,15 @@ class ScheduleCache:
         self.kernels = kernels
         self.max_fused = max_fused
         self.unfusable = unfusable
+        self.solo = solo  # nodes a placement wants as units of their own (AdaptivePlacement)
         self._cache: OrderedDict[tuple[int, bool], tuple[tuple[Placement, ...], Schedule]] = (
             OrderedDict()
         )
         self._built = 0
 
-    def get(
-        self,
-        placement: tuple[Placement, ...],
-        fused: bool,
-        solo: Sequence[bool] | None = None,
-    ) -> Schedule:
-        """The schedule for `placement`; `solo[i]`: node i is a unit of its own (a heavy
-        inline node). `solo` must be a function of the placement object (it is keyed by it)."""
+    def get(self, placement: tuple[Placement, ...], fused: bool) -> Schedule:
+        """The schedule for `placement`; on a miss, `solo(placement)[i]` makes node i a unit
+        of its own (a heavy inline node)."""
         fused = fused and self.max_fused > 1
         key = (id(placement), fused)
         hit = self._cache.get(key)
@@ -119,6 +116,7 @@ class ScheduleCache:
             self._cache.move_to_end(key)
             return hit[1]
         unfusable = self.unfusable
+        solo = self.solo(placement) if self.solo is not None else None
         if solo is not None:
             unfusable = [a or b for a, b in zip(solo, unfusable or solo, strict=True)]
         schedule = build_schedule(

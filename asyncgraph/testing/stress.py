@@ -481,14 +481,17 @@ def _check_after(
                 f"{batching.queued} request(s) queued and {batching.running} batch(es) "
                 "running after the run"
             )
-    elif stats.completed != completed:
-        tally.violations.append(
-            f"executor counted {stats.completed} completed executions, callers got {completed}"
-        )
-    if batching is None and not tally.faulted <= stats.failed <= failed:
-        tally.violations.append(
-            f"executor counted {stats.failed} failed executions, callers saw {failed} failures"
-        )
+    else:
+        if stats.completed != completed:
+            tally.violations.append(
+                f"executor counted {stats.completed} completed executions, callers got "
+                f"{completed}"
+            )
+        if not tally.faulted <= stats.failed <= failed:
+            tally.violations.append(
+                f"executor counted {stats.failed} failed executions, callers saw {failed} "
+                "failures"
+            )
     if sum(1 for j in jobs if j.outputs is not None) != tally.completed:
         tally.violations.append("a completed execution has no outputs")
 
