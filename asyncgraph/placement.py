@@ -75,6 +75,13 @@ class NodeTimes:
         return [t / 1000 if t != 1 << 62 else 0.0 for t in self.best_ns]
 
 
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    placement: tuple[Placement, ...]
+    heavy: tuple[bool, ...]  # per node: best time >= heavy_node_us
+    best_us: tuple[float, ...]  # per node: the best profiled time
+
+
 class _Entry:
     __slots__ = ("calls", "loaded", "placement", "times")
 
@@ -112,8 +119,8 @@ class AdaptivePlacement:
             for n, k in zip(graph.nodes, kernels, strict=True)
         )
         self._entries: OrderedDict[ShapeKey, _Entry] = OrderedDict()
-        # id(decided placement) -> (that placement, which nodes are heavy): see solo()
-        self._heavy: dict[int, tuple[tuple[Placement, ...], tuple[bool, ...]]] = {}
+        # id(decided placement) -> what decided it: see solo() and node_costs()
+        self._decided: dict[int, _Decision] = {}
         self._last: tuple[Placement, ...] = plan.placement
         self._profiling_runs = 0
 
@@ -130,7 +137,7 @@ class AdaptivePlacement:
             if len(self._entries) > self.max_signatures:
                 _, evicted = self._entries.popitem(last=False)
                 for placement in (evicted.placement, evicted.loaded):
-                    self._heavy.pop(id(placement), None)
+                    self._decided.pop(id(placement), None)
         if entry.placement is not None and entry.loaded is not None:
             chosen = entry.loaded if loaded else entry.placement
             self._last = chosen
@@ -154,14 +161,24 @@ class AdaptivePlacement:
         entry.loaded = self.decide(best, loaded=True)
         heavy = tuple(us >= self.heavy_node_us for us in best)
         for placement in (entry.placement, entry.loaded):
-            self._heavy[id(placement)] = (placement, heavy)
+            self._decided[id(placement)] = _Decision(placement, heavy, tuple(best))
         self._last = entry.placement
 
     def solo(self, placement: tuple[Placement, ...]) -> tuple[bool, ...] | None:
         """For a decided placement: the nodes that must be units of their own (the heavy
         ones, so the loop budget can yield between them); None for other placements."""
-        hit = self._heavy.get(id(placement))
-        return hit[1] if hit is not None and hit[0] is placement else None
+        decision = self._decision(placement)
+        return decision.heavy if decision is not None else None
+
+    def node_costs(self, placement: tuple[Placement, ...]) -> tuple[float, ...] | None:
+        """For a decided placement: the measured node times (us) it was decided from, which
+        rank the schedule's units for the workers; None for other placements."""
+        decision = self._decision(placement)
+        return decision.best_us if decision is not None else None
+
+    def _decision(self, placement: tuple[Placement, ...]) -> _Decision | None:
+        hit = self._decided.get(id(placement))
+        return hit if hit is not None and hit.placement is placement else None
 
     def decide(self, best_us: Sequence[float], loaded: bool = False) -> tuple[Placement, ...]:
         """Worker for movable nodes that can overlap another heavy node or would overrun the

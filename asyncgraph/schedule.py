@@ -15,6 +15,11 @@ GPU has written them: docs/gpu.md) is a unit of its own, and runs end before it.
 
 Timed executions (adaptive-placement profiling, traces) and seeded ready orders use the
 unfused schedule, where unit i is node i.
+
+Each unit has a *priority*: the cost of the longest path of units from its start to the end
+of the graph (its own cost included; list scheduling's "upward rank"). Worker threads take the
+unit with the highest first (workers.py). Costs are measured node times once adaptive
+placement has decided the placement, and the kernels' estimates before.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class Schedule:
     producer_counts: tuple[int, ...]  # per unit
     roots: tuple[int, ...]
     frees: tuple[tuple[int, ...], ...]  # per unit: one value id per read of a frame slot
+    priority: tuple[float, ...]  # per unit: cost of the longest path from it to the end
     fused: bool
 
     @property
@@ -93,6 +99,7 @@ class ScheduleCache:
         unfusable: Sequence[bool] | None = None,
         max_schedules: int = 64,
         solo: Callable[[tuple[Placement, ...]], Sequence[bool] | None] | None = None,
+        node_costs: Callable[[tuple[Placement, ...]], Sequence[float] | None] | None = None,
     ) -> None:
         self.graph = graph
         self.max_schedules = max_schedules
@@ -101,6 +108,8 @@ class ScheduleCache:
         self.max_fused = max_fused
         self.unfusable = unfusable
         self.solo = solo  # nodes a placement wants as units of their own (AdaptivePlacement)
+        self.node_costs = node_costs  # measured node times behind a placement, if any
+        self.estimated_costs = tuple(max(float(k.cost), 1.0) for k in kernels)
         self._cache: OrderedDict[tuple[int, bool], tuple[tuple[Placement, ...], Schedule]] = (
             OrderedDict()
         )
@@ -108,7 +117,8 @@ class ScheduleCache:
 
     def get(self, placement: tuple[Placement, ...], fused: bool) -> Schedule:
         """The schedule for `placement`; on a miss, `solo(placement)[i]` makes node i a unit
-        of its own (a heavy inline node)."""
+        of its own (a heavy inline node), and `node_costs(placement)` gives the node costs
+        behind the units' priorities (default: the kernels' estimates)."""
         fused = fused and self.max_fused > 1
         key = (id(placement), fused)
         hit = self._cache.get(key)
@@ -119,9 +129,10 @@ class ScheduleCache:
         solo = self.solo(placement) if self.solo is not None else None
         if solo is not None:
             unfusable = [a or b for a, b in zip(solo, unfusable or solo, strict=True)]
+        costs = self.node_costs(placement) if self.node_costs is not None else None
         schedule = build_schedule(
             self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1,
-            unfusable,
+            unfusable, costs if costs is not None else self.estimated_costs,
         )
         self._cache[key] = (placement, schedule)
         self._cache.move_to_end(key)
@@ -147,10 +158,12 @@ def build_schedule(
     placement: tuple[Placement, ...],
     max_fused: int,
     unfusable: Sequence[bool] | None = None,
+    costs: Sequence[float] | None = None,
 ) -> Schedule:
     """Group nodes into units (see the module docstring) and derive the unit graph.
 
-    `unfusable[i]`: node i must be a unit of its own even when it is inline.
+    `unfusable[i]`: node i must be a unit of its own even when it is inline; `costs[i]`: node
+    i's cost, for the units' priorities (default 1 each).
     """
     runs = _runs(plan, placement, max_fused, unfusable)
     unit_of = [0] * plan.num_nodes
@@ -203,6 +216,11 @@ def build_schedule(
         } - {u})
 
     counts = tuple(len(p) for p in producers)
+    # Units are in topological order (runs are consecutive nodes): users come later.
+    priority = [0.0] * len(runs)
+    for u in reversed(range(len(runs))):
+        own = sum(costs[n] for n in runs[u]) if costs is not None else float(len(runs[u]))
+        priority[u] = own + max((priority[user] for user in users[u]), default=0.0)
     return Schedule(
         placement=placement,
         calls=tuple(calls),
@@ -213,6 +231,7 @@ def build_schedule(
         producer_counts=counts,
         roots=tuple(u for u, c in enumerate(counts) if c == 0),
         frees=tuple(frees),
+        priority=tuple(priority),
         fused=max_fused > 1,
     )
 

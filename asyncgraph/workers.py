@@ -1,8 +1,14 @@
 """WorkerPool: the CPU threads that run heavy kernels while the event loop stays free.
 
 torch releases the GIL inside its kernels, so `size` threads run independent branches truly in
-parallel. Work items are plain `(function, frame, node)` tuples on a SimpleQueue: no Future per
-item, because the scheduler does its own completion accounting in the frame.
+parallel. Work items are plain `(function, frame, unit)` tuples: no Future per item, because
+the scheduler does its own completion accounting in the frame.
+
+Items wait in a `ReadyQueue` ordered by a rank the scheduler gives (lowest first; ties in
+submission order): the oldest execution first, and within it the unit with the longest path of
+work still ahead of it (critical path first, as list schedulers since Graham do), so a long
+branch starts before the short ones instead of being left for last. The queue only orders the
+units handed off; a thread that finishes a unit keeps going along its chain (scheduler.py).
 
 Each thread sets torch's intra-op thread count to the one of the thread that started the pool:
 with OpenMP a new thread does not inherit `torch.set_num_threads`, and would run every matmul
@@ -12,17 +18,20 @@ on all cores (two workers on two cores then oversubscribe them four times over).
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import queue
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 WorkItem = tuple[Callable[[Any, int], None], Any, int]
+Rank = tuple[int, float]  # (execution id, -remaining path cost): lower runs first
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +41,51 @@ class WorkerPoolStatistics:
     items_run: int
 
 
+class ReadyQueue:
+    """The work items waiting for a thread, lowest rank first.
+
+    A heap under a lock holds the items; a SimpleQueue of tokens, one per item, is what
+    threads block on (a wait in C, no Condition per waiter). A `None` token stops a thread.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[Rank, int, WorkItem]] = []
+        self._lock = threading.Lock()
+        self._tokens: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
+        self._order = itertools.count()
+
+    def put(self, items: Iterable[tuple[Rank, WorkItem]]) -> None:
+        """Queue items together: a thread woken by the first cannot take it before a better
+        one of the same call is queued."""
+        with self._lock:
+            count = len(self._heap)
+            for rank, item in items:
+                heapq.heappush(self._heap, (rank, next(self._order), item))
+            count = len(self._heap) - count
+        for _ in range(count):
+            self._tokens.put(True)
+
+    def get(self) -> WorkItem | None:
+        """Block until an item is queued (the best one is returned) or a stop token is."""
+        if self._tokens.get() is None:
+            return None
+        with self._lock:
+            return heapq.heappop(self._heap)[2]
+
+    def best_rank(self) -> tuple[Rank, int] | None:
+        """The rank of the item that would run next and how many wait; None when none."""
+        with self._lock:
+            return (self._heap[0][0], len(self._heap)) if self._heap else None
+
+    def stop(self, threads: int) -> None:
+        """Stop `threads` threads once the items queued before are taken."""
+        for _ in range(threads):
+            self._tokens.put(None)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
 class WorkerPool:
     """A fixed set of daemon threads draining one queue; started lazily, joined by aclose."""
 
@@ -39,17 +93,25 @@ class WorkerPool:
         self.size = size
         self._name = name
         self._inference_mode = inference_mode
-        self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
+        self._queue = ReadyQueue()
         self._threads: list[threading.Thread] = []
         self._items_run: list[int] = []  # one slot per thread: no shared counter to race on
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
-    def submit(self, fn: Callable[[Any, int], None], frame: Any, node: int) -> None:
-        """Run `fn(frame, node)` on a worker thread. `fn` must not raise."""
+    def submit(
+        self, fn: Callable[[Any, int], None], frame: Any, units: Sequence[tuple[Rank, int]]
+    ) -> None:
+        """Run `fn(frame, unit)` for each `(rank, unit)` on worker threads, lowest rank first
+        among all queued items. `fn` must not raise."""
         if not self._threads:
             self._start()
-        self._queue.put((fn, frame, node))
+        self._queue.put((rank, (fn, frame, unit)) for rank, unit in units)
+
+    def best_rank(self) -> tuple[Rank, int] | None:
+        """The rank of the queued item a free thread would take next and how many are
+        queued (None: none)."""
+        return self._queue.best_rank()
 
     def _start(self) -> None:
         with self._lock:
@@ -66,7 +128,7 @@ class WorkerPool:
                 )
                 thread.start()
                 self._threads.append(thread)
-            self._finalizer = weakref.finalize(self, _stop_threads, self._queue, self.size)
+            self._finalizer = weakref.finalize(self, self._queue.stop, self.size)
 
     async def aclose(self) -> None:
         """Stop the threads after the work already queued, and wait until they are gone."""
@@ -75,7 +137,7 @@ class WorkerPool:
             return
         if self._finalizer is not None:
             self._finalizer.detach()
-        _stop_threads(self._queue, len(threads))
+        self._queue.stop(len(threads))
         delay = 0.0005
         while any(t.is_alive() for t in threads):
             await asyncio.sleep(delay)  # a blocking join() would stall the event loop
@@ -84,16 +146,11 @@ class WorkerPool:
             thread.join()
 
     def statistics(self) -> WorkerPoolStatistics:
-        return WorkerPoolStatistics(len(self._threads), self._queue.qsize(), sum(self._items_run))
-
-
-def _stop_threads(q: queue.SimpleQueue[WorkItem | None], count: int) -> None:
-    for _ in range(count):
-        q.put(None)
+        return WorkerPoolStatistics(len(self._threads), len(self._queue), sum(self._items_run))
 
 
 def _worker_main(
-    q: queue.SimpleQueue[WorkItem | None],
+    q: ReadyQueue,
     inference_mode: bool,
     items_run: list[int],
     slot: int,
@@ -105,10 +162,10 @@ def _worker_main(
             item = q.get()
             if item is None:
                 return
-            fn, frame, node = item
+            fn, frame, unit = item
             items_run[slot] += 1  # counted when taken, so it is exact once the execution ends
             try:
-                fn(frame, node)
+                fn(frame, unit)
             except BaseException:  # the scheduler catches kernel errors; this is a bug
                 sys.unraisablehook(_Unraisable(sys.exc_info()[1], fn))  # type: ignore[arg-type]
             del item, fn, frame

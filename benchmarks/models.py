@@ -36,26 +36,27 @@ def encoder(hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0) -
     return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval()
 
 
-class WideMatmuls(torch.nn.Module):
-    """Target 3: `branches` independent chains of `depth` square matmuls, stacked at the end."""
+class MatmulChains(torch.nn.Module):
+    """Target 3: independent chains of square matmuls (`lengths[i]` in chain i), stacked at
+    the end. Equal lengths are the wide graph; one long chain among short ones the skewed."""
 
-    def __init__(self, branches: int, depth: int, dim: int, seed: int = 0) -> None:
+    def __init__(self, lengths: tuple[int, ...], dim: int, seed: int = 0) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         # orthogonal-ish scaling keeps values O(1) through the chain
         self.weights = torch.nn.ParameterList(
             torch.nn.Parameter(torch.randn(dim, dim, generator=g) / dim**0.5)
-            for _ in range(branches * depth)
+            for _ in range(sum(lengths))
         )
-        self.branches = branches
-        self.depth = depth
+        self.lengths = lengths
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
-        for b in range(self.branches):
+        weights = iter(self.weights)
+        for length in self.lengths:
             y = x
-            for d in range(self.depth):
-                y = torch.mm(y, self.weights[b * self.depth + d])
+            for _ in range(length):
+                y = torch.mm(y, next(weights))
             outs.append(y)
         return torch.stack(outs)
 
@@ -88,10 +89,10 @@ def exported_encoder(
 
 
 @functools.cache
-def exported_wide(
-    branches: int, depth: int, dim: int
+def exported_chains(
+    lengths: tuple[int, ...], dim: int
 ) -> tuple[torch.nn.Module, ExportedProgram]:
-    model = WideMatmuls(branches, depth, dim).eval()
+    model = MatmulChains(lengths, dim).eval()
     return model, _export(model, torch.randn(dim, dim))
 
 

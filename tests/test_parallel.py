@@ -6,6 +6,8 @@ import asyncio
 import os
 import random
 import threading
+import time
+from typing import Any
 
 import anyio
 import pytest
@@ -364,3 +366,115 @@ async def test_workers_keep_the_intra_op_thread_count_of_the_process() -> None:
     finally:
         torch.set_num_threads(before)
     assert started == 1  # the worker itself, and no team of intra-op threads behind it
+
+
+def _recording(seen: list[str], name: str, delay_s: float = 0.0) -> Any:
+    def node(*xs: int) -> int:
+        seen.append(name)
+        if delay_s:
+            time.sleep(delay_s)
+        return sum(xs) + 1
+
+    node.__name__ = name
+    return node
+
+
+async def test_the_longest_branch_starts_first() -> None:
+    """Ready units are queued by the work ahead of them: the long branch, defined first
+    (and so queued last by topological order), starts before the short ones."""
+    seen: list[str] = []
+    b = GraphBuilder()
+    x = b.input("x")
+    ends = []
+    v = x
+    for i in range(6):
+        v = b.call(_recording(seen, f"long{i}"), v, placement="worker")
+    ends.append(v)
+    for i in range(3):
+        ends.append(b.call(_recording(seen, f"short{i}"), x, placement="worker"))
+    b.output(b.call(_recording(seen, "join"), *ends, placement="inline"))
+    config = ExecutorConfig(max_parallel_ops=1, adaptive_placement=False)
+    async with asyncgraph.Executor(b.build(), config) as ex:
+        assert await ex.execute(0) == 10
+    # one worker, depth-first along the long chain, then the short branches
+    assert seen[:6] == [f"long{i}" for i in range(6)]
+    assert sorted(seen[6:9]) == ["short0", "short1", "short2"] and seen[9] == "join"
+
+
+async def test_measured_node_times_rank_the_branches() -> None:
+    """After profiling, priorities come from measured times: one slow node outranks a
+    branch of three fast ones, which its estimate (one node) does not."""
+    seen: list[str] = []
+
+    def slow(x: int) -> int:
+        seen.append("slow")
+        deadline = time.thread_time() + 0.003  # CPU time: what profiling measures
+        while time.thread_time() < deadline:
+            pass
+        return x + 1
+
+    b = GraphBuilder()
+    x = b.input("x")
+    v = x
+    for i in range(3):
+        v = b.call(_recording(seen, f"fast{i}"), v, placement="worker")
+    s = b.call(slow, x, placement="worker")
+    b.output(b.call(_recording(seen, "join"), v, s, placement="inline"))
+    config = ExecutorConfig(max_parallel_ops=1, profile_executions=2)
+    async with asyncgraph.Executor(b.build(), config) as ex:
+        for _ in range(3):  # a warm-up and two profiled executions decide the placement
+            await ex.execute(0)
+        seen.clear()
+        await ex.execute(0)
+        stats = ex.placement_statistics()
+        assert stats is not None and stats.decided == 1
+    assert seen[0] == "slow", seen
+
+
+async def test_a_worker_leaves_a_short_chain_for_a_long_one_at_the_end() -> None:
+    """End game: when fewer units wait than there are workers, a worker whose chain has
+    little left takes a queued unit with more than twice the work ahead; its own rest waits
+    for the next free worker. Without it the long branch would wait for the short one."""
+    seen: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    ex: asyncgraph.Executor
+
+    def node(name: str, wait_for_queued: bool = False, delay_s: float = 0.0) -> Any:
+        def fn(*xs: int) -> int:
+            if wait_for_queued:  # until the gate's second long chain waits in the queue
+                deadline = time.monotonic() + 10
+                while ex.statistics().workers.queued == 0:
+                    assert time.monotonic() < deadline, f"nothing was queued: {seen}"
+                    time.sleep(0.001)
+            with lock:
+                seen.append((name, threading.current_thread().name))
+            if delay_s:
+                time.sleep(delay_s)
+            return sum(xs) + 1
+
+        fn.__name__ = name
+        return fn
+
+    b = GraphBuilder()
+    x = b.input("x")
+    gate = b.call(node("gate", delay_s=0.02), x, placement="worker")
+    ends = []
+    for chain in ("l", "m"):  # two long chains behind the gate: one stays, one is queued
+        v = gate
+        for i in range(8):
+            v = b.call(node(f"{chain}{i}", delay_s=0.005), v, placement="worker")
+        ends.append(v)
+    v = x
+    for i in range(4):
+        v = b.call(node(f"c{i}", wait_for_queued=i == 1), v, placement="worker")
+    ends.append(v)
+    b.output(b.call(node("join"), *ends, placement="inline"))
+    config = ExecutorConfig(max_parallel_ops=2, adaptive_placement=False)
+    async with asyncgraph.Executor(b.build(), config) as ex:
+        await ex.execute(0)
+    thread_of = dict(seen)
+    after_c1 = [name for name, t in seen if t == thread_of["c1"]]
+    after_c1 = after_c1[after_c1.index("c1") + 1:]
+    # the thread that ran c1 went on with the queued long chain, not with c2
+    assert after_c1[0] in ("l0", "m0"), seen
+    assert {"c2", "c3", "join"} <= set(thread_of)

@@ -195,6 +195,31 @@ async def test_units_form_a_dag_in_topological_order() -> None:
             assert await other.execute(1) == expected
 
 
+async def test_a_units_priority_is_the_longest_path_of_cost_from_it_to_the_end() -> None:
+    b = GraphBuilder()
+    x = b.input("x")
+    a = b.call(add_one, x, name="a", placement="worker")
+    long1 = b.call(add_one, a, name="long1", placement="worker")
+    long2 = b.call(add_one, long1, name="long2", placement="worker")
+    short = b.call(add_one, a, name="short", placement="worker")
+    b.output(b.call(lambda p, q: p + q, long2, short, name="join", placement="worker"))
+    graph = b.build()
+    async with Executor(graph, ExecutorConfig(adaptive_placement=False)) as ex:
+        assert await ex.execute(0) == 5
+        names = [n.name for n in graph.nodes]
+        costs = {"a": 1.0, "long1": 2.0, "long2": 3.0, "short": 10.0, "join": 0.5}
+        s = build_schedule(
+            graph, ex.plan, ex.kernels, ex.plan.placement, 1, costs=[costs[n] for n in names]
+        )
+        priority = dict(zip(names, s.priority, strict=True))
+        assert priority == {
+            "a": 11.5, "long1": 5.5, "long2": 3.5, "short": 10.5, "join": 0.5
+        }
+        # without measured times the kernels' estimates count (a Python callable: 1 each)
+        default = dict(zip(names, schedule_of(ex, fused=False).priority, strict=True))
+        assert default == {"a": 4.0, "long1": 3.0, "long2": 2.0, "short": 2.0, "join": 1.0}
+
+
 async def test_statistics_count_schedules_and_fused_units() -> None:
     async with Executor(chain(40), ExecutorConfig(max_fused_nodes=16)) as ex:
         assert await ex.execute(0) == 40
