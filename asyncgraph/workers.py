@@ -72,11 +72,6 @@ class ReadyQueue:
         with self._lock:
             return heapq.heappop(self._heap)[2]
 
-    def best_rank(self) -> tuple[Rank, int] | None:
-        """The rank of the item that would run next and how many wait; None when none."""
-        with self._lock:
-            return (self._heap[0][0], len(self._heap)) if self._heap else None
-
     def stop(self, threads: int) -> None:
         """Stop `threads` threads once the items queued before are taken."""
         for _ in range(threads):
@@ -107,11 +102,6 @@ class WorkerPool:
         if not self._threads:
             self._start()
         self._queue.put((rank, (fn, frame, unit)) for rank, unit in units)
-
-    def best_rank(self) -> tuple[Rank, int] | None:
-        """The rank of the queued item a free thread would take next and how many are
-        queued (None: none)."""
-        return self._queue.best_rank()
 
     def _start(self) -> None:
         with self._lock:
