@@ -8,8 +8,8 @@ Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
   that became ready and may run where it is; the others are handed off: heavy CPU units to the
   worker threads, async ones to tasks on the loop. A chain therefore costs no scheduling round
   trip, and a chain of heavy nodes stays on its worker without a hop back to the loop.
-- Handed-off heavy units queue by rank: the oldest execution first, then the most work ahead
-  (the schedule's priorities), so a long branch is not left for last.
+- Heavy units handed off together queue most work ahead first (the schedule's priorities),
+  so a long branch is not left for last; between hand-offs the workers' queue is FIFO.
 - On the loop thread inline units run within the loop's shared slice (LoopBudget:
   `loop_slice_s` per loop iteration, for all executions together); work that finds the slice
   spent, or overruns it, goes on in a later iteration.
@@ -44,7 +44,7 @@ from asyncgraph.loop_budget import LoopBudget, loop_budget
 from asyncgraph.plan import ExecutionPlan, Placement
 from asyncgraph.schedule import Schedule
 from asyncgraph.trace import TraceRecorder, runtime_shape
-from asyncgraph.workers import Rank, WorkerPool
+from asyncgraph.workers import WorkerPool
 
 # torch.inference_mode() is a Python context manager costing ~3 us per entry; the C++ guard
 # behind it costs ~1 us, and the loop enters it on every slice.
@@ -295,12 +295,12 @@ class Scheduler:
             self._hand_off(frame, handoff, on_worker)
 
     @staticmethod
-    def _rank(frame: ExecutionFrame, unit: int) -> Rank:
-        """A worker unit's place in the queue: the oldest execution first, then the longest
-        path of work still ahead (schedule.py); random in seeded-order runs."""
+    def _rank(frame: ExecutionFrame, unit: int) -> float:
+        """A handed-off unit's key among those handed off with it: the most work ahead first
+        (schedule.py); random in seeded-order runs."""
         if frame.rng is not None:
-            return frame.execution_id, frame.rng.random()
-        return frame.execution_id, -_schedule(frame).priority[unit]
+            return float(frame.rng.random())
+        return -_schedule(frame).priority[unit]
 
     def _hand_off(self, frame: ExecutionFrame, units: list[int], on_worker: bool) -> None:
         """Start a new work item for each unit; `pending` already counts them.
@@ -309,7 +309,7 @@ class Scheduler:
         """
         where = frame.where
         loop = self.loop
-        ranked: list[tuple[Rank, int]] = []
+        ranked: list[tuple[float, int]] = []
         for unit in units:
             w = where[unit]
             if w == _TASK:
@@ -326,7 +326,7 @@ class Scheduler:
                     self._start_host_wait(frame, unit, True)
             else:
                 ranked.append((self._rank(frame, unit), unit))
-        if ranked:  # queued together: a free thread takes the best of them, not the first
+        if ranked:  # one submission: a free thread takes the best of them, not the first
             self.workers.submit(self._run_on_worker_item, frame, ranked)
 
     def _run_on_worker_item(self, frame: Any, unit: int) -> None:

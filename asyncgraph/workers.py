@@ -4,11 +4,13 @@ torch releases the GIL inside its kernels, so `size` threads run independent bra
 parallel. Work items are plain `(function, frame, unit)` tuples: no Future per item, because
 the scheduler does its own completion accounting in the frame.
 
-Items wait in a `ReadyQueue` ordered by a rank the scheduler gives (lowest first; ties in
-submission order): the oldest execution first, and within it the unit with the longest path of
-work still ahead of it (critical path first, as list schedulers since Graham do), so a long
-branch starts before the short ones instead of being left for last. The queue only orders the
-units handed off; a thread that finishes a unit keeps going along its chain (scheduler.py).
+Items wait in a `ReadyQueue`: first in, first out between submissions; among the units of one
+submission (the roots of an execution, or the users one unit made ready), the one with the
+most work still ahead of it first (critical path first, as list schedulers since Graham do), so
+a long branch starts before the short ones instead of being left for last. Between
+submissions, and so between executions, the order stays the order of arrival: no execution's
+work overtakes work handed off earlier. The queue orders only what is handed off; a thread
+that finishes a unit keeps going along its chain.
 
 Each thread sets torch's intra-op thread count to the one of the thread that started the pool:
 with OpenMP a new thread does not inherit `torch.set_num_threads`, and would run every matmul
@@ -24,14 +26,13 @@ import queue
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 WorkItem = tuple[Callable[[Any, int], None], Any, int]
-Rank = tuple[int, float]  # (execution id, -remaining path cost): lower runs first
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,35 +43,33 @@ class WorkerPoolStatistics:
 
 
 class ReadyQueue:
-    """The work items waiting for a thread, lowest rank first.
+    """The work items waiting for a thread: by submission, then lowest key within one.
 
     A heap under a lock holds the items; a SimpleQueue of tokens, one per item, is what
     threads block on (a wait in C, no Condition per waiter). A `None` token stops a thread.
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[Rank, int, WorkItem]] = []
+        self._heap: list[tuple[int, float, int, WorkItem]] = []
         self._lock = threading.Lock()
         self._tokens: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
-        self._order = itertools.count()
+        self._submissions = itertools.count()
 
-    def put(self, items: Iterable[tuple[Rank, WorkItem]]) -> None:
-        """Queue items together: a thread woken by the first cannot take it before a better
-        one of the same call is queued."""
+    def put(self, items: Sequence[tuple[float, WorkItem]]) -> None:
+        """Queue `(key, item)`s as one submission, all before any thread can take one."""
         with self._lock:
-            count = len(self._heap)
-            for rank, item in items:
-                heapq.heappush(self._heap, (rank, next(self._order), item))
-            count = len(self._heap) - count
-        for _ in range(count):
+            submission = next(self._submissions)
+            for i, (key, item) in enumerate(items):
+                heapq.heappush(self._heap, (submission, key, i, item))
+        for _ in items:
             self._tokens.put(True)
 
     def get(self) -> WorkItem | None:
-        """Block until an item is queued (the best one is returned) or a stop token is."""
+        """Block until an item is queued (the first is returned) or a stop token is."""
         if self._tokens.get() is None:
             return None
         with self._lock:
-            return heapq.heappop(self._heap)[2]
+            return heapq.heappop(self._heap)[3]
 
     def stop(self, threads: int) -> None:
         """Stop `threads` threads once the items queued before are taken."""
@@ -95,13 +94,13 @@ class WorkerPool:
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     def submit(
-        self, fn: Callable[[Any, int], None], frame: Any, units: Sequence[tuple[Rank, int]]
+        self, fn: Callable[[Any, int], None], frame: Any, units: Sequence[tuple[float, int]]
     ) -> None:
-        """Run `fn(frame, unit)` for each `(rank, unit)` on worker threads, lowest rank first
-        among all queued items. `fn` must not raise."""
+        """Run `fn(frame, unit)` for each `(key, unit)` on worker threads: after the items
+        submitted before, lowest key first among these. `fn` must not raise."""
         if not self._threads:
             self._start()
-        self._queue.put((rank, (fn, frame, unit)) for rank, unit in units)
+        self._queue.put([(key, (fn, frame, unit)) for key, unit in units])
 
     def _start(self) -> None:
         with self._lock:

@@ -1,4 +1,4 @@
-"""WorkerPool and its ReadyQueue: ranked order, stop tokens, statistics."""
+"""WorkerPool and its ReadyQueue: order, stop tokens, statistics."""
 
 from __future__ import annotations
 
@@ -16,32 +16,31 @@ def _noop(frame: Any, unit: int) -> None:
     pass
 
 
-def test_the_queue_returns_the_lowest_rank_first_and_ties_in_order() -> None:
+def test_the_queue_is_fifo_between_submissions_and_by_key_within_one() -> None:
     q = ReadyQueue()
-    q.put([((2, -1.0), (_noop, None, 0)), ((1, -1.0), (_noop, None, 1))])
-    q.put([((1, -5.0), (_noop, None, 2)), ((1, -1.0), (_noop, None, 3))])
-    assert len(q) == 4
+    q.put([(-1.0, (_noop, None, 0)), (-5.0, (_noop, None, 1)), (-1.0, (_noop, None, 2))])
+    q.put([(-9.0, (_noop, None, 3)), (-2.0, (_noop, None, 4))])
+    assert len(q) == 5
     units = []
-    for _ in range(4):
+    for _ in range(5):
         item = q.get()
         assert item is not None
         units.append(item[2])
-    # execution 1 before execution 2; in execution 1 the most work ahead first; ties FIFO
-    assert units == [2, 1, 3, 0]
+    # the first submission before the second; in each the most work ahead first, ties FIFO
+    assert units == [1, 0, 2, 3, 4]
     assert len(q) == 0
 
 
 def test_stop_tokens_come_after_the_items_queued_before() -> None:
     q = ReadyQueue()
-    q.put([((0, 0.0), (_noop, None, 7))])
+    q.put([(0.0, (_noop, None, 7))])
     q.stop(2)
     item = q.get()
     assert item is not None and item[2] == 7
     assert q.get() is None and q.get() is None
 
 
-async def test_a_busy_pool_runs_queued_items_best_rank_first() -> None:
-    """Queued items run lowest rank first, whatever order they were submitted in."""
+async def test_a_pool_runs_the_units_of_one_submission_lowest_key_first() -> None:
     pool = WorkerPool(1)
     entered, gate, done = threading.Event(), threading.Event(), threading.Event()
     order: list[int] = []
@@ -56,9 +55,9 @@ async def test_a_busy_pool_runs_queued_items_best_rank_first() -> None:
             done.set()
 
     try:
-        pool.submit(block, None, [((0, 0.0), 0)])
+        pool.submit(block, None, [(0.0, 0)])
         assert entered.wait(10)  # the only thread is busy until the gate opens
-        pool.submit(record, None, [((0, -1.0), 1), ((0, -3.0), 3), ((0, -2.0), 2)])
+        pool.submit(record, None, [(-1.0, 1), (-3.0, 3), (-2.0, 2)])
         assert pool.statistics().queued == 3
         gate.set()
         assert done.wait(10)
