@@ -74,6 +74,12 @@ class ExecutorConfig:
             executions while the loop is busy) and the rest inline (asyncgraph/placement.py).
         profile_executions: profiled executions per input-shape signature.
         heavy_node_us: measured (best) time from which a CPU node is worth a worker thread.
+        loaded_heavy_node_us: the same bar while executions overlap and the loop is busy
+            (the placement that sends heavy nodes to workers to overlap other executions).
+            Higher, because there a worker needs the GIL, which the busy loop holds, to
+            start and finish each node: 64 callers of an encoder whose ~60 us matmuls went to
+            workers got 25-30% less throughput than with them inline; ~1 ms matmuls (32-row
+            batches) gain 3-9% on workers.
         fast_bindings: call aten ops through torch's generated Python bindings where one
             reaches exactly the same overload (kernels/fast_bindings.py): 0.3-1.5 us less per
             call than the OpOverload. Tensor subclasses' __torch_function__ then sees the
@@ -116,6 +122,7 @@ class ExecutorConfig:
     adaptive_placement: bool = True
     profile_executions: int = 3
     heavy_node_us: float = 80.0
+    loaded_heavy_node_us: float = 250.0
     fast_bindings: bool = True
     recompose_attention: bool = True
     fold_constants: bool = True
@@ -149,6 +156,10 @@ class ExecutorConfig:
             raise ValueError(f"profile_executions must be >= 1, got {self.profile_executions}")
         if self.heavy_node_us < 0:
             raise ValueError(f"heavy_node_us must be >= 0, got {self.heavy_node_us}")
+        if self.loaded_heavy_node_us < 0:
+            raise ValueError(
+                f"loaded_heavy_node_us must be >= 0, got {self.loaded_heavy_node_us}"
+            )
         if self.max_fused_nodes < 1:
             raise ValueError(f"max_fused_nodes must be >= 1, got {self.max_fused_nodes}")
         if self.cuda_streams < 1:

@@ -117,6 +117,7 @@ class Executor:
                 self.graph, self.plan, self.kernels,
                 profile_executions=self.config.profile_executions,
                 heavy_node_us=self.config.heavy_node_us,
+                loaded_heavy_node_us=self.config.loaded_heavy_node_us,
                 loop_slice_us=self.config.loop_slice_s * 1e6,
                 key=batch_bucket_key if self.config.batching is not None else None,
             )

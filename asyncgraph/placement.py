@@ -14,8 +14,10 @@ buys something:
 
 Everything else runs inline: a heavy node on the graph's serial spine gains nothing from a
 worker but the hop's latency (a transformer's feed-forward matmuls, one after another). While
-executions overlap on a busy loop, a second placement applies, with every heavy node on a
-worker: there the spine of one execution overlaps the others'. Light nodes always stay on the
+executions overlap on a busy loop, a second placement applies, with every node of at least
+`loaded_heavy_node_us` on a worker: there the spine of one execution overlaps the others'. The
+bar is higher there because a worker needs the GIL, held by the busy loop, to start and finish
+each node; ~60 us matmuls lost more waiting than they gained. Light nodes always stay on the
 loop: they are mostly Python dispatch, which holds the GIL wherever it runs, and moving them to
 threads only adds contention. A new input-shape
 signature is profiled afresh. Only CPU kernels without an explicit placement hint move; async,
@@ -103,6 +105,7 @@ class AdaptivePlacement:
         *,
         profile_executions: int = 3,
         heavy_node_us: float = 80.0,
+        loaded_heavy_node_us: float = 250.0,
         loop_slice_us: float = 1000.0,
         max_signatures: int = 16,
         key: Callable[[Sequence[Any]], ShapeKey] | None = None,
@@ -111,6 +114,7 @@ class AdaptivePlacement:
         self.users = plan.users
         self.profile_executions = profile_executions
         self.heavy_node_us = heavy_node_us
+        self.loaded_heavy_node_us = loaded_heavy_node_us
         self.loop_slice_us = loop_slice_us
         self.max_signatures = max_signatures
         self.key = key if key is not None else shape_key
@@ -185,7 +189,8 @@ class AdaptivePlacement:
         loop's slice; inline for the rest (see the module docstring). `loaded`: for a loop
         shared by overlapping executions, where every heavy node overlaps something."""
         placement = list(self.base)
-        heavy = [us >= self.heavy_node_us for us in best_us]
+        bar = self.loaded_heavy_node_us if loaded else self.heavy_node_us
+        heavy = [us >= bar for us in best_us]
         alone = [False] * len(heavy) if loaded else self._without_heavy_peer(heavy)
         for node, us in enumerate(best_us):
             if self.movable[node]:

@@ -67,7 +67,7 @@ def test_decide_moves_only_cpu_nodes_without_hints() -> None:
     assert adaptive.decide([0.0]) == (Placement.WORKER,)
 
 
-def _diamond_of_heavy_nodes() -> asyncgraph.Executor:
+def _diamond_of_heavy_nodes(config: ExecutorConfig | None = None) -> asyncgraph.Executor:
     """x -> a -> b -> (c, d) -> e: a and b on the spine, c and d independent of each other."""
     b = asyncgraph.GraphBuilder()
     x = b.input("x")
@@ -76,7 +76,7 @@ def _diamond_of_heavy_nodes() -> asyncgraph.Executor:
     c = b.call(torch.relu, spine, name="c")
     d = b.call(torch.relu, spine, name="d")
     b.output(b.call(torch.add, c, d, name="e"))
-    return asyncgraph.Executor(b.build(), ExecutorConfig(heavy_op_flops=0))
+    return asyncgraph.Executor(b.build(), config or ExecutorConfig(heavy_op_flops=0))
 
 
 def test_heavy_nodes_on_the_serial_spine_run_inline() -> None:
@@ -107,12 +107,33 @@ def test_independent_heavy_branches_go_to_workers() -> None:
 
 def test_a_loaded_loop_sends_every_heavy_node_to_a_worker() -> None:
     ex = _diamond_of_heavy_nodes()
-    adaptive = AdaptivePlacement(ex.graph, ex.plan, ex.kernels, heavy_node_us=80)
+    adaptive = AdaptivePlacement(
+        ex.graph, ex.plan, ex.kernels, heavy_node_us=80, loaded_heavy_node_us=250
+    )
     adaptive.movable = (True,) * 5
     w, i = Placement.WORKER, Placement.INLINE
-    best = [200.0, 1.0, 200.0, 1.0, 1.0]
+    best = [300.0, 1.0, 300.0, 1.0, 1.0]
     assert adaptive.decide(best) == (i, i, i, i, i)  # quiet: nothing overlaps a or c
     assert adaptive.decide(best, loaded=True) == (w, i, w, i, i)  # other executions do
+
+
+def test_a_loaded_loop_keeps_nodes_below_its_own_bar_inline() -> None:
+    """Under a busy loop a worker waits for the GIL to start and finish each node: a node
+    heavy enough for a worker on a quiet loop stays inline below loaded_heavy_node_us."""
+    ex = _diamond_of_heavy_nodes()
+    adaptive = AdaptivePlacement(
+        ex.graph, ex.plan, ex.kernels, heavy_node_us=80, loaded_heavy_node_us=250
+    )
+    adaptive.movable = (True,) * 5
+    w, i = Placement.WORKER, Placement.INLINE
+    assert adaptive.decide([100.0, 1.0, 300.0, 1.0, 1.0], loaded=True) == (i, i, w, i, i)
+
+
+def test_the_loaded_bar_comes_from_the_config() -> None:
+    with pytest.raises(ValueError, match="loaded_heavy_node_us"):
+        ExecutorConfig(loaded_heavy_node_us=-1)
+    ex = _diamond_of_heavy_nodes(ExecutorConfig(heavy_op_flops=0, loaded_heavy_node_us=123.0))
+    assert ex._adaptive is not None and ex._adaptive.loaded_heavy_node_us == 123.0
 
 
 class Spine(torch.nn.Module):
