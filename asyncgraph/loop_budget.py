@@ -6,9 +6,11 @@ callers each running a 0.4 ms graph inline delay a timer by 25 ms. The budget is
 all executions of all Executors on one loop: the first inline work of an iteration opens a
 slice and schedules its close with `call_soon`, which runs at the start of the next iteration;
 until then, work that finds the slice spent waits in the budget's FIFO queue, which one
-callback per iteration runs until the next slice is spent. So each iteration spends at most
-about one slice (plus one unit) in inline kernels, whatever the number of callers, timers and
-I/O get their turn in between, and deferred work costs one loop callback per iteration rather
+callback per iteration runs until the next slice is spent. The scheduler also defers a unit
+whose measured time would end after the slice (it then runs first thing in a later
+iteration). So each iteration spends about one slice in inline kernels (more only for a unit
+longer than a slice, or one not measured yet), whatever the number of callers, timers and I/O
+get their turn in between, and deferred work costs one loop callback per iteration rather
 than one per waiting execution.
 """
 

@@ -49,6 +49,7 @@ class Schedule:
     roots: tuple[int, ...]
     frees: tuple[tuple[int, ...], ...]  # per unit: one value id per read of a frame slot
     priority: tuple[float, ...]  # per unit: cost of the longest path from it to the end
+    seconds: tuple[float, ...] | None  # per unit: measured time, when costs were measured
     fused: bool
 
     @property
@@ -129,10 +130,11 @@ class ScheduleCache:
         solo = self.solo(placement) if self.solo is not None else None
         if solo is not None:
             unfusable = [a or b for a, b in zip(solo, unfusable or solo, strict=True)]
-        costs = self.node_costs(placement) if self.node_costs is not None else None
+        measured = self.node_costs(placement) if self.node_costs is not None else None
         schedule = build_schedule(
             self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1,
-            unfusable, costs if costs is not None else self.estimated_costs,
+            unfusable, measured if measured is not None else self.estimated_costs,
+            measured=measured is not None,
         )
         self._cache[key] = (placement, schedule)
         self._cache.move_to_end(key)
@@ -159,11 +161,13 @@ def build_schedule(
     max_fused: int,
     unfusable: Sequence[bool] | None = None,
     costs: Sequence[float] | None = None,
+    measured: bool = False,
 ) -> Schedule:
     """Group nodes into units (see the module docstring) and derive the unit graph.
 
     `unfusable[i]`: node i must be a unit of its own even when it is inline; `costs[i]`: node
-    i's cost, for the units' priorities (default 1 each).
+    i's cost, for the units' priorities (default 1 each); `measured`: the costs are measured
+    times in microseconds, which also give each unit's expected time (`Schedule.seconds`).
     """
     runs = _runs(plan, placement, max_fused, unfusable)
     unit_of = [0] * plan.num_nodes
@@ -217,10 +221,10 @@ def build_schedule(
 
     counts = tuple(len(p) for p in producers)
     # Units are in topological order (runs are consecutive nodes): users come later.
+    own = [sum(costs[n] for n in run) if costs is not None else float(len(run)) for run in runs]
     priority = [0.0] * len(runs)
     for u in reversed(range(len(runs))):
-        own = sum(costs[n] for n in runs[u]) if costs is not None else float(len(runs[u]))
-        priority[u] = own + max((priority[user] for user in users[u]), default=0.0)
+        priority[u] = own[u] + max((priority[user] for user in users[u]), default=0.0)
     return Schedule(
         placement=placement,
         calls=tuple(calls),
@@ -232,6 +236,7 @@ def build_schedule(
         roots=tuple(u for u, c in enumerate(counts) if c == 0),
         frees=tuple(frees),
         priority=tuple(priority),
+        seconds=tuple(c / 1e6 for c in own) if measured and costs is not None else None,
         fused=max_fused > 1,
     )
 

@@ -165,18 +165,30 @@ class Scheduler:
         self._hand_off(frame, handoff, on_worker=False)
         self._run_on_loop(frame, stack)
 
-    def _run_on_loop(self, frame: ExecutionFrame, stack: list[int]) -> None:
+    def _run_on_loop(self, frame: ExecutionFrame, stack: list[int], waited: bool = False) -> None:
         """Run inline work within the loop's shared slice, or defer it to the next iteration
-        when this iteration's slice is spent (LoopBudget)."""
+        when this iteration's slice is spent (LoopBudget), or when the next unit's measured
+        time would overrun what is left of it: then it runs first thing next time (`waited`),
+        so a long unit neither stretches an iteration nor waits for ever."""
         assert self._budget is not None
         deadline = self._budget.deadline()
-        if deadline is None and stack and not frame.stopped:
-            self._budget.defer(self._run_on_loop, frame, stack)
+        if stack and not frame.stopped and (
+            deadline is None or (not waited and not self._fits(frame, stack, deadline))
+        ):
+            self._budget.defer(self._run_on_loop, frame, stack, waited or deadline is not None)
             return
         start = time.perf_counter()
         with _inference_mode(self.config.inference_mode):
             self._drain(frame, stack, on_worker=False, deadline=deadline or 0.0)
         self._account_loop_time(start, time.perf_counter())
+
+    @staticmethod
+    def _fits(frame: ExecutionFrame, stack: list[int], deadline: float) -> bool:
+        """Whether the unit on top of `stack` is expected to end by `deadline` (its measured
+        time; unmeasured units count as instant: they fit while the slice lasts)."""
+        seconds = _schedule(frame).seconds
+        expected = seconds[stack[-1]] if seconds is not None else 0.0
+        return time.perf_counter() + expected <= deadline
 
     @property
     def loaded(self) -> bool:
@@ -220,9 +232,9 @@ class Scheduler:
                 values[store] = result
             del result
             self._complete(frame, unit, stack, on_worker)
-            if not on_worker and stack and time.perf_counter() > deadline:
+            if not on_worker and stack and not self._fits(frame, stack, deadline):
                 assert self._budget is not None
-                self._budget.defer(self._run_on_loop, frame, stack)  # yield; same item
+                self._budget.defer(self._run_on_loop, frame, stack, True)  # yield; same item
                 return
         self._end_unit(frame, on_worker)
 

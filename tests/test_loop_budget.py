@@ -104,3 +104,48 @@ async def test_many_callers_share_one_slice_per_iteration() -> None:
     assert results == [k + 4 for k in range(32)]
     units = 32 * 4
     assert during >= units // 2, f"{during} heartbeat turns for {units} units"
+
+
+async def test_a_measured_unit_that_would_overrun_the_slice_waits_for_the_next() -> None:
+    """Once node times are measured, a unit that would end after the slice waits for the
+    next iteration instead of stretching this one: with 0.6 ms nodes and a 1 ms slice, no two
+    run in one iteration (without the check the second starts at 0.6 ms and ends at 1.2)."""
+    iteration = 0
+    ran_in: dict[str, int] = {}
+
+    def slow(name: str) -> object:
+        def fn(x: int) -> int:
+            ran_in[name] = iteration
+            end = time.thread_time() + 6e-4  # CPU time: what profiling measures
+            while time.thread_time() < end:
+                pass
+            return x + 1
+
+        fn.__name__ = name
+        return fn
+
+    async def count_iterations() -> None:
+        nonlocal iteration
+        while True:
+            iteration += 1
+            await asyncio.sleep(0)
+
+    b = GraphBuilder()
+    v = b.input("x")
+    for i in range(4):
+        v = b.call(slow(f"slow{i}"), v, placement="inline")
+    b.output(v)
+    config = ExecutorConfig(loop_slice_s=1e-3, profile_executions=1)
+    counter = asyncio.create_task(count_iterations())
+    try:
+        async with Executor(b.build(), config) as ex:
+            for _ in range(2):  # a warm-up and one profiled execution decide the placement
+                assert await ex.execute(0) == 4
+            stats = ex.placement_statistics()
+            assert stats is not None and stats.decided == 1
+            ran_in.clear()
+            assert await ex.execute(0) == 4
+    finally:
+        counter.cancel()
+    iterations = [ran_in[f"slow{i}"] for i in range(4)]
+    assert len(set(iterations)) == 4, f"nodes ran in iterations {iterations}"
