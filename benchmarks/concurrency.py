@@ -36,6 +36,7 @@ from benchmarks.harness import (
     Peer,
     PeerResult,
     Target,
+    frozen_heap,
     new_results,
     quantile,
     verify,
@@ -79,14 +80,15 @@ async def run(ctx: Context) -> list[CaseResult]:
         live = [p for p in peers if not results[p.name].failed]
         rounds: dict[str, list[_Round]] = {p.name: [] for p in live}
         advance = ctx.task(f"{NAME}: {callers} callers", ctx.rounds_total)
-        for r in range(ctx.rounds_total):
-            k = r % len(live)
-            for peer in live[k:] + live[:k]:
-                gc.collect()
-                measured = await _round(peer.call, callers, per_caller)
-                if r >= s.n_warmup:
-                    rounds[peer.name].append(measured)
-            advance()
+        with frozen_heap():
+            for r in range(ctx.rounds_total):
+                k = r % len(live)
+                for peer in live[k:] + live[:k]:
+                    gc.collect()
+                    measured = await _round(peer.call, callers, per_caller)
+                    if r >= s.n_warmup:
+                        rounds[peer.name].append(measured)
+                advance()
     finally:
         await ex.aclose()
         await inline.aclose()
