@@ -70,6 +70,10 @@ def serve(
     parallel_ops: Annotated[
         int | None, typer.Option(min=1, help="Worker threads per model (max_parallel_ops).")
     ] = None,
+    pin_workers: Annotated[
+        bool, typer.Option(help="Pin each worker thread to a CPU of its own (Linux; for a "
+                           "machine the service has to itself).")
+    ] = False,
     max_batch_size: Annotated[
         int, typer.Option(min=0, help="Dynamic batching: stack concurrent requests into "
                           "executions of up to this many rows (0: off). Needs a program "
@@ -96,6 +100,8 @@ def serve(
     config: dict[str, Any] = {"max_concurrent_executions": frames}
     if parallel_ops is not None:
         config["max_parallel_ops"] = parallel_ops
+    if pin_workers:
+        config["pin_workers"] = True
     if max_batch_size:
         config["batching"] = BatchingConfig(max_batch_size, batch_delay_ms / 1000)
     executors: dict[str, Executor] = {}

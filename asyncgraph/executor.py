@@ -138,7 +138,8 @@ class Executor:
         self._validator = InputValidator(self.graph, self.config.max_unbounded_int)
         self.recorder = TraceRecorder(self.graph) if self.config.trace else None
         self._workers = WorkerPool(
-            self.config.max_parallel_ops, inference_mode=self.config.inference_mode
+            self.config.max_parallel_ops, inference_mode=self.config.inference_mode,
+            pin=self.config.pin_workers,
         )
         self._scheduler = Scheduler(
             self.graph, self.plan, self.config, self._workers, self.recorder

@@ -15,13 +15,18 @@ that finishes a unit keeps going along its chain.
 Each thread sets torch's intra-op thread count to the one of the thread that started the pool:
 with OpenMP a new thread does not inherit `torch.set_num_threads`, and would run every matmul
 on all cores (two workers on two cores then oversubscribe them four times over).
+
+With `pin`, each thread binds itself to one CPU, taken round-robin from the CPUs the process
+may use by a process-wide counter, so two pools do not stack their first threads on CPU 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
+import os
 import queue
 import sys
 import threading
@@ -40,6 +45,19 @@ class WorkerPoolStatistics:
     threads: int
     queued: int
     items_run: int
+    cpus: tuple[int, ...] = ()  # the CPU each thread is pinned to; empty when not pinned
+
+
+_NEXT_CPU = itertools.count()  # process-wide: pinned pools spread over the CPUs
+
+
+def _cpus_to_pin(count: int) -> tuple[int, ...]:
+    """`count` CPUs for pinned threads, round-robin over the allowed ones; () where threads
+    cannot be pinned."""
+    if not hasattr(os, "sched_setaffinity"):
+        return ()
+    allowed = sorted(os.sched_getaffinity(0))
+    return tuple(allowed[next(_NEXT_CPU) % len(allowed)] for _ in range(count))
 
 
 class ReadyQueue:
@@ -83,8 +101,16 @@ class ReadyQueue:
 class WorkerPool:
     """A fixed set of daemon threads draining one queue; started lazily, joined by aclose."""
 
-    def __init__(self, size: int, name: str = "asyncgraph-worker", inference_mode: bool = True):
+    def __init__(
+        self,
+        size: int,
+        name: str = "asyncgraph-worker",
+        inference_mode: bool = True,
+        pin: bool = False,
+    ):
         self.size = size
+        self.pin = pin
+        self._cpus: tuple[int, ...] = ()
         self._name = name
         self._inference_mode = inference_mode
         self._queue = ReadyQueue()
@@ -108,10 +134,12 @@ class WorkerPool:
                 return
             self._items_run[:] = [0] * self.size
             intra_op = torch.get_num_threads()
+            self._cpus = _cpus_to_pin(self.size) if self.pin else ()
             for i in range(self.size):
+                cpu = self._cpus[i] if self._cpus else None
                 thread = threading.Thread(
                     target=_worker_main,
-                    args=(self._queue, self._inference_mode, self._items_run, i, intra_op),
+                    args=(self._queue, self._inference_mode, self._items_run, i, intra_op, cpu),
                     name=f"{self._name}-{i}",
                     daemon=True,
                 )
@@ -135,7 +163,10 @@ class WorkerPool:
             thread.join()
 
     def statistics(self) -> WorkerPoolStatistics:
-        return WorkerPoolStatistics(len(self._threads), len(self._queue), sum(self._items_run))
+        return WorkerPoolStatistics(
+            len(self._threads), len(self._queue), sum(self._items_run),
+            self._cpus if self._threads else (),
+        )
 
 
 def _worker_main(
@@ -144,7 +175,11 @@ def _worker_main(
     items_run: list[int],
     slot: int,
     intra_op_threads: int,
+    cpu: int | None,
 ) -> None:
+    if cpu is not None:
+        with contextlib.suppress(OSError):  # the CPU left the process's set: run unpinned
+            os.sched_setaffinity(0, {cpu})  # 0: this thread
     torch.set_num_threads(intra_op_threads)
     with torch.inference_mode(inference_mode):
         while True:

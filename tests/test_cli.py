@@ -185,7 +185,7 @@ def test_serve_command_serves_until_interrupted(model_file: Any) -> None:
     model, path = model_file
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncgraph.cli", "serve", str(path), "--name", "two",
-         "--model", f"again={path}", "--port", "0", "--max-queue", "4"],
+         "--model", f"again={path}", "--port", "0", "--max-queue", "4", "--pin-workers"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "COLUMNS": "200"},
     )

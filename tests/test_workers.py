@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 import pytest
 
+from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.workers import ReadyQueue, WorkerPool
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -67,3 +69,63 @@ async def test_a_pool_runs_the_units_of_one_submission_lowest_key_first() -> Non
         await pool.aclose()
     stats = pool.statistics()
     assert stats.threads == 0 and stats.queued == 0 and stats.items_run == 4
+
+
+needs_affinity = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity"), reason="thread CPU affinity is Linux-only"
+)
+
+
+def _run_one_item_per_thread(pool: WorkerPool) -> dict[str, set[int]]:
+    """Each thread's CPU affinity, read by the thread itself while all are busy at once."""
+    barrier = threading.Barrier(pool.size, timeout=10)
+    seen: dict[str, set[int]] = {}
+    done = threading.Event()
+
+    def record(frame: Any, unit: int) -> None:
+        seen[threading.current_thread().name] = os.sched_getaffinity(0)
+        barrier.wait()  # every thread takes exactly one item
+        if len(seen) == pool.size:
+            done.set()
+
+    pool.submit(record, None, [(0.0, i) for i in range(pool.size)])
+    assert done.wait(10)
+    return seen
+
+
+@needs_affinity
+async def test_pinned_workers_each_run_on_one_cpu_of_their_own() -> None:
+    allowed = os.sched_getaffinity(0)
+    pool = WorkerPool(2, pin=True)
+    try:
+        seen = _run_one_item_per_thread(pool)
+        cpus = pool.statistics().cpus
+    finally:
+        await pool.aclose()
+    assert all(len(s) == 1 and s <= allowed for s in seen.values()), seen
+    assert sorted(c for s in seen.values() for c in s) == sorted(cpus)
+    if len(allowed) >= 2:
+        assert len(set(cpus)) == 2
+    assert pool.statistics().cpus == ()  # closed
+
+
+@needs_affinity
+async def test_workers_are_not_pinned_by_default() -> None:
+    pool = WorkerPool(2)
+    try:
+        seen = _run_one_item_per_thread(pool)
+        assert pool.statistics().cpus == ()
+    finally:
+        await pool.aclose()
+    assert all(s == os.sched_getaffinity(0) for s in seen.values())
+
+
+@needs_affinity
+async def test_the_executor_pins_its_workers_when_configured() -> None:
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output(b.call(lambda v: v + 1, x, name="step", placement="worker"))
+    config = ExecutorConfig(max_parallel_ops=2, pin_workers=True)
+    async with Executor(b.build(), config) as ex:
+        assert await ex.execute(1) == 2
+        assert len(ex.statistics().workers.cpus) == 2
