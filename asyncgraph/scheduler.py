@@ -215,6 +215,7 @@ class Scheduler:
         calls, stores = frame.calls, schedule.stores
         values = frame.values
         timed = self.recorder is not None or frame.times is not None
+        seconds = schedule.seconds  # measured unit times: does the next one fit the slice?
         while stack:
             if frame.stopped:
                 break
@@ -232,10 +233,12 @@ class Scheduler:
                 values[store] = result
             del result
             self._complete(frame, unit, stack, on_worker)
-            if not on_worker and stack and not self._fits(frame, stack, deadline):
-                assert self._budget is not None
-                self._budget.defer(self._run_on_loop, frame, stack, True)  # yield; same item
-                return
+            if not on_worker and stack:
+                expected = seconds[stack[-1]] if seconds is not None else 0.0
+                if time.perf_counter() + expected > deadline:
+                    assert self._budget is not None
+                    self._budget.defer(self._run_on_loop, frame, stack, True)  # yield; same item
+                    return
         self._end_unit(frame, on_worker)
 
     def _record(
