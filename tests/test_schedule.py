@@ -215,6 +215,15 @@ async def test_a_units_priority_is_the_longest_path_of_cost_from_it_to_the_end()
         assert priority == {
             "a": 11.5, "long1": 5.5, "long2": 3.5, "short": 10.5, "join": 0.5
         }
+        assert s.seconds is None  # estimates rank units but say nothing of time
+        timed = build_schedule(
+            graph, ex.plan, ex.kernels, ex.plan.placement, 1,
+            costs=[costs[n] for n in names], measured=True,
+        )
+        assert timed.seconds is not None
+        assert dict(zip(names, timed.seconds, strict=True)) == {
+            n: c / 1e6 for n, c in costs.items()
+        }
         # without measured times the kernels' estimates count (a Python callable: 1 each)
         default = dict(zip(names, schedule_of(ex, fused=False).priority, strict=True))
         assert default == {"a": 4.0, "long1": 3.0, "long2": 2.0, "short": 2.0, "join": 1.0}
