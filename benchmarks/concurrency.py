@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -39,6 +40,7 @@ from benchmarks.harness import (
     frozen_heap,
     new_results,
     quantile,
+    round_order,
     verify,
 )
 from benchmarks.models import call_nodes, exported_encoder
@@ -80,10 +82,10 @@ async def run(ctx: Context) -> list[CaseResult]:
         live = [p for p in peers if not results[p.name].failed]
         rounds: dict[str, list[_Round]] = {p.name: [] for p in live}
         advance = ctx.task(f"{NAME}: {callers} callers", ctx.rounds_total)
+        rng = random.Random(s.seed)
         with frozen_heap():
             for r in range(ctx.rounds_total):
-                k = r % len(live)
-                for peer in live[k:] + live[:k]:
+                for peer in round_order(live, rng):
                     gc.collect()
                     measured = await _round(peer.call, callers, per_caller)
                     if r >= s.n_warmup:

@@ -2,11 +2,11 @@
 
 Why it is built this way: the machine is small and shared, so absolute times drift by tens of
 percent from one minute to the next. A ratio of two medians taken in the same process, with the
-peers interleaved round by round (and the order rotated each round, so nobody always runs first,
-after a cold cache or a GC pause), cancels most of that drift. Warm-up rounds are dropped: the
-first executions of anything pay for lazy initialisation (worker threads, frames, dispatcher
-caches). A sample is a batch of calls sized to last a few milliseconds, so timer resolution and
-the harness's own cost disappear in it.
+peers interleaved round by round (in a new seeded random order each round, so no peer always
+runs first, or always right after the same peer), cancels most of that drift. Warm-up rounds
+are dropped: the first executions of anything pay for lazy initialisation (worker threads,
+frames, dispatcher caches). A sample is a batch of calls sized to last a few milliseconds, so
+timer resolution and the harness's own cost disappear in it.
 
 Every peer is first run once and its output compared with asyncgraph's; a peer that disagrees
 is reported as a mismatch, and its time still shown, so a "fast" wrong answer is visible.
@@ -18,6 +18,7 @@ import gc
 import math
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -221,6 +222,15 @@ async def verify(peers: Sequence[Peer], results: dict[str, PeerResult], **tol: f
             result.error = f"output mismatch: {str(exc).splitlines()[0][:200]}"
 
 
+def round_order(peers: Sequence[Peer], rng: random.Random) -> list[Peer]:
+    """The peers in a new random order: a fixed rotation gave every peer the same predecessor
+    in every round, and a peer whose threads keep spinning after it returns (dask's threads
+    run torch ops with OpenMP teams, which spin a while before they sleep) slowed whichever
+    peer came next, every time: the default executor, always after dask threaded, read 3-5%
+    slower than the identically placed "all inline" one alone and 11-18% in full runs."""
+    return rng.sample(list(peers), len(peers))
+
+
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """Collect once and move every object to the collector's permanent generation
@@ -245,17 +255,18 @@ async def alternate(
 ) -> None:
     """Time the peers round by round, interleaved, and store median/p10/p90 in `results`.
 
-    Peers whose verification raised are skipped. Each round rotates the order by one.
+    Peers whose verification raised are skipped. Each round runs them in a new order
+    (`round_order`).
     """
     live = [p for p in peers if not results[p.name].failed]
     calls = {p.name: await _calls_per_sample(p, settings.target_sample_s) for p in live}
     samples: dict[str, list[float]] = {p.name: [] for p in live}
     total = settings.n_warmup + settings.n_rounds
+    rng = random.Random(settings.seed)
     with frozen_heap():
         for r in range(total):
             gc.collect()
-            k = r % len(live) if live else 0
-            for peer in live[k:] + live[:k]:
+            for peer in round_order(live, rng):
                 n = calls[peer.name]
                 call = peer.call
                 start = time.perf_counter()
