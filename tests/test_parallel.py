@@ -368,11 +368,9 @@ async def test_workers_keep_the_intra_op_thread_count_of_the_process() -> None:
     assert started == 1  # the worker itself, and no team of intra-op threads behind it
 
 
-def _recording(seen: list[str], name: str, delay_s: float = 0.0) -> Any:
+def _recording(seen: list[str], name: str) -> Any:
     def node(*xs: int) -> int:
         seen.append(name)
-        if delay_s:
-            time.sleep(delay_s)
         return sum(xs) + 1
 
     node.__name__ = name
