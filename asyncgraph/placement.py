@@ -24,8 +24,9 @@ signature is profiled afresh. Only CPU kernels without an explicit placement hin
 prim and CUDA nodes keep their places.
 
 A heavy node that stays inline also runs as a unit of its own rather than fused with its
-neighbours (`solo`): the loop's budget is checked between units, and a fused run of several
-heavy nodes (a batch of 32 rows through an encoder) would hold the loop for milliseconds.
+neighbours (`Decision.heavy`): the loop's budget is checked between units, and a fused run of
+several heavy nodes (a batch of 32 rows through an encoder) would hold the loop for
+milliseconds.
 
 State: one entry per shape signature (at most `max_signatures`, oldest evicted), holding the
 best node times of the profiled runs and, once decided, the placement tuple.
@@ -78,7 +79,11 @@ class NodeTimes:
 
 
 @dataclass(frozen=True, slots=True)
-class _Decision:
+class Decision:
+    """What a decided placement was decided from, for the schedule built for it: the heavy
+    nodes run as units of their own (the loop budget can yield between them), and the
+    measured times rank the units for the workers and tell whether a unit fits the slice."""
+
     placement: tuple[Placement, ...]
     heavy: tuple[bool, ...]  # per node: best time >= heavy_node_us
     best_us: tuple[float, ...]  # per node: the best profiled time
@@ -123,8 +128,8 @@ class AdaptivePlacement:
             for n, k in zip(graph.nodes, kernels, strict=True)
         )
         self._entries: OrderedDict[ShapeKey, _Entry] = OrderedDict()
-        # id(decided placement) -> what decided it: see solo() and node_costs()
-        self._decided: dict[int, _Decision] = {}
+        # id(decided placement) -> what decided it: see decision()
+        self._decided: dict[int, Decision] = {}
         self._last: tuple[Placement, ...] = plan.placement
         self._profiling_runs = 0
 
@@ -165,22 +170,11 @@ class AdaptivePlacement:
         entry.loaded = self.decide(best, loaded=True)
         heavy = tuple(us >= self.heavy_node_us for us in best)
         for placement in (entry.placement, entry.loaded):
-            self._decided[id(placement)] = _Decision(placement, heavy, tuple(best))
+            self._decided[id(placement)] = Decision(placement, heavy, tuple(best))
         self._last = entry.placement
 
-    def solo(self, placement: tuple[Placement, ...]) -> tuple[bool, ...] | None:
-        """For a decided placement: the nodes that must be units of their own (the heavy
-        ones, so the loop budget can yield between them); None for other placements."""
-        decision = self._decision(placement)
-        return decision.heavy if decision is not None else None
-
-    def node_costs(self, placement: tuple[Placement, ...]) -> tuple[float, ...] | None:
-        """For a decided placement: the measured node times (us) it was decided from, which
-        rank the schedule's units for the workers; None for other placements."""
-        decision = self._decision(placement)
-        return decision.best_us if decision is not None else None
-
-    def _decision(self, placement: tuple[Placement, ...]) -> _Decision | None:
+    def decision(self, placement: tuple[Placement, ...]) -> Decision | None:
+        """What `placement` was decided from; None for a placement not decided here."""
         hit = self._decided.get(id(placement))
         return hit if hit is not None and hit.placement is placement else None
 

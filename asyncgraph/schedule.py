@@ -32,6 +32,7 @@ from typing import Any
 
 from asyncgraph.graph import Graph, Ref
 from asyncgraph.kernels import OpKernel
+from asyncgraph.placement import Decision
 from asyncgraph.plan import ExecutionPlan, Placement, emit_args
 
 
@@ -99,8 +100,7 @@ class ScheduleCache:
         max_fused: int,
         unfusable: Sequence[bool] | None = None,
         max_schedules: int = 64,
-        solo: Callable[[tuple[Placement, ...]], Sequence[bool] | None] | None = None,
-        node_costs: Callable[[tuple[Placement, ...]], Sequence[float] | None] | None = None,
+        decided: Callable[[tuple[Placement, ...]], Decision | None] | None = None,
     ) -> None:
         self.graph = graph
         self.max_schedules = max_schedules
@@ -108,8 +108,7 @@ class ScheduleCache:
         self.kernels = kernels
         self.max_fused = max_fused
         self.unfusable = unfusable
-        self.solo = solo  # nodes a placement wants as units of their own (AdaptivePlacement)
-        self.node_costs = node_costs  # measured node times behind a placement, if any
+        self.decided = decided  # what a placement was decided from (AdaptivePlacement)
         self.estimated_costs = tuple(max(float(k.cost), 1.0) for k in kernels)
         self._cache: OrderedDict[tuple[int, bool], tuple[tuple[Placement, ...], Schedule]] = (
             OrderedDict()
@@ -117,9 +116,9 @@ class ScheduleCache:
         self._built = 0
 
     def get(self, placement: tuple[Placement, ...], fused: bool) -> Schedule:
-        """The schedule for `placement`; on a miss, `solo(placement)[i]` makes node i a unit
-        of its own (a heavy inline node), and `node_costs(placement)` gives the node costs
-        behind the units' priorities (default: the kernels' estimates)."""
+        """The schedule for `placement`; on a miss, if `decided(placement)` knows it, its heavy
+        nodes become units of their own and its measured times give the units' priorities
+        and expected times (else the kernels' estimates rank them)."""
         fused = fused and self.max_fused > 1
         key = (id(placement), fused)
         hit = self._cache.get(key)
@@ -127,14 +126,14 @@ class ScheduleCache:
             self._cache.move_to_end(key)
             return hit[1]
         unfusable = self.unfusable
-        solo = self.solo(placement) if self.solo is not None else None
-        if solo is not None:
+        decision = self.decided(placement) if self.decided is not None else None
+        if decision is not None:
+            solo = decision.heavy
             unfusable = [a or b for a, b in zip(solo, unfusable or solo, strict=True)]
-        measured = self.node_costs(placement) if self.node_costs is not None else None
         schedule = build_schedule(
             self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1,
-            unfusable, measured if measured is not None else self.estimated_costs,
-            measured=measured is not None,
+            unfusable, decision.best_us if decision is not None else self.estimated_costs,
+            measured=decision is not None,
         )
         self._cache[key] = (placement, schedule)
         self._cache.move_to_end(key)

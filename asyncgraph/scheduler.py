@@ -167,28 +167,18 @@ class Scheduler:
 
     def _run_on_loop(self, frame: ExecutionFrame, stack: list[int], waited: bool = False) -> None:
         """Run inline work within the loop's shared slice, or defer it to the next iteration
-        when this iteration's slice is spent (LoopBudget), or when the next unit's measured
-        time would overrun what is left of it: then it runs first thing next time (`waited`),
-        so a long unit neither stretches an iteration nor waits for ever."""
+        when this iteration's slice is spent (LoopBudget). `waited`: the work was deferred
+        because its next unit would have overrun the slice; that unit now runs first, fitting
+        or not, so a long unit neither stretches an iteration nor waits for ever."""
         assert self._budget is not None
         deadline = self._budget.deadline()
-        if stack and not frame.stopped and (
-            deadline is None or (not waited and not self._fits(frame, stack, deadline))
-        ):
-            self._budget.defer(self._run_on_loop, frame, stack, waited or deadline is not None)
+        if deadline is None and stack and not frame.stopped:
+            self._budget.defer(self._run_on_loop, frame, stack, waited)
             return
         start = time.perf_counter()
         with _inference_mode(self.config.inference_mode):
-            self._drain(frame, stack, on_worker=False, deadline=deadline or 0.0)
+            self._drain(frame, stack, on_worker=False, deadline=deadline or 0.0, waited=waited)
         self._account_loop_time(start, time.perf_counter())
-
-    @staticmethod
-    def _fits(frame: ExecutionFrame, stack: list[int], deadline: float) -> bool:
-        """Whether the unit on top of `stack` is expected to end by `deadline` (its measured
-        time; unmeasured units count as instant: they fit while the slice lasts)."""
-        seconds = _schedule(frame).seconds
-        expected = seconds[stack[-1]] if seconds is not None else 0.0
-        return time.perf_counter() + expected <= deadline
 
     @property
     def loaded(self) -> bool:
@@ -207,18 +197,33 @@ class Scheduler:
         self._window_busy += end - start
 
     def _drain(
-        self, frame: ExecutionFrame, stack: list[int], on_worker: bool, deadline: float = 0.0
+        self,
+        frame: ExecutionFrame,
+        stack: list[int],
+        on_worker: bool,
+        deadline: float = 0.0,
+        waited: bool = False,
     ) -> None:
         """The run loop of one work item: run ready units from `stack` until none is left
-        here (on the loop: or until `deadline`, then the rest goes on in a later iteration)."""
+        here. On the loop, a unit that would end after `deadline` (by its measured time, or
+        any unit once the deadline has passed) goes on in a later iteration, with the rest;
+        after `waited`, the first unit runs regardless."""
         schedule = _schedule(frame)
         calls, stores = frame.calls, schedule.stores
         values = frame.values
         timed = self.recorder is not None or frame.times is not None
         seconds = schedule.seconds  # measured unit times: does the next one fit the slice?
+        check = not on_worker and not waited
         while stack:
             if frame.stopped:
                 break
+            if check:
+                expected = seconds[stack[-1]] if seconds is not None else 0.0
+                if time.perf_counter() + expected > deadline:
+                    assert self._budget is not None
+                    self._budget.defer(self._run_on_loop, frame, stack, True)  # same item
+                    return
+            check = not on_worker
             unit = stack.pop()
             start = _clock() if timed else _START
             try:
@@ -233,12 +238,6 @@ class Scheduler:
                 values[store] = result
             del result
             self._complete(frame, unit, stack, on_worker)
-            if not on_worker and stack:
-                expected = seconds[stack[-1]] if seconds is not None else 0.0
-                if time.perf_counter() + expected > deadline:
-                    assert self._budget is not None
-                    self._budget.defer(self._run_on_loop, frame, stack, True)  # yield; same item
-                    return
         self._end_unit(frame, on_worker)
 
     def _record(

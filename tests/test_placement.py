@@ -155,9 +155,10 @@ async def test_a_heavy_inline_node_runs_as_a_unit_of_its_own() -> None:
         torch.testing.assert_close(out, Spine()(x))
         placement = ex._adaptive.current if ex._adaptive is not None else None
         assert placement is not None and set(placement) == {Placement.INLINE}
-        solo = ex._adaptive.solo(placement) if ex._adaptive is not None else None
+        decision = ex._adaptive.decision(placement) if ex._adaptive is not None else None
+        solo = decision.heavy if decision is not None else None
         assert solo is not None and all(solo)  # every node measured >= 0 us: all heavy
-        schedule = ex._schedules.get(placement, fused=True)  # the cache asks adaptive.solo
+        schedule = ex._schedules.get(placement, fused=True)  # the cache asks adaptive.decision
         unfused = ex._schedules.get(placement, fused=True)  # same placement: the cached one
     assert all(len(unit) == 1 for unit in schedule.nodes)
     assert unfused is schedule
