@@ -22,13 +22,8 @@ test: lint typecheck unit
 lint: install
 	$(BIN)/ruff check asyncgraph kernels tests examples benchmarks
 
-# mypy cannot follow the kernels/ -> asyncgraph.kernels mapping, so it checks a link tree
-# that has the installed layout (the same tree setuptools' strict editable mode builds).
 typecheck: install
-	rm -rf build/typecheck && mkdir -p build/typecheck
-	cp -rs "$(CURDIR)/asyncgraph" build/typecheck/asyncgraph
-	cp -rs "$(CURDIR)/kernels" build/typecheck/asyncgraph/kernels
-	$(BIN)/mypy build/typecheck/asyncgraph
+	$(BIN)/mypy asyncgraph
 
 unit: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider

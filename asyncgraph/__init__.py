@@ -4,8 +4,6 @@
         out = await ex.execute(x)
 """
 
-from asyncgraph.builder import GraphBuilder
-from asyncgraph.config import BatchingConfig, ExecutorConfig
 from asyncgraph.errors import (
     AsyncGraphError,
     ExecutorClosedError,
@@ -15,13 +13,15 @@ from asyncgraph.errors import (
     UnsupportedOpsError,
     WeightsError,
 )
-from asyncgraph.executor import Executor, ExecutorStatistics, load
-from asyncgraph.frame import ExecutionFrame
-from asyncgraph.graph import Graph, Node, Ref, Signature, Value
-from asyncgraph.importers import Program, to_program
-from asyncgraph.plan import ExecutionPlan, Placement
-from asyncgraph.pool import FramePool, FramePoolStatistics
-from asyncgraph.weights import Weights
+from asyncgraph.graph.builder import GraphBuilder
+from asyncgraph.graph.importers import Program, to_program
+from asyncgraph.graph.ir import Graph, Node, Ref, Signature, Value
+from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
+from asyncgraph.runtime.executor import Executor, ExecutorStatistics, load
+from asyncgraph.runtime.frame import ExecutionFrame
+from asyncgraph.runtime.plan import ExecutionPlan, Placement
+from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
+from asyncgraph.runtime.weights import Weights
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ The baseline is what a service author writes without asyncgraph: `await asyncio.
 model, x)` (asyncio's default thread pool, inference_mode inside the thread). asyncgraph runs
 twice: every request as its own execution (the batch-1 program), and with dynamic batching
 (the same encoder exported with a dynamic batch dimension; concurrent requests stack into
-executions of up to 32 rows, asyncgraph/batching.py). The targets are judged on the batched
+executions of up to 32 rows, asyncgraph/runtime/batching.py). The targets are judged on the batched
 configuration, the way a service would deploy it; the unbatched figures stay in the table.
 
 A round starts all callers together, each making a few requests in a row, and measures

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-import asyncgraph.frame
-import asyncgraph.plan
+import asyncgraph.runtime.frame
+import asyncgraph.runtime.plan
 from asyncgraph import Executor, ExecutorConfig
 from benchmarks.harness import CaseResult, Context, Peer, PeerResult, Target, verify
 from benchmarks.models import call_nodes, exported_encoder
@@ -40,10 +40,10 @@ NAME = "steady_state"
 @contextmanager
 def counting(counts: dict[str, int]) -> Iterator[None]:
     """Count frames and plans made inside the block (by wrapping their constructors)."""
-    frame_cls = asyncgraph.frame.ExecutionFrame
-    plan_cls = asyncgraph.plan.ExecutionPlan
+    frame_cls = asyncgraph.runtime.frame.ExecutionFrame
+    plan_cls = asyncgraph.runtime.plan.ExecutionPlan
     frame_init, plan_init = frame_cls.__init__, plan_cls.__init__
-    compile_calls = asyncgraph.plan.compile_calls
+    compile_calls = asyncgraph.runtime.plan.compile_calls
 
     def wrap(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -53,13 +53,13 @@ def counting(counts: dict[str, int]) -> Iterator[None]:
 
     frame_cls.__init__ = wrap("frames", frame_init)  # type: ignore[method-assign]
     plan_cls.__init__ = wrap("plans", plan_init)  # type: ignore[method-assign]
-    asyncgraph.plan.compile_calls = wrap("compiled", compile_calls)
+    asyncgraph.runtime.plan.compile_calls = wrap("compiled", compile_calls)
     try:
         yield
     finally:
         frame_cls.__init__ = frame_init  # type: ignore[method-assign]
         plan_cls.__init__ = plan_init  # type: ignore[method-assign]
-        asyncgraph.plan.compile_calls = compile_calls
+        asyncgraph.runtime.plan.compile_calls = compile_calls
 
 
 async def run(ctx: Context) -> list[CaseResult]:

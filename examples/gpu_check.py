@@ -5,9 +5,9 @@
 Two timings of the same exported model, each on 1 stream and on `--streams` streams:
 
 - the Executor (`ExecutorConfig(cuda_streams=...)`): what a caller gets, scheduler included;
-- the cuda layer alone (`asyncgraph.cuda.run_in_order`: the same begin / enqueue / host-wait /
-  finish calls the scheduler makes, one node after another on the loop), which isolates what
-  the streams buy from the scheduler's own overhead.
+- the cuda layer alone (`asyncgraph.cuda.device.run_in_order`: the same begin / enqueue /
+  host-wait / finish calls the scheduler makes, one node after another on the loop), which
+  isolates what the streams buy from the scheduler's own overhead.
 
 On a machine without CUDA it says so and exits 0: nothing was run or measured.
 """
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from asyncgraph.config import ExecutorConfig
-from asyncgraph.cuda import CudaRuntime, FrameStreams, run_in_order
-from asyncgraph.executor import Executor
-from asyncgraph.streams import stream_plan_for
+from asyncgraph.cuda.device import CudaRuntime, FrameStreams, run_in_order
+from asyncgraph.cuda.streams import stream_plan_for
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.executor import Executor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

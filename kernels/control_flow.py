@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
-from asyncgraph.kernels.base import KernelKind, OpKernel
 from torch.utils import _pytree as pytree
 
-from asyncgraph.config import ExecutorConfig
-from asyncgraph.graph import Node
-from asyncgraph.importers import Program, from_graph_module
+from asyncgraph.graph.importers import Program, from_graph_module
+from asyncgraph.graph.ir import Node
+from asyncgraph.kernels.base import KernelKind, OpKernel
+from asyncgraph.runtime.config import ExecutorConfig
 
 if TYPE_CHECKING:
-    from asyncgraph.executor import Executor
+    from asyncgraph.runtime.executor import Executor
 
 
 def subgraph_config(config: ExecutorConfig | None) -> ExecutorConfig:
@@ -62,8 +62,7 @@ class Subgraph:
 
     def __init__(self, gm: torch.fx.GraphModule, name: str, config: ExecutorConfig) -> None:
         from asyncgraph.kernels.factory import KernelFactory
-
-        from asyncgraph.executor import Executor  # the executor imports the kernels
+        from asyncgraph.runtime.executor import Executor  # the executor imports the kernels
 
         imported = from_graph_module(gm)
         program = Program(imported.graph, imported.weights, name=name, reference=gm)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from asyncgraph.graph import Graph, Node, Ref, TensorSpec
+from asyncgraph.graph.ir import Graph, Node, Ref, TensorSpec
 
 
 def _numel(shape: tuple[int, ...]) -> int:

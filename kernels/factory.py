@@ -10,15 +10,15 @@ import inspect
 from typing import Any
 
 import torch
+
+from asyncgraph.errors import UnsupportedOpsError
+from asyncgraph.graph.ir import Graph, Node, TensorSpec
 from asyncgraph.kernels.base import KernelKind, OpKernel
 from asyncgraph.kernels.cost import estimate_cost
 from asyncgraph.kernels.fast_bindings import fast_binding
 from asyncgraph.kernels.higher_order import higher_order_kernel, is_higher_order
 from asyncgraph.kernels.prim import PRIM_ATEN, PRIM_FUNCTIONS
-
-from asyncgraph.config import ExecutorConfig
-from asyncgraph.errors import UnsupportedOpsError
-from asyncgraph.graph import Graph, Node, TensorSpec
+from asyncgraph.runtime.config import ExecutorConfig
 
 _CPU_KEYS = ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
              "CompositeExplicitAutogradNonFunctional")

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from asyncgraph.graph.ir import Node
 from asyncgraph.kernels.base import KernelKind, OpKernel
 from asyncgraph.kernels.control_flow import CONTROL_FLOW_KERNELS
-
-from asyncgraph.config import ExecutorConfig
-from asyncgraph.graph import Node
+from asyncgraph.runtime.config import ExecutorConfig
 
 HigherOrderHandler = Callable[[Any, Node, ExecutorConfig | None], OpKernel]
 

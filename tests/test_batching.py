@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch.export import Dim
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
-from asyncgraph.batching import Batcher, BatchLayout
 from asyncgraph.errors import BatchingError, InputValidationError
-from asyncgraph.placement import batch_bucket_key
+from asyncgraph.runtime.batching import Batcher, BatchLayout
+from asyncgraph.runtime.placement import batch_bucket_key
 from asyncgraph.testing import FaultInjector
 from tests.models import Counter
 

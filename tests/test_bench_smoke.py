@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncgraph.profile import collect, example_inputs
+from asyncgraph.tools.profile import collect, example_inputs
 from benchmarks import suite
 from benchmarks.harness import Settings
 

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from asyncgraph.cli import app, error_line
+from asyncgraph.cli.main import app, error_line
 from asyncgraph.errors import InputValidationError
 
 runner = CliRunner()
@@ -184,7 +184,7 @@ def _read_lines(stream: Any, into: queue.Queue[str]) -> None:
 def test_serve_command_serves_until_interrupted(model_file: Any) -> None:
     model, path = model_file
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncgraph.cli", "serve", str(path), "--name", "two",
+        [sys.executable, "-m", "asyncgraph.cli.main", "serve", str(path), "--name", "two",
          "--model", f"again={path}", "--port", "0", "--max-queue", "4", "--pin-workers"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "COLUMNS": "200"},

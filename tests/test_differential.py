@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.graph import Graph
+from asyncgraph.graph.ir import Graph
 from asyncgraph.testing import LeakChecker, ReferenceRunner
 
 MOD = 1009

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import asyncgraph
-from asyncgraph import ExecutorConfig, importers
+from asyncgraph import ExecutorConfig
+from asyncgraph.graph import importers
 from tests.models import CASES, Case, Counter
 
 pytestmark = pytest.mark.usefixtures("leak_check")

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from asyncgraph.kernels.fast_bindings import FAST_BINDINGS, fast_binding
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import asyncgraph
 from asyncgraph import ExecutorConfig
+from asyncgraph.kernels.fast_bindings import FAST_BINDINGS, fast_binding
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

@@ -10,7 +10,7 @@ import torch
 
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.errors import WeightsError
-from asyncgraph.folding import FOLDED_PREFIX
+from asyncgraph.passes.folding import FOLDED_PREFIX
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 import torch
-from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
 from test_streams import (
     CUDA,
     FakeBackend,
@@ -37,10 +36,11 @@ from test_streams import (
 )
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder, InputValidationError
-from asyncgraph.cuda import FrameStreams, move_inputs_to_device
-from asyncgraph.frame import HOST_WAIT
-from asyncgraph.graph import Graph, Node, Ref, TensorSpec
-from asyncgraph.plan import Placement
+from asyncgraph.cuda.device import FrameStreams, move_inputs_to_device
+from asyncgraph.graph.ir import Graph, Node, Ref, TensorSpec
+from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
+from asyncgraph.runtime.frame import HOST_WAIT
+from asyncgraph.runtime.plan import Placement
 from asyncgraph.testing import LeakChecker
 from tests.loop_turns import LoopTurns
 

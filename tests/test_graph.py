@@ -6,10 +6,9 @@ import operator
 
 import pytest
 import torch
-from asyncgraph.kernels import KernelFactory
 
 from asyncgraph import GraphBuilder, GraphValidationError, UnsupportedOpsError
-from asyncgraph.graph import (
+from asyncgraph.graph.ir import (
     Graph,
     InputKind,
     InputSpec,
@@ -20,6 +19,7 @@ from asyncgraph.graph import (
     Signature,
     Value,
 )
+from asyncgraph.kernels import KernelFactory
 
 
 def _graph(nodes: list[Node], values: list[Value], outputs: list[int]) -> Graph:

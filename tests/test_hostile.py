@@ -1,7 +1,7 @@
 """Hostile input: damaged or malicious .pt2 files, NaN/inf inputs, huge and negative shapes.
 
 Every hostile archive is refused with ProgramLoadError and a message that names what is
-wrong, both by asyncgraph.archive.check_pt2_archive and by loading it (asyncgraph.load), and
+wrong, both by asyncgraph.graph.archive.check_pt2_archive and by loading it (asyncgraph.load), and
 nothing from the file ever runs: payloads that would create a marker directory never do.
 """
 
@@ -24,7 +24,7 @@ from torch.export import Dim
 
 import asyncgraph
 from asyncgraph import Executor, InputValidationError, ProgramLoadError
-from asyncgraph.archive import check_pt2_archive, check_weights_only_pickle
+from asyncgraph.graph.archive import check_pt2_archive, check_weights_only_pickle
 from asyncgraph.testing import FaultInjector
 
 pytestmark = pytest.mark.usefixtures("leak_check")

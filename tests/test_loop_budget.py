@@ -8,7 +8,7 @@ import time
 import pytest
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.loop_budget import LoopBudget, loop_budget
+from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
 from tests.loop_turns import LoopTurns
 
 pytestmark = pytest.mark.usefixtures("leak_check")

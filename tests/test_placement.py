@@ -7,7 +7,7 @@ import torch
 
 import asyncgraph
 from asyncgraph import ExecutorConfig, Placement
-from asyncgraph.placement import AdaptivePlacement
+from asyncgraph.runtime.placement import AdaptivePlacement
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from asyncgraph import ExecutorClosedError, FramePool
-from asyncgraph.frame import ExecutionFrame
-from asyncgraph.plan import ExecutionPlan
+from asyncgraph.runtime.frame import ExecutionFrame
+from asyncgraph.runtime.plan import ExecutionPlan
 
 
 def _plan() -> ExecutionPlan:

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import uvloop
-from asyncgraph.kernels import KernelFactory
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -31,9 +30,10 @@ from hypothesis.stateful import (
 )
 
 from asyncgraph import ExecutorClosedError, ExecutorConfig, GraphBuilder
-from asyncgraph.frame import ExecutionFrame
-from asyncgraph.plan import build_plan
-from asyncgraph.pool import FramePool
+from asyncgraph.kernels import KernelFactory
+from asyncgraph.runtime.frame import ExecutionFrame
+from asyncgraph.runtime.plan import build_plan
+from asyncgraph.runtime.pool import FramePool
 
 
 def _plan() -> Any:

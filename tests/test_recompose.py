@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
-from asyncgraph.graph import Graph, OutputKind, OutputSpec, Ref
-from asyncgraph.importers import to_program
-from asyncgraph.recompose import SDPA, recompose_attention
+from asyncgraph.graph.importers import to_program
+from asyncgraph.graph.ir import Graph, OutputKind, OutputSpec, Ref
+from asyncgraph.passes.recompose import SDPA, recompose_attention
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

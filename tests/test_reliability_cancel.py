@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.graph import Graph
+from asyncgraph.graph.ir import Graph
 from asyncgraph.testing import Gate, LeakChecker
 
 pytestmark = pytest.mark.usefixtures("leak_check")

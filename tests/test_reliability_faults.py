@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.graph import Graph
+from asyncgraph.graph.ir import Graph
 from asyncgraph.testing import FaultInjectionError, FaultInjector, Gate, InjectedFault
 
 pytestmark = pytest.mark.usefixtures("leak_check")

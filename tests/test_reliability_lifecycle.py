@@ -30,7 +30,7 @@ import torch
 import uvloop
 
 from asyncgraph import Executor, ExecutorClosedError, ExecutorConfig, GraphBuilder
-from asyncgraph.graph import Graph
+from asyncgraph.graph.ir import Graph
 from asyncgraph.testing import Gate, LeakChecker, LoopLagMonitor
 
 pytestmark = pytest.mark.usefixtures("leak_check")

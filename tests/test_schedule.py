@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.graph import Graph
-from asyncgraph.plan import Placement
-from asyncgraph.schedule import ScheduleCache, build_schedule
+from asyncgraph.graph.ir import Graph
+from asyncgraph.runtime.plan import Placement
+from asyncgraph.runtime.schedule import ScheduleCache, build_schedule
 from tests.loop_turns import LoopTurns
 
 pytestmark = pytest.mark.usefixtures("leak_check")

@@ -23,8 +23,8 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 import asyncgraph
-from asyncgraph.builder import GraphBuilder
-from asyncgraph.graph import Graph, TensorSpec
+from asyncgraph.graph.builder import GraphBuilder
+from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.serve import InferenceServer, create_app, running_server
 
 pytestmark = pytest.mark.usefixtures("leak_check")

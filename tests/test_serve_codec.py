@@ -17,8 +17,8 @@ import torch
 import tritonclient.http as th
 
 import asyncgraph
-from asyncgraph.builder import GraphBuilder
-from asyncgraph.graph import Graph, TensorSpec
+from asyncgraph.graph.builder import GraphBuilder
+from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.serve import ModelInterface, ProtocolError, decode_request, encode_response
 from asyncgraph.serve.datatypes import TORCH_DTYPES
 from asyncgraph.serve.interface import output_names

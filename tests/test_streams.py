@@ -4,8 +4,8 @@ Three parts:
 
 1. `plan_streams` on hand-written graphs: chains, forks, diamonds, wide graphs, mixed CPU/GPU,
    aliases and metadata, outputs, several devices, and the transitive reduction of waits.
-2. The cuda layer (`asyncgraph.cuda`) driven with fake streams and events over a simulated GPU
-   that runs each stream in order, honours `wait_event`, and interleaves streams at random.
+2. The cuda layer (`asyncgraph.cuda.device`) driven with fake streams and events over a simulated
+   GPU that runs each stream in order, honours `wait_event`, and interleaves streams at random.
    A hypothesis test runs random graphs, concurrently and with several executions at once, and
    checks every kernel starts after the kernels whose values it reads, every host read comes
    after the GPU wrote the value, record_stream is issued for every cross-stream tensor, and
@@ -35,13 +35,10 @@ from typing import Any
 
 import pytest
 import torch
-from asyncgraph.kernels import KernelFactory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncgraph.builder import GraphBuilder
-from asyncgraph.config import ExecutorConfig
-from asyncgraph.cuda import (
+from asyncgraph.cuda.device import (
     CudaRuntime,
     FrameStreams,
     PollPolicy,
@@ -51,9 +48,12 @@ from asyncgraph.cuda import (
     run_in_order,
     wait_events,
 )
-from asyncgraph.graph import ScalarSpec, TensorSpec
-from asyncgraph.plan import ExecutionPlan, Placement, build_plan
-from asyncgraph.streams import Role, StreamPlan, node_role, plan_streams, stream_plan_for
+from asyncgraph.cuda.streams import Role, StreamPlan, node_role, plan_streams, stream_plan_for
+from asyncgraph.graph.builder import GraphBuilder
+from asyncgraph.graph.ir import ScalarSpec, TensorSpec
+from asyncgraph.kernels import KernelFactory
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
 from tests.loop_turns import LoopTurns
 
 C, A, M, S, H = Role.CUDA, Role.ALIAS, Role.META, Role.SCALAR, Role.HOST
@@ -954,7 +954,7 @@ def gpu_program(
     model: torch.nn.Module, x: torch.Tensor, streams: int, max_sets: int = 2
 ) -> tuple[Any, CudaRuntime]:
     """Executor parts for a CUDA program, run by `run_in_order` (independent of the scheduler)."""
-    from asyncgraph.executor import Executor
+    from asyncgraph.runtime.executor import Executor
 
     ep = torch.export.export(model, (x,))
     ex = Executor(ep, ExecutorConfig())

@@ -19,8 +19,8 @@ import torch
 from typer.testing import CliRunner
 
 from asyncgraph import BatchingConfig, ExecutorConfig, GraphBuilder
-from asyncgraph.cli import app
-from asyncgraph.graph import Graph
+from asyncgraph.cli.main import app
+from asyncgraph.graph.ir import Graph
 from asyncgraph.testing import (
     LoopLagMonitor,
     ReferenceRunner,

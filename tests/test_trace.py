@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import asyncgraph
-from asyncgraph.builder import GraphBuilder
+from asyncgraph.graph.builder import GraphBuilder
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -132,7 +132,7 @@ def test_op_summary_and_span_limit() -> None:
     x = b.input("x")
     b.output(b.call(torch.neg, x))
     graph = b.build()
-    recorder = asyncgraph.trace.TraceRecorder(graph, max_spans=2)
+    recorder = asyncgraph.tools.trace.TraceRecorder(graph, max_spans=2)
     for i in range(3):
         recorder.node_span(i, 0, 0, 1000)
     [op] = recorder.op_summary()

@@ -101,8 +101,8 @@ async def test_validation_can_be_disabled_but_count_is_kept() -> None:
 
 
 def test_device_index_is_checked() -> None:
-    from asyncgraph.graph import TensorSpec
-    from asyncgraph.validation import InputValidator
+    from asyncgraph.graph.ir import TensorSpec
+    from asyncgraph.runtime.validation import InputValidator
 
     b = asyncgraph.GraphBuilder()
     b.output(b.call(lambda t: t, b.input("x"), name="ident"))

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.workers import ReadyQueue, WorkerPool
+from asyncgraph.runtime.workers import ReadyQueue, WorkerPool
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

@@ -32,7 +32,7 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from asyncgraph.errors import ExecutorClosedError, InputValidationError
-from asyncgraph.executor import Executor
+from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve import metrics as m
 from asyncgraph.serve.admission import Admission
 from asyncgraph.serve.codec import HEADER, InferRequest, decode_request, encode_response

@@ -23,7 +23,7 @@ import sympy
 import torch
 from torch.utils import _pytree as pytree
 
-from asyncgraph.graph import Dim, Graph, Ref, ScalarSpec, TensorSpec
+from asyncgraph.graph.ir import Dim, Graph, Ref, ScalarSpec, TensorSpec
 from asyncgraph.serve.datatypes import DATATYPES, SCALAR_DATATYPES
 
 _CPU = torch.device("cpu")

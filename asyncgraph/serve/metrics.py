@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from asyncgraph.executor import Executor
+from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve.admission import Admission
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -18,7 +18,7 @@ from asyncgraph.testing.faults import (
     Gate,
     InjectedFault,
 )
-from asyncgraph.testing.leaks import LeakChecker, LeakError, track, tracked_executors
+from asyncgraph.testing.leaks import LeakChecker, LeakError
 from asyncgraph.testing.reference import ReferenceRunner, perturbed_weights, random_inputs
 from asyncgraph.testing.stress import LoopLagMonitor, StressConfig, StressReport, run_stress
 
@@ -39,6 +39,4 @@ __all__ = [
     "perturbed_weights",
     "random_inputs",
     "run_stress",
-    "track",
-    "tracked_executors",
 ]

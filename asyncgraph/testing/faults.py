@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
 
 if TYPE_CHECKING:
-    from asyncgraph.graph import Graph, Node
+    from asyncgraph.graph.ir import Graph, Node
 
 Action = Literal["raise", "delay", "block"]
 ExceptionFactory = Callable[[str, int], BaseException]

@@ -13,24 +13,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-import weakref
 from types import TracebackType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from asyncgraph.executor import Executor
-
-_EXECUTORS: weakref.WeakSet[Executor] = weakref.WeakSet()
-
-
-def track(executor: Executor) -> None:
-    """Remember `executor` so a LeakChecker can inspect it (called by Executor.__init__)."""
-    _EXECUTORS.add(executor)
-
-
-def tracked_executors() -> list[Executor]:
-    """Every Executor still alive that was created in this process."""
-    return list(_EXECUTORS)
+from asyncgraph.runtime.registry import live_executors
 
 
 class LeakError(AssertionError):
@@ -65,7 +50,7 @@ class LeakChecker:
         self._cuda_before: int | None = None
 
     async def __aenter__(self) -> LeakChecker:
-        self._executors_before = {id(e) for e in _EXECUTORS}
+        self._executors_before = {id(e) for e in live_executors()}
         self._threads_before = set(threading.enumerate())
         self._cuda_before = _cuda_allocated()
         return self
@@ -82,7 +67,7 @@ class LeakChecker:
     async def check(self) -> None:
         """Raise LeakError naming everything that leaked."""
         problems: list[str] = []
-        executors = [e for e in list(_EXECUTORS) if id(e) not in self._executors_before]
+        executors = [e for e in live_executors() if id(e) not in self._executors_before]
         for ex in executors:
             stats = ex.statistics()
             if stats.frames.in_use:

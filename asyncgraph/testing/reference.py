@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from asyncgraph.compare import random_flat_inputs
-from asyncgraph.graph import WEIGHT_KINDS, InputKind, OutputKind, Ref
-from asyncgraph.importers import Program, ProgramLike, to_program
+from asyncgraph.graph.importers import Program, ProgramLike, to_program
+from asyncgraph.graph.ir import WEIGHT_KINDS, InputKind, OutputKind, Ref
 from asyncgraph.kernels import KernelFactory, OpKernel
-from asyncgraph.validation import InputValidator
+from asyncgraph.runtime.validation import InputValidator
+from asyncgraph.tools.compare import random_flat_inputs
 
 
 class ReferenceRunner:
@@ -142,7 +142,7 @@ def _bind(arg: Any, values: list[Any]) -> Any:
 
 def random_inputs(program: ProgramLike, rng: random.Random | int = 0) -> list[Any]:
     """Flat user inputs for `program`, from its signature's specs and example shapes
-    (asyncgraph.compare.random_flat_inputs). Raises ValueError when an input has no spec
+    (asyncgraph.tools.compare.random_flat_inputs). Raises ValueError when an input has no spec
     (graphs made with GraphBuilder): pass your own inputs then."""
     rng = rng if isinstance(rng, random.Random) else random.Random(rng)
     return random_flat_inputs(to_program(program).graph, rng.getrandbits(63))

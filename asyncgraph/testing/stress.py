@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.utils import _pytree as pytree
 
-from asyncgraph.graph import OutputKind
-from asyncgraph.importers import Program, ProgramLike, to_program
+from asyncgraph.graph.importers import Program, ProgramLike, to_program
+from asyncgraph.graph.ir import OutputKind
 from asyncgraph.testing.faults import FaultInjector, InjectedFault
 from asyncgraph.testing.reference import ReferenceRunner, perturbed_weights, random_inputs
 
 if TYPE_CHECKING:
-    from asyncgraph.config import ExecutorConfig
-    from asyncgraph.executor import Executor, ExecutorStatistics
+    from asyncgraph.runtime.config import ExecutorConfig
+    from asyncgraph.runtime.executor import Executor, ExecutorStatistics
 
 InputsFactory = Callable[[random.Random], list[Any]]
 _WARM_UP = 3  # fault-free executions that measure the latency scale first
@@ -243,7 +243,7 @@ async def run_stress(
     like the example the program was exported with. The program must not mutate its buffers
     (results would depend on the order of executions).
     """
-    from asyncgraph.executor import Executor
+    from asyncgraph.runtime.executor import Executor
 
     config = config or StressConfig()
     prog = to_program(program)

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from asyncgraph.kernels import KernelFactory
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from asyncgraph import Executor, ExecutorConfig
-from asyncgraph.compare import assert_same
-from asyncgraph.graph import OutputKind
-from asyncgraph.importers import Program, to_program
+from asyncgraph.graph.importers import Program, to_program
+from asyncgraph.graph.ir import OutputKind
+from asyncgraph.kernels import KernelFactory
+from asyncgraph.tools.compare import assert_same
 
 SERIAL = ExecutorConfig(max_parallel_ops=1)
 PARALLEL = ExecutorConfig(max_parallel_ops=2, heavy_op_flops=0, ready_order_seed=7)

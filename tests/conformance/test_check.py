@@ -14,8 +14,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from asyncgraph.check import run_check
-from asyncgraph.cli import app
+from asyncgraph.cli.main import app
+from asyncgraph.tools.check import run_check
 
 pytestmark = [
     pytest.mark.usefixtures("leak_check"),

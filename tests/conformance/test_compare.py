@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.export import Dim
 
-from asyncgraph.compare import assert_same, compare, describe, random_inputs
-from asyncgraph.importers import to_program
+from asyncgraph.graph.importers import to_program
+from asyncgraph.tools.compare import assert_same, compare, describe, random_inputs
 
 
 def test_equal_structures_compare_ok() -> None:

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 import torch.fx
-from asyncgraph.kernels import KernelFactory
 from torch._higher_order_ops.hints_wrap import hints_wrapper
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch._higher_order_ops.map import map_impl
@@ -25,7 +24,8 @@ from torch._higher_order_ops.run_const_graph import run_const_graph
 from torch._higher_order_ops.while_loop import while_loop, while_loop_stack_output_op
 
 from asyncgraph import Executor, ExecutorConfig, UnsupportedOpsError
-from asyncgraph.compare import assert_same
+from asyncgraph.kernels import KernelFactory
+from asyncgraph.tools.compare import assert_same
 from conformance.harness import close_all, make_executor
 
 pytestmark = pytest.mark.usefixtures("leak_check")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncgraph import InputValidationError
-from asyncgraph.compare import assert_same
+from asyncgraph.tools.compare import assert_same
 from conformance import models
 from conformance.harness import (
     CONFIGS,

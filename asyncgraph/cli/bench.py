@@ -1,0 +1,92 @@
+"""`asyncgraph bench`: the benchmark suite of issue 6, from the command line.
+
+The suite itself lives in benchmarks/ at the top of a source checkout (it imports dask and
+builds models, none of which the installed package needs), so this command finds it next to
+the package and imports it; from a wheel install it says so and exits 2.
+
+Timing never decides anything by itself: `--check` is for a person or a scheduled job on a
+quiet machine, and CI runs only the smoke test (tests/test_bench_smoke.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+_LOOPS = ("asyncio", "uvloop")
+
+
+def _suite() -> Any:
+    """benchmarks.suite, from the checkout this package was imported from."""
+    try:
+        return importlib.import_module("benchmarks.suite")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", "benchmarks.suite"):
+            raise
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "suite.py").is_file():
+        Console(stderr=True).print(
+            "asyncgraph bench runs the suite in benchmarks/ of a source checkout; "
+            f"none was found next to the package ({root})."
+        )
+        raise typer.Exit(2)
+    sys.path.insert(0, str(root))
+    return importlib.import_module("benchmarks.suite")
+
+
+def bench(
+    scenario: list[str] = typer.Option(  # noqa: B008 - typer's declaration style
+        [], "--scenario", "-s",
+        help="Scenario to run (repeatable): chain, transformer, wide, concurrent, memory, "
+             "steady_state. Default: all.",
+    ),
+    quick: bool = typer.Option(
+        False, "--quick", help="Target sizes but few rounds: a look, not a figure to quote."
+    ),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the report as JSON on stdout (progress goes to stderr)."
+    ),
+    check: bool = typer.Option(
+        False, "--check",
+        help="Exit 1 when a target is missed or a peer's output differs from asyncgraph's.",
+    ),
+    rounds: int | None = typer.Option(None, min=1, help="Measured rounds per case."),
+    warmup: int | None = typer.Option(None, min=0, help="Warm-up rounds, not measured."),
+    loop: str = typer.Option("asyncio", help="Event loop: asyncio or uvloop."),
+    threads: int = typer.Option(1, min=1, help="torch intra-op threads."),
+    output: Path | None = typer.Option(  # noqa: B008
+        None, "--output", "-o", help="Also write the JSON report to this file."
+    ),
+) -> None:
+    """Run asyncgraph and its peers side by side; print ratios of medians and the targets."""
+    if loop not in _LOOPS:
+        raise typer.BadParameter(f"expected one of {', '.join(_LOOPS)}, got {loop!r}",
+                                 param_hint="--loop")
+    suite = _suite()
+    harness = importlib.import_module("benchmarks.harness")
+    try:
+        names = suite.select(scenario)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--scenario") from None
+    settings = harness.Settings(
+        size="quick" if quick else "full", rounds=rounds, warmup=warmup, loop=loop,
+        threads=threads,
+    )
+    console = Console(stderr=json_out, width=None if Console().is_terminal else 132)
+    report = suite.run_suite(names, settings, console)
+    text = suite.to_json(report)
+    if output is not None:
+        output.write_text(text)
+    if json_out:
+        print(text)
+    else:
+        suite.render(report, console)
+    if check and (report.failures or report.mismatches):
+        for line in report.failures + report.mismatches:
+            Console(stderr=True).print(f"[red]{line}[/red]")
+        raise typer.Exit(1)

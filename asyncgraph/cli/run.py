@@ -1,0 +1,164 @@
+"""`asyncgraph run` and `asyncgraph trace`: execute a model once, or trace many executions.
+
+Both take the model as a .pt2 file and inputs as files (see asyncgraph.cli.inputs) or random
+inputs that fit the signature. Heavy imports happen inside the commands, so `--help` is quick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+ModelArg = Annotated[Path, typer.Argument(help="A .pt2 file written by torch.export.save.")]
+InputsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--input", "-i",
+        help="An input file (.pt, .npy, .safetensors), as PATH or NAME=PATH; repeatable.",
+    ),
+]
+RandomOpt = Annotated[
+    bool, typer.Option("--random", help="Random inputs with the example shapes of the program.")
+]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the random inputs.")]
+
+
+def _load(model: Path, **config: Any) -> Any:
+    from asyncgraph.runtime.config import ExecutorConfig
+    from asyncgraph.runtime.executor import Executor
+
+    with console.status(f"loading {model} ..."):
+        return Executor(model, ExecutorConfig(**config))
+
+
+def _inputs(ex: Any, inputs: list[str] | None, random: bool, seed: int) -> list[Any]:
+    from asyncgraph.cli.inputs import load_inputs, random_inputs
+
+    if inputs and random:
+        raise typer.BadParameter("give input files or --random, not both")
+    if inputs:
+        return load_inputs(ex.graph, inputs)
+    return random_inputs(ex.graph, seed)
+
+
+def run(
+    model: ModelArg,
+    inputs: InputsOpt = None,
+    random: RandomOpt = False,
+    seed: SeedOpt = 0,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Save the outputs: .safetensors, .pt or .npy."),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not print outputs.")] = False,
+) -> None:
+    """Execute a model once on inputs from files (or random ones); print or save the outputs.
+
+    Without --input the inputs are random, with the shapes the program was exported with.
+    """
+    from torch.utils import _pytree as pytree
+
+    from asyncgraph.cli.inputs import output_names, save_outputs, summarize
+
+    ex = _load(model)
+    flat_in = _inputs(ex, inputs, random, seed)
+
+    async def once() -> tuple[list[Any], float]:
+        async with ex:
+            start = time.perf_counter()
+            out = await ex.execute_flat(flat_in)
+            return out, time.perf_counter() - start
+
+    flat, elapsed = asyncio.run(once())
+    names = output_names(ex.graph, len(flat))
+    out_spec = ex.graph.signature.out_spec
+    structured = pytree.tree_unflatten(flat, out_spec) if out_spec is not None else flat
+    if output is not None:
+        save_outputs(output, names, flat, structured)
+    if not quiet:
+        table = Table(title=f"{model.name}: {len(flat)} output(s) in {elapsed * 1e3:.2f} ms")
+        for column in ("output", "dtype", "shape", "values"):
+            table.add_column(column)
+        for name, value in zip(names, flat, strict=True):
+            table.add_row(name, *summarize(value))
+        console.print(table)
+    if output is not None:
+        console.print(f"saved {len(flat)} output(s) to {output}")
+
+
+def trace(
+    model: ModelArg,
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Where to write the Chrome trace JSON.")
+    ] = Path("trace.json"),
+    executions: Annotated[int, typer.Option(min=1, help="Executions to trace.")] = 20,
+    concurrency: Annotated[int, typer.Option(min=1, help="Concurrent callers.")] = 4,
+    frames: Annotated[
+        int, typer.Option(min=1, help="Execution frames (max_concurrent_executions).")
+    ] = 2,
+    parallel_ops: Annotated[
+        int | None, typer.Option(min=1, help="Worker threads (max_parallel_ops).")
+    ] = None,
+    inputs: InputsOpt = None,
+    random: RandomOpt = False,
+    seed: SeedOpt = 0,
+) -> None:
+    """Trace executions into Chrome trace-event JSON that ui.perfetto.dev opens.
+
+    One row per thread (the event loop, each worker) and CUDA stream, a slice per node with its
+    op and shapes, and per execution its frame wait, queue and run time. With more callers than
+    frames, executions queue for frames, and the trace shows it.
+    """
+    from rich.progress import Progress
+
+    config: dict[str, Any] = {"trace": True, "max_concurrent_executions": frames}
+    if parallel_ops is not None:
+        config["max_parallel_ops"] = parallel_ops
+    ex = _load(model, **config)
+    flat_in = _inputs(ex, inputs, random, seed)
+
+    async def drive(progress: Progress) -> None:
+        bar = progress.add_task("tracing", total=executions)
+        remaining = iter(range(executions))
+
+        async def caller() -> None:
+            for _ in remaining:
+                await ex.execute_flat(list(flat_in))
+                progress.advance(bar)
+
+        async with ex:
+            await asyncio.gather(*(caller() for _ in range(concurrency)))
+
+    with Progress(console=console, transient=True) as progress:
+        asyncio.run(drive(progress))
+    recorder = ex.recorder
+    assert recorder is not None
+    recorder.save(output)
+    _print_trace_summary(model, recorder, output)
+
+
+def _print_trace_summary(model: Path, recorder: Any, output: Path) -> None:
+    phases = recorder.execution_phases()
+    table = Table(title=f"{model.name}: {len(phases)} execution(s) traced")
+    for column in ("phase", "mean ms", "max ms"):
+        table.add_column(column, justify="right" if column != "phase" else "left")
+    for name in ("frame wait", "queue", "run"):
+        durations = [(p[name][1] - p[name][0]) / 1e6 for p in phases.values() if name in p]
+        if durations:
+            table.add_row(name, f"{sum(durations) / len(durations):.3f}", f"{max(durations):.3f}")
+    console.print(table)
+    ops = Table(title="time by op (top 10)")
+    for column in ("op", "calls", "total ms", "mean us"):
+        ops.add_column(column, justify="right" if column != "op" else "left")
+    for op in recorder.op_summary()[:10]:
+        ops.add_row(op.op, str(op.calls), f"{op.total_ns / 1e6:.3f}", f"{op.mean_ns / 1e3:.1f}")
+    console.print(ops)
+    console.print(f"wrote {output}: open it in https://ui.perfetto.dev or chrome://tracing")

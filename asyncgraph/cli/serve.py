@@ -1,0 +1,134 @@
+"""`asyncgraph serve`: one or more .pt2 models over the Open Inference Protocol on uvicorn.
+
+Loading happens before the server starts, so a bad file is one error line and no half-started
+server. The app owns its executors and closes them when uvicorn shuts down (SIGINT, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from asyncgraph.errors import AsyncGraphError
+
+console = Console()
+
+
+class ServeConfigError(AsyncGraphError, ValueError):
+    """The serve command's model list is inconsistent (a name given twice, no model)."""
+
+
+def model_specs(
+    model: Path | None, name: str | None, models: list[str] | None
+) -> dict[str, Path]:
+    """NAME -> PATH from the positional model, --name and repeated --model NAME=PATH."""
+    specs: dict[str, Path] = {}
+    if model is not None:
+        specs[name or model.stem] = model
+    elif name is not None:
+        raise ServeConfigError("--name names the positional MODEL; with --model use NAME=PATH")
+    for item in models or []:
+        key, sep, path = item.partition("=")
+        if not sep or not key or not path:
+            raise ServeConfigError(f"--model {item!r}: expected NAME=PATH")
+        if key in specs:
+            raise ServeConfigError(f"--model {item!r}: model name {key!r} is given twice")
+        specs[key] = Path(path)
+    if not specs:
+        raise ServeConfigError("no model to serve: give MODEL.pt2 or --model NAME=PATH")
+    return specs
+
+
+def serve(
+    model: Annotated[
+        Path | None, typer.Argument(help="A .pt2 file to serve (named after the file).")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="The name to serve MODEL under.")] = None,
+    models: Annotated[
+        list[str] | None,
+        typer.Option("--model", "-m", help="Another model as NAME=PATH; repeatable."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: a free one).")] = 8000,
+    max_queue: Annotated[
+        int, typer.Option(min=0, help="Requests that may wait per model; more get 503.")
+    ] = 64,
+    timeout_ms: Annotated[
+        float, typer.Option(min=0, help="Cancel requests slower than this (0: no limit); 504.")
+    ] = 0,
+    max_request_bytes: Annotated[
+        int, typer.Option(min=1, help="Larger request bodies get 413.")
+    ] = 64 << 20,
+    frames: Annotated[
+        int, typer.Option(min=1, help="Concurrent executions per model (frames).")
+    ] = 8,
+    parallel_ops: Annotated[
+        int | None, typer.Option(min=1, help="Worker threads per model (max_parallel_ops).")
+    ] = None,
+    pin_workers: Annotated[
+        bool, typer.Option(help="Pin each worker thread to a CPU of its own (Linux; for a "
+                           "machine the service has to itself).")
+    ] = False,
+    max_batch_size: Annotated[
+        int, typer.Option(min=0, help="Dynamic batching: stack concurrent requests into "
+                          "executions of up to this many rows (0: off). Needs a program "
+                          "exported with a dynamic batch dimension 0.")
+    ] = 0,
+    batch_delay_ms: Annotated[
+        float, typer.Option(min=0, help="How long a batch that is not full may wait for "
+                            "more requests.")
+    ] = 0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+) -> None:
+    """Serve models over the Open Inference Protocol (KServe v2 REST) on uvicorn + uvloop.
+
+    Endpoints: /v2/health/live, /v2/health/ready, /v2/models/NAME, /v2/models/NAME/ready,
+    POST /v2/models/NAME/infer (JSON and Triton's binary tensor data) and /metrics. The stock
+    tritonclient.http client works with its defaults.
+    """
+    from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
+    from asyncgraph.runtime.executor import Executor
+    from asyncgraph.serve import create_app, run
+
+    specs = model_specs(model, name, models)
+    config: dict[str, Any] = {"max_concurrent_executions": frames}
+    if parallel_ops is not None:
+        config["max_parallel_ops"] = parallel_ops
+    if pin_workers:
+        config["pin_workers"] = True
+    if max_batch_size:
+        config["batching"] = BatchingConfig(max_batch_size, batch_delay_ms / 1000)
+    executors: dict[str, Executor] = {}
+    for key, path in specs.items():
+        with console.status(f"loading {key} from {path} ..."):
+            executors[key] = Executor(path, ExecutorConfig(**config))
+    app = create_app(
+        executors,
+        max_queue=max_queue,
+        timeout_ms=timeout_ms or None,
+        max_request_bytes=max_request_bytes,
+        close_executors=True,
+    )
+    table = Table(title=f"asyncgraph serve on http://{host}:{port}")
+    for column in ("model", "file", "nodes", "inputs", "outputs"):
+        table.add_column(column)
+    interfaces = app.state.asyncgraph
+    for key, ex in executors.items():
+        iface = interfaces.served(key).interface
+        table.add_row(
+            key, str(specs[key]), str(ex.plan.num_nodes),
+            ", ".join(f"{i.name} {i.datatype}{i.shape}" for i in iface.inputs),
+            ", ".join(f"{o.name} {o.datatype}{o.shape}" for o in iface.outputs),
+        )
+    console.print(table)
+    # uvicorn shuts down gracefully on SIGINT, then re-raises it for the caller to see; the
+    # shutdown is complete by then, so Ctrl+C is a normal end, not an error
+    with contextlib.suppress(KeyboardInterrupt):
+        run(app, host, port, log_level=log_level, access_log=access_log)
+    console.print("server stopped")

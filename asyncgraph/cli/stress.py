@@ -1,0 +1,112 @@
+"""`asyncgraph stress MODEL.pt2`: hammer a model with concurrent callers, cancellations,
+timeouts, injected kernel faults and delays, and weight swaps; check every result.
+
+A thin front of asyncgraph.testing.run_stress: the summary is printed as a table and the
+command exits 1 on any violation (a wrong result, an unexpected error, a leak). Runs are
+seeded: the same --seed makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+def stress(
+    model: Annotated[Path, typer.Argument(help="A .pt2 file written by torch.export.save.")],
+    executions: Annotated[int, typer.Option(min=1, help="Executions to run in all.")] = 200,
+    concurrency: Annotated[int, typer.Option(min=1, help="Concurrent callers.")] = 16,
+    cancel_rate: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Fraction of callers cancelled.")
+    ] = 0.05,
+    timeout_rate: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Fraction of calls under a short timeout.")
+    ] = 0.05,
+    fault_rate: Annotated[
+        float,
+        typer.Option(min=0.0, max=1.0, help="Fraction of executions hit by a kernel fault."),
+    ] = 0.05,
+    delay_rate: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Fraction of kernel calls delayed.")
+    ] = 0.1,
+    max_delay_ms: Annotated[
+        float, typer.Option(min=0.0, help="Longest injected kernel delay.")
+    ] = 2.0,
+    swap_weights_every: Annotated[
+        int, typer.Option(min=0, help="Swap in new weights every S executions (0: never).")
+    ] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of every random decision.")] = 0,
+    max_frames: Annotated[
+        int, typer.Option(min=1, help="The executor's max_concurrent_executions.")
+    ] = 8,
+    parallel_ops: Annotated[
+        int | None, typer.Option(min=1, help="The executor's max_parallel_ops.")
+    ] = None,
+    max_loop_lag_ms: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Fail when the loop-lag p99 exceeds this."),
+    ] = None,
+    max_batch_size: Annotated[
+        int, typer.Option(min=0, help="Dynamic batching of up to this many rows (0: off).")
+    ] = 0,
+) -> None:
+    """Stress a model: concurrent callers, cancellations, timeouts, faults, weight swaps."""
+    from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
+    from asyncgraph.testing import StressConfig, run_stress
+
+    config = StressConfig(
+        executions=executions,
+        concurrency=concurrency,
+        cancel_rate=cancel_rate,
+        timeout_rate=timeout_rate,
+        fault_rate=fault_rate,
+        delay_rate=delay_rate,
+        max_delay_s=max_delay_ms / 1e3,
+        swap_weights_every=swap_weights_every,
+        seed=seed,
+        max_loop_lag_s=None if max_loop_lag_ms is None else max_loop_lag_ms / 1e3,
+    )
+    options: dict[str, Any] = {"max_concurrent_executions": max_frames}
+    if parallel_ops is not None:
+        options["max_parallel_ops"] = parallel_ops
+    if max_batch_size:
+        options["batching"] = BatchingConfig(max_batch_size=max_batch_size)
+    executor_config = ExecutorConfig(**options)
+    with console.status(f"stressing {model} ..."):
+        report = asyncio.run(run_stress(model, config, executor_config=executor_config))
+
+    table = Table(title=f"stress {model.name}, seed {seed}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("executions", str(executions)),
+        ("completed", str(report.completed)),
+        ("cancelled", str(report.cancelled)),
+        ("timed out", str(report.timed_out)),
+        ("faulted", str(report.faulted)),
+        ("mismatches", str(report.mismatches)),
+        ("unexpected errors", str(report.errors)),
+        ("weight swaps", str(report.weight_swaps)),
+        ("frames high-water", f"{report.frames_high_water}/{report.max_frames}"),
+        ("loop lag p99", f"{report.loop_lag_p99_ms:.2f} ms"),
+        ("loop lag max", f"{report.loop_lag_max_ms:.2f} ms"),
+        ("elapsed", f"{report.elapsed_s:.2f} s"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    if report.ok:
+        console.print("[green]ok[/green]: no violation")
+        return
+    console.print(f"[red]{len(report.violations)} violation(s)[/red]:")
+    for violation in report.violations[:20]:
+        console.print(f"  {violation}", markup=False)
+    if len(report.violations) > 20:
+        console.print(f"  ... and {len(report.violations) - 20} more")
+    raise typer.Exit(1)

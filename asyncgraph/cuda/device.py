@@ -1,0 +1,468 @@
+"""The thin torch.cuda layer that carries out a StreamPlan (issue 4).
+
+What it does, and why:
+
+- `StreamPool`: one Executor's stream sets. A set is `streams_per_device` streams on each
+  device the plan uses. A running execution leases a set, so concurrent executions enqueue on
+  different streams and overlap on the GPU; when more executions run than sets exist, the
+  least-used set is shared (correct, because every cross-stream order is an event, only with
+  less overlap). Streams come from torch's pool (32 per device and priority), so sets beyond
+  that share hardware streams.
+- `FrameStreams`: the GPU state of one execution frame, reused by its executions: a node's
+  event, the end-of-stream events, and the leased set. `run` enqueues a node's kernel
+  under `torch.cuda.stream(s)` after `s.wait_event(e)` for its cross-stream producers, calls
+  `record_stream` for tensors made on another stream, and records the node's event. The host
+  never waits there.
+- `wait_events`: the host's wait. It polls `event.query()` from the event loop with a short
+  spin of `asyncio.sleep(0)` and then a backoff, so the loop never blocks on the GPU; once
+  every event has completed it calls `event.synchronize()`, which then returns at once but
+  tells tools such as TORCH_CUDA_SANITIZER that the host is ordered after the event.
+- `finish` awaits the end of every stream the execution used, absorbing cancellation the way
+  the scheduler waits for its threads, and only then returns the stream set: a frame is never
+  reused while its GPU work is in flight.
+
+torch.cuda is imported lazily (only `TorchCudaBackend` touches it), so this module imports and
+type-checks on machines without CUDA. The backend is injectable, which is how the tests drive
+all of this logic on the CPU with fake streams and events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from asyncgraph.cuda.streams import StreamKey, StreamPlan
+from asyncgraph.graph.ir import TensorSpec, ValueSpec
+
+
+class CudaStream(Protocol):
+    """The part of torch.cuda.Stream this layer uses."""
+
+    def wait_event(self, event: Any) -> None: ...
+
+    def wait_stream(self, stream: Any) -> None: ...
+
+
+class CudaEvent(Protocol):
+    """The part of torch.cuda.Event this layer uses."""
+
+    def record(self, stream: Any) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Backend(Protocol):
+    """What the layer needs from CUDA; `TorchCudaBackend` is the real one."""
+
+    def new_stream(self, device: int) -> CudaStream: ...
+
+    def new_event(self) -> CudaEvent: ...
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+
+    def host_streams(self, device: int) -> list[Any]:
+        """The streams the calling thread's GPU work may be on: current and default."""
+        ...
+
+    def record_stream(self, value: Any, stream: Any) -> None:
+        """Mark every CUDA tensor in `value` as used on `stream`."""
+        ...
+
+
+class TorchCudaBackend:
+    """The real backend: torch.cuda, imported on first use."""
+
+    def __init__(self) -> None:
+        self._cuda: Any = None
+
+    @property
+    def cuda(self) -> Any:
+        if self._cuda is None:
+            import torch.cuda
+
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "the program has CUDA nodes but torch.cuda.is_available() is False: "
+                    "export it on the CPU, or run it on a machine with a GPU"
+                )
+            self._cuda = torch.cuda
+        return self._cuda
+
+    def new_stream(self, device: int) -> CudaStream:
+        stream: CudaStream = self.cuda.Stream(device=device)
+        return stream
+
+    def new_event(self) -> CudaEvent:
+        event: CudaEvent = self.cuda.Event()  # no timing: cheaper to record
+        return event
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        ctx: AbstractContextManager[Any] = self.cuda.stream(stream)
+        return ctx
+
+    def host_streams(self, device: int) -> list[Any]:
+        current = self.cuda.current_stream(device)
+        default = self.cuda.default_stream(device)
+        return [current] if current == default else [current, default]
+
+    def record_stream(self, value: Any, stream: Any) -> None:
+        for tensor in _cuda_tensors(value):
+            tensor.record_stream(stream)
+
+
+def _cuda_tensors(value: Any) -> Iterator[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _cuda_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _cuda_tensors(item)
+
+
+# -- waiting on the host ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PollPolicy:
+    """How the loop polls events: `sleep(0)` for `spin_s`, then sleeps of elapsed/8 capped at
+    `max_delay_s`, so the added latency stays near 1/8 of the wait and never above the cap."""
+
+    spin_s: float = 100e-6
+    max_delay_s: float = 1e-3
+
+
+async def wait_events(events: Sequence[CudaEvent], policy: PollPolicy = PollPolicy()) -> None:
+    """Await CUDA events from the event loop without ever blocking it.
+
+    Cancellable at every sleep. After all have completed, `synchronize()` (immediate by then)
+    records the host-side happens-before for the CUDA sanitizer.
+    """
+    pending = [e for e in events if not e.query()]
+    if pending:
+        start = time.perf_counter()
+        while pending:
+            elapsed = time.perf_counter() - start
+            delay = 0.0 if elapsed < policy.spin_s else min(policy.max_delay_s, elapsed / 8)
+            await asyncio.sleep(delay)
+            pending = [e for e in pending if not e.query()]
+    for e in events:
+        e.synchronize()
+
+
+# -- stream sets ----------------------------------------------------------------------------------
+
+
+class StreamSet:
+    """One execution's streams: the stream of each (device, index) and of each CUDA node."""
+
+    __slots__ = ("by_node", "index", "streams", "users")
+
+    def __init__(self, index: int, streams: dict[StreamKey, CudaStream], plan: StreamPlan):
+        self.index = index
+        self.streams = streams
+        self.by_node: tuple[CudaStream | None, ...] = tuple(
+            streams[(d, s)] if d is not None and s is not None else None
+            for d, s in zip(plan.device, plan.stream, strict=True)
+        )
+        self.users = 0
+
+    def __repr__(self) -> str:
+        return f"<StreamSet {self.index} users={self.users}>"
+
+
+class StreamPool:
+    """The stream sets of one Executor (loop thread only).
+
+    `acquire` prefers an idle set, creates one while fewer than `max_sets` exist, and otherwise
+    shares the least-used set.
+    """
+
+    def __init__(self, plan: StreamPlan, max_sets: int, backend: Backend) -> None:
+        if max_sets < 1:
+            raise ValueError(f"max_sets must be >= 1, got {max_sets}")
+        self.plan = plan
+        self.max_sets = max_sets
+        self.backend = backend
+        self.sets: list[StreamSet] = []
+
+    def acquire(self) -> StreamSet:
+        idle = [s for s in self.sets if s.users == 0]
+        if idle:
+            chosen = idle[0]
+        elif len(self.sets) < self.max_sets:
+            streams = {key: self.backend.new_stream(key[0]) for key in self.plan.streams_used}
+            chosen = StreamSet(len(self.sets), streams, self.plan)
+            self.sets.append(chosen)
+        else:
+            chosen = min(self.sets, key=lambda s: (s.users, s.index))
+        chosen.users += 1
+        return chosen
+
+    def release(self, stream_set: StreamSet) -> None:
+        if stream_set.users <= 0:
+            raise RuntimeError(f"{stream_set!r} released more often than acquired")
+        stream_set.users -= 1
+
+    @property
+    def in_use(self) -> int:
+        return sum(1 for s in self.sets if s.users)
+
+
+class CudaRuntime:
+    """The GPU side of one Executor: its StreamPlan, stream pool and backend.
+
+    `value_ids[i]` is the frame slot of node i's value (ExecutionPlan.outputs).
+    """
+
+    def __init__(
+        self,
+        plan: StreamPlan,
+        value_ids: Sequence[int],
+        *,
+        max_stream_sets: int,
+        backend: Backend | None = None,
+        poll: PollPolicy = PollPolicy(),
+    ) -> None:
+        if len(value_ids) != plan.num_nodes:
+            raise ValueError(f"{len(value_ids)} value ids for {plan.num_nodes} nodes")
+        self.plan = plan
+        self.value_ids = tuple(value_ids)
+        self.backend: Backend = backend if backend is not None else TorchCudaBackend()
+        self.pool = StreamPool(plan, max_stream_sets, self.backend)
+        self.poll = poll
+        self.needs_host_wait: tuple[bool, ...] = tuple(bool(w) for w in plan.host_waits)
+
+    def frame_state(self, calls: Sequence[Callable[[list[Any]], Any]]) -> FrameStreams:
+        """GPU state for one ExecutionFrame; `calls` are the plan's node calls."""
+        return FrameStreams(self, calls)
+
+
+class FrameStreams:
+    """The GPU state of one frame, reused by its executions (one at a time).
+
+    Per execution: `begin()`, then `calls[i](values)` for every node (CUDA nodes go through
+    `run`), `wait_host(i)` before a host node that reads GPU values, `await finish()` before
+    the frame is returned, and `protect_outputs(outputs)` for values handed to the caller.
+    """
+
+    __slots__ = (
+        "_begin_events", "_end_events", "_events", "_host", "_host_waits", "_outputs", "_set",
+        "_waits", "calls", "runtime",
+    )
+
+    def __init__(self, runtime: CudaRuntime, calls: Sequence[Callable[[list[Any]], Any]]) -> None:
+        plan = runtime.plan
+        backend = runtime.backend
+        self.runtime = runtime
+        events = {i: backend.new_event() for i in range(plan.num_nodes) if plan.records_event[i]}
+        self._events: tuple[CudaEvent | None, ...] = tuple(
+            events.get(i) for i in range(plan.num_nodes)
+        )
+        self._waits = tuple(tuple(events[p] for p in ws) for ws in plan.waits)
+        self._host_waits = tuple(tuple(events[p] for p in ws) for ws in plan.host_waits)
+        self._outputs = tuple(events[p] for p in plan.output_waits)
+        self._begin_events = {d: backend.new_event() for d in plan.devices}
+        self._end_events = {key: backend.new_event() for key in plan.streams_used}
+        self._set: StreamSet | None = None
+        self._host: dict[int, tuple[Any, ...]] = {}  # per device: the caller's streams
+        # CUDA nodes run through `run`; the scheduler calls `calls[i](values)` for every node,
+        # so its hot loop needs no test for placement.
+        self.calls: tuple[Callable[[list[Any]], Any], ...] = tuple(
+            _bind_run(self, i, call) if d is not None else call
+            for i, (call, d) in enumerate(zip(calls, plan.device, strict=True))
+        )
+
+    @property
+    def stream_set(self) -> StreamSet | None:
+        return self._set
+
+    def begin(self) -> None:
+        """Lease a stream set; order its streams after the caller's work (loop thread).
+
+        The inputs and weights may have been written by kernels still queued on the caller's
+        current (or default) stream; one event per device makes our streams wait for them.
+        Those streams are also what a fenced CUDA node waits on (`run`): host kernels run on
+        the loop thread, whose current stream is the caller's, or on worker threads, whose
+        current stream is the default one; asking `host_streams` again from the thread that
+        enqueues the CUDA node (a worker, possibly) could miss the caller's stream.
+        """
+        if self._set is not None:
+            raise RuntimeError("begin() called twice without finish()")
+        runtime = self.runtime
+        stream_set = runtime.pool.acquire()
+        try:
+            host = {d: tuple(runtime.backend.host_streams(d)) for d in self._begin_events}
+            for device, event in self._begin_events.items():
+                for host_stream in host[device]:
+                    event.record(host_stream)
+                    for (d, _), stream in stream_set.streams.items():
+                        if d == device:
+                            stream.wait_event(event)
+        except BaseException:
+            runtime.pool.release(stream_set)
+            raise
+        self._host = host
+        self._set = stream_set
+
+    def run(self, node: int, call: Callable[[list[Any]], Any], values: list[Any]) -> Any:
+        """Enqueue one CUDA node on its stream; never waits on the host (any thread)."""
+        stream_set = self._set
+        if stream_set is None:
+            raise RuntimeError("a CUDA node ran outside begin()/finish()")
+        stream = stream_set.by_node[node]
+        assert stream is not None
+        for waited in self._waits[node]:
+            stream.wait_event(waited)
+        runtime = self.runtime
+        plan = runtime.plan
+        backend = runtime.backend
+        if plan.fence[node]:
+            device = plan.device[node]
+            assert device is not None
+            for host_stream in self._host[device]:
+                stream.wait_stream(host_stream)
+        with backend.use_stream(stream):
+            result = call(values)
+        ids = runtime.value_ids
+        for producer in plan.record_stream[node]:
+            backend.record_stream(values[ids[producer]], stream)
+        event = self._events[node]
+        if event is not None:
+            event.record(stream)
+        return result
+
+    def host_ready(self, node: int) -> bool:
+        """Whether every event host node `node` waits on has completed (never waits)."""
+        events = self._host_waits[node]
+        if not all(event.query() for event in events):
+            return False
+        for event in events:
+            event.synchronize()  # completed: returns at once, and orders the host after it
+        return True
+
+    async def wait_host(self, node: int) -> None:
+        """Await, without blocking the loop, the GPU values host node `node` reads."""
+        await wait_events(self._host_waits[node], self.runtime.poll)
+
+    async def wait_outputs(self) -> None:
+        """Await just the events that gate the graph's outputs (`StreamPlan.output_waits`).
+
+        `finish` already covers them; this is for a caller that wants the outputs before the
+        rest of the GPU work has drained.
+        """
+        await wait_events(self._outputs, self.runtime.poll)
+
+    async def finish(self) -> bool:
+        """Await the end of all GPU work of this execution, then return the stream set.
+
+        Absorbs cancellation until the GPU is done (the frame must not be reused while
+        kernels may still write its memory) and returns True if it was cancelled meanwhile,
+        so the caller re-raises. A no-op without `begin()`.
+        """
+        stream_set = self._set
+        if stream_set is None:
+            return False
+        cancelled = False
+        try:
+            ends = []
+            for key, stream in stream_set.streams.items():
+                event = self._end_events[key]
+                event.record(stream)
+                ends.append(event)
+            while True:
+                try:
+                    await wait_events(ends, self.runtime.poll)
+                    break
+                except asyncio.CancelledError:
+                    cancelled = True
+        finally:
+            self._set = None
+            self.runtime.pool.release(stream_set)
+        return cancelled
+
+    def protect_outputs(self, outputs: Sequence[Any]) -> None:
+        """Record the caller's current stream on output tensors made on our streams.
+
+        The caller will use them on its own stream; without this, once it drops them the
+        allocator could give their memory to our stream while its kernels still read it.
+        """
+        backend = self.runtime.backend
+        for value in outputs:
+            for tensor in _cuda_tensors(value):
+                index = tensor.device.index
+                backend.record_stream(tensor, backend.host_streams(index or 0)[0])
+
+
+def _bind_run(
+    frame: FrameStreams, node: int, call: Callable[[list[Any]], Any]
+) -> Callable[[list[Any]], Any]:
+    run = frame.run
+
+    def run_on_stream(values: list[Any]) -> Any:
+        return run(node, call, values)
+
+    return run_on_stream
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+def move_inputs_to_device(flat: Sequence[Any], specs: Sequence[ValueSpec | None]) -> list[Any]:
+    """Move tensor inputs to the device their spec names (`move_inputs_to_device=True`).
+
+    Copies to a GPU are enqueued on the caller's current stream without a host wait
+    (`non_blocking`); `FrameStreams.begin` orders the execution's streams after them. Copies
+    to the CPU block until the data has arrived: a non-blocking one would hand CPU kernels a
+    tensor the GPU may still be writing, and nothing would order them after it.
+    """
+    import torch
+
+    out = list(flat)
+    for i, (value, spec) in enumerate(zip(flat, specs, strict=True)):
+        if not isinstance(spec, TensorSpec) or not isinstance(value, torch.Tensor):
+            continue
+        want = spec.device
+        if value.device.type != want.type or (
+            want.index is not None and value.device.index != want.index
+        ):
+            out[i] = value.to(want, non_blocking=want.type == "cuda")
+    return out
+
+
+# -- a reference driver -----------------------------------------------------------------------
+
+
+async def run_in_order(gpu: FrameStreams, values: list[Any]) -> None:
+    """Run every node of the plan in index order on the loop thread, with GPU ordering.
+
+    A reference for tests and examples/gpu_check.py: the same calls the scheduler makes
+    (begin, host waits, `calls[i]`, finish), without its parallelism or freeing. `values` is a
+    loaded frame value list; results are stored in it.
+    """
+    runtime = gpu.runtime
+    needs_wait = runtime.needs_host_wait
+    ids = runtime.value_ids
+    gpu.begin()
+    try:
+        for node, call in enumerate(gpu.calls):
+            if needs_wait[node] and not gpu.host_ready(node):
+                await gpu.wait_host(node)
+            result = call(values)
+            if asyncio.iscoroutine(result):
+                result = await result
+            values[ids[node]] = result
+    finally:
+        cancelled = await gpu.finish()
+    if cancelled:
+        raise asyncio.CancelledError

@@ -1,0 +1,10 @@
+"""Load-time graph passes: the graph that runs is not always the graph that was imported.
+
+- `recompose`: decomposed attention patterns back into one scaled_dot_product_attention.
+- `folding`: nodes that read only weights leave the graph; their values are computed once per
+  weights version (at construction and on swap_weights) instead of on every call.
+- `rewrite`: the shared step that rebuilds a valid, densely numbered Graph after a pass.
+
+Each pass takes a Graph and returns a new one; the Executor applies them in order when it is
+built, so no pass costs anything per execution.
+"""

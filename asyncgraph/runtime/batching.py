@@ -1,0 +1,357 @@
+"""Dynamic batching: the rows of concurrent requests run as one execution.
+
+Why: on a CPU a small model's request is hundreds of small ops, each taking and releasing the
+GIL, so concurrent callers convoy on the GIL whatever runs them (threads or the loop). Stacking
+the requests that wait at the same moment along the batch dimension runs each op once per batch
+instead of once per request: fewer, larger ops, the same arithmetic. Triton's dynamic batcher and
+TorchServe's batch_size do the same for services; here it is a property of the Executor, so
+`await executor.execute(x)` is unchanged for the caller.
+
+When it applies (checked once, from the signature, by `batch_layout`): dim 0 of every tensor
+input and every output is the same dynamic symbol (export with `dynamic_shapes={..: {0:
+Dim("batch")}}`), the symbol appears in no other dimension, and the program mutates neither
+inputs nor buffers. Rows must be independent (no op mixes rows, as batch-norm in training or
+a sum over dim 0 would): that is the user's promise when turning batching on, as with Triton.
+
+How (`Batcher`): each request is validated alone, then queued with a key (the shapes past dim 0,
+dtypes, devices, and the values of non-tensor inputs); requests with equal keys can share a
+batch. A dispatch callback runs once per loop iteration after the callers of that iteration have
+queued, so the callers that arrive together are batched together without a timer;
+`max_delay_s` can hold a batch that is not full a little longer. At most
+`max_concurrent_batches` run at once; the next batch forms from everything that queued
+meanwhile, so batches grow with load and stay at one request when there is none. Each batch's
+outputs are split back into per-request views. A failing batch of several requests runs each
+request alone, so one bad request fails alone. A request cancelled while queued leaves the
+queue; a batch whose callers have all gone is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+from asyncgraph.errors import BatchingError, ExecutorClosedError
+from asyncgraph.graph.ir import Graph, OutputKind, Ref, TensorSpec
+from asyncgraph.runtime.config import BatchingConfig
+
+Run = Callable[[list[Any]], Awaitable[list[Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """Which flat inputs are batched along dim 0 (the others must be equal within a batch)."""
+
+    batched: tuple[bool, ...]
+    symbol: sympy.Symbol
+    max_rows: int
+
+
+def batch_layout(graph: Graph, config: BatchingConfig) -> BatchLayout:
+    """The layout of a program that can batch, or a BatchingError saying why it cannot."""
+    sig = graph.signature
+    mutated = [o.target for o in sig.outputs
+               if o.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)]
+    if mutated:
+        raise BatchingError(
+            f"batching needs a program that mutates no inputs or buffers; this one mutates "
+            f"{', '.join(map(str, mutated))}"
+        )
+    inputs = [(s.target or f"input {i}", graph.values[s.value].spec)
+              for i, s in enumerate(sig.user_inputs)]
+    tensors = [(path, spec) for path, spec in inputs if isinstance(spec, TensorSpec)]
+    if not tensors:
+        raise BatchingError("batching needs at least one tensor input; this program has none")
+    symbol = _batch_symbol(*tensors[0])
+    for path, spec in tensors:
+        _check_batched(f"input {path!r}", spec, symbol)
+    for i, out in enumerate(sig.user_outputs):
+        out_spec = graph.values[out.arg.id].spec if isinstance(out.arg, Ref) else None
+        if not isinstance(out_spec, TensorSpec):
+            kind = type(out.arg) if out_spec is None else out_spec.type
+            raise BatchingError(
+                f"batching needs every output to be a tensor batched along dim 0; output {i} "
+                f"is {kind.__name__}"
+            )
+        _check_batched(f"output {i}", out_spec, symbol)
+    _lower, upper = sig.range_constraints.get(symbol, (0, float("inf")))
+    if config.max_batch_size > upper:
+        raise BatchingError(
+            f"max_batch_size {config.max_batch_size} is above the largest batch the program "
+            f"was exported for ({symbol} <= {int(upper)})"
+        )
+    return BatchLayout(
+        tuple(isinstance(spec, TensorSpec) for _, spec in inputs), symbol, config.max_batch_size
+    )
+
+
+def _batch_symbol(path: str, spec: TensorSpec) -> sympy.Symbol:
+    first = spec.shape[0] if spec.shape else None
+    if not isinstance(first, sympy.Symbol):
+        raise BatchingError(
+            f"batching needs dim 0 of every tensor input to be a dynamic batch dimension; "
+            f"input {path!r} has shape {list(spec.shape)} (export with dynamic_shapes giving "
+            "it {0: torch.export.Dim('batch')})"
+        )
+    return first
+
+
+def _check_batched(what: str, spec: TensorSpec, symbol: sympy.Symbol) -> None:
+    first = spec.shape[0] if spec.shape else None
+    if first != symbol:
+        raise BatchingError(
+            f"batching needs dim 0 of every tensor input and output to be the batch dimension "
+            f"{symbol}; {what} has shape {list(spec.shape)}"
+        )
+    for d in spec.shape[1:]:
+        if isinstance(d, sympy.Expr) and symbol in d.free_symbols:
+            raise BatchingError(
+                f"{what} has shape {list(spec.shape)}: the batch dimension {symbol} appears "
+                "past dim 0, so rows of different requests cannot be stacked"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherStatistics:
+    """Requests and batches so far; `mean_rows` is the average batch size in rows."""
+
+    requests: int
+    batches: int
+    rows: int
+    largest_batch: int
+    queued: int
+    running: int
+    cancelled_in_queue: int
+    retried_alone: int
+
+    @property
+    def mean_rows(self) -> float:
+        return self.rows / self.batches if self.batches else 0.0
+
+
+class _Request:
+    __slots__ = ("arrived", "batch", "flat", "future", "key", "rows")
+
+    def __init__(self, flat: list[Any], rows: int, key: Hashable, future: asyncio.Future[Any]):
+        self.flat = flat
+        self.rows = rows
+        self.key = key
+        self.future = future
+        self.arrived = time.monotonic()
+        self.batch: asyncio.Task[None] | None = None
+
+
+class Batcher:
+    """Queues validated requests and runs them in batches through `run` (see module doc)."""
+
+    def __init__(self, layout: BatchLayout, config: BatchingConfig, run: Run) -> None:
+        self.layout = layout
+        self.config = config
+        self._run = run
+        self._queue: deque[_Request] = deque()
+        self._batches: dict[asyncio.Task[None], list[_Request]] = {}  # running, with members
+        self._dispatch_handle: asyncio.Handle | None = None
+        self._closed = False
+        self._requests = self._batch_count = self._rows = self._largest = 0
+        self._cancelled_in_queue = self._retried_alone = 0
+
+    async def submit(self, flat: list[Any]) -> list[Any]:
+        """Run one validated request in a batch; its outputs, as if it had run alone."""
+        if self._closed:
+            raise ExecutorClosedError("the executor is closed; create a new one")
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        request = _Request(flat, *self._rows_and_key(flat), future)
+        self._queue.append(request)
+        self._requests += 1
+        self._schedule_dispatch()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            batch = request.batch
+            if batch is None:
+                self._cancelled_in_queue += 1
+            else:
+                members = self._batches.get(batch)
+                if members and all(r.future.done() for r in members):
+                    batch.cancel()  # nobody waits for it any more
+            raise
+
+    def _rows_and_key(self, flat: Sequence[Any]) -> tuple[int, Hashable]:
+        """Rows of the request and what a batch-mate must match; a unique key when the
+        request cannot share a batch (an unhashable scalar input, a tensor where the
+        signature has none, or inconsistent rows: possible only with validation off)."""
+        rows = -1
+        key: list[Hashable] = []
+        for batched, x in zip(self.layout.batched, flat, strict=True):
+            if batched and isinstance(x, torch.Tensor) and x.dim() > 0:
+                if rows not in (-1, x.shape[0]):
+                    return max(rows, 1), object()
+                rows = x.shape[0]
+                key.append((tuple(x.shape[1:]), x.dtype, x.device, x.requires_grad))
+            else:
+                if isinstance(x, torch.Tensor):  # == on tensors is elementwise: never equal
+                    return max(rows, 1), object()
+                try:
+                    hash(x)
+                except TypeError:
+                    return max(rows, 1), object()
+                key.append((type(x), x))
+        return (rows if rows >= 0 else 1), tuple(key)
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _schedule_dispatch(self) -> None:
+        """Dispatch once, at the end of this loop iteration: every caller that runs in this
+        iteration queues first."""
+        if self._dispatch_handle is None:
+            self._dispatch_handle = asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._dispatch_handle = None
+        while self._queue and len(self._batches) < self.config.max_concurrent_batches:
+            while self._queue and self._queue[0].future.done():  # cancelled while queued
+                self._queue.popleft()
+            if not self._queue:
+                return
+            if self._hold():
+                return
+            self._start(self._take())
+
+    def _hold(self) -> bool:
+        """Whether to wait for more requests (max_delay_s); schedules the dispatch if so."""
+        delay = self.config.max_delay_s
+        if delay <= 0 or self._closed or sum(r.rows for r in self._queue) >= self.layout.max_rows:
+            return False
+        due = self._queue[0].arrived + delay
+        wait = due - time.monotonic()
+        if wait <= 0:
+            return False
+        self._dispatch_handle = asyncio.get_running_loop().call_later(wait, self._dispatch)
+        return True
+
+    def _take(self) -> list[_Request]:
+        """The oldest request and the next ones with its key, up to max_rows rows."""
+        head = self._queue.popleft()
+        batch, rows, skipped = [head], head.rows, deque[_Request]()
+        while self._queue and rows < self.layout.max_rows:
+            request = self._queue.popleft()
+            if request.future.done():
+                continue
+            if request.key == head.key and rows + request.rows <= self.layout.max_rows:
+                batch.append(request)
+                rows += request.rows
+            else:
+                skipped.append(request)
+        skipped.extend(self._queue)
+        self._queue = skipped
+        return batch
+
+    def _start(self, batch: list[_Request]) -> None:
+        task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+        for request in batch:
+            request.batch = task
+        self._batches[task] = batch
+        rows = sum(r.rows for r in batch)
+        self._batch_count += 1
+        self._rows += rows
+        self._largest = max(self._largest, rows)
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        task = asyncio.current_task()
+        try:
+            if len(batch) == 1:
+                await self._run_alone(batch[0])
+                return
+            try:
+                outputs = await self._run(self._join(batch))
+            except Exception:
+                if not self.config.retry_alone:
+                    raise
+                self._retried_alone += 1
+                await asyncio.gather(*(self._run_alone(r) for r in batch))
+                return
+            self._split(batch, outputs)
+        except asyncio.CancelledError:
+            for request in batch:
+                request.future.cancel()
+            raise
+        except Exception as exc:
+            for request in batch:
+                if not request.future.done():
+                    request.future.set_exception(exc)
+        finally:
+            for request in batch:  # nothing is left waiting, whatever happened
+                request.future.cancel()
+            self._batches.pop(task, None)  # type: ignore[arg-type]
+            if self._queue:
+                self._schedule_dispatch()
+
+    async def _run_alone(self, request: _Request) -> None:
+        if request.future.done():
+            return
+        try:
+            outputs = await self._run(request.flat)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not request.future.done():
+                request.future.set_exception(exc)
+        else:
+            if not request.future.done():
+                request.future.set_result(outputs)
+
+    def _join(self, batch: list[_Request]) -> list[Any]:
+        """The batch's flat inputs: batched inputs concatenated along dim 0, the others as
+        the first request has them (the key made them equal)."""
+        flats = [r.flat for r in batch]
+        return [
+            torch.cat([f[i] for f in flats]) if batched else flats[0][i]
+            for i, batched in enumerate(self.layout.batched)
+        ]
+
+    def _split(self, batch: list[_Request], outputs: list[Any]) -> None:
+        """Each request's rows of every output (views of the batch's outputs)."""
+        rows = [r.rows for r in batch]
+        pieces = [torch.split(out, rows) for out in outputs]
+        for i, request in enumerate(batch):
+            if not request.future.done():
+                request.future.set_result([p[i] for p in pieces])
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def aclose(self, *, cancel: bool = False) -> None:
+        """Take no new requests; run the queued ones (or with `cancel`, cancel queued and
+        running ones) and wait until no batch runs."""
+        self._closed = True
+        if cancel:
+            for request in self._queue:
+                request.future.cancel()
+            self._queue.clear()
+            for task in self._batches:
+                task.cancel()
+        while self._queue or self._batches:
+            if self._batches:
+                await asyncio.wait(set(self._batches))
+            else:
+                self._schedule_dispatch()
+                await asyncio.sleep(0)
+
+    def statistics(self) -> BatcherStatistics:
+        return BatcherStatistics(
+            requests=self._requests,
+            batches=self._batch_count,
+            rows=self._rows,
+            largest_batch=self._largest,
+            queued=sum(1 for r in self._queue if not r.future.done()),
+            running=len(self._batches),
+            cancelled_in_queue=self._cancelled_in_queue,
+            retried_alone=self._retried_alone,
+        )

@@ -1,0 +1,181 @@
+"""ExecutorConfig: every knob of an Executor, frozen, with documented defaults.
+
+Mirrors nativert's ExecutorConfig where it fits (validate_inputs, free_values_after_use,
+max_parallel_ops, max_concurrent_executions, frame cleanup), in snake_case.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _default_parallel_ops() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingConfig:
+    """Dynamic batching (asyncgraph/runtime/batching.py): concurrent requests run as one execution.
+
+    Attributes:
+        max_batch_size: rows per execution; a request with more rows runs alone.
+        max_delay_s: how long a batch that is not full may wait for more requests. 0 takes
+            what has queued by the end of the loop iteration: no added latency when idle.
+        max_concurrent_batches: batches running at once; the next batch forms from what
+            queues meanwhile, so batches grow with load.
+        retry_alone: when a batch of several requests fails, run each alone so a bad request
+            fails alone and the others succeed.
+    """
+
+    max_batch_size: int = 32
+    max_delay_s: float = 0.0
+    max_concurrent_batches: int = 2
+    retry_alone: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_delay_s < 0:
+            raise ValueError(f"max_delay_s must be >= 0, got {self.max_delay_s}")
+        if self.max_concurrent_batches < 1:
+            raise ValueError(
+                f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    """How an Executor runs its graph.
+
+    Attributes:
+        validate_inputs: check structure, dtype, device and every dimension of the inputs
+            against the signature before a frame is taken.
+        free_values_after_use: drop each intermediate as soon as its last user has run, so a
+            long chain keeps only a couple of intermediates alive.
+        max_parallel_ops: worker threads that run compute-heavy CPU kernels; 1 runs at most one
+            heavy kernel at a time (the serial executor).
+        pin_workers: pin each worker thread to a CPU of its own (of those the process may use,
+            spread over every pinned pool of the process; Linux, ignored elsewhere). For a
+            machine the service has to itself: the kernel may wake two workers onto one core
+            and leave them there for milliseconds (2 cores, 16 matmul chains: 1.82-1.89x over
+            serial pinned against 1.66-1.89x not); with other busy processes a pinned thread
+            cannot move away from them.
+        max_concurrent_executions: execution frames; callers beyond this await a free frame,
+            first come first served.
+        min_frames: frames kept alive by the idle cleanup.
+        frame_cleanup_interval_s: frames idle longer than this are freed down to min_frames;
+            0 disables the cleanup.
+        max_unbounded_int: the largest value accepted for an int input whose symbol has no
+            upper bound (such ints size allocations inside kernels).
+        inference_mode: run kernels under torch.inference_mode.
+        loop_slice_s: the time per event-loop iteration that inline kernels may take, shared
+            by all executions on the loop (asyncgraph/runtime/loop_budget.py), so timers and I/O
+            keep their turn however many callers there are.
+        heavy_op_flops: estimated work (multiply-adds or elements) above which a CPU kernel runs
+            on a worker thread instead of inline on the loop.
+        adaptive_placement: time every node during the first `profile_executions` executions
+            of each input-shape signature, then run nodes taking at least `heavy_node_us` on
+            workers where they can overlap other heavy work (parallel branches, or other
+            executions while the loop is busy) and the rest inline
+            (asyncgraph/runtime/placement.py).
+        profile_executions: profiled executions per input-shape signature.
+        heavy_node_us: measured (best) time from which a CPU node is worth a worker thread.
+        loaded_heavy_node_us: the same bar while executions overlap and the loop is busy
+            (the placement that sends heavy nodes to workers to overlap other executions).
+            Higher, because there a worker needs the GIL, which the busy loop holds, to
+            start and finish each node: 64 callers of an encoder whose ~60 us matmuls went to
+            workers got 25-30% less throughput than with them inline; ~1 ms matmuls (32-row
+            batches) gain 3-9% on workers.
+        fast_bindings: call aten ops through torch's generated Python bindings where one
+            reaches exactly the same overload (kernels/fast_bindings.py): 0.3-1.5 us less per
+            call than the OpOverload. Tensor subclasses' __torch_function__ then sees the
+            binding instead of the OpOverload.
+        recompose_attention: rewrite the decomposed attention of a core-ATen graph (two bmms,
+            a softmax and the ops around them) back into one scaled_dot_product_attention
+            (asyncgraph/passes/recompose.py); results then agree with the graph's to float
+            rounding.
+        fold_constants: run the nodes that read only weights once per weights version (at
+            construction and on swap_weights) instead of on every call
+            (asyncgraph/passes/folding.py);
+            they leave the graph, so they are not in placements, profiles or traces.
+        max_fused_nodes: the longest run of consecutive inline nodes compiled into one
+            straight-line function (a unit); 1 runs every node as its own unit.
+        cuda_streams: CUDA streams per device that one execution spreads its CUDA nodes over
+            (docs/gpu.md): independent branches on different streams can overlap on the GPU;
+            1 runs every CUDA node of an execution in order on one stream. Concurrent
+            executions get stream sets of their own, up to `max_concurrent_executions` sets.
+            Unused by programs without CUDA nodes.
+        move_inputs_to_device: move a tensor input that is on another device than the program
+            was exported for (a CPU tensor for a CUDA program, say) instead of rejecting it;
+            copies to a GPU are enqueued without a host wait. Off by default, because a silent
+            copy per call hides a caller's mistake that costs time on every execution.
+        batching: run concurrent requests in batches along dim 0 (BatchingConfig); needs a
+            program whose inputs and outputs share a dynamic batch dimension 0 and whose rows
+            are independent. None (the default) runs every request as its own execution.
+        trace: record a span per node (thread, start, end) for traces and tests.
+        ready_order_seed: when set, ready nodes are taken in a seeded random order instead of
+            graph order; differential tests use it to shake out ordering bugs.
+    """
+
+    validate_inputs: bool = True
+    free_values_after_use: bool = True
+    max_parallel_ops: int = field(default_factory=_default_parallel_ops)
+    pin_workers: bool = False
+    max_concurrent_executions: int = 8
+    min_frames: int = 1
+    frame_cleanup_interval_s: float = 600.0
+    max_unbounded_int: int = 1 << 24
+    inference_mode: bool = True
+    loop_slice_s: float = 0.001
+    heavy_op_flops: int = 200_000
+    adaptive_placement: bool = True
+    profile_executions: int = 3
+    heavy_node_us: float = 80.0
+    loaded_heavy_node_us: float = 250.0
+    fast_bindings: bool = True
+    recompose_attention: bool = True
+    fold_constants: bool = True
+    max_fused_nodes: int = 32
+    cuda_streams: int = 4
+    move_inputs_to_device: bool = False
+    batching: BatchingConfig | None = None
+    trace: bool = False
+    ready_order_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_parallel_ops < 1:
+            raise ValueError(f"max_parallel_ops must be >= 1, got {self.max_parallel_ops}")
+        if self.max_concurrent_executions < 1:
+            raise ValueError(
+                "max_concurrent_executions must be >= 1, "
+                f"got {self.max_concurrent_executions}"
+            )
+        if not 0 <= self.min_frames <= self.max_concurrent_executions:
+            raise ValueError(
+                "min_frames must be between 0 and max_concurrent_executions "
+                f"({self.max_concurrent_executions}), got {self.min_frames}"
+            )
+        if self.frame_cleanup_interval_s < 0:
+            raise ValueError(
+                f"frame_cleanup_interval_s must be >= 0, got {self.frame_cleanup_interval_s}"
+            )
+        if self.loop_slice_s <= 0:
+            raise ValueError(f"loop_slice_s must be > 0, got {self.loop_slice_s}")
+        if self.profile_executions < 1:
+            raise ValueError(f"profile_executions must be >= 1, got {self.profile_executions}")
+        if self.heavy_node_us < 0:
+            raise ValueError(f"heavy_node_us must be >= 0, got {self.heavy_node_us}")
+        if self.loaded_heavy_node_us < 0:
+            raise ValueError(
+                f"loaded_heavy_node_us must be >= 0, got {self.loaded_heavy_node_us}"
+            )
+        if self.max_fused_nodes < 1:
+            raise ValueError(f"max_fused_nodes must be >= 1, got {self.max_fused_nodes}")
+        if self.cuda_streams < 1:
+            raise ValueError(
+                f"cuda_streams must be >= 1 (streams per device for one execution), "
+                f"got {self.cuda_streams}"
+            )
+        if self.heavy_op_flops < 0:
+            raise ValueError(f"heavy_op_flops must be >= 0, got {self.heavy_op_flops}")

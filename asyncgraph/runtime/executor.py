@@ -1,0 +1,379 @@
+"""Executor: the public face. `out = await executor.execute(x)`.
+
+One execution, as data flowing through (see ARCHITECTURE.md):
+checkpoint -> validate and flatten -> take a frame -> load weights and inputs -> run the
+WorkUnits -> take the outputs, apply mutations -> clear and return the frame -> unflatten.
+
+The Executor holds only what all executions share (plan, weights, pools); everything of one
+execution lives in its frame.
+
+A program with CUDA nodes (placement STREAM) also gets a StreamPlan and a CudaRuntime (the
+stream sets of all its executions); each frame owns the GPU state of its executions, and the
+scheduler enqueues CUDA nodes on their streams (docs/gpu.md). A program without CUDA nodes
+builds none of that and never touches torch.cuda, so CPU-only machines never initialise CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from asyncgraph.cuda.device import Backend, CudaRuntime, move_inputs_to_device
+from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
+from asyncgraph.errors import ExecutorClosedError
+from asyncgraph.graph.importers import Program, ProgramLike, to_program
+from asyncgraph.graph.ir import Graph, InputKind, OutputKind, Ref
+from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.passes.folding import ConstantFolder, fold_constants
+from asyncgraph.passes.recompose import recompose_attention
+from asyncgraph.runtime import registry
+from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.frame import ExecutionFrame
+from asyncgraph.runtime.placement import AdaptivePlacement, PlacementStatistics, batch_bucket_key
+from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
+from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
+from asyncgraph.runtime.schedule import ScheduleCache, ScheduleStatistics
+from asyncgraph.runtime.scheduler import Scheduler
+from asyncgraph.runtime.validation import InputValidator
+from asyncgraph.runtime.weights import Weights
+from asyncgraph.runtime.workers import WorkerPool, WorkerPoolStatistics
+from asyncgraph.tools.trace import TraceRecorder
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorStatistics:
+    """A snapshot of an Executor: executions by outcome, frames, workers, weights."""
+
+    started: int
+    completed: int
+    failed: int
+    cancelled: int
+    in_flight: int
+    frames: FramePoolStatistics
+    workers: WorkerPoolStatistics
+    weights_version: int
+    nodes: int
+    folded_nodes: int
+    closed: bool
+    schedules: ScheduleStatistics
+
+
+class Executor:
+    """Runs a program (ExportedProgram, .pt2 path, fx GraphModule, Graph) from async code.
+
+    One Executor serves many concurrent callers; at most `max_concurrent_executions` run at
+    once and the others wait their turn. Use it as `async with Executor(p) as ex:` or call
+    `await ex.aclose()` when done; resources start lazily on the first execution.
+
+    `_cuda_backend` replaces torch.cuda for the GPU layer (asyncgraph.cuda.device.Backend):
+    tests run programs with CUDA nodes on a simulated GPU with it. Not part of the public API.
+    """
+
+    def __init__(
+        self,
+        program: ProgramLike,
+        config: ExecutorConfig | None = None,
+        *,
+        kernel_factory: KernelFactory | None = None,
+        _cuda_backend: Backend | None = None,
+    ) -> None:
+        self.config = config if config is not None else ExecutorConfig()
+        self.program: Program = to_program(program)
+        self.graph: Graph = self.program.graph
+        self.recomposed = 0  # attention patterns put back together (asyncgraph/passes/recompose.py)
+        if self.config.recompose_attention:
+            self.graph, self.recomposed = recompose_attention(self.graph)
+        self.kernels: list[OpKernel] = (
+            kernel_factory or KernelFactory(self.config)
+        ).create(self.graph)
+        self._folder: ConstantFolder | None = None
+        if self.config.fold_constants:  # the executed graph: without what reads only weights
+            self.graph, self.kernels, self._folder = fold_constants(self.graph, self.kernels)
+        self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
+        self.stream_plan: StreamPlan | None = None
+        self.cuda_runtime: CudaRuntime | None = None
+        if Placement.STREAM in self.plan.placement:  # exactly when the program has CUDA nodes
+            self.stream_plan = stream_plan_for(
+                self.graph, self.plan, self.config.cuda_streams,
+                costs=[float(k.cost) for k in self.kernels],
+            )
+            self.cuda_runtime = CudaRuntime(
+                self.stream_plan, self.plan.outputs,
+                max_stream_sets=self.config.max_concurrent_executions,
+                backend=_cuda_backend,
+            )
+        self._adaptive = (
+            AdaptivePlacement(
+                self.graph, self.plan, self.kernels,
+                profile_executions=self.config.profile_executions,
+                heavy_node_us=self.config.heavy_node_us,
+                loaded_heavy_node_us=self.config.loaded_heavy_node_us,
+                loop_slice_us=self.config.loop_slice_s * 1e6,
+                key=batch_bucket_key if self.config.batching is not None else None,
+            )
+            if self.config.adaptive_placement
+            else None
+        )
+        # A CPU node reading GPU values may have to wait for them: it is never fused.
+        runtime = self.cuda_runtime
+        self._schedules = ScheduleCache(
+            self.graph, self.plan, self.kernels, self.config.max_fused_nodes,
+            unfusable=runtime.needs_host_wait if runtime is not None else None,
+            decided=self._adaptive.decision if self._adaptive is not None else None,
+        )
+        # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
+        self._fuse = not self.config.trace and self.config.ready_order_seed is None
+        self._weights = self._with_folded(Weights(self.program.weights))
+        self._validator = InputValidator(self.graph, self.config.max_unbounded_int)
+        self.recorder = TraceRecorder(self.graph) if self.config.trace else None
+        self._workers = WorkerPool(
+            self.config.max_parallel_ops, inference_mode=self.config.inference_mode,
+            pin=self.config.pin_workers,
+        )
+        self._scheduler = Scheduler(
+            self.graph, self.plan, self.config, self._workers, self.recorder
+        )
+        self._pool = FramePool(
+            self._new_frame,
+            self.config.max_concurrent_executions,
+            self.config.min_frames,
+            self.config.frame_cleanup_interval_s,
+        )
+        sig = self.graph.signature
+        self._user_outputs = [o.arg for o in sig.outputs if o.kind is OutputKind.USER_OUTPUT]
+        self._buffer_mutations = [
+            (o.arg, o.target) for o in sig.outputs if o.kind is OutputKind.BUFFER_MUTATION
+        ]
+        user_paths = [s.target for s in sig.inputs if s.kind is InputKind.USER_INPUT]
+        self._input_mutations = [
+            (o.arg, user_paths.index(o.target))
+            for o in sig.outputs
+            if o.kind is OutputKind.USER_INPUT_MUTATION
+        ]
+        self._batcher = (
+            Batcher(batch_layout(self.graph, self.config.batching), self.config.batching,
+                    self._execute)
+            if self.config.batching is not None
+            else None
+        )
+        self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._started = self._completed = self._failed = self._cancelled = 0
+        self._callers: set[asyncio.Task[Any]] = set()
+        registry.register(self)
+
+    # -- executions --------------------------------------------------------------------------
+
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the program on `(args, kwargs)`; returns what `ep.module()(*args, **kwargs)` does."""
+        await asyncio.sleep(0)  # a checkpoint: a call made while cancelled takes no frame
+        self._check_open()
+        flat = self._validator.flatten(args, kwargs)
+        outputs = await self._submit(flat)
+        out_spec = self.graph.signature.out_spec
+        return pytree.tree_unflatten(outputs, out_spec) if out_spec is not None else outputs
+
+    async def execute_flat(self, inputs: Sequence[Any]) -> list[Any]:
+        """Run the program on flat user inputs; returns the flat user outputs (nativert's path)."""
+        await asyncio.sleep(0)
+        self._check_open()
+        return await self._submit(list(inputs))
+
+    async def _submit(self, flat: list[Any]) -> list[Any]:
+        """Validate one request, then run it alone or in a batch with others."""
+        caller_inputs = flat  # user-input mutations are copied back into the caller's tensors
+        if self.config.move_inputs_to_device and len(flat) == self._validator.count:
+            flat = move_inputs_to_device(flat, self._validator.specs)  # before the device check
+        if self.config.validate_inputs:
+            self._validator.check(flat)
+        elif len(flat) != self._validator.count:
+            self._validator.check(flat)  # the count is always checked
+        self._bind_loop()
+        if self._batcher is not None:
+            return await self._batcher.submit(flat)
+        return await self._execute(flat, caller_inputs)
+
+    async def _execute(self, flat: list[Any], caller_inputs: list[Any] | None = None) -> list[Any]:
+        """One execution of validated inputs: take a frame, run, take the outputs."""
+        execution = next(self._ids)
+        caller = asyncio.current_task()
+        if caller is not None:  # before the frame wait, so aclose(cancel=True) reaches waiters
+            self._callers.add(caller)
+        waited = time.perf_counter_ns()
+        try:
+            frame = await self._pool.acquire()
+        except BaseException:
+            self._callers.discard(caller)  # type: ignore[arg-type]
+            raise
+        if self.recorder is not None:
+            self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
+        self._started += 1
+        placement, times = (
+            self._adaptive.choose(flat, self._scheduler.loaded)
+            if self._adaptive is not None
+            else (self.plan.placement, None)
+        )
+        schedule = self._schedules.get(placement, fused=self._fuse and times is None)
+        try:
+            frame.load(self._weights_template(), flat, execution, schedule, times)
+            await self._scheduler.run(frame)
+            outputs = self._take_outputs(frame, flat if caller_inputs is None else caller_inputs)
+            if times is not None and self._adaptive is not None:
+                self._adaptive.finished(flat, times)
+        except asyncio.CancelledError:
+            self._cancelled += 1
+            raise
+        except BaseException:
+            self._failed += 1
+            raise
+        finally:
+            self._callers.discard(caller)  # type: ignore[arg-type]
+            self._pool.release(frame)  # scheduler.run returns only once the frame is idle
+        self._completed += 1
+        return outputs
+
+    def _take_outputs(self, frame: ExecutionFrame, flat: list[Any]) -> list[Any]:
+        values = frame.values
+        outputs = [values[a.id] if isinstance(a, Ref) else a for a in self._user_outputs]
+        if frame.gpu is not None:  # the caller's stream will use them: see protect_outputs
+            frame.gpu.protect_outputs(outputs)
+        if self._buffer_mutations:
+            updates = {str(name): values[a.id] for a, name in self._buffer_mutations}
+            self._weights = self._weights.updated(updates)
+        for arg, index in self._input_mutations:
+            with torch.no_grad():
+                flat[index].copy_(values[arg.id])
+        return outputs
+
+    def _new_frame(self, frame_id: int) -> ExecutionFrame:
+        """A frame, with its GPU state (events made once, reused by its executions)."""
+        runtime = self.cuda_runtime
+        gpu = runtime.frame_state(self.plan.calls) if runtime is not None else None
+        return ExecutionFrame(self.plan, frame_id, gpu)
+
+    def _weights_template(self) -> list[Any]:
+        return self._weights.template(self.plan.weight_slots, self.plan.num_values)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def swap_weights(self, state_dict: Mapping[str, Any], *, strict: bool = False) -> int:
+        """Replace parameters and buffers atomically; returns the new weights version.
+
+        Executions already running finish on the old weights; later ones see the new ones.
+        """
+        self._check_open()
+        self._weights = self._with_folded(self._weights.swapped(state_dict, strict=strict))
+        return self._weights.version
+
+    def _with_folded(self, weights: Weights) -> Weights:
+        """`weights` with the folded constants computed from them (asyncgraph/passes/folding.py)."""
+        folder = self._folder
+        return weights.with_derived(folder(weights.tensors)) if folder is not None else weights
+
+    @property
+    def weights(self) -> Weights:
+        return self._weights
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def aclose(self, *, cancel: bool = False) -> None:
+        """Stop taking executions, let those in flight finish (or cancel them), stop threads.
+
+        Idempotent. With `cancel=True` executions in flight are cancelled instead.
+        """
+        if not self._closed:
+            self._closed = True
+            if cancel:
+                for task in self._in_flight_tasks():
+                    task.cancel()
+        if self._batcher is not None:  # queued requests were accepted: they still run
+            await self._batcher.aclose(cancel=cancel)
+        await self._pool.wait_idle()
+        self._pool.close()
+        for kernel in self.kernels:  # subgraph kernels own executors of their own
+            close = getattr(kernel.fn, "aclose", None)
+            if close is not None:
+                await close()
+        await self._workers.aclose()
+
+    async def __aenter__(self) -> Executor:
+        self._check_open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def statistics(self) -> ExecutorStatistics:
+        frames = self._pool.statistics()
+        return ExecutorStatistics(
+            started=self._started,
+            completed=self._completed,
+            failed=self._failed,
+            cancelled=self._cancelled,
+            in_flight=frames.in_use,
+            frames=frames,
+            workers=self._workers.statistics(),
+            weights_version=self._weights.version,
+            nodes=self.plan.num_nodes,
+            folded_nodes=len(self._folder) if self._folder is not None else 0,
+            closed=self._closed,
+            schedules=self._schedules.statistics(),
+        )
+
+    def batching_statistics(self) -> BatcherStatistics | None:
+        """Requests and batches so far (None when batching is off)."""
+        return self._batcher.statistics() if self._batcher is not None else None
+
+    def placements(self) -> dict[str, Placement]:
+        """Where each node runs (after adaptive placement, the latest choice), by node name."""
+        current = self._adaptive.current if self._adaptive is not None else self.plan.placement
+        return {n.name: current[n.index] for n in self.graph.nodes}
+
+    def placement_statistics(self) -> PlacementStatistics | None:
+        """What adaptive placement has profiled and decided (None when it is off)."""
+        return self._adaptive.statistics() if self._adaptive is not None else None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Executor {self.program.name}: {self.plan.num_nodes} nodes, {state}>"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ExecutorClosedError(
+                f"{self.program.name}: the executor is closed; create a new one"
+            )
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError(
+                "this Executor is bound to another event loop; create one Executor per loop"
+            )
+
+    def _in_flight_tasks(self) -> list[asyncio.Task[Any]]:
+        return [t for t in self._callers if not t.done()]
+
+
+def load(path: str | os.PathLike[str], config: ExecutorConfig | None = None) -> Executor:
+    """Load a .pt2 file written by torch.export.save into an Executor."""
+    return Executor(path, config)

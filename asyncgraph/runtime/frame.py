@@ -1,0 +1,152 @@
+"""ExecutionFrame: all the state of one execution, and nothing else.
+
+Values, producer counts, read counts, the count of WorkUnits in flight and the first errors
+live here, never on the Executor, so one Executor serves many concurrent calls. A frame is
+reused by later executions: `load` overwrites everything an execution reads, and `clear`
+drops every value of the previous execution before the frame goes back to the pool.
+
+Counters are changed under `lock` because they are decremented from the loop thread and
+from worker threads; we do not rely on the GIL, which free-threaded CPython removes.
+
+A frame of a program with CUDA nodes also owns its GPU state (`gpu`, a FrameStreams: events
+and the leased stream set), created once with the frame, and per-unit call and placement
+tables for the loaded schedule in which CUDA units enqueue on their streams and CPU units that
+read GPU values are marked HOST_WAIT. The tables are built once per schedule and kept, so the
+scheduler's run loop is the same for CPU and GPU programs and tests nothing per unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncgraph.cuda.device import FrameStreams
+from asyncgraph.runtime.placement import NodeTimes
+from asyncgraph.runtime.plan import ExecutionPlan, Placement
+from asyncgraph.runtime.schedule import Schedule
+
+HOST_WAIT = max(Placement) + 1
+"""The placement of a unit in a frame's `where` table (never in a Schedule) whose node reads
+GPU values: the scheduler hands it off to await the GPU's events, then runs it where its
+schedule places it."""
+
+Calls = tuple[Callable[[list[Any]], Any], ...]
+
+
+class ExecutionFrame:
+    """The per-execution storage of one graph's values and counters."""
+
+    __slots__ = (
+        "_gpu_tables", "calls", "counts", "errors", "execution_id", "finished", "gpu", "id",
+        "last_used", "lock", "pending", "plan", "reads", "rng", "schedule", "stopped", "tasks",
+        "times", "values", "waiter", "where",
+    )
+
+    def __init__(
+        self, plan: ExecutionPlan, frame_id: int, gpu: FrameStreams | None = None
+    ) -> None:
+        self.id = frame_id
+        self.plan = plan
+        self.gpu = gpu
+        self.values: list[Any] = [None] * plan.num_values
+        self.counts: list[int] = []  # per unit of the loaded schedule
+        self.reads: list[int] = list(plan.read_counts)
+        self.lock = threading.Lock()
+        self.pending = 0
+        self.stopped = False
+        self.finished = True
+        self.errors: list[BaseException] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.waiter: asyncio.Future[None] | None = None
+        self.execution_id = 0
+        self.last_used = 0.0
+        self.rng: Any = None
+        self.schedule: Schedule | None = None
+        self.times: NodeTimes | None = None
+        # What the scheduler runs per unit of the loaded schedule: its calls and placements,
+        # the schedule's own without a GPU.
+        self.calls: Calls = ()
+        self.where: tuple[int, ...] = ()
+        self._gpu_tables: dict[int, tuple[Schedule, Calls, tuple[int, ...]]] = {}
+
+    def load(
+        self,
+        template: list[Any],
+        inputs: list[Any],
+        execution_id: int,
+        schedule: Schedule,
+        times: NodeTimes | None = None,
+    ) -> None:
+        """Start an execution: weights from `template`, the user inputs, the units it runs
+        and their fresh counters (`times` collects node times while placement is profiled)."""
+        plan = self.plan
+        values = self.values
+        values[:] = template
+        for slot, value in zip(plan.user_input_slots, inputs, strict=True):
+            values[slot] = value
+        for slot in plan.token_slots:
+            values[slot] = torch.empty(0)  # a fresh effect token per execution
+        self.counts[:] = schedule.producer_counts
+        self.reads[:] = plan.read_counts
+        self.pending = 0
+        self.stopped = False
+        self.finished = False
+        self.errors.clear()
+        self.execution_id = execution_id
+        self.schedule = schedule
+        self.times = times
+        if self.gpu is None:
+            self.calls, self.where = schedule.calls, schedule.where
+        else:
+            self.calls, self.where = self._gpu_units(schedule, self.gpu)
+
+    def _gpu_units(self, schedule: Schedule, gpu: FrameStreams) -> tuple[Calls, tuple[int, ...]]:
+        """The unit tables of `schedule` on this frame's GPU state, built on first use.
+
+        A CUDA node is never fused, so its unit calls the node's stream-enqueueing call; a
+        unit reading GPU values (never fused either: ScheduleCache's `unfusable`) is marked
+        HOST_WAIT. Keyed by the schedule's identity, as ScheduleCache keys placements: the
+        schedules live as long as the Executor, and the entry keeps its schedule alive.
+        """
+        hit = self._gpu_tables.get(id(schedule))
+        if hit is not None and hit[0] is schedule:
+            return hit[1], hit[2]
+        needs_wait = gpu.runtime.needs_host_wait
+        calls = list(schedule.calls)
+        where: list[int] = list(schedule.where)
+        for unit, nodes in enumerate(schedule.nodes):
+            if schedule.where[unit] is Placement.STREAM:
+                (node,) = nodes
+                calls[unit] = gpu.calls[node]
+            elif any(needs_wait[n] for n in nodes):
+                if len(nodes) != 1:
+                    raise RuntimeError(
+                        f"unit {unit} fuses nodes {nodes} of which one waits for GPU values: "
+                        "the schedule was built without `unfusable`"
+                    )
+                where[unit] = HOST_WAIT
+        tables = (tuple(calls), tuple(where))
+        self._gpu_tables[id(schedule)] = (schedule, *tables)
+        return tables
+
+    def finish(self) -> None:
+        """Mark the execution finished and wake its awaiting caller (loop thread only)."""
+        self.finished = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def clear(self) -> None:
+        """Drop every value and error so nothing of this execution reaches the next."""
+        self.values[:] = [None] * len(self.values)
+        self.errors.clear()
+        self.waiter = None
+        self.times = None
+
+    def __repr__(self) -> str:
+        return f"<ExecutionFrame {self.id} pending={self.pending} finished={self.finished}>"
+

@@ -1,0 +1,256 @@
+"""AdaptivePlacement: decide inline versus worker from measured node times.
+
+The plan's first placement comes from estimated cost (kernels/cost.py). Estimates miss: a
+"large" matmul may take 20 us, a "small" op may be slow. As TensorFlow's executor marks kernels
+expensive by measured time, and torch.jit's profiling executor specialises after profiled runs,
+after one warm-up execution, the next `profile_executions` executions for each input-shape
+signature time every node (thread CPU time). Then a node goes to a worker thread when a hop
+buys something:
+
+- it is heavy (best time >= `heavy_node_us`) and another heavy node is independent of it
+  (neither its ancestor nor its descendant), so the two can overlap on two cores; or
+- it alone would take longer than the loop's time slice (`loop_slice_us`), so running it
+  inline would stall every other task on the loop.
+
+Everything else runs inline: a heavy node on the graph's serial spine gains nothing from a
+worker but the hop's latency (a transformer's feed-forward matmuls, one after another). While
+executions overlap on a busy loop, a second placement applies, with every node of at least
+`loaded_heavy_node_us` on a worker: there the spine of one execution overlaps the others'. The
+bar is higher there because a worker needs the GIL, held by the busy loop, to start and finish
+each node; ~60 us matmuls lost more waiting than they gained. Light nodes always stay on the
+loop: they are mostly Python dispatch, which holds the GIL wherever it runs, and moving them to
+threads only adds contention. A new input-shape
+signature is profiled afresh. Only CPU kernels without an explicit placement hint move; async,
+prim and CUDA nodes keep their places.
+
+A heavy node that stays inline also runs as a unit of its own rather than fused with its
+neighbours (`Decision.heavy`): the loop's budget is checked between units, and a fused run of
+several heavy nodes (a batch of 32 rows through an encoder) would hold the loop for
+milliseconds.
+
+State: one entry per shape signature (at most `max_signatures`, oldest evicted), holding the
+best node times of the profiled runs and, once decided, the placement tuple.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncgraph.graph.ir import Graph
+from asyncgraph.kernels import KernelKind, OpKernel
+from asyncgraph.runtime.plan import ExecutionPlan, Placement
+
+ShapeKey = tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementStatistics:
+    signatures: int
+    decided: int
+    profiling_runs: int
+    moved_inline: int
+    moved_to_worker: int
+
+
+class NodeTimes:
+    """The best (lowest) wall time of each node over the profiled runs, in ns.
+
+    The minimum, not the mean: the first call of an op pays one-off dispatch costs, and a
+    loaded machine adds noise that only ever makes a node look slower.
+    """
+
+    __slots__ = ("best_ns", "runs")
+
+    def __init__(self, num_nodes: int) -> None:
+        self.best_ns = [1 << 62] * num_nodes
+        self.runs = 0
+
+    def add(self, node: int, ns: int) -> None:
+        if ns < self.best_ns[node]:
+            self.best_ns[node] = ns
+
+    def best_us(self) -> list[float]:
+        return [t / 1000 if t != 1 << 62 else 0.0 for t in self.best_ns]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What a decided placement was decided from, for the schedule built for it: the heavy
+    nodes run as units of their own (the loop budget can yield between them), and the
+    measured times rank the units for the workers and tell whether a unit fits the slice."""
+
+    placement: tuple[Placement, ...]
+    heavy: tuple[bool, ...]  # per node: best time >= heavy_node_us
+    best_us: tuple[float, ...]  # per node: the best profiled time
+
+
+class _Entry:
+    __slots__ = ("calls", "loaded", "placement", "times")
+
+    def __init__(self, num_nodes: int) -> None:
+        self.times = NodeTimes(num_nodes)
+        self.placement: tuple[Placement, ...] | None = None  # for a quiet loop
+        self.loaded: tuple[Placement, ...] | None = None  # while executions overlap
+        self.calls = 0
+
+
+class AdaptivePlacement:
+    """Chooses the placement each execution runs with (see the module docstring)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        kernels: Sequence[OpKernel],
+        *,
+        profile_executions: int = 3,
+        heavy_node_us: float = 80.0,
+        loaded_heavy_node_us: float = 250.0,
+        loop_slice_us: float = 1000.0,
+        max_signatures: int = 16,
+        key: Callable[[Sequence[Any]], ShapeKey] | None = None,
+    ) -> None:
+        self.base = plan.placement
+        self.users = plan.users
+        self.profile_executions = profile_executions
+        self.heavy_node_us = heavy_node_us
+        self.loaded_heavy_node_us = loaded_heavy_node_us
+        self.loop_slice_us = loop_slice_us
+        self.max_signatures = max_signatures
+        self.key = key if key is not None else shape_key
+        self.movable = tuple(
+            k.kind is KernelKind.CPU and n.placement_hint is None
+            for n, k in zip(graph.nodes, kernels, strict=True)
+        )
+        self._entries: OrderedDict[ShapeKey, _Entry] = OrderedDict()
+        # id(decided placement) -> what decided it: see decision()
+        self._decided: dict[int, Decision] = {}
+        self._last: tuple[Placement, ...] = plan.placement
+        self._profiling_runs = 0
+
+    def choose(
+        self, inputs: Sequence[Any], loaded: bool = False
+    ) -> tuple[tuple[Placement, ...], NodeTimes | None]:
+        """The placement for an execution on `inputs`, and where to record its node times
+        (None once the placement for this shape signature is decided). `loaded`: other
+        executions are in flight and the loop is busy (Scheduler.loaded)."""
+        key = self.key(inputs)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(len(self.base))
+            if len(self._entries) > self.max_signatures:
+                _, evicted = self._entries.popitem(last=False)
+                for placement in (evicted.placement, evicted.loaded):
+                    self._decided.pop(id(placement), None)
+        if entry.placement is not None and entry.loaded is not None:
+            chosen = entry.loaded if loaded else entry.placement
+            self._last = chosen
+            return chosen, None
+        entry.calls += 1
+        if entry.calls == 1:
+            return self.base, None  # a warm-up: first calls pay one-off costs per op and thread
+        self._profiling_runs += 1
+        return self.base, entry.times
+
+    def finished(self, inputs: Sequence[Any], times: NodeTimes) -> None:
+        """Account a profiled execution; decide the placement after enough of them."""
+        times.runs += 1
+        if times.runs < self.profile_executions:
+            return
+        entry = self._entries.get(self.key(inputs))
+        if entry is None or entry.times is not times or entry.placement is not None:
+            return
+        best = times.best_us()
+        entry.placement = self.decide(best)
+        entry.loaded = self.decide(best, loaded=True)
+        heavy = tuple(us >= self.heavy_node_us for us in best)
+        for placement in (entry.placement, entry.loaded):
+            self._decided[id(placement)] = Decision(placement, heavy, tuple(best))
+        self._last = entry.placement
+
+    def decision(self, placement: tuple[Placement, ...]) -> Decision | None:
+        """What `placement` was decided from; None for a placement not decided here."""
+        hit = self._decided.get(id(placement))
+        return hit if hit is not None and hit.placement is placement else None
+
+    def decide(self, best_us: Sequence[float], loaded: bool = False) -> tuple[Placement, ...]:
+        """Worker for movable nodes that can overlap another heavy node or would overrun the
+        loop's slice; inline for the rest (see the module docstring). `loaded`: for a loop
+        shared by overlapping executions, where every heavy node overlaps something."""
+        placement = list(self.base)
+        bar = self.loaded_heavy_node_us if loaded else self.heavy_node_us
+        heavy = [us >= bar for us in best_us]
+        alone = [False] * len(heavy) if loaded else self._without_heavy_peer(heavy)
+        for node, us in enumerate(best_us):
+            if self.movable[node]:
+                worker = heavy[node] and (not alone[node] or us >= self.loop_slice_us)
+                placement[node] = Placement.WORKER if worker else Placement.INLINE
+        return tuple(placement)
+
+    def _without_heavy_peer(self, heavy: Sequence[bool]) -> list[bool]:
+        """For each heavy node: whether every other heavy node is its ancestor or descendant.
+
+        Reachability as bitsets (Python ints) over the topological order: O(nodes x edges)
+        word operations, computed once per decided shape signature.
+        """
+        n = len(heavy)
+        heavy_bits = sum(1 << i for i in range(n) if heavy[i])
+        ancestors = [0] * n
+        for node in range(n):  # node order is topological: producers come first
+            for user in self.users[node]:
+                ancestors[user] |= ancestors[node] | (1 << node)
+        descendants = [0] * n
+        for node in reversed(range(n)):
+            for user in self.users[node]:
+                descendants[node] |= descendants[user] | (1 << user)
+        return [
+            heavy[i]
+            and not heavy_bits & ~(ancestors[i] | descendants[i] | (1 << i))
+            for i in range(n)
+        ]
+
+    @property
+    def current(self) -> tuple[Placement, ...]:
+        """The placement chosen most recently."""
+        return self._last
+
+    def statistics(self) -> PlacementStatistics:
+        decided = [e.placement for e in self._entries.values() if e.placement is not None]
+        last = self._last
+        return PlacementStatistics(
+            signatures=len(self._entries),
+            decided=len(decided),
+            profiling_runs=self._profiling_runs,
+            moved_inline=sum(
+                1 for b, p in zip(self.base, last, strict=True)
+                if b is Placement.WORKER and p is Placement.INLINE
+            ),
+            moved_to_worker=sum(
+                1 for b, p in zip(self.base, last, strict=True)
+                if b is Placement.INLINE and p is Placement.WORKER
+            ),
+        )
+
+
+def shape_key(inputs: Sequence[Any]) -> ShapeKey:
+    """The shapes (and dtypes) of tensor inputs; other inputs only by type."""
+    return tuple(
+        (x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in inputs
+    )
+
+
+def batch_bucket_key(inputs: Sequence[Any]) -> ShapeKey:
+    """shape_key with dim 0 rounded up to a power of two, for batched executions: a batch
+    of 23 rows runs with the placement profiled for 32, so batch sizes that vary with load
+    share a few profiled signatures instead of re-profiling (and evicting) one per size."""
+    return tuple(
+        ((1 << (max(x.shape[0], 1) - 1).bit_length(), *x.shape[1:]), x.dtype)
+        if isinstance(x, torch.Tensor) and x.dim() > 0
+        else type(x)
+        for x in inputs
+    )

@@ -1,0 +1,170 @@
+"""FramePool: a bounded, async, first-come-first-served pool of execution frames.
+
+It replaces nativert's semaphore plus frame queues. At most `max_frames` frames exist. A caller
+that finds none free awaits one; a released frame is handed straight to the oldest waiter, so
+nobody barges ahead. A waiter cancelled after a frame was handed to it (the release-then-cancel
+race of anyio #398) passes the frame on, so no frame is ever leaked or skipped.
+
+Idle frames are freed down to `min_frames` once they have been idle for `cleanup_interval_s`
+(nativert's two-generation scheme, with timestamps instead of generations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from asyncgraph.errors import ExecutorClosedError
+from asyncgraph.runtime.frame import ExecutionFrame
+
+
+@dataclass(frozen=True, slots=True)
+class FramePoolStatistics:
+    """A snapshot of the pool: frames total, in use, idle, waiters and lifetime counters."""
+
+    max_frames: int
+    total: int
+    in_use: int
+    idle: int
+    waiters: int
+    created: int
+    freed: int
+    high_water: int
+
+
+class FramePool:
+    """Bounded pool of ExecutionFrames with FIFO waiters (see the module docstring)."""
+
+    def __init__(
+        self,
+        factory: Callable[[int], ExecutionFrame],
+        max_frames: int,
+        min_frames: int = 1,
+        cleanup_interval_s: float = 600.0,
+    ) -> None:
+        self._factory = factory
+        self._max = max_frames
+        self._min = min_frames
+        self._interval = cleanup_interval_s
+        self._idle: list[ExecutionFrame] = []
+        self._waiters: deque[asyncio.Future[ExecutionFrame]] = deque()
+        self._in_use = 0
+        self._created = 0
+        self._freed = 0
+        self._high_water = 0
+        self._closed = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._drained: asyncio.Future[None] | None = None
+
+    @property
+    def total(self) -> int:
+        return self._in_use + len(self._idle)
+
+    async def acquire(self) -> ExecutionFrame:
+        """Take a frame, awaiting one (first come, first served) when all are in use."""
+        if self._closed:
+            raise ExecutorClosedError("the executor is closed")
+        if not self._waiters:
+            if self._idle:
+                return self._take(self._idle.pop())
+            if self.total < self._max:
+                self._created += 1
+                return self._take(self._factory(self._created))
+        waiter: asyncio.Future[ExecutionFrame] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self.release(waiter.result())  # handed a frame, then cancelled: pass it on
+            else:
+                self._discard_waiter(waiter)
+            raise
+
+    def release(self, frame: ExecutionFrame) -> None:
+        """Return a frame whose execution is over (no thread or task can touch it)."""
+        frame.clear()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(frame)  # stays in use, now owned by the waiter
+                return
+        self._in_use -= 1
+        if self._closed:
+            self._freed += 1
+        else:
+            frame.last_used = time.monotonic()
+            self._idle.append(frame)
+            self._schedule_cleanup()
+        if self._in_use == 0 and self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def cleanup(self, now: float | None = None) -> int:
+        """Free frames idle for longer than the interval, down to min_frames; return how many."""
+        now = time.monotonic() if now is None else now
+        keep = [f for f in self._idle if now - f.last_used < self._interval]
+        old = [f for f in self._idle if now - f.last_used >= self._interval]
+        old.sort(key=lambda f: f.last_used, reverse=True)  # keep the most recently used
+        while old and self.total - len(old) < self._min:
+            keep.append(old.pop(0))
+        self._idle = keep
+        self._freed += len(old)
+        return len(old)
+
+    async def wait_idle(self) -> None:
+        """Wait until no frame is in use and nobody waits for one."""
+        while self._in_use or self._waiters:
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drained)
+
+    def close(self) -> None:
+        """Refuse new acquisitions and free the idle frames (in-use ones come back later)."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._freed += len(self._idle)
+        self._idle.clear()
+
+    def statistics(self) -> FramePoolStatistics:
+        return FramePoolStatistics(
+            max_frames=self._max,
+            total=self.total,
+            in_use=self._in_use,
+            idle=len(self._idle),
+            waiters=sum(1 for w in self._waiters if not w.done()),
+            created=self._created,
+            freed=self._freed,
+            high_water=self._high_water,
+        )
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _take(self, frame: ExecutionFrame) -> ExecutionFrame:
+        self._in_use += 1
+        if self._in_use > self._high_water:
+            self._high_water = self._in_use
+        return frame
+
+    def _discard_waiter(self, waiter: asyncio.Future[ExecutionFrame]) -> None:
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+
+    def _schedule_cleanup(self) -> None:
+        if self._timer is not None or self._interval <= 0 or self._closed:
+            return
+        if len(self._idle) + self._in_use <= self._min:
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._interval, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.cleanup()
+        if self._idle:
+            self._schedule_cleanup()

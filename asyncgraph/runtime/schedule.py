@@ -1,0 +1,321 @@
+"""Schedule: the graph of units one execution runs, for one placement of the nodes.
+
+A unit is what the scheduler dispatches: one node, or a *fused run* of inline nodes compiled
+into one straight-line function, as torch.fx's codegen writes a whole graph. Inside a run,
+values that never leave it are Python locals deleted after their last use; only values read
+elsewhere (or returned) are stored in the frame. So a run of N cheap ops costs one dispatch,
+one lock and one count update instead of N of each, and reads locals instead of list slots.
+
+Runs are consecutive nodes of the graph's topological order, hence convex: no path leaves a
+run and comes back, and the units form a DAG. A run ends after a node with a user that is not
+inline, so a worker, task or stream node never waits for unrelated inline work, and after
+`max_fused_nodes` nodes, so the loop can check its time slice between units. A node marked
+`unfusable` (a CPU node reading GPU values, which the scheduler may have to start only once the
+GPU has written them: docs/gpu.md) is a unit of its own, and runs end before it.
+
+Timed executions (adaptive-placement profiling, traces) and seeded ready orders use the
+unfused schedule, where unit i is node i.
+
+Each unit has a *priority*: the cost of the longest path of units from its start to the end
+of the graph (its own cost included; list scheduling's "upward rank"). Worker threads take the
+unit with the highest first (workers.py). Costs are measured node times once adaptive
+placement has decided the placement, and the kernels' estimates before.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncgraph.graph.ir import Graph, Ref
+from asyncgraph.kernels import OpKernel
+from asyncgraph.runtime.placement import Decision
+from asyncgraph.runtime.plan import ExecutionPlan, Placement, emit_args
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Units, their dataflow edges and what each frees, for one node placement."""
+
+    placement: tuple[Placement, ...]  # per node: the placement this schedule was built for
+    calls: tuple[Callable[[list[Any]], Any], ...]  # per unit
+    stores: tuple[int, ...]  # per unit: the slot its call's result goes to; -1 when none
+    nodes: tuple[tuple[int, ...], ...]  # per unit: the nodes it runs, in order
+    where: tuple[Placement, ...]  # per unit
+    users_reversed: tuple[tuple[int, ...], ...]  # per unit: the units reading its values
+    producer_counts: tuple[int, ...]  # per unit
+    roots: tuple[int, ...]
+    frees: tuple[tuple[int, ...], ...]  # per unit: one value id per read of a frame slot
+    priority: tuple[float, ...]  # per unit: cost of the longest path from it to the end
+    seconds: tuple[float, ...] | None  # per unit: measured time, when costs were measured
+    fused: bool
+
+    @property
+    def num_units(self) -> int:
+        return len(self.calls)
+
+    def failed_node(self, unit: int, exc: BaseException) -> int:
+        """The node of `unit` whose kernel raised `exc` (from the traceback's line)."""
+        nodes = self.nodes[unit]
+        if len(nodes) == 1:
+            return nodes[0]
+        code = getattr(self.calls[unit], "__code__", None)
+        line = None
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is code:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        lines: dict[int, int] = getattr(self.calls[unit], "node_lines", {})
+        return lines.get(line, nodes[0]) if line is not None else nodes[0]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleStatistics:
+    schedules: int  # kept now (one per placement in use, fused and unfused)
+    built: int  # built so far, including those evicted
+    fused_units: int  # units of more than one node, over all schedules
+    fused_nodes: int  # nodes in those units
+
+
+class ScheduleCache:
+    """The schedules of one Executor, built on first use per placement tuple.
+
+    Keyed by the placement tuple's identity: placements come from the plan or from adaptive
+    placement's decided entries, and hashing a tuple of thousands of entries per execution
+    would cost more than the lookup saves. The entry keeps its placement alive, so the id is
+    never reused while the entry exists. At most `max_schedules` are kept, least recently used
+    evicted: a service seeing ever new input shapes (each decided anew) must not keep every
+    schedule, with its compiled units, it ever built.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        kernels: Sequence[OpKernel],
+        max_fused: int,
+        unfusable: Sequence[bool] | None = None,
+        max_schedules: int = 64,
+        decided: Callable[[tuple[Placement, ...]], Decision | None] | None = None,
+    ) -> None:
+        self.graph = graph
+        self.max_schedules = max_schedules
+        self.plan = plan
+        self.kernels = kernels
+        self.max_fused = max_fused
+        self.unfusable = unfusable
+        self.decided = decided  # what a placement was decided from (AdaptivePlacement)
+        self.estimated_costs = tuple(max(float(k.cost), 1.0) for k in kernels)
+        self._cache: OrderedDict[tuple[int, bool], tuple[tuple[Placement, ...], Schedule]] = (
+            OrderedDict()
+        )
+        self._built = 0
+
+    def get(self, placement: tuple[Placement, ...], fused: bool) -> Schedule:
+        """The schedule for `placement`; on a miss, if `decided(placement)` knows it, its heavy
+        nodes become units of their own and its measured times give the units' priorities
+        and expected times (else the kernels' estimates rank them)."""
+        fused = fused and self.max_fused > 1
+        key = (id(placement), fused)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] is placement:
+            self._cache.move_to_end(key)
+            return hit[1]
+        unfusable = self.unfusable
+        decision = self.decided(placement) if self.decided is not None else None
+        if decision is not None:
+            solo = decision.heavy
+            unfusable = [a or b for a, b in zip(solo, unfusable or solo, strict=True)]
+        schedule = build_schedule(
+            self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1,
+            unfusable, decision.best_us if decision is not None else self.estimated_costs,
+            measured=decision is not None,
+        )
+        self._cache[key] = (placement, schedule)
+        self._cache.move_to_end(key)
+        self._built += 1
+        if len(self._cache) > self.max_schedules:
+            self._cache.popitem(last=False)
+        return schedule
+
+    def statistics(self) -> ScheduleStatistics:
+        schedules = [s for _, s in self._cache.values()]
+        return ScheduleStatistics(
+            schedules=len(schedules),
+            built=self._built,
+            fused_units=sum(sum(1 for n in s.nodes if len(n) > 1) for s in schedules),
+            fused_nodes=sum(sum(len(n) for n in s.nodes if len(n) > 1) for s in schedules),
+        )
+
+
+def build_schedule(
+    graph: Graph,
+    plan: ExecutionPlan,
+    kernels: Sequence[OpKernel],
+    placement: tuple[Placement, ...],
+    max_fused: int,
+    unfusable: Sequence[bool] | None = None,
+    costs: Sequence[float] | None = None,
+    measured: bool = False,
+) -> Schedule:
+    """Group nodes into units (see the module docstring) and derive the unit graph.
+
+    `unfusable[i]`: node i must be a unit of its own even when it is inline; `costs[i]`: node
+    i's cost, for the units' priorities (default 1 each); `measured`: the costs are measured
+    times in microseconds, which also give each unit's expected time (`Schedule.seconds`).
+    """
+    runs = _runs(plan, placement, max_fused, unfusable)
+    unit_of = [0] * plan.num_nodes
+    for u, run in enumerate(runs):
+        for node in run:
+            unit_of[node] = u
+
+    calls: list[Callable[[list[Any]], Any]] = []
+    stores: list[int] = []
+    frees: list[tuple[int, ...]] = []
+    users: list[list[int]] = []
+    producers: list[set[int]] = []
+    for u, run in enumerate(runs):
+        if len(run) == 1:
+            node = run[0]
+            calls.append(plan.calls[node])
+            stores.append(plan.outputs[node] if plan.keep_output[node] else -1)
+            frees.append(plan.frees[node])
+        else:
+            members = set(run)
+            # Values the frame must hold: outputs, or read by another unit.
+            escaping = {
+                plan.outputs[n] for n in run
+                if plan.keep_output[n]
+                and (plan.retained[n] or any(user not in members for user in plan.users[n]))
+            }
+            reads = Counter(v for n in run for v in plan.frees[n])
+            # Values from outside that only this run reads: cleared at their last read.
+            owned = {
+                v for v, k in reads.items()
+                if k == plan.read_counts[v] and graph.values[v].producer not in members
+            }
+            calls.append(_compile_run(graph, plan, kernels, run, escaping, owned, u))
+            stores.append(-1)
+            local = {plan.outputs[n] for n in run} - escaping
+            frees.append(tuple(
+                v for n in run for v in plan.frees[n] if v not in local and v not in owned
+            ))
+        unit_users: list[int] = []
+        for n in run:
+            for user in plan.users[n]:
+                uu = unit_of[user]
+                if uu != u and uu not in unit_users:
+                    unit_users.append(uu)
+        users.append(unit_users)
+        producers.append({
+            unit_of[producer]
+            for n in run for v in graph.nodes[n].inputs()
+            if (producer := graph.values[v].producer) is not None
+        } - {u})
+
+    counts = tuple(len(p) for p in producers)
+    # Units are in topological order (runs are consecutive nodes): users come later.
+    own = [sum(costs[n] for n in run) if costs is not None else float(len(run)) for run in runs]
+    priority = [0.0] * len(runs)
+    for u in reversed(range(len(runs))):
+        priority[u] = own[u] + max((priority[user] for user in users[u]), default=0.0)
+    return Schedule(
+        placement=placement,
+        calls=tuple(calls),
+        stores=tuple(stores),
+        nodes=tuple(tuple(r) for r in runs),
+        where=tuple(placement[r[0]] for r in runs),
+        users_reversed=tuple(tuple(reversed(us)) for us in users),
+        producer_counts=counts,
+        roots=tuple(u for u, c in enumerate(counts) if c == 0),
+        frees=tuple(frees),
+        priority=tuple(priority),
+        seconds=tuple(c / 1e6 for c in own) if measured and costs is not None else None,
+        fused=max_fused > 1,
+    )
+
+
+def _runs(
+    plan: ExecutionPlan,
+    placement: tuple[Placement, ...],
+    max_fused: int,
+    unfusable: Sequence[bool] | None,
+) -> list[list[int]]:
+    alone = [
+        p is not Placement.INLINE or (unfusable is not None and unfusable[i])
+        for i, p in enumerate(placement)
+    ]
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for node in range(plan.num_nodes):
+        if alone[node]:
+            if current:
+                runs.append(current)
+                current = []
+            runs.append([node])
+            continue
+        current.append(node)
+        feeds_elsewhere = any(alone[u] for u in plan.users[node])
+        if feeds_elsewhere or len(current) >= max_fused:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def _compile_run(
+    graph: Graph,
+    plan: ExecutionPlan,
+    kernels: Sequence[OpKernel],
+    run: list[int],
+    escaping: set[int],
+    owned: set[int],
+    unit: int,
+) -> Callable[[list[Any]], Any]:
+    """One function running `run` in order: locals for its own values, `del` after last use.
+
+    Values in `escaping` are also stored in the frame (`v[id] = t<id> = ...`); frame slots in
+    `owned` are read by this run only and cleared after its last read. Each node's call is on
+    its own line, so a failing kernel is found from the traceback's line number.
+    """
+    namespace: dict[str, Any] = {}
+    produced = {plan.outputs[n] for n in run}
+    last_read: dict[int, int] = {}
+    for position, node in enumerate(run):
+        for v in graph.nodes[node].inputs():
+            if v in produced or v in owned:
+                last_read[v] = position
+
+    def name(ref: Ref) -> str:
+        return f"t{ref.id}" if ref.id in produced else f"v[{ref.id}]"
+
+    body: list[str] = []
+    node_lines: dict[int, int] = {}
+    for position, node in enumerate(run):
+        n = graph.nodes[node]
+        fn = f"f{node}"
+        namespace[fn] = kernels[node].fn
+        out = plan.outputs[node]
+        target = f"v[{out}] = " if out in escaping else ""
+        if out in last_read:
+            target += f"t{out} = "  # unbound when no later node of the run reads it
+        node_lines[len(body) + 2] = node  # line 1 is the def
+        body.append(f"    {target}{fn}({emit_args(n, namespace, name)})")
+        dead = sorted(v for v, p in last_read.items() if p == position)
+        if locals_ := [f"t{v}" for v in dead if v in produced]:
+            body.append(f"    del {', '.join(locals_)}")
+        for v in dead:
+            if v in owned:
+                body.append(f"    v[{v}] = None")
+    source = f"def unit{unit}(v):\n" + "\n".join(body) + "\n"
+    code = compile(source, f"<asyncgraph unit {unit}: nodes {run[0]}..{run[-1]}>", "exec")
+    exec(code, namespace)
+    fn_obj: types.FunctionType = namespace[f"unit{unit}"]
+    fn_obj.node_lines = node_lines  # type: ignore[attr-defined]
+    return fn_obj

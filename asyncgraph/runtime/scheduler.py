@@ -1,0 +1,490 @@
+"""The scheduler: WorkUnits that run a graph as a dataflow over one ExecutionFrame.
+
+Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
+
+- The frame's Schedule says what a unit is: one node, or a run of inline nodes fused into one
+  function (schedule.py). A *work item* runs units on one thread: it runs a unit, drops values
+  past their last use, decrements its users' producer counts, and keeps going with the users
+  that became ready and may run where it is; the others are handed off: heavy CPU units to the
+  worker threads, async ones to tasks on the loop. A chain therefore costs no scheduling round
+  trip, and a chain of heavy nodes stays on its worker without a hop back to the loop.
+- Heavy units handed off together queue most work ahead first (the schedule's priorities),
+  so a long branch is not left for last; between hand-offs the workers' queue is FIFO.
+- On the loop thread inline units run within the loop's shared slice (LoopBudget:
+  `loop_slice_s` per loop iteration, for all executions together); work that finds the slice
+  spent, or overruns it, goes on in a later iteration.
+- State: only the frame (values, counts, reads, `pending` units, `stopped`, `errors`). Counters
+  change under the frame's lock. The unit that brings `pending` to zero ends the execution and
+  wakes the awaiting caller once, on the loop thread.
+- Errors and cancellation set `stopped`: nothing new is dispatched, in-flight units drain, and
+  the caller is woken only when no thread or task can touch the frame any more.
+- GPU programs (docs/gpu.md): the frame's unit tables make a CUDA unit enqueue its kernel on
+  its stream (it then runs like an inline unit: microseconds, never a host wait) and mark a
+  unit reading GPU values HOST_WAIT, which is handed off: it runs at once if the GPU has
+  written its inputs, or else after awaiting their events as a task of the frame, so no
+  thread ever blocks on the GPU. `run` leases the execution's streams before the roots start
+  and returns only once the GPU has finished the execution's work as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import random
+import time
+from typing import Any
+
+import torch
+
+from asyncgraph.graph.ir import Graph
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.frame import HOST_WAIT, ExecutionFrame
+from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
+from asyncgraph.runtime.plan import ExecutionPlan, Placement
+from asyncgraph.runtime.schedule import Schedule
+from asyncgraph.runtime.workers import WorkerPool
+from asyncgraph.tools.trace import TraceRecorder, runtime_shape
+
+# torch.inference_mode() is a Python context manager costing ~3 us per entry; the C++ guard
+# behind it costs ~1 us, and the loop enters it on every slice.
+_inference_mode = getattr(torch._C, "_InferenceMode", torch.inference_mode)
+
+_START = (0, 0)
+
+
+def _clock() -> tuple[int, int]:
+    return time.perf_counter_ns(), time.thread_time_ns()
+
+
+_INLINE = Placement.INLINE
+_WORKER = Placement.WORKER
+_TASK = Placement.TASK
+_STREAM = Placement.STREAM
+_HOST_WAIT = HOST_WAIT
+
+
+class Scheduler:
+    """Runs executions of one ExecutionPlan; shared by all executions of an Executor."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        config: ExecutorConfig,
+        workers: WorkerPool,
+        recorder: TraceRecorder | None = None,
+    ) -> None:
+        self.graph = graph
+        self.plan = plan
+        self.config = config
+        self.workers = workers
+        self.recorder = recorder
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._seed = config.ready_order_seed
+        self._loop_busy = 0.0
+        self._running = 0  # executions between start and finish
+        self._budget: LoopBudget | None = None  # the loop's, once the loop is known
+        self._window_start = 0.0
+        self._window_busy = 0.0
+
+    # -- one execution, seen from the caller --------------------------------------------------
+
+    async def run(self, frame: ExecutionFrame) -> None:
+        """Run the loaded frame to completion; raise its error, or re-raise a cancellation.
+
+        Returns only when no unit is in flight and, with a GPU, when none of the execution's
+        GPU work is (its kernels may still write the frame's tensors), so the caller may
+        release the frame. A cancellation while the GPU finishes is absorbed, then re-raised.
+        """
+        loop = self.loop = asyncio.get_running_loop()
+        if self._budget is None:
+            self._budget = loop_budget(loop, self.config.loop_slice_s)
+        frame.waiter = loop.create_future()
+        if self._seed is not None:
+            frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
+        gpu = frame.gpu
+        if gpu is not None:
+            gpu.begin()  # lease a stream set, ordered after the caller's stream
+        self._running += 1
+        cancelled: asyncio.CancelledError | None = None
+        try:
+            self._start(frame)
+            if not frame.finished:
+                await frame.waiter
+        except asyncio.CancelledError as exc:
+            self._stop(frame)
+            await self._wait_finished(frame)
+            cancelled = exc
+        finally:
+            self._running -= 1
+            if gpu is not None and await gpu.finish() and cancelled is None:
+                cancelled = asyncio.CancelledError()
+        if cancelled is not None:
+            raise cancelled
+        if frame.errors:
+            errors = list(frame.errors)
+            frame.errors.clear()
+            if len(errors) == 1:
+                raise errors[0]
+            raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
+
+    async def _wait_finished(self, frame: ExecutionFrame) -> None:
+        """Wait for in-flight units after a cancellation, absorbing further cancellations."""
+        assert self.loop is not None
+        while not frame.finished:
+            frame.waiter = self.loop.create_future()
+            try:
+                await frame.waiter
+            except asyncio.CancelledError:
+                continue
+
+    def _stop(self, frame: ExecutionFrame) -> None:
+        """Stop dispatching and cancel the frame's async kernels (loop thread)."""
+        with frame.lock:
+            frame.stopped = True
+        self._cancel_tasks(frame)
+
+    # -- units -----------------------------------------------------------------------------
+
+    def _start(self, frame: ExecutionFrame) -> None:
+        frame.pending = 1
+        stack: list[int] = []
+        handoff: list[int] = []
+        schedule = _schedule(frame)
+        roots = list(schedule.roots)
+        if frame.rng is not None:
+            frame.rng.shuffle(roots)
+        where = frame.where
+        for unit in reversed(roots):
+            if where[unit] in (_INLINE, _STREAM):
+                stack.append(unit)
+            else:
+                handoff.append(unit)
+        frame.pending += len(handoff)
+        self._hand_off(frame, handoff, on_worker=False)
+        self._run_on_loop(frame, stack)
+
+    def _run_on_loop(self, frame: ExecutionFrame, stack: list[int], waited: bool = False) -> None:
+        """Run inline work within the loop's shared slice, or defer it to the next iteration
+        when this iteration's slice is spent (LoopBudget). `waited`: the work was deferred
+        because its next unit would have overrun the slice; that unit now runs first, fitting
+        or not, so a long unit neither stretches an iteration nor waits for ever."""
+        assert self._budget is not None
+        deadline = self._budget.deadline()
+        if deadline is None and stack and not frame.stopped:
+            self._budget.defer(self._run_on_loop, frame, stack, waited)
+            return
+        start = time.perf_counter()
+        with _inference_mode(self.config.inference_mode):
+            self._drain(frame, stack, on_worker=False, deadline=deadline or 0.0, waited=waited)
+        self._account_loop_time(start, time.perf_counter())
+
+    @property
+    def loaded(self) -> bool:
+        """Whether executions overlap and the loop spends over half its time in kernels: then
+        adaptive placement also sends heavy nodes of the serial spine to workers, where they
+        overlap other executions' work (light nodes stay on the loop: they hold the GIL)."""
+        return self._running > 0 and self._loop_busy > 0.5
+
+    def _account_loop_time(self, start: float, end: float) -> None:
+        """Track the fraction of wall time the loop spends in kernels, per 20 ms window."""
+        span = end - self._window_start
+        if span > 0.02:
+            self._loop_busy = self._window_busy / span
+            self._window_start = end
+            self._window_busy = 0.0
+        self._window_busy += end - start
+
+    def _drain(
+        self,
+        frame: ExecutionFrame,
+        stack: list[int],
+        on_worker: bool,
+        deadline: float = 0.0,
+        waited: bool = False,
+    ) -> None:
+        """The run loop of one work item: run ready units from `stack` until none is left
+        here. On the loop, a unit that would end after `deadline` (by its measured time, or
+        any unit once the deadline has passed) goes on in a later iteration, with the rest;
+        after `waited`, the first unit runs regardless."""
+        schedule = _schedule(frame)
+        calls, stores = frame.calls, schedule.stores
+        values = frame.values
+        timed = self.recorder is not None or frame.times is not None
+        seconds = schedule.seconds  # measured unit times: does the next one fit the slice?
+        check = not on_worker and not waited
+        while stack:
+            if frame.stopped:
+                break
+            if check:
+                expected = seconds[stack[-1]] if seconds is not None else 0.0
+                if time.perf_counter() + expected > deadline:
+                    assert self._budget is not None
+                    self._budget.defer(self._run_on_loop, frame, stack, True)  # same item
+                    return
+            check = not on_worker
+            unit = stack.pop()
+            start = _clock() if timed else _START
+            try:
+                result = calls[unit](values)
+            except BaseException as exc:
+                self._fail(frame, schedule.failed_node(unit, exc), exc, on_worker)
+                break
+            if timed:
+                self._record(frame, schedule.nodes[unit][0], start, result)
+            store = stores[unit]
+            if store >= 0:
+                values[store] = result
+            del result
+            self._complete(frame, unit, stack, on_worker)
+        self._end_unit(frame, on_worker)
+
+    def _record(
+        self, frame: ExecutionFrame, node: int, start: tuple[int, int], result: Any = None
+    ) -> None:
+        """Profile by thread CPU time (immune to GIL waits and a loaded machine); trace by
+        wall time. Timed executions run unfused schedules: one unit per node."""
+        wall, cpu = _clock()
+        if frame.times is not None:
+            frame.times.add(node, cpu - start[1])
+        if self.recorder is not None:
+            self.recorder.node_span(
+                frame.execution_id, node, start[0], wall, shape=runtime_shape(result)
+            )
+
+    def _complete(
+        self, frame: ExecutionFrame, unit: int, stack: list[int], on_worker: bool
+    ) -> None:
+        """Free values past their last use, wake users that became ready, route them.
+
+        Ready inline users go on `stack` (the first ready user on top). On a worker, the
+        ready worker user of the highest priority stays on this thread, under the inline
+        ones: the chain's last output is hot in this core's cache. The others are handed off.
+        Allocation-free unless something is handed off.
+
+        A worker never leaves its chain for a queued unit with more work ahead. Measured on
+        16 chains of matmuls: taking the most work ahead first everywhere (breadth-first)
+        made each matmul 7-10% slower even on one thread, and doing so only in the end game
+        (to finish the last chains together) still cost 4-7% more than it saved.
+        """
+        schedule = _schedule(frame)
+        placement = frame.where
+        priority = schedule.priority
+        values, counts, reads = frame.values, frame.counts, frame.reads
+        handoff: list[int] | None = None
+        kept = -1
+        with frame.lock:
+            for v in schedule.frees[unit]:
+                r = reads[v] - 1
+                reads[v] = r
+                if r == 0:
+                    values[v] = None
+            users = schedule.users_reversed[unit]
+            if frame.rng is not None:
+                users = tuple(frame.rng.sample(users, len(users)))
+            for user in users:
+                c = counts[user] - 1
+                counts[user] = c
+                if c:
+                    continue
+                where = placement[user]
+                if where in (_INLINE, _STREAM):
+                    stack.append(user)
+                    continue
+                if where == _WORKER and on_worker:
+                    if kept < 0:
+                        kept = user
+                        continue
+                    if priority[user] > priority[kept]:
+                        kept, user = user, kept
+                if handoff is None:
+                    handoff = []
+                handoff.append(user)
+            if kept >= 0:
+                stack.insert(0, kept)  # continue the chain here, after the inline users
+            if handoff is not None:
+                frame.pending += len(handoff)
+        if handoff is not None:
+            self._hand_off(frame, handoff, on_worker)
+
+    @staticmethod
+    def _rank(frame: ExecutionFrame, unit: int) -> float:
+        """A handed-off unit's key among those handed off with it: the most work ahead first
+        (schedule.py); random in seeded-order runs."""
+        if frame.rng is not None:
+            return float(frame.rng.random())
+        return -_schedule(frame).priority[unit]
+
+    def _hand_off(self, frame: ExecutionFrame, units: list[int], on_worker: bool) -> None:
+        """Start a new work item for each unit; `pending` already counts them.
+
+        Async and host-wait units start on the loop: their tasks belong to it.
+        """
+        where = frame.where
+        loop = self.loop
+        ranked: list[tuple[float, int]] = []
+        for unit in units:
+            w = where[unit]
+            if w == _TASK:
+                if on_worker:
+                    assert loop is not None
+                    loop.call_soon_threadsafe(self._start_task, frame, unit)
+                else:
+                    self._start_task(frame, unit)
+            elif w == _HOST_WAIT:
+                if on_worker:
+                    assert loop is not None
+                    loop.call_soon_threadsafe(self._start_host_wait, frame, unit, False)
+                else:
+                    self._start_host_wait(frame, unit, True)
+            else:
+                ranked.append((self._rank(frame, unit), unit))
+        if ranked:  # one submission: a free thread takes the best of them, not the first
+            self.workers.submit(self._run_on_worker_item, frame, ranked)
+
+    def _run_on_worker_item(self, frame: Any, unit: int) -> None:
+        self._drain(frame, [unit], on_worker=True)
+
+    def _end_unit(self, frame: ExecutionFrame, on_worker: bool) -> None:
+        with frame.lock:
+            frame.pending -= 1
+            last = frame.pending == 0
+        if last:
+            if on_worker:
+                assert self.loop is not None
+                self.loop.call_soon_threadsafe(frame.finish)
+            else:
+                frame.finish()
+
+    def _fail(self, frame: ExecutionFrame, node: int, exc: BaseException, on_worker: bool) -> None:
+        """Record a kernel error with node context and stop the execution."""
+        _add_node_note(exc, self.graph, node)
+        with frame.lock:
+            frame.errors.append(exc)
+            frame.stopped = True
+        if frame.tasks:
+            assert self.loop is not None
+            if on_worker:
+                self.loop.call_soon_threadsafe(self._cancel_tasks, frame)
+            else:
+                self._cancel_tasks(frame)
+
+    @staticmethod
+    def _cancel_tasks(frame: ExecutionFrame) -> None:
+        for task in list(frame.tasks):
+            task.cancel()
+
+    # -- async kernels -----------------------------------------------------------------------
+
+    def _start_task(self, frame: ExecutionFrame, unit: int) -> None:
+        """An async kernel's unit (always a single node) as a task of the frame."""
+        if frame.stopped:
+            self._end_unit(frame, on_worker=False)
+            return
+        assert self.loop is not None
+        task = self.loop.create_task(self._await_kernel(frame, unit))
+        frame.tasks.add(task)
+        # Bookkeeping lives in the done-callback, not in the coroutine: a task cancelled
+        # before its first step never runs any of its code, but its callbacks always run.
+        task.add_done_callback(functools.partial(self._task_done, frame, unit))
+
+    async def _await_kernel(self, frame: ExecutionFrame, unit: int) -> Any:
+        start = _clock()
+        result = await frame.calls[unit](frame.values)
+        self._record(frame, _schedule(frame).nodes[unit][0], start, result)
+        return result
+
+    def _task_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:
+        if self._task_failed(frame, unit, task):
+            return
+        schedule = _schedule(frame)
+        if schedule.stores[unit] >= 0:
+            frame.values[schedule.stores[unit]] = task.result()
+        stack: list[int] = []
+        self._complete(frame, unit, stack, on_worker=False)
+        self._run_on_loop(frame, stack)
+
+    def _task_failed(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> bool:
+        """Forget a finished task of the frame; if it failed or was cancelled, account the
+        failure, end its unit and return True."""
+        frame.tasks.discard(task)
+        node = _schedule(frame).nodes[unit][0]
+        if task.cancelled():
+            if not frame.stopped:  # cancelled by someone else than us: an error of this node
+                self._fail(frame, node, asyncio.CancelledError(), on_worker=False)
+        elif (exc := task.exception()) is not None:
+            self._fail(frame, node, exc, on_worker=False)
+        else:
+            return False
+        self._end_unit(frame, on_worker=False)
+        return True
+
+    # -- CPU units reading GPU values --------------------------------------------------------
+
+    def _start_host_wait(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
+        """A unit whose node reads GPU values (loop thread): run it once the GPU wrote them.
+
+        If its events have completed it continues at once; otherwise a task of the frame
+        awaits them (`FrameStreams.wait_host` polls, the loop never blocks) and the unit
+        continues when it is done. A stop cancels that task like an async kernel's.
+        """
+        if frame.stopped:
+            self._end_unit(frame, on_worker=False)
+            return
+        gpu = frame.gpu
+        assert gpu is not None and self.loop is not None
+        node = _schedule(frame).nodes[unit][0]
+        try:
+            ready = gpu.host_ready(node)
+        except BaseException as exc:  # a CUDA error surfaces at the first query after it
+            self._fail(frame, node, exc, on_worker=False)
+            self._end_unit(frame, on_worker=False)
+            return
+        if ready:
+            self._continue_unit(frame, unit, in_drain)
+            return
+        task = self.loop.create_task(gpu.wait_host(node))
+        frame.tasks.add(task)
+        task.add_done_callback(functools.partial(self._host_wait_done, frame, unit))
+
+    def _host_wait_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:
+        if not self._task_failed(frame, unit, task):
+            self._continue_unit(frame, unit, in_drain=False)
+
+    def _continue_unit(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
+        """Run a host-wait unit whose GPU inputs are ready where its schedule places it.
+
+        An inline unit found ready inside a drain starts on the next loop iteration rather
+        than in a nested drain, so chains of CPU and GPU nodes cannot grow the stack.
+        """
+        where = _schedule(frame).where[unit]
+        if where == _TASK:
+            self._start_task(frame, unit)
+        elif where == _WORKER:
+            self.workers.submit(self._run_on_worker_item, frame, [(self._rank(frame, unit), unit)])
+        elif in_drain:
+            assert self.loop is not None
+            self.loop.call_soon(self._run_on_loop, frame, [unit])
+        else:
+            self._run_on_loop(frame, [unit])
+
+
+def _schedule(frame: ExecutionFrame) -> Schedule:
+    schedule = frame.schedule
+    assert schedule is not None, "the frame was not loaded"
+    return schedule
+
+
+def _add_node_note(exc: BaseException, graph: Graph, index: int) -> None:
+    """Name the node, its target and the user's source line, as torch.fx does."""
+    node = graph.nodes[index]
+    line = f"While executing %{node.name} = {node.target_name()}(...) [node {index}]"
+    notes = getattr(exc, "__notes__", [])
+    if line in notes:
+        return
+    if node.stack_trace:
+        line += "\nOriginal traceback:\n" + node.stack_trace.rstrip()
+    with contextlib.suppress(Exception):  # a type refusing attributes keeps its message
+        exc.add_note(line)
+

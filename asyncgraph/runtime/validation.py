@@ -1,0 +1,259 @@
+"""InputValidator: check a call's inputs against the signature before any frame is taken.
+
+nativert checks count, dtype and device. We check those, the pytree structure, and every static
+or symbolic dimension against its range, binding each symbol on first sight so that two inputs
+sharing a dimension must agree. Messages name the input path and say expected versus actual,
+e.g. `args[0].shape[1]: expected 64, got 32`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import sympy
+import torch
+from torch.utils import _pytree as pytree
+
+from asyncgraph.errors import InputValidationError
+from asyncgraph.graph.ir import Graph, InputKind, ScalarSpec, TensorSpec, ValueSpec
+
+_MAX_PASSED = 256
+_PLAIN_SCALARS = (int, float, bool, str, type(None))
+
+
+def _signature(flat: Sequence[Any]) -> tuple[Any, ...] | None:
+    """What validation depends on, hashable; None when an input is neither a tensor nor a
+    plain scalar (such calls are checked in full every time)."""
+    parts: list[Any] = []
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            parts.append((type(x), x.shape, x.dtype, x.device))
+        elif type(x) in _PLAIN_SCALARS:
+            parts.append((type(x), x))
+        else:
+            return None
+    return tuple(parts)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """A TreeSpec's children, across torch versions (children_specs is deprecated in 2.10+)."""
+    children = getattr(spec, "children", None)
+    if callable(children):
+        return list(children())
+    return list(spec.children_specs)
+
+
+class InputValidator:
+    """Flattens `(args, kwargs)` by the input spec and checks every leaf."""
+
+    def __init__(self, graph: Graph, max_unbounded_int: int = 1 << 24) -> None:
+        self.max_unbounded_int = max_unbounded_int
+        sig = graph.signature
+        users = [s for s in sig.inputs if s.kind is InputKind.USER_INPUT]
+        self.paths = [s.target or f"args[{i}]" for i, s in enumerate(users)]
+        self.specs: list[ValueSpec | None] = [graph.values[s.value].spec for s in users]
+        self.in_spec = sig.in_spec
+        self.ranges = {str(k): v for k, v in sig.range_constraints.items()}
+        self.count = len(users)
+        self._passed: dict[tuple[Any, ...], None] = {}  # signatures of inputs that passed
+        # Most programs take plain positional leaves: flatten those without pytree (~10 us).
+        self.positional_leaves = False
+        if self.in_spec is not None:
+            args_spec, kwargs_spec = _children(self.in_spec)
+            self.positional_leaves = kwargs_spec.num_children == 0 and all(
+                child.is_leaf() for child in _children(args_spec)
+            )
+
+    # -- structure ---------------------------------------------------------------------------
+
+    def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The flat user inputs of a call, in signature order, or a structure error."""
+        spec = self.in_spec
+        if self.positional_leaves and not kwargs and len(args) == self.count:
+            return list(args)
+        if spec is None:
+            if kwargs:
+                raise InputValidationError(
+                    f"unexpected keyword argument(s) {', '.join(map(repr, kwargs))}: "
+                    "this program takes positional inputs only"
+                )
+            if len(args) != self.count:
+                raise InputValidationError(
+                    f"expected {self.count} positional input(s), got {len(args)}"
+                )
+            return list(args)
+        args_spec, kwargs_spec = _children(spec)
+        if len(args) != args_spec.num_children:
+            raise InputValidationError(
+                f"expected {args_spec.num_children} positional argument(s), got {len(args)}"
+            )
+        names = list(kwargs_spec.context or [])
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise InputValidationError(
+                f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                f"expected {names}"
+            )
+        missing = [k for k in names if k not in kwargs]
+        if missing:
+            raise InputValidationError(
+                f"missing keyword argument(s) {', '.join(map(repr, missing))}"
+            )
+        ordered = {k: kwargs[k] for k in names}
+        flat, got = pytree.tree_flatten((tuple(args), ordered), is_leaf=_is_none)
+        if got != spec:
+            flat, got = pytree.tree_flatten((tuple(args), ordered))
+        if got != spec:
+            raise InputValidationError(self._structure_message(args, ordered, spec))
+        return flat
+
+    def _structure_message(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], spec: pytree.TreeSpec
+    ) -> str:
+        args_spec, kwargs_spec = _children(spec)
+        pairs = [(f"args[{i}]", a, s) for i, (a, s) in
+                 enumerate(zip(args, _children(args_spec), strict=False))]
+        pairs += [(f"kwargs[{k!r}]", kwargs[k], s) for k, s in
+                  zip(kwargs_spec.context or [], _children(kwargs_spec), strict=False)]
+        for path, value, expected in pairs:
+            got = pytree.tree_structure(value, is_leaf=_is_none)
+            if got != expected and pytree.tree_structure(value) != expected:
+                return f"{path}: expected structure {expected}, got {got}"
+        return f"inputs: expected structure {spec}"
+
+    # -- leaves ------------------------------------------------------------------------------
+
+    def check(self, flat: Sequence[Any]) -> None:
+        """Check count, type, dtype, device and every dimension of the flat inputs.
+
+        The outcome depends on nothing but the types, dtypes, devices and shapes of the
+        tensors and the values of the scalars, so inputs like ones that passed before pass
+        at once (a few hundred nanoseconds instead of a few microseconds).
+        """
+        if len(flat) != self.count:
+            raise InputValidationError(f"expected {self.count} input(s), got {len(flat)}")
+        key = _signature(flat)
+        if key is not None and key in self._passed:
+            return
+        self._check(flat)
+        if key is not None:
+            if len(self._passed) >= _MAX_PASSED:
+                self._passed.clear()
+            self._passed[key] = None
+
+    def _check(self, flat: Sequence[Any]) -> None:
+        bound: dict[sympy.Expr, tuple[int, str]] = {}
+        derived: list[tuple[str, sympy.Expr, int]] = []
+        for path, spec, value in zip(self.paths, self.specs, flat, strict=True):
+            if isinstance(spec, TensorSpec):
+                self._check_tensor(path, spec, value, bound, derived)
+            elif isinstance(spec, ScalarSpec):
+                self._check_scalar(path, spec, value, bound)
+        if derived:
+            values = {sym: v for sym, (v, _) in bound.items()}
+            for where, expr, got in derived:
+                expected = expr.subs(values)
+                if expected.free_symbols:
+                    continue
+                if int(expected) != got:
+                    raise InputValidationError(
+                        f"{where}: expected {int(expected)} (= {expr}), got {got}", where
+                    )
+
+    def _check_tensor(
+        self,
+        path: str,
+        spec: TensorSpec,
+        value: Any,
+        bound: dict[sympy.Expr, tuple[int, str]],
+        derived: list[tuple[str, sympy.Expr, int]],
+    ) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise InputValidationError(
+                f"{path}: expected a Tensor, got {type(value).__name__}", path
+            )
+        if value.dtype != spec.dtype:
+            raise InputValidationError(
+                f"{path}.dtype: expected {spec.dtype}, got {value.dtype}", path
+            )
+        want = spec.device
+        if value.device.type != want.type or (
+            want.index is not None and value.device.index != want.index
+        ):
+            raise InputValidationError(
+                f"{path}.device: expected {spec.device}, got {value.device}", path
+            )
+        shape = value.shape
+        if len(shape) != len(spec.shape):
+            raise InputValidationError(
+                f"{path}: expected {len(spec.shape)} dimension(s), got {len(shape)} "
+                f"(shape {tuple(shape)})",
+                path,
+            )
+        for axis, (want, got) in enumerate(zip(spec.shape, shape, strict=True)):
+            where = f"{path}.shape[{axis}]"
+            if isinstance(want, int):
+                if want != got:
+                    raise InputValidationError(f"{where}: expected {want}, got {got}", path)
+            elif isinstance(want, sympy.Symbol):
+                self._bind(where, want, got, bound)
+            else:
+                derived.append((where, want, got))
+
+    def _check_scalar(
+        self, path: str, spec: ScalarSpec, value: Any, bound: dict[sympy.Expr, tuple[int, str]]
+    ) -> None:
+        if spec.fixed:
+            if spec.value is None:
+                if value is not None:
+                    raise InputValidationError(
+                        f"{path}: expected None, got {type(value).__name__}", path
+                    )
+                return
+            if type(value) is not spec.type or value != spec.value:
+                raise InputValidationError(
+                    f"{path}: expected {spec.value!r} (fixed when the program was exported), "
+                    f"got {value!r}",
+                    path,
+                )
+            return
+        if not isinstance(value, spec.type) or (isinstance(value, bool) and spec.type is not bool):
+            raise InputValidationError(
+                f"{path}: expected {spec.type.__name__}, got {type(value).__name__}", path
+            )
+        if isinstance(spec.expr, sympy.Symbol):
+            number = int(cast(Any, value))
+            _, hi = self.ranges.get(str(spec.expr), (0, float("inf")))
+            if hi == float("inf") and not 0 <= number <= self.max_unbounded_int:
+                # an int without an upper bound sizes allocations inside kernels: cap it
+                raise InputValidationError(
+                    f"{path}: expected an int in [0, {self.max_unbounded_int}] "
+                    f"(max_unbounded_int) for unbounded {spec.expr}, got {number}",
+                    path,
+                )
+            self._bind(path, spec.expr, number, bound)
+
+    def _bind(
+        self, where: str, sym: sympy.Symbol, got: int, bound: dict[sympy.Expr, tuple[int, str]]
+    ) -> None:
+        if sym in bound:
+            value, first = bound[sym]
+            if value != got:
+                raise InputValidationError(
+                    f"{where}: expected {value} (the same dimension {sym} as {first}), got {got}",
+                    where.split(".shape")[0],
+                )
+            return
+        lo, hi = self.ranges.get(str(sym), (0, float("inf")))
+        if not lo <= got <= hi:
+            upper = "inf" if hi == float("inf") else str(int(hi))
+            raise InputValidationError(
+                f"{where}: expected a size in [{lo}, {upper}] for dimension {sym}, got {got}",
+                where.split(".shape")[0],
+            )
+        bound[sym] = (got, where)

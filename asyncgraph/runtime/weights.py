@@ -1,0 +1,81 @@
+"""Weights: the parameters, buffers and constants of a program, versioned and immutable.
+
+A swap builds a new Weights object and replaces the Executor's reference in one assignment.
+An execution reads the Weights it found when its frame was checked out, so it finishes on the
+weights it started with, and no execution ever sees a mix of two versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from asyncgraph.errors import WeightsError
+
+
+class Weights:
+    """One immutable version of a program's named weights."""
+
+    __slots__ = ("_template", "derived", "tensors", "version")
+
+    def __init__(
+        self,
+        tensors: Mapping[str, Any],
+        version: int = 0,
+        derived: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.tensors: dict[str, Any] = dict(tensors)
+        self.version = version
+        # values computed from the tensors (folded constants, asyncgraph/passes/folding.py): in the
+        # template, but not weights a caller can swap
+        self.derived: dict[str, Any] = dict(derived or {})
+        self._template: list[Any] | None = None
+
+    def template(self, slots: tuple[tuple[int, str], ...], num_values: int) -> list[Any]:
+        """A frame's value list holding these weights in their slots (built once)."""
+        if self._template is None:
+            template: list[Any] = [None] * num_values
+            for slot, name in slots:
+                template[slot] = (
+                    self.tensors[name] if name in self.tensors else self.derived[name]
+                )
+            self._template = template
+        return self._template
+
+    def with_derived(self, derived: Mapping[str, Any]) -> Weights:
+        """This version with `derived` values (computed from these tensors)."""
+        return Weights(self.tensors, self.version, derived)
+
+    def swapped(self, state_dict: Mapping[str, Any], *, strict: bool = False) -> Weights:
+        """A new version with `state_dict` replacing the named weights, checked first."""
+        unknown = sorted(set(state_dict) - set(self.tensors))
+        if unknown:
+            raise WeightsError(f"unknown weight name(s): {', '.join(unknown)}")
+        if strict:
+            missing = sorted(set(self.tensors) - set(state_dict))
+            if missing:
+                raise WeightsError(f"missing weight(s) in a strict swap: {', '.join(missing)}")
+        for name, new in state_dict.items():
+            old = self.tensors[name]
+            if isinstance(old, torch.Tensor):
+                if not isinstance(new, torch.Tensor):
+                    raise WeightsError(f"{name}: expected a Tensor, got {type(new).__name__}")
+                if new.shape != old.shape:
+                    raise WeightsError(
+                        f"{name}.shape: expected {tuple(old.shape)}, got {tuple(new.shape)}"
+                    )
+                if new.dtype != old.dtype:
+                    raise WeightsError(f"{name}.dtype: expected {old.dtype}, got {new.dtype}")
+                if new.device != old.device:
+                    raise WeightsError(f"{name}.device: expected {old.device}, got {new.device}")
+        return Weights({**self.tensors, **state_dict}, self.version + 1)  # derived: recompute
+
+    def updated(self, state_dict: Mapping[str, Any]) -> Weights:
+        """A new version with `state_dict` replacing the named weights, unchecked; the derived
+        values carry over (buffer updates from executions: folded values never read those)."""
+        return Weights({**self.tensors, **state_dict}, self.version + 1, self.derived)
+
+    def __repr__(self) -> str:
+        return f"<Weights version={self.version}: {len(self.tensors)} tensors>"

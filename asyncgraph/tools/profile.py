@@ -1,0 +1,210 @@
+"""`asyncgraph profile MODEL.pt2`: where the time of one execution goes, node by node.
+
+Built on the trace spans (ExecutorConfig(trace=True)): the program runs `warmup` times, then
+`runs` times with spans recorded, and each node's time is the mean of its spans. The report
+has the fields of nativert's ProfileMetrics (time per node, time, percent and instances per
+op type, node counts, total time) plus asyncgraph's own: where each node was placed and the
+wall time of an execution, whose difference from the summed node time is the scheduler's
+share (negative when nodes overlap on several threads).
+
+Recording a span costs about a microsecond per node, which the wall time includes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from asyncgraph.kernels import KernelKind
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.executor import Executor
+from asyncgraph.tools.compare import random_flat_inputs
+
+
+@dataclass(frozen=True)
+class NodeTime:
+    """One node: its mean time per execution and share of the summed node time."""
+
+    index: int
+    name: str
+    op: str
+    kind: str
+    placement: str
+    mean_us: float
+    percent: float
+
+
+@dataclass(frozen=True)
+class ProfileMetrics:
+    """nativert's ProfileMetrics, in snake_case, with asyncgraph's placement and wall time.
+
+    `static_dispatch_nodes_count` counts the nodes whose kernel is an aten op called straight
+    through its C++ OpOverload, asyncgraph's counterpart of nativert's static dispatch.
+    """
+
+    runs: int
+    total_nodes_count: int
+    prim_nodes_count: int
+    static_dispatch_nodes_count: int
+    time_per_node: list[NodeTime]
+    time_per_node_type: dict[str, float]  # microseconds per execution
+    percent_per_node_type: dict[str, float]
+    instances_per_node_type: dict[str, int]
+    placement_counts: dict[str, int]
+    total_time_us: float  # summed node time per execution
+    wall_time_us: float  # median time of `await execute_flat(...)`
+    folded_nodes_count: int = 0  # run once per weights version, not per execution
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def example_inputs(ex: Executor) -> list[Any]:
+    """Flat user inputs to profile with: the program's saved example, else random ones.
+
+    Random tensors take the example shapes the program was exported with, which satisfy its
+    dimension constraints; integer tensors get small non-negative values (valid indices).
+    """
+    exported = ex.program.exported
+    saved = getattr(exported, "example_inputs", None) if exported is not None else None
+    if saved is not None:
+        leaves = torch.utils._pytree.tree_leaves(saved)
+        if len(leaves) == len(ex.graph.signature.user_inputs):
+            return list(leaves)
+    return random_flat_inputs(ex.graph)
+
+
+async def collect(
+    ex: Executor, inputs: Sequence[Any], runs: int = 20, warmup: int = 3
+) -> ProfileMetrics:
+    """Run `ex` and aggregate its spans; `ex` must have been made with trace=True."""
+    recorder = ex.recorder
+    if recorder is None:
+        raise ValueError("profiling needs an Executor made with ExecutorConfig(trace=True)")
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    for _ in range(warmup):
+        await ex.execute_flat(inputs)
+    recorder.clear()
+    walls = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        await ex.execute_flat(inputs)
+        walls.append(time.perf_counter() - start)
+    per_node = [0] * ex.plan.num_nodes
+    for span in recorder.spans:
+        per_node[span.node] += span.end_ns - span.start_ns
+    recorder.clear()
+    return _metrics(ex, [ns / runs / 1e3 for ns in per_node], runs, statistics.median(walls))
+
+
+def _metrics(ex: Executor, mean_us: list[float], runs: int, wall_s: float) -> ProfileMetrics:
+    total = sum(mean_us)
+    nodes = []
+    by_type: dict[str, float] = defaultdict(float)
+    instances: dict[str, int] = defaultdict(int)
+    placements: dict[str, int] = defaultdict(int)
+    prim = aten = 0
+    for node, kernel, us in zip(ex.graph.nodes, ex.kernels, mean_us, strict=True):
+        op = node.target_name()
+        placement = ex.plan.placement[node.index].name.lower()
+        nodes.append(NodeTime(node.index, node.name, op, kernel.kind.value, placement, us,
+                              100 * us / total if total else 0.0))
+        by_type[op] += us
+        instances[op] += 1
+        placements[placement] += 1
+        prim += kernel.kind is KernelKind.PRIM
+        aten += kernel.kind is not KernelKind.PRIM and isinstance(
+            node.target, torch._ops.OpOverload
+        )
+    order = sorted(by_type, key=lambda k: -by_type[k])
+    return ProfileMetrics(
+        runs=runs,
+        total_nodes_count=len(nodes),
+        prim_nodes_count=prim,
+        static_dispatch_nodes_count=aten,
+        time_per_node=nodes,
+        time_per_node_type={k: by_type[k] for k in order},
+        percent_per_node_type={k: 100 * by_type[k] / total if total else 0.0 for k in order},
+        instances_per_node_type={k: instances[k] for k in order},
+        placement_counts=dict(placements),
+        total_time_us=total,
+        wall_time_us=wall_s * 1e6,
+        folded_nodes_count=ex.statistics().folded_nodes,
+    )
+
+
+def render(metrics: ProfileMetrics, console: Console, top: int) -> None:
+    nodes = sorted(metrics.time_per_node, key=lambda n: -n.mean_us)
+    shown = nodes if top <= 0 else nodes[:top]
+    table = Table(title=f"slowest nodes ({len(shown)} of {metrics.total_nodes_count}), "
+                        f"mean of {metrics.runs} runs", title_justify="left")
+    for col in ("#", "node", "op", "placement", "us", "%"):
+        table.add_column(col, justify="right" if col in ("#", "us", "%") else "left")
+    for n in shown:
+        table.add_row(str(n.index), n.name, n.op, n.placement, f"{n.mean_us:.1f}",
+                      f"{n.percent:.1f}")
+    console.print(table)
+    types = Table(title="by op type", title_justify="left")
+    for col in ("op", "nodes", "us", "%", "us per node"):
+        types.add_column(col, justify="left" if col == "op" else "right")
+    for op, us in metrics.time_per_node_type.items():
+        count = metrics.instances_per_node_type[op]
+        types.add_row(op, str(count), f"{us:.1f}", f"{metrics.percent_per_node_type[op]:.1f}",
+                      f"{us / count:.1f}")
+    console.print(types)
+    overhead = metrics.wall_time_us - metrics.total_time_us
+    folded = (f"; {metrics.folded_nodes_count} nodes read only weights and were folded into "
+              "constants" if metrics.folded_nodes_count else "")
+    placements = ", ".join(f"{k} {v}" for k, v in sorted(metrics.placement_counts.items()))
+    console.print(
+        f"nodes {metrics.total_nodes_count} (prim {metrics.prim_nodes_count}, aten "
+        f"{metrics.static_dispatch_nodes_count}); placement: {placements}"
+        f"{folded}\n"
+        f"node time {metrics.total_time_us:.1f} us, wall {metrics.wall_time_us:.1f} us per "
+        f"execution; wall - node time = {overhead:.1f} us "
+        f"({overhead / max(1, metrics.total_nodes_count):.2f} us per node, tracing included)"
+    )
+
+
+def profile(
+    model: Path = typer.Argument(..., exists=True, dir_okay=False, help="A .pt2 file."),  # noqa: B008
+    runs: int = typer.Option(20, min=1, help="Profiled executions."),
+    warmup: int = typer.Option(3, min=0, help="Executions before profiling."),
+    top: int = typer.Option(25, help="Nodes to list, slowest first (0: all)."),
+    max_parallel_ops: int | None = typer.Option(None, min=1, help="Worker threads."),
+    threads: int = typer.Option(1, min=1, help="torch intra-op threads."),
+    json_out: bool = typer.Option(False, "--json", help="Print ProfileMetrics as JSON."),
+) -> None:
+    """Per-node time, percent, totals per op type and the placement chosen, for a .pt2."""
+    torch.set_num_threads(threads)
+    config = ExecutorConfig(trace=True)
+    if max_parallel_ops is not None:
+        config = ExecutorConfig(trace=True, max_parallel_ops=max_parallel_ops)
+    ex = Executor(model, config)
+
+    async def main() -> ProfileMetrics:
+        try:
+            return await collect(ex, example_inputs(ex), runs, warmup)
+        finally:
+            await ex.aclose()
+
+    console = Console(stderr=json_out)
+    with console.status(f"profiling {model.name}..."):
+        metrics = asyncio.run(main())
+    if json_out:
+        print(json.dumps(metrics.as_dict(), indent=2))
+    else:
+        render(metrics, console, top)
