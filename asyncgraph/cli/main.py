@@ -1,18 +1,38 @@
-"""The `asyncgraph` console script (typer + rich)."""
+"""The `asyncgraph` console script (typer + rich).
+
+The command line is the `cli` extra (`pip install 'asyncgraph[cli]'`, which brings the `serve`
+extra for `asyncgraph serve`); the core install has only the library. Without the extra, the
+console script says so in one line instead of a traceback.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-import typer
-from rich.console import Console
-from rich.table import Table
-from typer.core import TyperGroup
+try:
+    import typer
+    from rich.console import Console
+    from rich.table import Table
+    from typer.core import TyperGroup
 
-from asyncgraph.cli import bench, run, serve, stress
+    from asyncgraph.cli import bench, run, serve, stress
+    from asyncgraph.cli.options import ThreadsOpt
+    from asyncgraph.tools import check, profile
+except ModuleNotFoundError as missing:
+    _CLI_EXTRA_MODULES = {
+        "typer", "rich", "click", "starlette", "uvicorn", "uvloop", "prometheus_client",
+        "safetensors",
+    }
+    _top_level = (missing.name or "").partition(".")[0]
+    if _top_level not in _CLI_EXTRA_MODULES:
+        raise
+    raise SystemExit(
+        f"asyncgraph's command line needs the cli extra ({_top_level} is not installed): "
+        "pip install 'asyncgraph[cli]'"
+    ) from None
+
 from asyncgraph.errors import AsyncGraphError
-from asyncgraph.tools import check, profile
 
 
 def _control_flow_exceptions() -> tuple[type[BaseException], ...]:
@@ -90,12 +110,13 @@ def _root(
 def demo(
     executions: int = typer.Option(400, help="Executions to run."),
     concurrency: int = typer.Option(32, help="Concurrent callers."),
+    threads: ThreadsOpt = None,
 ) -> None:
     """Export a small transformer block, run it from concurrent callers, check against eager."""
     from asyncgraph.cli.demo import run_demo
 
     with console.status("exporting and running the demo model..."):
-        result = asyncio.run(run_demo(executions, concurrency))
+        result = asyncio.run(run_demo(executions, concurrency, threads=threads))
     table = Table(title="asyncgraph demo: DemoBlock (transformer encoder block)")
     for column in ("nodes", "executions", "callers", "p50 ms", "p99 ms", "exec/s", "match"):
         table.add_column(column, justify="right")
