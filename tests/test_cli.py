@@ -245,3 +245,94 @@ def test_serve_with_batching_refuses_a_model_that_cannot_batch_in_one_line(
     line = one_error_line(invoke("serve", str(path), "--max-batch-size", "8"))
     assert line.startswith("error: batching needs dim 0 of every tensor input")
     assert "args[1]" in line and "[3]" in line
+
+
+# -- the intra-op thread policy (ExecutorConfig.intra_op_threads, --threads) -------------------
+
+
+def _threads_seen_by_a_worker_kernel() -> tuple[Any, list[int]]:
+    """A graph whose one node runs on a worker and records torch's thread count there."""
+    from asyncgraph import GraphBuilder
+
+    seen: list[int] = []
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return x + 1
+
+    b = GraphBuilder()
+    b.output(b.call(record, b.input("x"), name="record", placement="worker"))
+    return b.build(), seen
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("threads", "parallel_ops", "expected"), [(3, 1, 3), (None, 64, 1)])
+async def test_intra_op_threads_reach_the_worker_kernels(
+    leak_check: Any, threads: int | None, parallel_ops: int, expected: int
+) -> None:
+    from asyncgraph import Executor, ExecutorConfig
+
+    graph, seen = _threads_seen_by_a_worker_kernel()
+    config = ExecutorConfig(intra_op_threads=threads, max_parallel_ops=parallel_ops)
+    assert config.intra_op_threads_or_default == expected
+    async with Executor(graph, config) as ex:
+        await ex.execute(torch.zeros(2))
+    assert seen == [expected]  # None: CPUs / 64 workers, at least 1
+
+
+def test_intra_op_threads_must_be_positive() -> None:
+    from asyncgraph import ExecutorConfig
+
+    with pytest.raises(ValueError, match="intra_op_threads must be >= 1"):
+        ExecutorConfig(intra_op_threads=0)
+
+
+@pytest.fixture
+def made_configs(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Every ExecutorConfig an Executor is made with during the test, and the torch thread
+    count of the thread that made it; torch's count is restored afterwards."""
+    from asyncgraph.runtime.executor import Executor
+
+    made: list[tuple[Any, int]] = []
+    original = Executor.__init__
+
+    def recording_init(self: Any, program: Any, config: Any = None, **kwargs: Any) -> None:
+        made.append((config, torch.get_num_threads()))
+        original(self, program, config, **kwargs)
+
+    monkeypatch.setattr(Executor, "__init__", recording_init)
+    before = torch.get_num_threads()
+    yield made
+    torch.set_num_threads(before)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["demo", "--executions", "4", "--concurrency", "2"],
+        ["run", "{model}", "-q"],
+        ["trace", "{model}", "-o", "{tmp}/t.json", "--executions", "2"],
+        ["stress", "{model}", "--executions", "6", "--concurrency", "2"],
+        ["check", "{model}"],
+        ["profile", "{model}", "--runs", "1", "--warmup", "0"],
+    ],
+)
+def test_threads_option_reaches_the_config_and_torch(
+    command: list[str], model_file: Any, tmp_path: Path, made_configs: Any
+) -> None:
+    _, path = model_file
+    args = [a.format(model=path, tmp=tmp_path) for a in command]
+    result = invoke(*args, "--threads", "3")
+    assert result.exit_code == 0, result.output
+    assert made_configs, "the command made no Executor"
+    for config, torch_threads in made_configs:
+        assert config.intra_op_threads == 3
+        assert torch_threads == 3  # the command's own thread, the one running the loop
+
+
+def test_every_command_that_runs_models_takes_threads() -> None:
+    for command in ("demo", "run", "trace", "serve", "stress", "check", "profile", "bench"):
+        result = invoke(command, "--help")
+        assert result.exit_code == 0, result.output
+        assert "--threads" in result.output, command

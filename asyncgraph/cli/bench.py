@@ -58,7 +58,9 @@ def bench(
     rounds: int | None = typer.Option(None, min=1, help="Measured rounds per case."),
     warmup: int | None = typer.Option(None, min=0, help="Warm-up rounds, not measured."),
     loop: str = typer.Option("asyncio", help="Event loop: asyncio or uvloop."),
-    threads: int = typer.Option(1, min=1, help="torch intra-op threads."),
+    threads: int = typer.Option(
+        1, min=1, help="torch intra-op threads, for asyncgraph and every peer alike."
+    ),
     output: Path | None = typer.Option(  # noqa: B008
         None, "--output", "-o", help="Also write the JSON report to this file."
     ),

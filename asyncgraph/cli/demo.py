@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.cli.options import executor_config
 from asyncgraph.runtime.executor import Executor
 
 
@@ -49,8 +49,15 @@ class DemoResult:
     matched: int
 
 
-async def run_demo(executions: int = 400, concurrency: int = 32, seed: int = 0) -> DemoResult:
-    """Export DemoBlock, run `executions` calls from `concurrency` callers, compare with eager."""
+async def run_demo(
+    executions: int = 400, concurrency: int = 32, seed: int = 0, threads: int | None = None
+) -> DemoResult:
+    """Export DemoBlock, run `executions` calls from `concurrency` callers, compare with eager.
+
+    `threads`: torch's intra-op threads (ExecutorConfig.intra_op_threads, applied to this
+    thread as well; asyncgraph/cli/options.py).
+    """
+    config = executor_config(threads, max_concurrent_executions=8)
     torch.manual_seed(seed)
     model = DemoBlock().eval()
     batch = torch.export.Dim("batch", min=1, max=64)
@@ -65,7 +72,7 @@ async def run_demo(executions: int = 400, concurrency: int = 32, seed: int = 0) 
     for i in range(executions):
         queue.put_nowait(i)
 
-    async with Executor(ep, ExecutorConfig(max_concurrent_executions=8)) as ex:
+    async with Executor(ep, config) as ex:
 
         async def caller() -> None:
             nonlocal matched

@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from asyncgraph.cli.options import ThreadsOpt, executor_config
+
 console = Console()
 
 ModelArg = Annotated[Path, typer.Argument(help="A .pt2 file written by torch.export.save.")]
@@ -31,12 +33,11 @@ RandomOpt = Annotated[
 SeedOpt = Annotated[int, typer.Option(help="Seed of the random inputs.")]
 
 
-def _load(model: Path, **config: Any) -> Any:
-    from asyncgraph.runtime.config import ExecutorConfig
+def _load(model: Path, threads: int | None, **config: Any) -> Any:
     from asyncgraph.runtime.executor import Executor
 
     with console.status(f"loading {model} ..."):
-        return Executor(model, ExecutorConfig(**config))
+        return Executor(model, executor_config(threads, **config))
 
 
 def _inputs(ex: Any, inputs: list[str] | None, random: bool, seed: int) -> list[Any]:
@@ -59,6 +60,7 @@ def run(
         typer.Option("--output", "-o", help="Save the outputs: .safetensors, .pt or .npy."),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not print outputs.")] = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Execute a model once on inputs from files (or random ones); print or save the outputs.
 
@@ -68,7 +70,7 @@ def run(
 
     from asyncgraph.cli.inputs import output_names, save_outputs, summarize
 
-    ex = _load(model)
+    ex = _load(model, threads)
     flat_in = _inputs(ex, inputs, random, seed)
 
     async def once() -> tuple[list[Any], float]:
@@ -110,6 +112,7 @@ def trace(
     inputs: InputsOpt = None,
     random: RandomOpt = False,
     seed: SeedOpt = 0,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Trace executions into Chrome trace-event JSON that ui.perfetto.dev opens.
 
@@ -122,7 +125,7 @@ def trace(
     config: dict[str, Any] = {"trace": True, "max_concurrent_executions": frames}
     if parallel_ops is not None:
         config["max_parallel_ops"] = parallel_ops
-    ex = _load(model, **config)
+    ex = _load(model, threads, **config)
     flat_in = _inputs(ex, inputs, random, seed)
 
     async def drive(progress: Progress) -> None:

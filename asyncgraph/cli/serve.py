@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from asyncgraph.cli.options import ThreadsOpt, executor_config
 from asyncgraph.errors import AsyncGraphError
 
 console = Console()
@@ -83,6 +84,7 @@ def serve(
         float, typer.Option(min=0, help="How long a batch that is not full may wait for "
                             "more requests.")
     ] = 0,
+    threads: ThreadsOpt = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
@@ -92,7 +94,7 @@ def serve(
     POST /v2/models/NAME/infer (JSON and Triton's binary tensor data) and /metrics. The stock
     tritonclient.http client works with its defaults.
     """
-    from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
+    from asyncgraph.runtime.config import BatchingConfig
     from asyncgraph.runtime.executor import Executor
     from asyncgraph.serve import create_app, run
 
@@ -107,7 +109,7 @@ def serve(
     executors: dict[str, Executor] = {}
     for key, path in specs.items():
         with console.status(f"loading {key} from {path} ..."):
-            executors[key] = Executor(path, ExecutorConfig(**config))
+            executors[key] = Executor(path, executor_config(threads, **config))
     app = create_app(
         executors,
         max_queue=max_queue,

@@ -16,6 +16,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from asyncgraph.cli.options import ThreadsOpt, executor_config
+
 console = Console()
 
 def stress(
@@ -55,9 +57,10 @@ def stress(
     max_batch_size: Annotated[
         int, typer.Option(min=0, help="Dynamic batching of up to this many rows (0: off).")
     ] = 0,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Stress a model: concurrent callers, cancellations, timeouts, faults, weight swaps."""
-    from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
+    from asyncgraph.runtime.config import BatchingConfig
     from asyncgraph.testing import StressConfig, run_stress
 
     config = StressConfig(
@@ -77,9 +80,10 @@ def stress(
         options["max_parallel_ops"] = parallel_ops
     if max_batch_size:
         options["batching"] = BatchingConfig(max_batch_size=max_batch_size)
-    executor_config = ExecutorConfig(**options)
     with console.status(f"stressing {model} ..."):
-        report = asyncio.run(run_stress(model, config, executor_config=executor_config))
+        report = asyncio.run(
+            run_stress(model, config, executor_config=executor_config(threads, **options))
+        )
 
     table = Table(title=f"stress {model.name}, seed {seed}")
     table.add_column("metric")

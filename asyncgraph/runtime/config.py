@@ -14,6 +14,13 @@ def _default_parallel_ops() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 @dataclass(frozen=True, slots=True)
 class BatchingConfig:
     """Dynamic batching (asyncgraph/runtime/batching.py): concurrent requests run as one execution.
@@ -55,6 +62,23 @@ class ExecutorConfig:
             long chain keeps only a couple of intermediates alive.
         max_parallel_ops: worker threads that run compute-heavy CPU kernels; 1 runs at most one
             heavy kernel at a time (the serial executor).
+        intra_op_threads: torch's intra-op thread count (the OpenMP/MKL team one kernel may
+            split over) in each worker thread. None (the default) takes the usable CPUs
+            divided by `max_parallel_ops`, at least 1, and no more than torch's count in the
+            thread that makes the executor (so a lower torch.set_num_threads or
+            OMP_NUM_THREADS stands): the workers already run kernels side by side, and a team
+            per worker on top oversubscribes the cores (2 cores, 2 workers: `asyncgraph demo`
+            ran at 389-591 exec/s with torch's default of 2, 919-1,147 with
+            OMP_NUM_THREADS=1). `intra_op_threads_or_default` is the resolved count. The
+            executor sets it only on the worker threads it owns, never on the caller's thread
+            that runs the event loop: torch.set_num_threads reaches beyond one executor (it
+            sets the calling thread's team and the default of every thread started later, in
+            effect process-wide), and inline kernels are small by construction (below
+            `heavy_op_flops` / `heavy_node_us`), so the loop thread rarely splits one. A
+            process that owns its threads (the `asyncgraph` commands, a server) sets the same
+            count on the loop thread with
+            `torch.set_num_threads(config.intra_op_threads_or_default)`; every command that
+            runs a model does, from its `--threads` option (asyncgraph/cli/options.py).
         pin_workers: pin each worker thread to a CPU of its own (of those the process may use,
             spread over every pinned pool of the process; Linux, ignored elsewhere). For a
             machine the service has to itself: the kernel may wake two workers onto one core
@@ -121,6 +145,7 @@ class ExecutorConfig:
     validate_inputs: bool = True
     free_values_after_use: bool = True
     max_parallel_ops: int = field(default_factory=_default_parallel_ops)
+    intra_op_threads: int | None = None
     pin_workers: bool = False
     max_concurrent_executions: int = 8
     min_frames: int = 1
@@ -146,6 +171,11 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         if self.max_parallel_ops < 1:
             raise ValueError(f"max_parallel_ops must be >= 1, got {self.max_parallel_ops}")
+        if self.intra_op_threads is not None and self.intra_op_threads < 1:
+            raise ValueError(
+                f"intra_op_threads must be >= 1 or None (CPUs / max_parallel_ops), "
+                f"got {self.intra_op_threads}"
+            )
         if self.max_concurrent_executions < 1:
             raise ValueError(
                 "max_concurrent_executions must be >= 1, "
@@ -179,3 +209,14 @@ class ExecutorConfig:
             )
         if self.heavy_op_flops < 0:
             raise ValueError(f"heavy_op_flops must be >= 0, got {self.heavy_op_flops}")
+
+    @property
+    def intra_op_threads_or_default(self) -> int:
+        """`intra_op_threads`, or the usable CPUs divided by `max_parallel_ops` (at least 1)
+        capped by torch's count in this thread."""
+        if self.intra_op_threads is not None:
+            return self.intra_op_threads
+        import torch  # not at the top: the CLI reads this module for --help
+
+        per_worker = max(1, usable_cpus() // self.max_parallel_ops)
+        return min(per_worker, max(1, torch.get_num_threads()))

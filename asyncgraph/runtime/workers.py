@@ -12,9 +12,11 @@ submissions, and so between executions, the order stays the order of arrival: no
 work overtakes work handed off earlier. The queue orders only what is handed off; a thread
 that finishes a unit keeps going along its chain.
 
-Each thread sets torch's intra-op thread count to the one of the thread that started the pool:
-with OpenMP a new thread does not inherit `torch.set_num_threads`, and would run every matmul
-on all cores (two workers on two cores then oversubscribe them four times over).
+Each thread sets torch's intra-op thread count to `intra_op_threads` (the executor passes
+ExecutorConfig.intra_op_threads_or_default), or when that is None to the one of the thread that
+started the pool: with OpenMP a thread's own count is not changed by `torch.set_num_threads` in
+another, and would run every matmul on all cores (two workers on two cores then oversubscribe
+them four times over).
 
 With `pin`, each thread binds itself to one CPU, taken round-robin from the CPUs the process
 may use by a process-wide counter, so two pools do not stack their first threads on CPU 0.
@@ -107,8 +109,10 @@ class WorkerPool:
         name: str = "asyncgraph-worker",
         inference_mode: bool = True,
         pin: bool = False,
+        intra_op_threads: int | None = None,
     ):
         self.size = size
+        self.intra_op_threads = intra_op_threads
         self.pin = pin
         self._cpus: tuple[int, ...] = ()
         self._name = name
@@ -133,7 +137,7 @@ class WorkerPool:
             if self._threads:
                 return
             self._items_run[:] = [0] * self.size
-            intra_op = torch.get_num_threads()
+            intra_op = self.intra_op_threads or torch.get_num_threads()
             self._cpus = _cpus_to_pin(self.size) if self.pin else ()
             for i in range(self.size):
                 cpu = self._cpus[i] if self._cpus else None

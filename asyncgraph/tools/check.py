@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from asyncgraph.cli.options import ThreadsOpt
+
 if TYPE_CHECKING:  # torch is imported by the command, so `asyncgraph --help` stays quick
     from asyncgraph.graph.importers import Program
     from asyncgraph.tools.compare import LeafComparison
@@ -65,6 +67,7 @@ def run_check(
     parallel: int = 2,
     rtol: float | None = None,
     atol: float | None = None,
+    threads: int | None = None,
 ) -> CheckReport:
     """Load `model`, run it eagerly and through asyncgraph, and compare (no printing)."""
     from asyncgraph.graph.importers import load_pt2
@@ -82,7 +85,7 @@ def run_check(
         source = f"random inputs (seed {seed})"
     runs: dict[str, RunResult] = {"eager": _run_eager(program, args, kwargs)}
     for name, ops in (("serial", 1), (f"parallel({parallel})", parallel)):
-        runs[name] = asyncio.run(_run_asyncgraph(program, ops, args, kwargs))
+        runs[name] = asyncio.run(_run_asyncgraph(program, ops, args, kwargs, threads))
     return CheckReport(program.name, source, runs, _rows(program, runs, rtol, atol))
 
 
@@ -102,6 +105,7 @@ def check(
     atol: Annotated[
         float | None, typer.Option(help="Absolute tolerance (default: by dtype).")
     ] = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Run MODEL through asyncgraph and through ep.module(); compare every output leaf."""
     if (rtol is None) != (atol is None):
@@ -114,7 +118,8 @@ def check(
                 "ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning
             )
             report = run_check(
-                model, seed=seed, use_random=random, parallel=parallel, rtol=rtol, atol=atol
+                model, seed=seed, use_random=random, parallel=parallel, rtol=rtol, atol=atol,
+                threads=threads,
             )
     except AsyncGraphError as exc:
         console.print(f"[red]cannot check:[/red] {exc}")
@@ -195,13 +200,17 @@ def _run_eager(program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 async def _run_asyncgraph(
-    program: Program, max_parallel_ops: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    program: Program,
+    max_parallel_ops: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    threads: int | None = None,
 ) -> RunResult:
+    from asyncgraph.cli.options import executor_config
     from asyncgraph.kernels import KernelFactory
-    from asyncgraph.runtime.config import ExecutorConfig
     from asyncgraph.runtime.executor import Executor
 
-    config = ExecutorConfig(max_parallel_ops=max_parallel_ops)
+    config = executor_config(threads, max_parallel_ops=max_parallel_ops)
     a, k = copy.deepcopy((args, kwargs))
     try:
         async with Executor(program, config, kernel_factory=KernelFactory(config)) as ex:

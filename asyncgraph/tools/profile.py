@@ -27,8 +27,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from asyncgraph.cli.options import ThreadsOpt, executor_config
 from asyncgraph.kernels import KernelKind
-from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.tools.compare import random_flat_inputs
 
@@ -185,15 +185,14 @@ def profile(
     warmup: int = typer.Option(3, min=0, help="Executions before profiling."),
     top: int = typer.Option(25, help="Nodes to list, slowest first (0: all)."),
     max_parallel_ops: int | None = typer.Option(None, min=1, help="Worker threads."),
-    threads: int = typer.Option(1, min=1, help="torch intra-op threads."),
+    threads: ThreadsOpt = None,
     json_out: bool = typer.Option(False, "--json", help="Print ProfileMetrics as JSON."),
 ) -> None:
     """Per-node time, percent, totals per op type and the placement chosen, for a .pt2."""
-    torch.set_num_threads(threads)
-    config = ExecutorConfig(trace=True)
+    options: dict[str, Any] = {"trace": True}
     if max_parallel_ops is not None:
-        config = ExecutorConfig(trace=True, max_parallel_ops=max_parallel_ops)
-    ex = Executor(model, config)
+        options["max_parallel_ops"] = max_parallel_ops
+    ex = Executor(model, executor_config(threads, **options))
 
     async def main() -> ProfileMetrics:
         try:

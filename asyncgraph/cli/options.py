@@ -1,0 +1,49 @@
+"""Options shared by the commands that run models, and the thread policy they apply.
+
+Every command that runs a model takes `--threads`: torch's intra-op thread count
+(ExecutorConfig.intra_op_threads). Left out, it is the usable CPUs divided by the worker
+threads (max_parallel_ops), at least 1, since the workers already run kernels side by side.
+A command owns its process, so it sets the count on its own thread too, the one that runs the
+event loop and the inline kernels (torch.set_num_threads, in effect process-wide); an
+Executor inside someone else's process sets it only on its worker threads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:  # torch is imported by the commands, so `--help` stays quick
+    from asyncgraph.runtime.config import ExecutorConfig
+
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--threads", min=1,
+        help="torch intra-op threads per thread that runs kernels "
+             "[default: CPUs / worker threads, at least 1].",
+        show_default=False,
+    ),
+]
+
+
+def executor_config(threads: int | None, **options: Any) -> ExecutorConfig:
+    """An ExecutorConfig with `intra_op_threads=threads`, its thread count applied to this
+    thread as well (the module docstring says why)."""
+    from asyncgraph.runtime.config import ExecutorConfig
+
+    config = ExecutorConfig(intra_op_threads=threads, **options)
+    apply_threads(config)
+    return config
+
+
+def apply_threads(config: ExecutorConfig) -> int:
+    """Set torch's intra-op thread count of this thread (and of threads started later) to the
+    one `config` resolves to; return it."""
+    import torch
+
+    count = config.intra_op_threads_or_default
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+    return count
