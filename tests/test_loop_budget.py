@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
+from asyncgraph.runtime.loop_budget import _BUDGETS, LoopBudget, loop_budget
+from asyncgraph.testing import LeakChecker, LeakError
 from tests.loop_turns import LoopTurns
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -149,3 +151,50 @@ async def test_a_measured_unit_that_would_overrun_the_slice_waits_for_the_next()
         counter.cancel()
     iterations = [ran_in[f"slow{i}"] for i in range(4)]
     assert len(set(iterations)) == 4, f"nodes ran in iterations {iterations}"
+
+
+def _runs_that_each_use_an_executor(count: int) -> None:
+    """`count` asyncio.run calls, each building an Executor and executing it once."""
+    b = GraphBuilder()
+    b.output(b.call(spin, b.input("x"), name="spin", placement="inline"))
+    graph = b.build()
+
+    async def once() -> None:
+        async with Executor(graph) as ex:
+            assert await ex.execute(1) == 2
+
+    for _ in range(count):
+        asyncio.run(once())
+
+
+def _closed_loops_with_budgets() -> int:
+    gc.collect()
+    return sum(1 for loop in list(_BUDGETS) if loop.is_closed())
+
+
+async def test_a_budget_does_not_keep_its_loop_alive() -> None:
+    """Regression: the budget held its loop strongly, so the weak-keyed table never dropped
+    an entry and every loop an Executor ever ran on stayed alive."""
+    before = _closed_loops_with_budgets()
+    await asyncio.to_thread(_runs_that_each_use_an_executor, 20)  # asyncio.run needs a thread
+    assert _closed_loops_with_budgets() == before
+
+
+async def test_the_leak_checker_reports_a_closed_loop_left_alive() -> None:
+    kept: list[asyncio.AbstractEventLoop] = []
+
+    def run_and_keep_the_loop() -> None:
+        async def once() -> None:
+            kept.append(asyncio.get_running_loop())
+            await asyncio.sleep(0)
+            loop_budget(asyncio.get_running_loop(), 0.001)
+
+        asyncio.run(once())
+
+    checker = LeakChecker()
+    async with checker:
+        pass  # nothing leaked: no error
+    with pytest.raises(LeakError, match="1 closed event loop"):
+        async with LeakChecker():
+            await asyncio.to_thread(run_and_keep_the_loop)
+    kept.clear()

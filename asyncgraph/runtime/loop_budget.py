@@ -12,6 +12,10 @@ iteration). So each iteration spends about one slice in inline kernels (more onl
 longer than a slice, or one not measured yet), whatever the number of callers, timers and I/O
 get their turn in between, and deferred work costs one loop callback per iteration rather
 than one per waiting execution.
+
+Budgets are kept per loop in a table with weak keys, and a budget holds its loop weakly too:
+an entry (and its loop) goes as soon as nothing else uses the loop, so a process that runs
+many `asyncio.run` calls does not keep every loop it ever ran on.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ class LoopBudget:
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, slice_s: float) -> None:
-        self._loop = loop
+        # Weak: the budget is the value of a weak-keyed table whose key is this loop; a strong
+        # reference here would keep the key, and so the entry and the loop, alive for ever.
+        self._loop = weakref.ref(loop)
         self.slice_s = slice_s
         self._open = False
         self._deadline = 0.0
@@ -56,7 +62,7 @@ class LoopBudget:
             self._open = True
             self._deadline = now + self.slice_s
             self._slices += 1
-            self._loop.call_soon(self._close)
+            self._call_soon(self._close)
             return self._deadline
         if now >= self._deadline:
             return None
@@ -68,7 +74,13 @@ class LoopBudget:
         self._queue.append((fn, args))
         if not self._scheduled:
             self._scheduled = True
-            self._loop.call_soon(self._run_deferred)
+            self._call_soon(self._run_deferred)
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        loop = self._loop()
+        if loop is None:  # only reachable from a callback of a loop being torn down
+            raise RuntimeError("the event loop of this LoopBudget no longer exists")
+        loop.call_soon(fn)
 
     def _run_deferred(self) -> None:
         """Run deferred work in order until the slice is spent; the rest waits a turn.
@@ -87,7 +99,7 @@ class LoopBudget:
         finally:  # even if a callback raised, the work behind it must not be stranded
             if queue and not self._scheduled:
                 self._scheduled = True
-                self._loop.call_soon(self._run_deferred)
+                self._call_soon(self._run_deferred)
 
     def _close(self) -> None:
         self._open = False
@@ -109,3 +121,8 @@ def loop_budget(loop: asyncio.AbstractEventLoop, slice_s: float) -> LoopBudget:
     elif slice_s < budget.slice_s:
         budget.slice_s = slice_s
     return budget
+
+
+def loops_with_budgets() -> list[asyncio.AbstractEventLoop]:
+    """The loops that have a budget and are still alive (the leak checker reads this)."""
+    return list(_BUDGETS)

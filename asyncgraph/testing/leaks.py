@@ -1,7 +1,9 @@
 """LeakChecker: after a block of code, nothing of any Executor it created may be left over.
 
 Checked: frames still in use, waiters for frames, tasks still pending on the loop, worker
-threads that outlive their Executor, and CUDA memory that grew (when CUDA is initialised).
+threads that outlive their Executor, event loops closed during the block that the runtime
+still knows (a LoopBudget entry outlives its loop only while something holds the loop), and
+CUDA memory that grew (when CUDA is initialised).
 
     async with LeakChecker():
         async with Executor(program) as ex:
@@ -13,13 +15,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import weakref
 from types import TracebackType
 
+from asyncgraph.runtime.loop_budget import loops_with_budgets
 from asyncgraph.runtime.registry import live_executors
 
 
 class LeakError(AssertionError):
-    """Something outlived the test: a frame in use, a waiter, a task, a thread, CUDA memory."""
+    """Something outlived the test: a frame in use, a waiter, a task, a thread, a closed
+    event loop, CUDA memory."""
 
 
 class LeakChecker:
@@ -47,11 +52,13 @@ class LeakChecker:
         self.cuda_slack_bytes = cuda_slack_bytes
         self._executors_before: set[int] = set()
         self._threads_before: set[threading.Thread] = set()
+        self._loops_before: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         self._cuda_before: int | None = None
 
     async def __aenter__(self) -> LeakChecker:
         self._executors_before = {id(e) for e in live_executors()}
         self._threads_before = set(threading.enumerate())
+        self._loops_before = weakref.WeakSet(loops_with_budgets())
         self._cuda_before = _cuda_allocated()
         return self
 
@@ -94,11 +101,35 @@ class LeakChecker:
         stray = await self._stray_threads()
         if stray:
             problems.append(f"{len(stray)} worker thread(s) still alive: {[t.name for t in stray]}")
+        loops = self._closed_loops()
+        if loops:
+            problems.append(
+                f"{len(loops)} closed event loop(s) still alive with a LoopBudget (an Executor, "
+                f"frame or budget of the runtime holding its loop?): {loops[:3]!r}"
+            )
+        del loops
         grown = _cuda_growth(self._cuda_before, self.cuda_slack_bytes)
         if grown:
             problems.append(f"CUDA memory grew by {grown} bytes")
         if problems:
             raise LeakError("leak check failed:\n  " + "\n  ".join(problems))
+
+    def _closed_loops(self) -> list[asyncio.AbstractEventLoop]:
+        """Loops that got a budget during the block and were closed, yet are still alive.
+
+        A closed loop usually sits in a reference cycle, so the collector runs first, but only
+        when there is such a loop: most blocks never create one, and a full collection costs.
+        """
+        def closed() -> list[asyncio.AbstractEventLoop]:
+            return [
+                loop for loop in loops_with_budgets()
+                if loop.is_closed() and loop not in self._loops_before
+            ]
+
+        if not closed():
+            return []
+        gc.collect()
+        return closed()
 
     async def _stray_threads(self) -> list[threading.Thread]:
         deadline = asyncio.get_running_loop().time() + self.settle_s
