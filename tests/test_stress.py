@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ async def test_short_soak_exported_program(block_ep: torch.export.ExportedProgra
     assert report.completed > 0 and report.faulted > 0
     assert report.weight_swaps == (config.executions - 1) // config.swap_weights_every
     assert 1 <= report.frames_high_water <= report.max_frames == 4
-    assert report.loop_lag_p99_ms >= 0.0
+    assert report.loop_lag_p99_ms <= report.loop_lag_max_ms
     assert "mismatches   0" in report.summary()
 
 
@@ -202,6 +203,97 @@ def test_stress_config_validation(field: str, value: Any, message: str) -> None:
         StressConfig(cancel_rate=0.6, timeout_rate=0.6)
 
 
+async def test_reference_runs_once_per_input_set_and_weights_version(
+    block_ep: torch.export.ExportedProgram, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check runs the reference per distinct input set and weights version, not per
+    execution, and progress reports both phases to the end."""
+    runs = 0
+    original = ReferenceRunner.run_flat
+
+    async def counting(self: ReferenceRunner, inputs: Any) -> list[Any]:
+        nonlocal runs
+        runs += 1
+        return await original(self, inputs)
+
+    monkeypatch.setattr(ReferenceRunner, "run_flat", counting)
+    seen: dict[str, tuple[int, int]] = {}
+    config = StressConfig(executions=80, concurrency=8, cancel_rate=0, timeout_rate=0,
+                          fault_rate=0, delay_rate=0, swap_weights_every=40, seed=4,
+                          distinct_inputs=3)
+    report = await run_stress(
+        block_ep, config, progress=lambda phase, done, total: seen.update({phase: (done, total)})
+    )
+    assert report.ok, report.summary()
+    assert report.completed == 80
+    assert runs == report.reference_runs
+    assert 3 <= runs <= 3 * (report.weight_swaps + 1) == 6
+    assert seen == {"run": (80, 80), "verify": (80, 80)}
+    assert report.total_s >= report.elapsed_s + report.verify_s
+
+
+async def test_loop_lag_above_the_limit_is_a_violation() -> None:
+    import time
+
+    def hog(x: float) -> float:
+        time.sleep(0.02)  # holds the event loop: it runs inline
+        return x
+
+    b = GraphBuilder()
+    b.output(b.call(hog, b.input("x"), placement="inline"))
+    config = StressConfig(executions=6, concurrency=2, cancel_rate=0, timeout_rate=0,
+                          fault_rate=0, delay_rate=0, max_loop_lag_s=0.005)
+    report = await run_stress(b.build(), config, inputs=lambda rng: [rng.random()])
+    assert any("loop lag p99" in v and "exceeds 5.00 ms" in v for v in report.violations)
+
+
+def test_cli_stress_checks_loop_lag_by_default(
+    tmp_path: Path, block_ep: torch.export.ExportedProgram, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncgraph.testing as testing
+
+    configs: list[StressConfig] = []
+    original = testing.run_stress
+
+    async def recording(program: Any, config: StressConfig, **kwargs: Any) -> Any:
+        configs.append(config)
+        return await original(program, config, **kwargs)
+
+    monkeypatch.setattr(testing, "run_stress", recording)
+    path = tmp_path / "block.pt2"
+    torch.export.save(block_ep, path)
+    base = ["stress", str(path), "--executions", "8", "--concurrency", "2"]
+    result = CliRunner().invoke(app, base)
+    assert result.exit_code == 0, result.output
+    assert configs[-1].max_loop_lag_s == 0.1
+    for word in ("run", "verification", "reference runs", "total"):
+        assert word in result.output
+    result = CliRunner().invoke(app, [*base, "--max-loop-lag-ms", "0"])
+    assert result.exit_code == 0, result.output
+    assert configs[-1].max_loop_lag_s is None
+    assert "loop lag not checked" in result.output
+
+
+async def test_harness_reports_a_blocked_loop() -> None:
+    """A kernel that holds the loop for 30 ms: the heartbeat's lag p99 is over the 10 ms limit
+    (a lower bound: a busy machine only makes the lag longer)."""
+
+    async def hog(x: float) -> float:
+        time.sleep(0.03)  # noqa: ASYNC251 - the defect under test: it blocks the loop
+        return x
+
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output(b.call(hog, x))
+    config = StressConfig(executions=3, concurrency=1, cancel_rate=0, timeout_rate=0,
+                          fault_rate=0, delay_rate=0, max_loop_lag_s=0.01, seed=0)
+    report = await run_stress(b.build(), config, inputs=lambda rng: [rng.random()])
+    assert report.completed == 3 and report.mismatches == 0
+    assert report.loop_lag_max_ms >= report.loop_lag_p99_ms >= 20.0, report.summary()
+    assert not report.ok
+    assert any("loop lag p99" in v and "exceeds 10.00 ms" in v for v in report.violations)
+
+
 # -- the reference runner and helpers -------------------------------------------------------------
 
 
@@ -230,8 +322,6 @@ async def test_reference_runner_awaits_async_kernels() -> None:
 
 
 async def test_loop_lag_monitor_measures_a_blocked_loop() -> None:
-    import time
-
     async with LoopLagMonitor() as monitor:
         await asyncio.sleep(0.01)
         time.sleep(0.03)  # noqa: ASYNC251 - hold the loop on purpose: the next beat is late

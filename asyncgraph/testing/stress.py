@@ -11,11 +11,13 @@ delays come from a seeded FaultInjector (one random stream per node). The interl
 threads is not replayable; with `concurrency=1` fault decisions are made per execution, so a
 run without cancellations and timeouts (whose outcome depends on timing) replays exactly.
 
-Every completed result is checked against a ReferenceRunner (serial, graph order, no faults)
-on the weights version(s) the execution may have used. A violation is anything a correct
-executor never does: a wrong result, an exception other than the injected ones, a fault
-without its node context, an unrequested cancellation, a frame or thread left behind, or
-statistics that disagree with what the callers saw.
+Executions draw their inputs from `distinct_inputs` input sets made up front, so the check is
+cheap: every completed result is checked against a ReferenceRunner (serial, graph order, no
+faults) on the weights version(s) the execution may have used, and the reference runs once per
+input set and weights version, not once per execution (`StressReport.reference_runs`). A
+violation is anything a correct executor never does: a wrong result, an exception other than
+the injected ones, a fault without its node context, an unrequested cancellation, a frame or
+thread left behind, or statistics that disagree with what the callers saw.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
     from asyncgraph.runtime.executor import Executor, ExecutorStatistics
 
 InputsFactory = Callable[[random.Random], list[Any]]
+ProgressCallback = Callable[[str, int, int], None]
+"""`progress(phase, done, total)`: phase "run" as executions finish, "verify" as results are
+checked."""
 _WARM_UP = 3  # fault-free executions that measure the latency scale first
 
 
@@ -63,7 +68,13 @@ class StressConfig:
         swap_weights_every: swap in perturbed weights after every this many executions have
             started; 0 never swaps.
         seed: the seed every decision is drawn from.
-        max_loop_lag_s: when set, a heartbeat lag p99 above it is a violation.
+        max_loop_lag_s: when set, a heartbeat lag p99 above it is a violation. None (the
+            library's default) only reports the lag; `asyncgraph stress` checks 100 ms unless
+            told otherwise.
+        distinct_inputs: input sets the executions draw from (at most `executions`). Fewer
+            make the reference check cheaper (one reference run per set and weights version);
+            more make it likelier that two concurrent executions have different inputs, which
+            is what catches results crossing between executions.
     """
 
     executions: int = 200
@@ -76,6 +87,7 @@ class StressConfig:
     swap_weights_every: int = 0
     seed: int = 0
     max_loop_lag_s: float | None = None
+    distinct_inputs: int = 32
 
     def __post_init__(self) -> None:
         if self.executions < 1:
@@ -95,6 +107,8 @@ class StressConfig:
             raise ValueError(f"max_delay_s must be >= 0, got {self.max_delay_s}")
         if self.swap_weights_every < 0:
             raise ValueError(f"swap_weights_every must be >= 0, got {self.swap_weights_every}")
+        if self.distinct_inputs < 1:
+            raise ValueError(f"distinct_inputs must be >= 1, got {self.distinct_inputs}")
 
 
 @dataclass(frozen=True)
@@ -113,8 +127,11 @@ class StressReport:
     max_frames: int
     loop_lag_p99_ms: float
     loop_lag_max_ms: float
-    elapsed_s: float
+    elapsed_s: float  # warm-up and executions, up to the executor's close
     violations: tuple[str, ...] = ()
+    verify_s: float = 0.0  # checking the results against the reference
+    total_s: float = 0.0  # everything: making the inputs, the run and the check
+    reference_runs: int = 0
 
     @property
     def ok(self) -> bool:
@@ -134,7 +151,8 @@ class StressReport:
             f"  weight swaps {self.weight_swaps}",
             f"  frames high-water {self.frames_high_water}/{self.max_frames}",
             f"  loop lag p99 {self.loop_lag_p99_ms:.2f} ms (max {self.loop_lag_max_ms:.2f} ms)",
-            f"  elapsed      {self.elapsed_s:.2f} s",
+            f"  elapsed      {self.elapsed_s:.2f} s run, {self.verify_s:.2f} s verification "
+            f"({self.reference_runs} reference runs), {self.total_s:.2f} s in all",
             "  result       " + ("ok" if self.ok else f"{len(self.violations)} violation(s)"),
         ]
         lines += [f"  ! {v}" for v in self.violations[:20]]
@@ -213,6 +231,7 @@ Action = Literal["run", "cancel", "timeout"]
 @dataclass
 class _Job:
     index: int
+    input_set: int  # the index of its inputs among the distinct input sets
     inputs: list[Any]
     action: Action
     after_fraction: float
@@ -236,16 +255,19 @@ async def run_stress(
     *,
     executor_config: ExecutorConfig | None = None,
     inputs: InputsFactory | None = None,
+    progress: ProgressCallback | None = None,
 ) -> StressReport:
     """Drive an Executor of `program` as `config` says and check everything (module docstring).
 
-    `inputs(rng)` makes one execution's flat inputs; by default they are random tensors shaped
-    like the example the program was exported with. The program must not mutate its buffers
-    (results would depend on the order of executions).
+    `inputs(rng)` makes one set of flat inputs (`config.distinct_inputs` are made); by default
+    they are random tensors shaped like the example the program was exported with. The program
+    must not mutate its buffers (results would depend on the order of executions).
+    `progress(phase, done, total)` is told how the run ("run") and the check ("verify") go.
     """
     from asyncgraph.runtime.executor import Executor
 
     config = config or StressConfig()
+    began = time.perf_counter()
     prog = to_program(program)
     if any(o.kind is OutputKind.BUFFER_MUTATION for o in prog.graph.signature.outputs):
         raise ValueError(
@@ -254,30 +276,32 @@ async def run_stress(
         )
     rng = random.Random(config.seed)
     make_inputs: InputsFactory = inputs or (lambda r: random_inputs(prog, r))
-    jobs = _plan_jobs(config, rng, make_inputs)
+    input_sets = [make_inputs(rng) for _ in range(min(config.distinct_inputs, config.executions))]
+    jobs = _plan_jobs(config, rng, input_sets)
     swaps = _plan_swaps(config, prog, rng)
     nodes = max(1, len(prog.graph.nodes))
     per_call = 1.0 - (1.0 - config.fault_rate) ** (1.0 / nodes) if config.fault_rate else 0.0
     faults = FaultInjector(seed=config.seed).random(
         raise_rate=per_call, delay_rate=config.delay_rate, max_delay_s=config.max_delay_s
     )
-    reference = ReferenceRunner(prog)
+    references = _References(ReferenceRunner(prog), input_sets)
     tally = _Tally()
     executor = Executor(prog, executor_config, kernel_factory=faults.kernel_factory())
     versions: dict[int, dict[str, Any]] = {executor.weights.version: dict(prog.weights)}
     started = time.perf_counter()
     monitor = LoopLagMonitor()
     try:
-        scale = await _warm_up(executor, faults, reference, make_inputs, rng, tally)
+        scale = await _warm_up(executor, faults, references, tally)
         async with monitor:
-            await _drive(executor, faults, config, jobs, swaps, versions, scale, tally)
+            await _drive(executor, faults, config, jobs, swaps, versions, scale, tally, progress)
     finally:
         await monitor.stop()
         stats = executor.statistics()
         await executor.aclose(cancel=True)
     elapsed = time.perf_counter() - started
     _check_after(executor, stats, tally, jobs)
-    mismatches = await _verify(reference, jobs, versions, tally)
+    mismatches = await _verify(references, jobs, versions, tally, progress)
+    verified = time.perf_counter()
     lag_p99 = monitor.p99
     if config.max_loop_lag_s is not None and lag_p99 > config.max_loop_lag_s:
         tally.violations.append(
@@ -298,10 +322,15 @@ async def run_stress(
         loop_lag_max_ms=monitor.max * 1e3,
         elapsed_s=elapsed,
         violations=tuple(tally.violations),
+        verify_s=verified - started - elapsed,
+        total_s=verified - began,
+        reference_runs=references.runs,
     )
 
 
-def _plan_jobs(config: StressConfig, rng: random.Random, make: InputsFactory) -> list[_Job]:
+def _plan_jobs(
+    config: StressConfig, rng: random.Random, input_sets: Sequence[list[Any]]
+) -> list[_Job]:
     jobs = []
     for i in range(config.executions):
         draw = rng.random()
@@ -310,7 +339,8 @@ def _plan_jobs(config: StressConfig, rng: random.Random, make: InputsFactory) ->
             action = "cancel"
         elif draw < config.cancel_rate + config.timeout_rate:
             action = "timeout"
-        jobs.append(_Job(i, make(rng), action, rng.random()))
+        chosen = rng.randrange(len(input_sets))
+        jobs.append(_Job(i, chosen, input_sets[chosen], action, rng.random()))
     return jobs
 
 
@@ -322,23 +352,19 @@ def _plan_swaps(config: StressConfig, prog: Program, rng: random.Random) -> list
 
 
 async def _warm_up(
-    executor: Executor,
-    faults: FaultInjector,
-    reference: ReferenceRunner,
-    make: InputsFactory,
-    rng: random.Random,
-    tally: _Tally,
+    executor: Executor, faults: FaultInjector, references: _References, tally: _Tally
 ) -> float:
     """Run a few executions without faults; return their median latency (the delay scale)."""
     faults.enabled = False
     latencies = []
+    version = executor.weights.version
     try:
-        for _ in range(_WARM_UP):
-            x = make(rng)
+        for i in range(_WARM_UP):
+            input_set = i % len(references.input_sets)
             start = time.perf_counter()
-            out = await executor.execute_flat(_clone(x))
+            out = await executor.execute_flat(_clone(references.input_sets[input_set]))
             latencies.append(time.perf_counter() - start)
-            problem = _compare(out, await reference.run_flat(_clone(x)))
+            problem = _compare(out, await references.expected(input_set, version))
             if problem:
                 tally.violations.append(f"warm-up execution: wrong result: {problem}")
     finally:
@@ -355,15 +381,17 @@ async def _drive(
     versions: dict[int, dict[str, Any]],
     scale: float,
     tally: _Tally,
+    progress: ProgressCallback | None = None,
 ) -> None:
     queue = list(reversed(jobs))
+    finished = 0
     pending_swaps = list(reversed(swaps))
     launched = 0
     # a deadline anywhere from "at once" to "while waiting behind the other callers"
     horizon = scale * (2.0 + config.concurrency / max(1, executor.config.max_concurrent_executions))
 
     async def caller() -> None:
-        nonlocal launched
+        nonlocal launched, finished
         while queue:
             job = queue.pop()
             launched += 1
@@ -376,6 +404,9 @@ async def _drive(
             if config.concurrency == 1:
                 faults.epoch = job.index + 1  # decisions per execution: an exact replay
             await _run_job(executor, job, job.after_fraction * horizon, tally)
+            finished += 1
+            if progress is not None:
+                progress("run", finished, len(jobs))
 
     callers = [asyncio.create_task(caller()) for _ in range(config.concurrency)]
     try:
@@ -496,25 +527,69 @@ def _check_after(
         tally.violations.append("a completed execution has no outputs")
 
 
+class _References:
+    """The reference's outputs per (input set, weights version), each computed once, and the
+    count of reference runs."""
+
+    def __init__(self, reference: ReferenceRunner, input_sets: Sequence[list[Any]]) -> None:
+        self.input_sets = input_sets
+        self.runs = 0
+        self._reference = reference
+        self._runners: dict[int, ReferenceRunner] = {}
+        self._weights: dict[int, dict[str, Any]] = {}
+        self._outputs: dict[tuple[int, int], list[Any]] = {}
+
+    def add_weights(self, versions: dict[int, dict[str, Any]]) -> None:
+        self._weights.update(versions)
+
+    async def expected(self, input_set: int, version: int) -> list[Any]:
+        key = (input_set, version)
+        if key not in self._outputs:
+            self._outputs[key] = await self._runner(version).run_flat(
+                _clone(self.input_sets[input_set])
+            )
+            self.runs += 1
+        return self._outputs[key]
+
+    def forget_before(self, version: int) -> None:
+        """Drop the outputs and runners of weights versions older than `version`."""
+        for key in [k for k in self._outputs if k[1] < version]:
+            del self._outputs[key]
+        for old in [v for v in self._runners if v < version]:
+            del self._runners[old]
+
+    def _runner(self, version: int) -> ReferenceRunner:
+        if version not in self._runners:
+            weights = self._weights.get(version)
+            self._runners[version] = (
+                self._reference if weights is None else self._reference.with_weights(weights)
+            )
+        return self._runners[version]
+
+
 async def _verify(
-    reference: ReferenceRunner,
+    references: _References,
     jobs: list[_Job],
     versions: dict[int, dict[str, Any]],
     tally: _Tally,
+    progress: ProgressCallback | None = None,
 ) -> int:
-    """Compare each completed result with the reference on the weights it may have used."""
-    runners: dict[int, ReferenceRunner] = {}
+    """Compare each completed result with the reference on the weights it may have used.
+
+    Jobs are checked in the order of the first weights version they may have used, so the
+    reference outputs of older versions can be dropped on the way.
+    """
+    references.add_weights(versions)
+    done = [job for job in jobs if job.outputs is not None]
+    done.sort(key=lambda job: (job.versions[0], job.index))
     mismatches = 0
-    for job in jobs:
-        if job.outputs is None:
-            continue
+    for checked, job in enumerate(done, 1):
+        assert job.outputs is not None
         first, last = job.versions
+        references.forget_before(first)
         problems = []
         for version in range(first, last + 1):
-            if version not in runners:
-                runners[version] = reference.with_weights(versions[version])
-            expected = await runners[version].run_flat(_clone(job.inputs))
-            problem = _compare(job.outputs, expected)
+            problem = _compare(job.outputs, await references.expected(job.input_set, version))
             if not problem:
                 break
             problems.append(f"weights v{version}: {problem}")
@@ -525,6 +600,8 @@ async def _verify(
                 + "; ".join(problems)[:300]
             )
         job.outputs = None  # drop results as soon as they are checked
+        if progress is not None:
+            progress("verify", checked, len(done))
     return mismatches
 
 
