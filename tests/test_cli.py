@@ -162,7 +162,8 @@ def test_trace_command_writes_a_chrome_trace(model_file: Any, tmp_path: Path) ->
     assert "6 execution(s) traced" in result.output and "aten.linear.default" in result.output
     events = json.loads(out.read_text())["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
-    assert {e["args"]["execution"] for e in slices} == set(range(1, 7))
+    # the 3 warm-up executions (the default --warmup) are not in the trace
+    assert {e["args"]["execution"] for e in slices} == set(range(4, 10))
     assert all({"op", "inputs", "output"} <= set(e["args"]) for e in slices)
     waits = [e for e in events if e["ph"] == "b" and e["name"] == "frame wait"]
     assert len(waits) == 6
@@ -336,3 +337,25 @@ def test_every_command_that_runs_models_takes_threads() -> None:
         result = invoke(command, "--help")
         assert result.exit_code == 0, result.output
         assert "--threads" in result.output, command
+
+
+@pytest.mark.parametrize("command", ["trace", "run"])
+def test_output_path_is_checked_before_the_run(
+    command: str, model_file: Any, tmp_path: Path, made_configs: Any
+) -> None:
+    _, path = model_file
+    line = one_error_line(invoke(command, path, "-o", tmp_path))
+    assert line == f"error: {tmp_path}: is a directory; give a file name"
+    missing = tmp_path / "nope" / "out.json"
+    line = one_error_line(invoke(command, path, "-o", missing))
+    assert line == f"error: {missing}: no such directory {missing.parent}"
+    assert made_configs == []  # refused before the model was loaded
+
+
+def test_trace_warmup_zero_traces_the_cold_calls(model_file: Any, tmp_path: Path) -> None:
+    _, path = model_file
+    out = tmp_path / "trace.json"
+    result = invoke("trace", path, "-o", out, "--executions", "2", "--warmup", "0")
+    assert result.exit_code == 0, result.output
+    slices = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["execution"] for e in slices} == {1, 2}

@@ -69,6 +69,10 @@ def bench(
     if loop not in _LOOPS:
         raise typer.BadParameter(f"expected one of {', '.join(_LOOPS)}, got {loop!r}",
                                  param_hint="--loop")
+    if output is not None:
+        from asyncgraph.cli.inputs import check_output_path
+
+        check_output_path(output)
     suite = _suite()
     harness = importlib.import_module("benchmarks.harness")
     try:

@@ -10,6 +10,7 @@ satisfy every dimension constraint by construction.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,18 @@ def read_tensors(path: Path) -> Any:
     if not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in leaves):
         raise InputValidationError(f"{path}: expected tensors, a list or a dict of tensors")
     return content
+
+
+def check_output_path(path: Path) -> None:
+    """Raise when `path` cannot be written: a directory, or a folder that is missing or not
+    writable. Commands call it before running, so a bad -o does not cost a whole run."""
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory; give a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{path}: no such directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"{path}: directory {folder} is not writable")
 
 
 def output_names(graph: Graph, count: int) -> list[str]:

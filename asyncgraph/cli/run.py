@@ -68,8 +68,10 @@ def run(
     """
     from torch.utils import _pytree as pytree
 
-    from asyncgraph.cli.inputs import output_names, save_outputs, summarize
+    from asyncgraph.cli.inputs import check_output_path, output_names, save_outputs, summarize
 
+    if output is not None:
+        check_output_path(output)
     ex = _load(model, threads)
     flat_in = _inputs(ex, inputs, random, seed)
 
@@ -102,6 +104,10 @@ def trace(
         Path, typer.Option("--output", "-o", help="Where to write the Chrome trace JSON.")
     ] = Path("trace.json"),
     executions: Annotated[int, typer.Option(min=1, help="Executions to trace.")] = 20,
+    warmup: Annotated[
+        int, typer.Option(min=0, help="Executions before tracing, left out of the trace "
+                          "(the first calls are cold: allocations, profiling).")
+    ] = 3,
     concurrency: Annotated[int, typer.Option(min=1, help="Concurrent callers.")] = 4,
     frames: Annotated[
         int, typer.Option(min=1, help="Execution frames (max_concurrent_executions).")
@@ -116,12 +122,17 @@ def trace(
 ) -> None:
     """Trace executions into Chrome trace-event JSON that ui.perfetto.dev opens.
 
+    The first --warmup executions run untraced, so cold calls do not dominate the summary.
+
     One row per thread (the event loop, each worker) and CUDA stream, a slice per node with its
     op and shapes, and per execution its frame wait, queue and run time. With more callers than
     frames, executions queue for frames, and the trace shows it.
     """
     from rich.progress import Progress
 
+    from asyncgraph.cli.inputs import check_output_path
+
+    check_output_path(output)
     config: dict[str, Any] = {"trace": True, "max_concurrent_executions": frames}
     if parallel_ops is not None:
         config["max_parallel_ops"] = parallel_ops
@@ -129,16 +140,22 @@ def trace(
     flat_in = _inputs(ex, inputs, random, seed)
 
     async def drive(progress: Progress) -> None:
-        bar = progress.add_task("tracing", total=executions)
-        remaining = iter(range(executions))
+        async def calls(label: str, count: int) -> None:
+            bar = progress.add_task(label, total=count)
+            remaining = iter(range(count))
 
-        async def caller() -> None:
-            for _ in remaining:
-                await ex.execute_flat(list(flat_in))
-                progress.advance(bar)
+            async def caller() -> None:
+                for _ in remaining:
+                    await ex.execute_flat(list(flat_in))
+                    progress.advance(bar)
+
+            await asyncio.gather(*(caller() for _ in range(concurrency)))
 
         async with ex:
-            await asyncio.gather(*(caller() for _ in range(concurrency)))
+            if warmup:
+                await calls("warming up", warmup)
+                ex.recorder.clear()
+            await calls("tracing", executions)
 
     with Progress(console=console, transient=True) as progress:
         asyncio.run(drive(progress))
