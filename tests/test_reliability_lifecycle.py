@@ -7,7 +7,9 @@
 6. Many worker threads completing nodes at the same moment, handing off to the loop: every
    execution completes with its own correct result; none is lost (a lost completion would hang,
    so every wait has a deadline).
-7. A 1 ms heartbeat's lag p99 stays under 50 ms while 64 CPU-heavy executions run.
+7. While 64 CPU-heavy executions run, the loop keeps running: a heavy kernel, on a worker
+   thread, waits for the loop to answer it (a handshake, not a clock: the loop lag under load
+   is measured by benchmarks/concurrency.py).
 10. The loop matrix: each test here runs on asyncio in debug mode and on uvloop (conftest);
     the eager task factory exists only on Python 3.12+, where a mini-suite runs with it.
 """
@@ -31,7 +33,7 @@ import uvloop
 
 from asyncgraph import Executor, ExecutorClosedError, ExecutorConfig, GraphBuilder
 from asyncgraph.graph.ir import Graph
-from asyncgraph.testing import Gate, LeakChecker, LoopLagMonitor
+from asyncgraph.testing import Gate, LeakChecker
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -237,47 +239,65 @@ async def test_completion_storm_many_executions() -> None:
 # -- scenario 7 -----------------------------------------------------------------------------------
 
 
-def heavy_graph() -> Graph:
-    def matmul_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        for _ in range(3):
-            x = torch.tanh(x @ w)
-        return x
+class _LoopProbe:
+    """A heavy kernel's handshake with the loop: the first call tells the loop it is running,
+    then waits for the loop's answer, which can only come if the loop runs meanwhile."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.running = asyncio.Event()
+        self.answered = threading.Event()
+        self.threads: set[str] = set()
+
+    def in_kernel(self) -> None:
+        self.threads.add(threading.current_thread().name)
+        if self.answered.is_set():
+            return
+        self.loop.call_soon_threadsafe(self.running.set)
+        if not self.answered.wait(20):
+            raise TimeoutError("the loop never answered while a heavy kernel ran")
+
+
+def matmul_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    for _ in range(3):
+        x = torch.tanh(x @ w)
+    return x
+
+
+def heavy_graph(probe: _LoopProbe) -> Graph:
+    def probed_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        probe.in_kernel()
+        return matmul_chain(x, w)
 
     b = GraphBuilder()
     x = b.input("x")
     w = b.input("w")
-    branches = [b.call(matmul_chain, x, w, name=f"chain{i}", placement="worker") for i in range(4)]
+    branches = [b.call(probed_chain, x, w, name=f"chain{i}", placement="worker")
+                for i in range(4)]
     b.output(b.call(lambda *ts: torch.stack(ts).sum(0), *branches, name="join", placement="inline"))
     return b.build()
 
 
-async def _idle_lag_p99(seconds: float = 0.5) -> float:
-    async with LoopLagMonitor() as idle:
-        await asyncio.sleep(seconds)
-    return idle.p99
-
-
+@pytest.mark.timeout(90)
 async def test_event_loop_stays_responsive_under_cpu_load() -> None:
-    bound_s = 0.050
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, 256, generator=gen)
     w = torch.randn(256, 256, generator=gen) / 16
+    expected = 4 * matmul_chain(x, w)
+    probe = _LoopProbe(asyncio.get_running_loop())
     config = ExecutorConfig(max_concurrent_executions=8, max_parallel_ops=2)
-    async with Executor(heavy_graph(), config) as ex:
-        expected = await ex.execute(x, w)
-        async with LoopLagMonitor(interval_s=0.001) as monitor:
-            outs = await asyncio.gather(*(ex.execute(x, w) for _ in range(64)))
-        for out in outs:
-            torch.testing.assert_close(out, expected)
-    assert len(monitor.lags) >= 20, "the heartbeat barely ran: the loop was starved"
-    p99 = monitor.p99
-    if p99 >= bound_s:
-        idle = await _idle_lag_p99()
-        if idle >= bound_s / 2:  # the machine, not the executor, stalls the loop
-            pytest.skip(f"machine too noisy: an idle loop's lag p99 is {idle * 1e3:.1f} ms")
-    assert p99 < bound_s, (
-        f"heartbeat lag p99 {p99 * 1e3:.1f} ms >= {bound_s * 1e3:.0f} ms during 64 heavy "
-        f"executions (max {monitor.max * 1e3:.1f} ms over {len(monitor.lags)} beats)"
+    async with Executor(heavy_graph(probe), config) as ex:
+        runs = asyncio.gather(*(ex.execute(x, w) for _ in range(64)))
+        async with asyncio.timeout(20):
+            await probe.running.wait()
+        for _ in range(5):  # timers fire while the kernel holds its worker thread
+            await asyncio.sleep(0.001)
+        probe.answered.set()
+        outs = await asyncio.wait_for(runs, 60)
+    for out in outs:
+        torch.testing.assert_close(out, expected)
+    assert probe.threads and all(t.startswith("asyncgraph-worker") for t in probe.threads), (
+        probe.threads
     )
 
 
@@ -291,12 +311,10 @@ async def test_runs_on_the_loop_matrix(request: pytest.FixtureRequest) -> None:
         assert isinstance(loop, uvloop.Loop)
     else:
         assert not isinstance(loop, uvloop.Loop)
-        if not loop.get_debug():
-            pytest.xfail(
-                "test-infra bug: pytest-asyncio's Runner calls loop.set_debug(False) (its "
-                "asyncio_debug ini option defaults to false), undoing conftest's set_debug(True); "
-                "fix: `asyncio_debug = true` in [tool.pytest.ini_options]"
-            )
+        # conftest's factory (its slow-callback threshold), in debug mode: pytest-asyncio's
+        # runner sets debug from the asyncio_debug ini option, which must stay true
+        assert loop.get_debug()
+        assert loop.slow_callback_duration == 10.0
     async with Executor(sleepy_graph(0.0), _config()) as ex:
         assert await ex.execute(1) == 3
 

@@ -30,6 +30,7 @@ from asyncgraph.testing import (
     random_inputs,
     run_stress,
 )
+from tests.soak import soak
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -369,13 +370,13 @@ def test_cli_stress_refuses_a_bad_archive(tmp_path: Path) -> None:
     assert "not a zip file" in result.output
 
 
-# -- long soaks (--run-slow) ----------------------------------------------------------------------
+# -- long soaks (--run-slow; sized by ASYNCGRAPH_SOAK_SCALE, see tests/soak.py) ------------------
 
 
 @pytest.mark.slow
 async def test_long_soak_exported_program(block_ep: torch.export.ExportedProgram) -> None:
     config = StressConfig(
-        executions=5000, concurrency=64, cancel_rate=0.1, timeout_rate=0.1, fault_rate=0.05,
+        executions=soak(5000), concurrency=64, cancel_rate=0.1, timeout_rate=0.1, fault_rate=0.05,
         delay_rate=0.2, max_delay_s=0.002, swap_weights_every=100, seed=11,
     )
     report = await run_stress(block_ep, config)
@@ -386,7 +387,8 @@ async def test_long_soak_exported_program(block_ep: torch.export.ExportedProgram
 @pytest.mark.parametrize("seed", range(5))
 async def test_long_soak_async_graph(seed: int) -> None:
     config = StressConfig(
-        executions=2000, concurrency=128, cancel_rate=0.2, timeout_rate=0.2, fault_rate=0.1,
+        executions=soak(2000), concurrency=128, cancel_rate=0.2, timeout_rate=0.2,
+        fault_rate=0.1,
         delay_rate=0.5, max_delay_s=0.003, seed=seed,
     )
     report = await run_stress(async_graph(), config, inputs=lambda rng: [rng.uniform(-3, 3)])
