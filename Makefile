@@ -3,8 +3,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The soak tests (marker `slow`) scale their executions and examples by this (tests/soak.py):
+# `make soak` runs them in full (about 2 minutes on 2 cores); `make test` runs them at CI_SOAK_SCALE.
+SOAK_SCALE ?= 1
+CI_SOAK_SCALE ?= 0.25
 
-.PHONY: demo test lint typecheck unit install clean
+.PHONY: demo test lint typecheck unit soak install clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +22,7 @@ demo: install
 	$(BIN)/asyncgraph demo
 
 test: lint typecheck unit
+	$(MAKE) soak SOAK_SCALE=$(CI_SOAK_SCALE)
 
 lint: install
 	$(BIN)/ruff check asyncgraph kernels tests examples benchmarks
@@ -27,6 +32,9 @@ typecheck: install
 
 unit: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+soak: install
+	ASYNCGRAPH_SOAK_SCALE=$(SOAK_SCALE) $(BIN)/python -m pytest -q -p no:cacheprovider -m slow --run-slow
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

@@ -32,7 +32,10 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--run-slow", action="store_true", help="run the long soak tests")
+    parser.addoption(
+        "--run-slow", action="store_true",
+        help="run the long soak tests (sized by ASYNCGRAPH_SOAK_SCALE: tests/soak.py)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.graph.ir import Graph
 from asyncgraph.testing import LeakChecker, ReferenceRunner
+from tests.soak import soak
 
 MOD = 1009
 KINDS = ("inline", "worker", "task")
@@ -177,7 +178,7 @@ async def test_random_dags_serial_equals_parallel(
 
 
 @pytest.mark.slow
-@settings(max_examples=400, deadline=None, suppress_health_check=_CHECKS)
+@settings(max_examples=soak(400), deadline=None, suppress_health_check=_CHECKS)
 @given(spec=dags(max_nodes=40), seed=st.integers(0, 2**31), free_values=st.booleans())
 async def test_random_dags_serial_equals_parallel_long(
     spec: DagSpec, seed: int, free_values: bool
