@@ -15,8 +15,9 @@ fold for the same reason.
 How: `fold_constants` returns the graph without the folded nodes, where each folded value the
 rest of the graph reads is a CONSTANT input named `_folded.<node>`, plus a ConstantFolder that
 computes those values from a weights mapping. The Executor runs the folder when it is built and
-on every `swap_weights` (so a bad swap fails there, not in a later request); buffer updates
-from executions keep the folded values (folded nodes never read a mutated buffer).
+on every `swap_weights` (so a bad swap fails there, not in a later request), on the loop, or on
+a worker thread for `aswap_weights` (the loop keeps serving meanwhile); buffer updates from
+executions keep the folded values (folded nodes never read a mutated buffer).
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class ConstantFolder:
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+    def reads_same(self, before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+        """Whether `after` holds the very objects `before` holds for every weight this folder
+        reads, so that values folded from one are the values of the other (an asynchronous
+        swap checks this after folding on a thread: buffer updates keep it, a swap does not)."""
+        return all(before[name] is after[name] for name in self.weights.values())
 
 
 def fold_constants(

@@ -277,6 +277,42 @@ class Executor:
         self._weights = self._with_folded(self._weights.swapped(state_dict, strict=strict))
         return self._weights.version
 
+    async def aswap_weights(self, state_dict: Mapping[str, Any], *, strict: bool = False) -> int:
+        """`swap_weights` with the constant folding on a worker thread; returns the new version.
+
+        Folding recomputes every folded constant from the new weights (transposed and
+        dequantised weights: as much work as those nodes of a call, often more); inline it holds
+        the loop and every execution waits. Here executions go on with the old weights while a
+        thread folds, then the new version replaces the old one on the loop, in one assignment.
+        Swaps complete in call order, so versions follow the calls; a swap cancelled before it
+        completes changes nothing. Errors are those of `swap_weights`, raised here.
+        """
+        self._check_open()
+        folder = self._folder
+        if folder is None or not len(folder):
+            return self.swap_weights(state_dict, strict=strict)
+        async with self._swap_lock():
+            while True:
+                base = self._weights
+                candidate = base.swapped(state_dict, strict=strict)  # checks names and shapes
+                derived = await asyncio.to_thread(folder, candidate.tensors)
+                self._check_open()
+                current = self._weights
+                if folder.reads_same(base.tensors, current.tensors):
+                    break
+                # a swap_weights call replaced weights that folding reads meanwhile: fold again
+            # executions may have updated buffers meanwhile (folding reads none): keep them
+            self._weights = current.swapped(state_dict, strict=strict).with_derived(derived)
+            return self._weights.version
+
+    _swap_lock_on_loop: asyncio.Lock | None = None
+
+    def _swap_lock(self) -> asyncio.Lock:
+        """The FIFO lock that orders aswap_weights calls (made on first use, on the loop)."""
+        if self._swap_lock_on_loop is None:
+            self._swap_lock_on_loop = asyncio.Lock()
+        return self._swap_lock_on_loop
+
     def _with_folded(self, weights: Weights) -> Weights:
         """`weights` with the folded constants computed from them (asyncgraph/passes/folding.py)."""
         folder = self._folder
