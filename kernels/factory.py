@@ -27,7 +27,9 @@ _CUDA_KEYS = ("CUDA", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
 
 
 class KernelFactory:
-    """Creates the kernels of a graph: aten, prim, higher-order, async and Python callables.
+    """Creates the kernels of a graph: aten, prim, higher-order, async and Python callables,
+    and delegates (a callable whose `kernel_kind` is KernelKind.DELEGATE, such as a compiled
+    AOTInductor segment: asyncgraph/compiled/delegate.py).
 
     `config` is the configuration the subgraphs of higher-order ops (cond, while_loop, map)
     run with on their own executors; None means ExecutorConfig's defaults.
@@ -69,6 +71,8 @@ class KernelFactory:
             return self._aten(target, node, graph)
         if is_higher_order(target):
             return higher_order_kernel(target, node, self.config)
+        if getattr(target, "kernel_kind", None) is KernelKind.DELEGATE:  # a compiled segment
+            return OpKernel(target, KernelKind.DELEGATE, name, int(getattr(target, "cost", 0)))
         if target in PRIM_FUNCTIONS:
             return OpKernel(target, KernelKind.PRIM, name)
         if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(

@@ -17,6 +17,7 @@ try:
     from typer.core import TyperGroup
 
     from asyncgraph.cli import bench, run, serve, stress
+    from asyncgraph.cli import compile as compile_cli
     from asyncgraph.cli.options import ThreadsOpt
     from asyncgraph.tools import check, profile
 except ModuleNotFoundError as missing:
@@ -134,6 +135,7 @@ def demo(
 # -- commands defined in their own modules (one registration line each, sorted) ---------------
 app.command("bench")(bench.bench)
 app.command("check")(check.check)
+app.command("compile")(compile_cli.compile_command)
 app.command("profile")(profile.profile)
 app.command("run")(run.run)
 app.command("serve")(serve.serve)

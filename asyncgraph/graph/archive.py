@@ -20,6 +20,13 @@ naming the member and what is wrong:
 - a weight the signature names but the archive lacks, a payload file that is missing or
   smaller than its tensor, and impossible shapes (negative sizes, zero-byte files claiming
   elements).
+
+A compiled package (asyncgraph/compiled/package.py: the program plus AOTInductor models and a
+manifest, `extra/asyncgraph_compiled.json`) holds shared libraries, native code that runs when
+loaded. It is refused like any archive with compiled code unless the caller trusts it
+(`trust_compiled=True`); then everything else is checked by the rules above, and the compiled
+members must be exactly the manifest's segments: `data/aotinductor/aoti_segment_<i>/` holding
+one wrapper .so, C++ sources and JSON metadata, nothing else.
 """
 
 from __future__ import annotations
@@ -47,15 +54,27 @@ _REFUSED_DIRS = {
     "xl_model_weights/": "externally loaded weights",
 }
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+COMPILED_MANIFEST = "asyncgraph_compiled.json"
+_AOTI_DIR = "data/aotinductor/"
+_AOTI_MEMBER = re.compile(r"data/aotinductor/(aoti_segment_\d+)/([A-Za-z0-9_.-]+)\Z")
+_AOTI_SUFFIXES = (".wrapper.so", ".so", ".cpp", ".json")
+TRUST_HINT = (
+    "load it with asyncgraph.load(path, trust_compiled=True) (--trust-compiled on the command "
+    "line) if you trust where it comes from"
+)
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\Z")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+\Z")
 
 
-def check_pt2_archive(path: str | os.PathLike[str], *, verify_crc: bool = True) -> None:
+def check_pt2_archive(
+    path: str | os.PathLike[str], *, verify_crc: bool = True, trust_compiled: bool = False
+) -> None:
     """Raise ProgramLoadError unless `path` is a .pt2 that torch.export.load may safely read.
 
     Nothing from the file is executed or unpickled. `verify_crc=False` skips reading every
     member to check its CRC (when the caller has run `ZipFile.testzip()` already).
+    `trust_compiled=True` accepts the AOTInductor models of a compiled package (native code,
+    which the caller then loads), checked against its manifest.
     """
     p = Path(path)
     if not p.is_file():
@@ -68,7 +87,7 @@ def check_pt2_archive(path: str | os.PathLike[str], *, verify_crc: bool = True) 
         raise ProgramLoadError(f"{p}: not a .pt2 archive (not a zip file)")
     try:
         with zipfile.ZipFile(p) as archive:
-            _Checker(p, archive, verify_crc).run()
+            _Checker(p, archive, verify_crc, trust_compiled).run()
     except ProgramLoadError:
         raise
     except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
@@ -77,13 +96,29 @@ def check_pt2_archive(path: str | os.PathLike[str], *, verify_crc: bool = True) 
         raise ProgramLoadError(f"{p}: truncated or corrupt archive ({exc!r})") from None
 
 
+def is_compiled_package(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a zip holding asyncgraph's compiled-package manifest (nothing is
+    checked or loaded; a damaged file is simply not one)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(
+                n.endswith("/extra/" + COMPILED_MANIFEST) and n.count("/") == 2
+                for n in archive.namelist()
+            )
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+        return False
+
+
 class _Checker:
     """One archive's checks; `fail` raises with the file name in front."""
 
-    def __init__(self, path: Path, archive: zipfile.ZipFile, verify_crc: bool) -> None:
+    def __init__(
+        self, path: Path, archive: zipfile.ZipFile, verify_crc: bool, trust_compiled: bool = False
+    ) -> None:
         self.path = path
         self.archive = archive
         self.verify_crc = verify_crc
+        self.trust_compiled = trust_compiled
         self.root = ""
         self.members: dict[str, zipfile.ZipInfo] = {}
 
@@ -119,6 +154,7 @@ class _Checker:
         for name in self.members:
             if name.startswith(("data/weights/", "data/constants/")) and name not in referenced:
                 raise self.fail(f"member {name!r} is not referenced by any weights config")
+        self._compiled_models()
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -150,6 +186,18 @@ class _Checker:
             self._classify(rel)
 
     def _classify(self, rel: str) -> None:
+        if rel.startswith(_AOTI_DIR) and self.trust_compiled:
+            if not _AOTI_MEMBER.match(rel) or not rel.endswith(_AOTI_SUFFIXES):
+                raise self.fail(
+                    f"unexpected member {rel!r} in a compiled package (expected "
+                    "data/aotinductor/aoti_segment_<i>/ with .so, .cpp and .json files)"
+                )
+            return
+        if rel.startswith(_AOTI_DIR):
+            raise self.fail(
+                f"member {rel!r} is AOTInductor compiled code (a shared library), native code "
+                f"that runs when loaded; {TRUST_HINT}"
+            )
         for prefix, what in _REFUSED_DIRS.items():
             if rel.startswith(prefix):
                 raise self.fail(f"member {rel!r} is {what}, which asyncgraph does not load")
@@ -168,6 +216,51 @@ class _Checker:
                 )
             return
         raise self.fail(f"unexpected member {rel!r} in a .pt2 archive")
+
+    # -- compiled models ---------------------------------------------------------------------
+
+    def _compiled_models(self) -> None:
+        """The AOTI members are exactly the manifest's segments, one shared library each."""
+        libraries: dict[str, list[str]] = {}
+        for rel in self.members:
+            match = _AOTI_MEMBER.match(rel)
+            if match:
+                libraries.setdefault(match.group(1), [])
+                if rel.endswith(".so"):
+                    libraries[match.group(1)].append(rel)
+        manifest_member = "extra/" + COMPILED_MANIFEST
+        if not libraries and manifest_member not in self.members:
+            return
+        if manifest_member not in self.members:
+            raise self.fail(f"compiled code without a manifest ({manifest_member} is missing)")
+        manifest = self._json(manifest_member)
+        segments = manifest.get("segments") if isinstance(manifest, dict) else None
+        if not isinstance(segments, list) or not isinstance(manifest.get("platform"), dict):
+            raise self.fail(f"{manifest_member}: expected 'segments' and 'platform'")
+        names = [self._manifest_segment(manifest_member, s) for s in segments]
+        if sorted(names) != sorted(libraries) or len(set(names)) != len(names):
+            raise self.fail(
+                f"{manifest_member}: lists segments {sorted(names)}, but the archive holds "
+                f"compiled models {sorted(libraries)}"
+            )
+        for name, sos in libraries.items():
+            if len(sos) != 1:
+                raise self.fail(f"compiled model {name} has {len(sos)} shared libraries, not 1")
+
+    def _manifest_segment(self, where: str, entry: Any) -> str:
+        fields = ("name", "nodes", "inputs", "outputs", "contiguous")
+        if not isinstance(entry, dict) or any(f not in entry for f in fields):
+            raise self.fail(f"{where}: a segment needs {', '.join(fields)}: {entry!r:.200}")
+        name = entry["name"]
+        if not isinstance(name, str) or not re.fullmatch(r"aoti_segment_\d+", name):
+            raise self.fail(f"{where}: invalid segment name {name!r:.100}")
+        for key in ("nodes", "inputs", "outputs"):
+            items = entry[key]
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise self.fail(f"{where}: {name}.{key} must be a list of names")
+        if not entry["nodes"]:
+            raise self.fail(f"{where}: {name} has no nodes")
+        return name
 
     # -- one model ---------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
 from asyncgraph.errors import GraphValidationError, ProgramLoadError
-from asyncgraph.graph.archive import check_pt2_archive
+from asyncgraph.graph.archive import TRUST_HINT, check_pt2_archive, is_compiled_package
 from asyncgraph.graph.ir import (
     Graph,
     InputKind,
@@ -82,8 +82,15 @@ def to_program(source: ProgramLike) -> Program:
     )
 
 
-def load_pt2(path: str | os.PathLike[str]) -> Program:
-    """Load a .pt2 written by torch.export.save, refusing anything that is not one."""
+def load_pt2(
+    path: str | os.PathLike[str], *, trust_compiled: bool = False, runners: int = 1
+) -> Program:
+    """Load a .pt2 written by torch.export.save, refusing anything that is not one.
+
+    A compiled package (`asyncgraph compile`) loads native code, so it is refused unless
+    `trust_compiled`; `runners` is then how many executions each compiled segment runs at once
+    (asyncgraph/compiled/package.py).
+    """
     p = Path(path)
     if not p.is_file():
         raise ProgramLoadError(f"{p}: no such file")
@@ -96,6 +103,16 @@ def load_pt2(path: str | os.PathLike[str]) -> Program:
             raise ProgramLoadError(f"{p}: archive member {bad!r} is corrupt")
     except zipfile.BadZipFile as exc:
         raise ProgramLoadError(f"{p}: truncated or corrupt archive ({exc})") from None
+    if is_compiled_package(p):
+        if not trust_compiled:
+            raise ProgramLoadError(
+                f"{p}: an AOTInductor-compiled package (asyncgraph compile), which holds "
+                f"native code that runs when loaded; {TRUST_HINT}"
+            )
+        from asyncgraph.compiled.package import load_compiled
+
+        compiled: Program = load_compiled(p, runners=runners)
+        return compiled
     check_pt2_archive(p, verify_crc=False)  # nothing from the file runs (see archive.py)
     try:
         with warnings.catch_warnings():

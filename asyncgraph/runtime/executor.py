@@ -411,6 +411,20 @@ class Executor:
         return [t for t in self._callers if not t.done()]
 
 
-def load(path: str | os.PathLike[str], config: ExecutorConfig | None = None) -> Executor:
-    """Load a .pt2 file written by torch.export.save into an Executor."""
-    return Executor(path, config)
+def load(
+    path: str | os.PathLike[str],
+    config: ExecutorConfig | None = None,
+    *,
+    trust_compiled: bool = False,
+) -> Executor:
+    """Load a .pt2 file written by torch.export.save into an Executor.
+
+    A package made by `asyncgraph compile` (AOTInductor segments) runs native code when loaded
+    and needs `trust_compiled=True`; each compiled segment then gets one runner per worker
+    thread, so parallel executions do not queue on it.
+    """
+    from asyncgraph.graph.importers import load_pt2
+
+    config = config if config is not None else ExecutorConfig()
+    program = load_pt2(path, trust_compiled=trust_compiled, runners=config.max_parallel_ops)
+    return Executor(program, config)

@@ -1,0 +1,55 @@
+"""`asyncgraph compile MODEL.pt2 -o MODEL.aoti.pt2 [--segments auto|whole]`.
+
+Compiles the program's runs of CPU aten nodes with AOTInductor (asyncgraph/compiled) and prints
+what it did: segments, nodes compiled of all, segments left interpreted and why, compile time
+and package size. Load the result with `asyncgraph.load(path, trust_compiled=True)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+SegmentsOpt = Annotated[
+    str,
+    typer.Option(
+        "--segments",
+        help="auto: only runs long or costly enough to gain from fusion; whole: every run "
+             "of compilable nodes.",
+    ),
+]
+
+
+def compile_command(
+    model: Annotated[Path, typer.Argument(help="The .pt2 written by torch.export.save.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The package to write.")],
+    segments: SegmentsOpt = "auto",
+) -> None:
+    """Compile a program's hot runs of nodes with AOTInductor into MODEL.aoti.pt2."""
+    from asyncgraph.compiled import compile_program
+    from asyncgraph.compiled.segments import MODES
+
+    if segments not in MODES:
+        raise typer.BadParameter(f"expected one of {', '.join(MODES)}, got {segments!r}",
+                                 param_hint="--segments")
+    console = Console()
+    report = compile_program(model, output, segments,
+                             progress=lambda message: console.print(message, markup=False))
+    table = Table(title=f"asyncgraph compile: {model.name} -> {output.name}")
+    for column in ("segments", "nodes compiled", "left interpreted", "compile s", "package MB"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(len(report.segments)),
+        f"{report.nodes_compiled}/{report.nodes_total}",
+        str(len(report.failed)),
+        f"{report.compile_s:.1f}",
+        f"{report.package_bytes / 1e6:.2f}",
+    )
+    console.print(table)
+    for failed in report.failed:
+        console.print(f"left interpreted ({failed.nodes[0]} .. {failed.nodes[-1]}): "
+                      f"{failed.reason}", markup=False)

@@ -1,0 +1,295 @@
+"""compile_program: an exported program, its hot runs of nodes compiled by AOTInductor.
+
+1. Import the program and run it once, node by node, on its example inputs (the ones saved
+   with it, or random ones of the exported shapes), keeping every intermediate value: these
+   are the example inputs of the segments.
+2. Find the segments (asyncgraph/compiled/segments.py). A segment whose boundary carries a
+   non-tensor (a SymInt, a list) is narrowed until none does: the compiled model takes and
+   returns tensors only.
+3. Each segment becomes an fx GraphModule of its nodes: a placeholder per value it reads from
+   outside (weights included), its outputs as a tuple. It is exported with Dim.AUTO on every
+   dimension that is symbolic in the program, and compiled with
+   torch._inductor.aoti_compile_and_package. A segment that fails to export or compile, or
+   whose dynamic dimension the export specialised, stays interpreted, and the report says why.
+4. The package (asyncgraph/compiled/package.py) holds the original program, one AOTI model per
+   segment and the manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export import Dim, ExportedProgram
+from torch.utils import _pytree as pytree
+
+from asyncgraph.compiled.package import SegmentRecord, write_package
+from asyncgraph.compiled.segments import Segment, find_segments
+from asyncgraph.graph.importers import Program, from_exported_program, load_pt2
+from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, InputKind, TensorSpec
+from asyncgraph.kernels import KernelFactory
+from asyncgraph.kernels.cost import estimate_cost
+from asyncgraph.passes.rewrite import substitute
+from asyncgraph.tools.compare import random_flat_inputs
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class FailedSegment:
+    """A segment left interpreted: its nodes and why."""
+
+    nodes: tuple[str, ...]
+    reason: str
+
+
+@dataclass
+class CompileReport:
+    """What `compile_program` did: segments compiled, nodes compiled of all, time and size."""
+
+    path: Path
+    mode: str
+    segments: list[SegmentRecord] = field(default_factory=list)
+    failed: list[FailedSegment] = field(default_factory=list)
+    nodes_total: int = 0
+    compile_s: float = 0.0
+    package_bytes: int = 0
+
+    @property
+    def nodes_compiled(self) -> int:
+        return sum(len(s.nodes) for s in self.segments)
+
+
+def compile_program(
+    source: ExportedProgram | str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    mode: str = "auto",
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    progress: Progress | None = None,
+    inductor_configs: dict[str, Any] | None = None,
+) -> CompileReport:
+    """Compile `source` (an ExportedProgram or a .pt2 path) into the package `output`.
+
+    `example_inputs` are flat user inputs to trace the segments with; by default the inputs
+    saved with the program, else random ones of its exported shapes.
+    """
+    say = progress or (lambda _message: None)
+    started = time.perf_counter()
+    ep = _exported(source)
+    program = from_exported_program(ep)
+    graph = program.graph
+    report = CompileReport(Path(output), mode, nodes_total=len(graph.nodes))
+    inputs = list(example_inputs) if example_inputs is not None else _example_inputs(ep, graph)
+    say(f"running the program once on its example inputs ({len(graph.nodes)} nodes)")
+    values = example_values(program, inputs)
+    segments = _tensor_bounded_segments(graph, mode, values)
+    say(f"{len(segments)} segment(s) to compile ({mode})")
+    with tempfile.TemporaryDirectory(prefix="asyncgraph-aoti-") as tmp:
+        compiled: list[tuple[SegmentRecord, Path]] = []
+        for segment in segments:
+            names = tuple(n.name for n in segment.nodes(graph))
+            say(f"compiling segment of {len(names)} nodes ({names[0]} .. {names[-1]})")
+            name = f"aoti_segment_{len(compiled)}"
+            t0 = time.perf_counter()
+            try:
+                aoti = _compile_segment(graph, segment, values, Path(tmp) / f"{name}.pt2",
+                                        inductor_configs)
+            except Exception as exc:  # export or inductor refused it: keep it interpreted
+                reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}" \
+                    if str(exc).strip() else type(exc).__name__
+                report.failed.append(FailedSegment(names, reason))
+                say(f"  left interpreted: {reason}")
+                continue
+            record = SegmentRecord(
+                name=name,
+                nodes=names,
+                inputs=tuple(graph.values[v].name for v in segment.inputs),
+                outputs=tuple(graph.values[v].name for v in segment.outputs),
+                contiguous=tuple(
+                    not isinstance(values[v], torch.Tensor) or values[v].is_contiguous()
+                    for v in segment.inputs
+                ),
+                cost=sum(estimate_cost(n, graph) for n in segment.nodes(graph)),
+                compile_s=round(time.perf_counter() - t0, 3),
+            )
+            compiled.append((record, aoti))
+        say(f"writing {output}")
+        write_package(output, ep, compiled, mode=mode, nodes_total=len(graph.nodes),
+                      failed=[{"nodes": list(f.nodes), "reason": f.reason}
+                              for f in report.failed])
+    report.segments = [record for record, _ in compiled]
+    report.compile_s = time.perf_counter() - started
+    report.package_bytes = Path(output).stat().st_size
+    return report
+
+
+def _exported(source: ExportedProgram | str | os.PathLike[str]) -> ExportedProgram:
+    if isinstance(source, ExportedProgram):
+        return source
+    program = load_pt2(source)  # checked by archive.py before torch reads it
+    assert program.exported is not None
+    return program.exported
+
+
+def _example_inputs(ep: ExportedProgram, graph: Graph) -> list[Any]:
+    """The flat user inputs saved with the program, or random ones of its exported shapes."""
+    saved = getattr(ep, "example_inputs", None)
+    if saved is not None:
+        flat = pytree.tree_leaves(saved)
+        if len(flat) == len(graph.signature.user_inputs):
+            return flat
+    return random_flat_inputs(graph)
+
+
+def example_values(program: Program, inputs: Sequence[Any]) -> list[Any]:
+    """Every value of the program's graph on `inputs`, computed node by node in graph order
+    (under no_grad, not inference_mode: export refuses inference tensors). Higher-order ops
+    run their subgraphs on executors of their own, which are async: this runs on an event loop
+    of its own, on a thread of its own when the caller's thread has one running."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_example_values(program, inputs))
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, _example_values(program, inputs)).result()
+
+
+async def _example_values(program: Program, inputs: Sequence[Any]) -> list[Any]:
+    graph = program.graph
+    kernels = KernelFactory().create(graph)
+    values: list[Any] = [None] * len(graph.values)
+    for spec, value in zip(graph.signature.user_inputs, inputs, strict=True):
+        values[spec.value] = value
+    for spec in graph.signature.inputs:
+        if spec.kind in WEIGHT_KINDS:
+            values[spec.value] = program.weights[spec.target or ""]
+        elif spec.kind is InputKind.TOKEN:
+            values[spec.value] = torch.empty(0)
+    try:
+        for node, kernel in zip(graph.nodes, kernels, strict=True):
+            with torch.no_grad():
+                result = kernel.fn(*substitute(node.args, _Values(values)),
+                                   **substitute(node.kwargs, _Values(values)))
+                if inspect.isawaitable(result):
+                    result = await result
+            values[node.output] = result
+    finally:
+        for kernel in kernels:  # higher-order kernels own executors
+            close = getattr(kernel.fn, "aclose", None)
+            if close is not None:
+                await close()
+    return values
+
+
+class _Values(Mapping[int, Any]):
+    """The mapping substitute() reads: value id -> the value, straight from the list."""
+
+    def __init__(self, values: list[Any]) -> None:
+        self._values = values
+
+    def __getitem__(self, key: int) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._values)))
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def _tensor_bounded_segments(graph: Graph, mode: str, values: list[Any]) -> list[Segment]:
+    """The segments, narrowed until every value crossing a boundary is a tensor."""
+    excluded: set[int] = set()
+    while True:
+        segments = find_segments(graph, mode, excluded)
+        before = len(excluded)
+        for segment in segments:
+            inside = set(range(segment.start, segment.stop))
+            for vid in segment.inputs:
+                if not isinstance(values[vid], torch.Tensor):  # keep its readers out
+                    excluded |= {n.index for n in segment.nodes(graph) if vid in n.inputs()}
+            for vid in segment.outputs:
+                if not isinstance(values[vid], torch.Tensor):  # keep its producer out
+                    producer = graph.values[vid].producer
+                    if producer is not None and producer in inside:
+                        excluded.add(producer)
+        if len(excluded) == before:
+            return segments
+
+
+def segment_module(graph: Graph, segment: Segment) -> torch.fx.GraphModule:
+    """The segment as an fx GraphModule: its outside values in, its outputs out as a tuple."""
+    fx = torch.fx.Graph()
+    env: dict[int, Any] = {}
+    for i, vid in enumerate(segment.inputs):
+        env[vid] = fx.placeholder(f"in_{i}_{_ident(graph.values[vid].name)}")
+    for node in segment.nodes(graph):
+        env[node.output] = fx.call_function(
+            node.target, substitute(node.args, env), substitute(node.kwargs, env)
+        )
+    fx.output(tuple(env[v] for v in segment.outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), fx)
+
+
+def _compile_segment(
+    graph: Graph, segment: Segment, values: list[Any], path: Path,
+    inductor_configs: dict[str, Any] | None,
+) -> Path:
+    gm = segment_module(graph, segment)
+    args = tuple(_plain(values[v]) for v in segment.inputs)
+    dynamic = tuple(_dynamic_dims(graph, v) for v in segment.inputs)
+    exported = torch.export.export(gm, args, dynamic_shapes=dynamic)
+    _check_still_dynamic(exported, dynamic, graph, segment)
+    torch._inductor.aoti_compile_and_package(
+        exported, package_path=str(path), inductor_configs=inductor_configs
+    )
+    return path
+
+
+def _plain(value: Any) -> Any:
+    """An inference tensor (made by a subgraph's executor) as a plain one: export traces with
+    autograd on and refuses inference tensors."""
+    if isinstance(value, torch.Tensor) and value.is_inference():
+        with torch.inference_mode(False):
+            return value.clone()
+    return value
+
+
+def _dynamic_dims(graph: Graph, vid: int) -> dict[int, Any] | None:
+    spec = graph.values[vid].spec
+    if not isinstance(spec, TensorSpec):
+        return None
+    dims = {i: Dim.AUTO for i, d in enumerate(spec.shape) if not isinstance(d, int)}
+    return dims or None
+
+
+def _check_still_dynamic(
+    exported: ExportedProgram, dynamic: tuple[dict[int, Any] | None, ...], graph: Graph,
+    segment: Segment,
+) -> None:
+    """Refuse a segment whose export fixed a dimension the program leaves free: its compiled
+    code would only be right for the example's size."""
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
+    for node, dims, vid in zip(placeholders, dynamic, segment.inputs, strict=True):
+        val = node.meta.get("val")
+        for dim in dims or {}:
+            if isinstance(val, torch.Tensor) and isinstance(val.shape[dim], int):
+                raise ValueError(
+                    f"export specialised dimension {dim} of {graph.values[vid].name} "
+                    f"to {val.shape[dim]}, which the program leaves dynamic"
+                )
+
+
+def _ident(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)

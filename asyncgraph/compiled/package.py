@@ -1,0 +1,272 @@
+"""The compiled package (MODEL.aoti.pt2): write it, check it belongs here, load it.
+
+Layout: one .pt2 archive in torch's own package_pt2 layout, so the rules of
+asyncgraph/graph/archive.py check it like any other:
+
+    <root>/models/model.json, data/weights/..., data/sample_inputs/model.pt, ...
+        the original ExportedProgram, exactly as torch.export.save writes it;
+    <root>/data/aotinductor/aoti_segment_<i>/*.so, *.cpp, *_metadata.json
+        one AOTInductor model per segment, as aoti_compile_and_package writes it;
+    <root>/extra/asyncgraph_compiled.json
+        the manifest: segment -> node names, inputs and outputs, the torch version, the
+        platform (machine, CPU instruction set) and the asyncgraph version it was built with.
+
+Loading runs native code (the .so files), so it needs the caller's explicit trust
+(`trust_compiled=True`, `--trust-compiled`). A package built with another torch version or for
+another machine or CPU is refused before any of its code is loaded: the AOTI ABI and the
+instructions the kernels use both depend on them. The program is then imported as usual from
+the archive's ExportedProgram (read from a copy without the compiled members, so torch never
+loads them itself), and each segment's run of nodes is replaced by one delegate node named
+after the segment, followed by operator.getitem nodes for its outputs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import operator
+import os
+import platform
+import shutil
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch.export import ExportedProgram
+
+from asyncgraph.compiled.delegate import AOTIDelegate
+from asyncgraph.compiled.segments import Segment, _segment
+from asyncgraph.errors import ProgramLoadError
+from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
+from asyncgraph.graph.ir import Graph, Node, Ref, Signature, Value
+from asyncgraph.passes.rewrite import rebuild
+
+FORMAT = "asyncgraph-aoti/1"
+_AOTI_DIR = "data/aotinductor/"
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    """One compiled segment as the manifest lists it."""
+
+    name: str
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    contiguous: tuple[bool, ...]
+    cost: int = 0
+    compile_s: float = 0.0
+
+
+def build_platform() -> dict[str, str]:
+    """What compiled code depends on, of the running process: torch, machine, CPU ISA."""
+    from torch._inductor.codecache import get_device_information
+
+    info = {k: str(v) for k, v in get_device_information("cpu").items()}
+    return {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_isa": info.get("AOTI_CPU_ISA", ""),
+        "system": info.get("AOTI_PLATFORM", platform.system().lower()),
+    }
+
+
+def write_package(
+    output: str | os.PathLike[str],
+    ep: ExportedProgram,
+    segments: Sequence[tuple[SegmentRecord, Path]],
+    *,
+    mode: str,
+    nodes_total: int,
+    failed: list[dict[str, Any]],
+) -> None:
+    """Write the package: `ep` (torch.export.save), each segment's AOTI model, the manifest."""
+    import asyncgraph
+
+    manifest = {
+        "format": FORMAT,
+        "asyncgraph": asyncgraph.__version__,
+        "platform": build_platform(),
+        "mode": mode,
+        "nodes_total": nodes_total,
+        "segments": [asdict(record) for record, _ in segments],
+        "failed": failed,
+    }
+    out = Path(output)
+    with tempfile.TemporaryDirectory(prefix="asyncgraph-pkg-") as tmp:
+        program_file = Path(tmp) / "program.pt2"
+        torch.export.save(ep, program_file)
+        staging = Path(tmp) / out.name
+        with zipfile.ZipFile(program_file) as program, zipfile.ZipFile(
+            staging, "w", zipfile.ZIP_STORED
+        ) as archive:
+            root = "model/"
+            for info in program.infolist():
+                rel = info.filename.split("/", 1)[1]
+                archive.writestr(root + rel, program.read(info))
+            for record, aoti in segments:
+                _copy_aoti_model(aoti, record.name, archive, root)
+            archive.writestr(root + "extra/" + COMPILED_MANIFEST, json.dumps(manifest, indent=1))
+        shutil.move(staging, out)
+
+
+def _copy_aoti_model(aoti: Path, name: str, archive: zipfile.ZipFile, root: str) -> None:
+    with zipfile.ZipFile(aoti) as package:
+        for info in package.infolist():
+            rel = info.filename.split("/", 1)[1]
+            if rel.startswith(_AOTI_DIR + "model/"):
+                file = rel[len(_AOTI_DIR + "model/"):]
+                archive.writestr(f"{root}{_AOTI_DIR}{name}/{file}", package.read(info))
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a compiled package (after check_pt2_archive has checked it)."""
+    with zipfile.ZipFile(path) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("/extra/" + COMPILED_MANIFEST))
+        manifest: dict[str, Any] = json.loads(archive.read(name))
+    return manifest
+
+
+def check_compatible(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> None:
+    """Refuse a package built with another torch version, or for another machine or CPU."""
+    built = manifest.get("platform", {})
+    here = build_platform()
+    what = {"torch": "torch version", "machine": "machine", "cpu_isa": "CPU instruction set",
+            "system": "operating system"}
+    for key, label in what.items():
+        if str(built.get(key)) != here[key]:
+            raise ProgramLoadError(
+                f"{path}: compiled for {label} {built.get(key)!r}, but this process runs "
+                f"{label} {here[key]!r}; compile the program again here "
+                "(asyncgraph compile MODEL.pt2 -o MODEL.aoti.pt2)"
+            )
+
+
+def load_compiled(path: str | os.PathLike[str], *, runners: int = 1) -> Any:
+    """The Program of a compiled package: checked, then imported with its delegate nodes.
+
+    `runners` is how many copies of each compiled model can run at once (executions in
+    parallel on worker threads); the caller has already opted in to native code.
+    """
+    from asyncgraph.graph.importers import Program, from_exported_program
+
+    p = Path(path)
+    check_pt2_archive(p, trust_compiled=True)
+    manifest = read_manifest(p)
+    check_compatible(p, manifest)
+    ep = _load_program_only(p)
+    program = from_exported_program(ep)
+    records = [_record(s) for s in manifest["segments"]]
+    graph = splice(program.graph, records, str(p), max(1, runners))
+    return Program(graph, program.weights, p.name, program.reference, ep)
+
+
+def _record(entry: Mapping[str, Any]) -> SegmentRecord:
+    return SegmentRecord(
+        name=str(entry["name"]), nodes=tuple(entry["nodes"]), inputs=tuple(entry["inputs"]),
+        outputs=tuple(entry["outputs"]), contiguous=tuple(bool(c) for c in entry["contiguous"]),
+        cost=int(entry.get("cost", 0)), compile_s=float(entry.get("compile_s", 0.0)),
+    )
+
+
+def _load_program_only(path: Path) -> ExportedProgram:
+    """torch.export.load of the archive without its compiled members (torch would load every
+    AOTI model itself, single-runner, on top of ours)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(buffer, "w") as copy:
+        for info in source.infolist():
+            if f"/{_AOTI_DIR}" not in info.filename:
+                copy.writestr(info, source.read(info))
+    buffer.seek(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            return torch.export.load(buffer)
+    except Exception as exc:
+        raise ProgramLoadError(f"{path}: cannot load the exported program: {exc}") from exc
+
+
+@dataclass
+class _Source:
+    """What rebuild() reads of a graph: its values and signature (here with the delegate
+    values added, which no Graph holds yet)."""
+
+    values: list[Value]
+    signature: Signature
+
+
+def splice(graph: Graph, records: Sequence[SegmentRecord], package: str, runners: int) -> Graph:
+    """`graph` with each segment's nodes replaced by its delegate node and getitems."""
+    values = list(graph.values)
+    by_start: dict[int, tuple[SegmentRecord, Segment]] = {}
+    for record in records:
+        segment = _match(graph, record, package)
+        by_start[segment.start] = (record, segment)
+    nodes: list[Node] = []
+    i = 0
+    while i < len(graph.nodes):
+        if i not in by_start:
+            nodes.append(graph.nodes[i])
+            i += 1
+            continue
+        record, segment = by_start[i]
+        nodes += _delegate_nodes(graph, record, segment, values, package, runners)
+        i = segment.stop
+    return rebuild(cast(Graph, _Source(values, graph.signature)), nodes)
+
+
+def _match(graph: Graph, record: SegmentRecord, package: str) -> Segment:
+    """The segment of `graph` the record names, checked to be the run it was compiled from."""
+    try:
+        indices = [graph.node(name).index for name in record.nodes]
+    except KeyError as exc:
+        raise ProgramLoadError(
+            f"{package}: {record.name} names {exc.args[0]}; the program does not match "
+            "its compiled segments"
+        ) from None
+    start = indices[0] if indices else -1
+    if not indices or indices != list(range(start, start + len(indices))):
+        raise ProgramLoadError(
+            f"{package}: the nodes of {record.name} are not one run of the program"
+        )
+    segment = _segment(graph, 0, start, start + len(indices))
+    inputs = tuple(graph.values[v].name for v in segment.inputs)
+    outputs = tuple(graph.values[v].name for v in segment.outputs)
+    if inputs != record.inputs or outputs != record.outputs:
+        raise ProgramLoadError(
+            f"{package}: {record.name} was compiled for inputs {list(record.inputs)} and "
+            f"outputs {list(record.outputs)}, but the program gives it {list(inputs)} and "
+            f"{list(outputs)}"
+        )
+    if len(record.contiguous) != len(inputs):
+        raise ProgramLoadError(f"{package}: {record.name}: malformed 'contiguous' list")
+    return segment
+
+
+def _delegate_nodes(
+    graph: Graph, record: SegmentRecord, segment: Segment, values: list[Value], package: str,
+    runners: int,
+) -> list[Node]:
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader(package, record.name, False, runners, -1)
+    except Exception as exc:
+        raise ProgramLoadError(f"{package}: cannot load {record.name}: {exc}") from exc
+    delegate = AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost)
+    result = len(values)
+    values.append(Value(result, record.name))
+    first = segment.nodes(graph)[0]
+    nodes = [Node(first.index, record.name, delegate, tuple(Ref(v) for v in segment.inputs),
+                  {}, result)]
+    for k, vid in enumerate(segment.outputs):
+        producer = graph.nodes[cast(int, graph.values[vid].producer)]
+        nodes.append(Node(producer.index, producer.name, operator.getitem, (Ref(result), k), {},
+                          vid))
+    return nodes
