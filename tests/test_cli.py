@@ -359,3 +359,58 @@ def test_trace_warmup_zero_traces_the_cold_calls(model_file: Any, tmp_path: Path
     assert result.exit_code == 0, result.output
     slices = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["args"]["execution"] for e in slices} == {1, 2}
+
+
+# -- one way to fail: `error: ...` on stderr, exit status 1 ------------------------------------
+
+_MODEL_COMMANDS = ["run", "trace", "stress", "check", "profile", "serve"]
+
+
+@pytest.mark.parametrize("command", _MODEL_COMMANDS)
+def test_a_missing_model_file_is_one_error_line(command: str, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.pt2"
+    assert one_error_line(invoke(command, missing)) == f"error: {missing}: no such file"
+
+
+@pytest.mark.parametrize("command", _MODEL_COMMANDS)
+def test_a_directory_given_as_model_is_named_a_directory(command: str, tmp_path: Path) -> None:
+    line = one_error_line(invoke(command, tmp_path))
+    assert line == f"error: {tmp_path}: is a directory, not a .pt2 file"
+
+
+def test_a_directory_given_as_input_is_named_a_directory(model_file: Any, tmp_path: Path) -> None:
+    _, path = model_file
+    folder = tmp_path / "x.npy"
+    folder.mkdir()
+    line = one_error_line(invoke("run", path, "-i", folder))
+    assert line == f"error: {folder}: is a directory, not a tensor file"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "--loop", "nope"], "Invalid value for --loop: expected one of asyncio"),
+        (["run"], "Missing argument 'MODEL'"),
+        (["check", "{model}", "--rtol", "0.1"], "give both --rtol and --atol, or neither"),
+    ],
+)
+def test_usage_errors_are_one_error_line(
+    args: list[str], message: str, model_file: Any
+) -> None:
+    _, path = model_file
+    line = one_error_line(invoke(*[a.format(model=path) for a in args]))
+    assert message in line and f"(see 'asyncgraph {args[0]} --help')" in line
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["demo"], ["run"], ["trace"], ["serve"], ["stress"], ["check"],
+                ["profile"], ["bench"]],
+)
+def test_help_has_plain_usage_and_flags_without_a_type(command: list[str]) -> None:
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0, result.output
+    usage = next(line for line in result.output.splitlines() if "Usage:" in line)
+    assert "{" not in usage and "<" not in usage, usage
+    if command and command[0] in _MODEL_COMMANDS:
+        assert "MODEL" in usage, usage
+    assert "<bool>" not in result.output

@@ -100,6 +100,8 @@ def read_tensors(path: Path) -> Any:
             f"{path}: unsupported file type {suffix or '(none)'!r}; "
             f"expected one of {', '.join(INPUT_SUFFIXES)}"
         )
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory, not a tensor file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     if suffix == ".npy":

@@ -14,7 +14,7 @@ try:
     import typer
     from rich.console import Console
     from rich.table import Table
-    from typer.core import TyperGroup
+    from typer.core import TyperCommand, TyperGroup
 
     from asyncgraph.cli import bench, run, serve, stress
     from asyncgraph.cli import compile as compile_cli
@@ -54,25 +54,88 @@ def _control_flow_exceptions() -> tuple[type[BaseException], ...]:
 _CONTROL_FLOW = _control_flow_exceptions()
 
 
+def _usage_error_types() -> tuple[type[BaseException], ...]:
+    """The CLI library's usage errors (a bad option value, a missing argument)."""
+    found: list[type[BaseException]] = []
+    for module in (typer, getattr(typer, "core", None)):
+        for name in ("UsageError", "BadParameter"):
+            kind = getattr(module, name, None)
+            if isinstance(kind, type) and issubclass(kind, BaseException):
+                found.append(kind)
+    try:
+        import click
+    except ImportError:
+        return tuple(found)
+    return (*found, click.UsageError)
+
+
+_USAGE_ERRORS = _usage_error_types()
+
+
+def _print_error(text: str) -> None:
+    Console(stderr=True).print(f"error: {text}", markup=False, highlight=False, soft_wrap=True)
+
+
 class _OneLineErrors(TyperGroup):
     """Every command's errors as one line on stderr and exit status 1; --debug re-raises.
 
     A user of the CLI needs the message (which file, which input, expected vs actual), not
-    asyncgraph's stack; the traceback is one flag away.
+    asyncgraph's stack; the traceback is one flag away. Usage errors of a command (a bad
+    option value) are errors too: one line that points at the command's --help.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            _flag_without_type(param)
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
+        except _USAGE_ERRORS as exc:
+            if ctx.params.get("debug"):
+                raise
+            path = getattr(getattr(exc, "ctx", None), "command_path", None) or ""
+            command = " ".join(["asyncgraph", *path.split()[1:]])  # the program as documented
+            _print_error(f"{exc.format_message()} (see '{command} --help')")  # type: ignore[attr-defined]
+            raise typer.Exit(1) from None
         except _CONTROL_FLOW:
             raise
         except Exception as exc:
             if ctx.params.get("debug"):
                 raise
-            Console(stderr=True).print(
-                f"error: {error_line(exc)}", markup=False, highlight=False, soft_wrap=True
-            )
+            _print_error(error_line(exc))
             raise typer.Exit(1) from None
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _flag_without_type(super().get_help_option(ctx))
+
+
+class _Command(TyperCommand):
+    """A command whose help reads like the rest of the CLI: `Usage: asyncgraph run [OPTIONS]
+    MODEL`, and flags (--random, --help) without a `<bool>` value they do not take."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            _flag_without_type(param)
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = (param.metavar or param.name or "").upper()
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _flag_without_type(super().get_help_option(ctx))
+
+
+def _flag_without_type(param: Any) -> Any:
+    if param is not None and getattr(param, "is_flag", False) and param.metavar is None:
+        param.metavar = ""
+    return param
 
 
 def error_line(exc: BaseException) -> str:
@@ -107,7 +170,7 @@ def _root(
     """asyncgraph: an asyncio-native dataflow executor for torch.export programs."""
 
 
-@app.command()
+@app.command(cls=_Command)
 def demo(
     executions: int = typer.Option(400, help="Executions to run."),
     concurrency: int = typer.Option(32, help="Concurrent callers."),
@@ -133,14 +196,14 @@ def demo(
 
 
 # -- commands defined in their own modules (one registration line each, sorted) ---------------
-app.command("bench")(bench.bench)
-app.command("check")(check.check)
-app.command("compile")(compile_cli.compile_command)
-app.command("profile")(profile.profile)
-app.command("run")(run.run)
-app.command("serve")(serve.serve)
-app.command("stress")(stress.stress)
-app.command("trace")(run.trace)
+app.command("bench", cls=_Command)(bench.bench)
+app.command("check", cls=_Command)(check.check)
+app.command("compile", cls=_Command)(compile_cli.compile_command)
+app.command("profile", cls=_Command)(profile.profile)
+app.command("run", cls=_Command)(run.run)
+app.command("serve", cls=_Command)(serve.serve)
+app.command("stress", cls=_Command)(stress.stress)
+app.command("trace", cls=_Command)(run.trace)
 
 
 def main() -> None:

@@ -21,8 +21,8 @@ ThreadsOpt = Annotated[
     int | None,
     typer.Option(
         "--threads", min=1,
-        help="torch intra-op threads per thread that runs kernels "
-             "[default: CPUs / worker threads, at least 1].",
+        help="torch intra-op threads per thread that runs kernels (default: CPUs / worker "
+             "threads, at least 1).",
         show_default=False,
     ),
 ]

@@ -19,7 +19,9 @@ from asyncgraph.cli.options import ThreadsOpt, executor_config
 
 console = Console()
 
-ModelArg = Annotated[Path, typer.Argument(help="A .pt2 file written by torch.export.save.")]
+ModelArg = Annotated[
+    Path, typer.Argument(metavar="MODEL", help="A .pt2 file written by torch.export.save.")
+]
 InputsOpt = Annotated[
     list[str] | None,
     typer.Option(

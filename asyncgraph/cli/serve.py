@@ -47,7 +47,8 @@ def model_specs(
 
 def serve(
     model: Annotated[
-        Path | None, typer.Argument(help="A .pt2 file to serve (named after the file).")
+        Path | None,
+        typer.Argument(metavar="MODEL", help="A .pt2 file to serve (named after the file)."),
     ] = None,
     name: Annotated[str | None, typer.Option(help="The name to serve MODEL under.")] = None,
     models: Annotated[

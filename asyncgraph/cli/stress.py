@@ -35,7 +35,9 @@ DEFAULT_MAX_LOOP_LAG_MS = 100.0
 waited so long, 100 times the 1 ms slice the executor gives inline kernels per turn."""
 
 def stress(
-    model: Annotated[Path, typer.Argument(help="A .pt2 file written by torch.export.save.")],
+    model: Annotated[
+        Path, typer.Argument(metavar="MODEL", help="A .pt2 file written by torch.export.save.")
+    ],
     executions: Annotated[int, typer.Option(min=1, help="Executions to run in all.")] = 200,
     concurrency: Annotated[int, typer.Option(min=1, help="Concurrent callers.")] = 16,
     cancel_rate: Annotated[
@@ -100,9 +102,14 @@ def stress(
         options["max_parallel_ops"] = parallel_ops
     if max_batch_size:
         options["batching"] = BatchingConfig(max_batch_size=max_batch_size)
+    from asyncgraph.graph.importers import to_program
+
+    with console.status(f"loading {model} ..."):
+        program = to_program(model)  # before the bars: a bad file is one line, nothing else
     with _progress_bars() as progress:
         report = asyncio.run(run_stress(
-            model, config, executor_config=executor_config(threads, **options), progress=progress
+            program, config, executor_config=executor_config(threads, **options),
+            progress=progress,
         ))
 
     table = Table(title=f"stress {model.name}, seed {seed}")

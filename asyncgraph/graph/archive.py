@@ -77,6 +77,8 @@ def check_pt2_archive(
     which the caller then loads), checked against its manifest.
     """
     p = Path(path)
+    if p.is_dir():
+        raise ProgramLoadError(f"{p}: is a directory, not a .pt2 file")
     if not p.is_file():
         raise ProgramLoadError(f"{p}: no such file")
     if not zipfile.is_zipfile(p):

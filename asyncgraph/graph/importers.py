@@ -92,6 +92,8 @@ def load_pt2(
     (asyncgraph/compiled/package.py).
     """
     p = Path(path)
+    if p.is_dir():
+        raise ProgramLoadError(f"{p}: is a directory, not a .pt2 file")
     if not p.is_file():
         raise ProgramLoadError(f"{p}: no such file")
     if not zipfile.is_zipfile(p):

@@ -180,7 +180,9 @@ def render(metrics: ProfileMetrics, console: Console, top: int) -> None:
 
 
 def profile(
-    model: Path = typer.Argument(..., exists=True, dir_okay=False, help="A .pt2 file."),  # noqa: B008
+    model: Path = typer.Argument(  # noqa: B008 - typer's declaration style
+        ..., metavar="MODEL", help="A .pt2 file written by torch.export.save."
+    ),
     runs: int = typer.Option(20, min=1, help="Profiled executions."),
     warmup: int = typer.Option(3, min=0, help="Executions before profiling."),
     top: int = typer.Option(25, help="Nodes to list, slowest first (0: all)."),
