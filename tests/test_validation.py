@@ -34,11 +34,15 @@ def pair_ep() -> torch.export.ExportedProgram:
 @pytest.mark.parametrize(
     ("args", "kwargs", "message"),
     [
-        ((torch.randn(4, 8),), {"scale": 2.0}, "expected 2 positional argument(s), got 1"),
+        ((torch.randn(4, 8),), {"scale": 2.0},
+         "expected 2 positional argument(s), got 1; the program takes (x, y, *, scale)"),
         ((torch.randn(4, 8), torch.randn(4, 8)), {"scale": 2.0, "bias": 1},
-         "unexpected keyword argument(s) 'bias'; expected ['scale']"),
+         "unexpected keyword argument(s) 'bias'; the program takes (x, y, *, scale)"),
         ((torch.randn(4, 8), torch.randn(4, 8)), {},
-         "missing keyword argument(s) 'scale'"),
+         "missing keyword argument(s) 'scale'; the program takes (x, y, *, scale)"),
+        ((torch.randn(4, 8),), {"y": torch.randn(4, 8), "scale": 2.0},
+         "unexpected keyword argument(s) 'y'; the program takes (x, y, *, scale): "
+         "pass y by position"),
         ((torch.randn(4, 8), 3), {"scale": 2.0}, "args[1]: expected a Tensor, got int"),
         ((torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8)), {"scale": 2.0},
          "args[0].dtype: expected torch.float32, got torch.float64"),
@@ -135,3 +139,33 @@ async def test_inputs_like_ones_that_passed_skip_the_check_and_others_are_still_
         with pytest.raises(InputValidationError, match="fixed when the program was exported"):
             await ex.execute(x, x, scale=3.0)
         assert len(validator._passed) == 1  # failures are not remembered
+
+
+class Single(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+async def test_a_keyword_for_a_positional_only_program_is_named() -> None:
+    ep = torch.export.export(Single(), (torch.randn(2, 3),))
+    async with asyncgraph.Executor(ep) as ex:
+        with pytest.raises(InputValidationError) as info:
+            await ex.execute(x=torch.randn(2, 3))
+        assert str(info.value) == (
+            "unexpected keyword argument(s) 'x'; the program takes (x): pass x by position"
+        )
+        with pytest.raises(InputValidationError) as info:
+            await ex.execute(torch.randn(2, 3), torch.randn(2, 3))
+        assert str(info.value) == (
+            "expected 1 positional argument(s), got 2; the program takes (x)"
+        )
+
+
+async def test_nested_positional_arguments_are_named_by_path() -> None:
+    ep = torch.export.export(Nested(), ({"a": torch.randn(2), "b": torch.randn(2)},))
+    async with asyncgraph.Executor(ep) as ex:
+        with pytest.raises(InputValidationError) as info:
+            await ex.execute()
+        assert str(info.value) == (
+            "expected 1 positional argument(s), got 0; the program takes (args[0])"
+        )

@@ -48,6 +48,11 @@ def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
     return list(spec.children_specs)
 
 
+def _call_signature(positional: list[str], keywords: list[str]) -> str:
+    """`(x, y, *, scale)`: how a program is called."""
+    return "(" + ", ".join(positional + (["*", *keywords] if keywords else [])) + ")"
+
+
 class InputValidator:
     """Flattens `(args, kwargs)` by the input spec and checks every leaf."""
 
@@ -57,6 +62,7 @@ class InputValidator:
         users = [s for s in sig.inputs if s.kind is InputKind.USER_INPUT]
         self.paths = [s.target or f"args[{i}]" for i, s in enumerate(users)]
         self.specs: list[ValueSpec | None] = [graph.values[s.value].spec for s in users]
+        self.names = [graph.values[s.value].name for s in users]
         self.in_spec = sig.in_spec
         self.ranges = {str(k): v for k, v in sig.range_constraints.items()}
         self.count = len(users)
@@ -76,33 +82,22 @@ class InputValidator:
         spec = self.in_spec
         if self.positional_leaves and not kwargs and len(args) == self.count:
             return list(args)
-        if spec is None:
-            if kwargs:
-                raise InputValidationError(
-                    f"unexpected keyword argument(s) {', '.join(map(repr, kwargs))}: "
-                    "this program takes positional inputs only"
-                )
-            if len(args) != self.count:
-                raise InputValidationError(
-                    f"expected {self.count} positional input(s), got {len(args)}"
-                )
-            return list(args)
-        args_spec, kwargs_spec = _children(spec)
-        if len(args) != args_spec.num_children:
-            raise InputValidationError(
-                f"expected {args_spec.num_children} positional argument(s), got {len(args)}"
-            )
-        names = list(kwargs_spec.context or [])
+        positional, names = self._parameters()
         unknown = [k for k in kwargs if k not in names]
         if unknown:
+            raise InputValidationError(self._unexpected_keywords(unknown, positional, names))
+        if len(args) != len(positional):
             raise InputValidationError(
-                f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-                f"expected {names}"
+                f"expected {len(positional)} positional argument(s), got {len(args)}; "
+                f"the program takes {_call_signature(positional, names)}"
             )
+        if spec is None:
+            return list(args)
         missing = [k for k in names if k not in kwargs]
         if missing:
             raise InputValidationError(
-                f"missing keyword argument(s) {', '.join(map(repr, missing))}"
+                f"missing keyword argument(s) {', '.join(map(repr, missing))}; "
+                f"the program takes {_call_signature(positional, names)}"
             )
         ordered = {k: kwargs[k] for k in names}
         flat, got = pytree.tree_flatten((tuple(args), ordered), is_leaf=_is_none)
@@ -111,6 +106,27 @@ class InputValidator:
         if got != spec:
             raise InputValidationError(self._structure_message(args, ordered, spec))
         return flat
+
+    def _parameters(self) -> tuple[list[str], list[str]]:
+        """The program's positional parameters (a leaf by its input's name, a structure by
+        its path) and its keyword names, for messages about the call's shape."""
+        if self.in_spec is None:
+            return list(self.names), []
+        args_spec, kwargs_spec = _children(self.in_spec)
+        positional, leaf = [], 0
+        for i, child in enumerate(_children(args_spec)):
+            positional.append(self.names[leaf] if child.is_leaf() else f"args[{i}]")
+            leaf += child.num_leaves
+        return positional, list(kwargs_spec.context or [])
+
+    @staticmethod
+    def _unexpected_keywords(unknown: list[str], positional: list[str], names: list[str]) -> str:
+        text = (f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                f"the program takes {_call_signature(positional, names)}")
+        by_position = [k for k in unknown if k in positional]
+        if by_position:
+            text += f": pass {', '.join(by_position)} by position"
+        return text
 
     def _structure_message(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], spec: pytree.TreeSpec
