@@ -200,7 +200,7 @@ def _case_table(case: CaseResult) -> Table:
 
 
 def _targets_table(report: Report) -> Table:
-    table = Table(title="targets (issue 6)", title_justify="left")
+    table = Table(title="targets", title_justify="left")
     for col, justify in (("#", "right"), ("target", "left"), ("measured", "right"),
                          ("needs", "right"), ("met", "center")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]

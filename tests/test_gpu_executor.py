@@ -1,4 +1,4 @@
-"""The Executor with CUDA nodes (issue 4): end to end on a simulated GPU, and on a real one.
+"""The Executor with CUDA nodes: end to end on a simulated GPU, and on a real one.
 
 On the simulated GPU (the fake in-order streams and events of test_streams.py), the graphs are
 GraphBuilder graphs whose `gpu*` nodes a KernelFactory marks as CUDA kernels, so the real

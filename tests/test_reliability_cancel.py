@@ -1,6 +1,6 @@
 """Reliability scenarios 1 and 2: cancellation at every checkpoint, and while a worker blocks.
 
-Pass criteria (issue 8):
+Pass criteria (reliability under cancellation):
 1. For a graph with N await points, cancelling at the k-th, for every k: the caller gets
    CancelledError and no result, every kernel that started has ended, nothing the cancelled
    execution produced is still referenced (no partial output escapes), the leak check is

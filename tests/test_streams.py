@@ -1,4 +1,4 @@
-"""GPU streams (issue 4): the pure stream plan, the cuda layer on a simulated GPU, real GPUs.
+"""GPU streams (CUDA execution): the pure stream plan, the cuda layer on a simulated GPU, real GPUs.
 
 Three parts:
 

@@ -1,4 +1,4 @@
-"""`asyncgraph bench`: the benchmark suite of issue 6, from the command line.
+"""`asyncgraph bench`: the benchmark suite (peers side by side, targets), from the command line.
 
 The suite itself lives in benchmarks/ at the top of a source checkout (it imports dask and
 builds models, none of which the installed package needs), so this command finds it next to

@@ -1,4 +1,4 @@
-"""The thin torch.cuda layer that carries out a StreamPlan (issue 4).
+"""The thin torch.cuda layer that carries out a StreamPlan (GPU execution on CUDA streams).
 
 What it does, and why:
 

@@ -1,6 +1,6 @@
 """Stream planning: which CUDA stream each CUDA node runs on, and which events order them.
 
-This is the pure half of GPU execution (issue 4); `asyncgraph.cuda.device` is the thin torch.cuda
+This is the pure half of GPU execution; `asyncgraph.cuda.device` is the thin torch.cuda
 layer that carries the plan out. Everything here is a function of the graph's structure, is
 computed once per Executor, and is tested on machines without a GPU.
 

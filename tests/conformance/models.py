@@ -1,4 +1,5 @@
-"""The model corpus of the conformance tests: one small program per point of issue 5.
+"""The model corpus of the conformance tests: one small program per torch.export feature
+of the support matrix (docs/support.md).
 
 Each Case builds a module, the sequence of calls to make (the first is the export example; the
 others vary values and, for dynamic programs, sizes), the dynamic shapes, and the higher-order
