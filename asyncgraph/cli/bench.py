@@ -2,7 +2,7 @@
 
 The suite itself lives in benchmarks/ at the top of a source checkout (it imports dask and
 builds models, none of which the installed package needs), so this command finds it next to
-the package and imports it; from a wheel install it says so and exits 2.
+the package and imports it; from a wheel install it says so in one error line (exit 1).
 
 Timing never decides anything by itself: `--check` is for a person or a scheduled job on a
 quiet machine, and CI runs only the smoke test (tests/test_bench_smoke.py).
@@ -30,11 +30,10 @@ def _suite() -> Any:
             raise
     root = Path(__file__).resolve().parents[2]
     if not (root / "benchmarks" / "suite.py").is_file():
-        Console(stderr=True).print(
+        raise FileNotFoundError(
             "asyncgraph bench runs the suite in benchmarks/ of a source checkout; "
-            f"none was found next to the package ({root})."
+            f"none was found next to the package ({root})"
         )
-        raise typer.Exit(2)
     sys.path.insert(0, str(root))
     return importlib.import_module("benchmarks.suite")
 
