@@ -26,6 +26,7 @@ import asyncgraph
 from asyncgraph.graph.builder import GraphBuilder
 from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.serve import InferenceServer, create_app, running_server
+from asyncgraph.testing import FaultInjector
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -265,6 +266,43 @@ async def test_200_concurrent_requests(linear: Any, batching: bool) -> None:
     assert metric(text, "asyncgraph_requests_total", model="lin", code="200") == 200
     assert metric(text, "asyncgraph_request_duration_seconds_count", model="lin") == 200
     assert metric(text, "nv_inference_queue_duration_us", model="lin") >= 0
+
+
+@pytest.mark.timeout(60)
+async def test_batches_through_the_server_fill_to_max_batch_size(linear: Any) -> None:
+    """The server admits enough requests to fill a batch, not one per frame: 64 one-row
+    requests queue behind a held batch, then leave in batches of 32 rows."""
+    model, ep = linear
+    faults = FaultInjector()
+    gate = faults.block("linear")
+    config = asyncgraph.ExecutorConfig(
+        max_concurrent_executions=4, heavy_op_flops=0, adaptive_placement=False,
+        batching=asyncgraph.BatchingConfig(max_batch_size=32, max_concurrent_batches=1),
+    )
+    xs = [torch.randn(1, 4, generator=torch.Generator().manual_seed(i)) for i in range(64)]
+    ex = asyncgraph.Executor(ep, config, kernel_factory=faults.kernel_factory())
+    async with ex, serving({"lin": ex}, max_queue=256) as (_, client, _url):
+        first = asyncio.create_task(client.post("/v2/models/lin/infer", json=infer_body(xs[0])))
+        await gate.wait_entered(1)
+        rest = [asyncio.create_task(client.post("/v2/models/lin/infer", json=infer_body(x)))
+                for x in xs[1:]]
+
+        def queued() -> int:
+            stats = ex.batching_statistics()
+            return stats.queued if stats is not None else 0
+
+        try:
+            await eventually(lambda: queued() == 63, "63 requests wait in the batcher")
+        finally:
+            gate.open()  # a failure must not leave a worker thread blocked
+        responses = await asyncio.gather(first, *rest)
+        batches = ex.batching_statistics()
+    for r, x in zip(responses, xs, strict=True):
+        assert r.status_code == 200, r.text
+        with torch.no_grad():
+            torch.testing.assert_close(torch.tensor(r.json()["outputs"][0]["data"]), model(x)[0])
+    assert batches is not None and batches.largest_batch == 32
+    assert batches.batches == 3  # the held one, then 32 and 31 rows
 
 
 # -- cancellation, backpressure, timeouts ---------------------------------------------------

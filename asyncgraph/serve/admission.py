@@ -1,11 +1,17 @@
 """Admission: the server's bounded, first-come-first-served queue in front of one model.
 
 An Executor already makes callers wait for a free frame. The server puts its own gate of the
-same width in front of it for two reasons: a request that would wait behind `max_queue` others
-is refused at once with 503 (backpressure instead of an unbounded pile of waiting requests and
-their input tensors), and the time a request spends queued is measured exactly, for the
-`nv_inference_queue_duration_us` metric. Behind the gate the executor finds a frame free, so
-its own pool stays the final bound.
+same width (`capacity_for`) in front of it for two reasons: a request that would wait behind
+`max_queue` others is refused at once with 503 (backpressure instead of an unbounded pile of
+waiting requests and their input tensors), and the time a request spends queued is measured
+exactly, for the `nv_inference_queue_duration_us` metric. Behind the gate the executor finds a
+frame free, so its own pool stays the final bound.
+
+With dynamic batching the gate is wider: frames x max_batch_size requests, so enough requests
+reach the batcher to fill every frame's batch (a gate of one request per frame would cap every
+batch at the frame count). The gate counts requests, not rows: every request has at least one
+row, so that many requests always carry enough rows, and the batcher's own bounded queue holds
+the requests its running batches have no room for.
 
 State: `running` slots taken, `waiters` FIFO. A slot released goes straight to the oldest
 waiter; a waiter cancelled after it was handed a slot passes the slot on.
@@ -19,7 +25,16 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.serve.errors import ProtocolError
+
+
+def capacity_for(config: ExecutorConfig) -> int:
+    """Requests the gate lets into an executor at once: one per frame, or with batching
+    enough to fill a batch per frame (see the module docstring)."""
+    frames = config.max_concurrent_executions
+    batching = config.batching
+    return frames if batching is None else frames * batching.max_batch_size
 
 
 class Admission:

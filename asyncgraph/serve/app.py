@@ -34,7 +34,7 @@ from starlette.types import Receive
 from asyncgraph.errors import ExecutorClosedError, InputValidationError
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve import metrics as m
-from asyncgraph.serve.admission import Admission
+from asyncgraph.serve.admission import Admission, capacity_for
 from asyncgraph.serve.codec import HEADER, InferRequest, decode_request, encode_response
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
@@ -112,7 +112,7 @@ class InferenceServer:
             served = _Served(
                 ex,
                 ModelInterface(name, ex.graph),
-                Admission(name, ex.config.max_concurrent_executions, self.max_queue),
+                Admission(name, capacity_for(ex.config), self.max_queue),
             )
             self._served[name] = served
         return served
