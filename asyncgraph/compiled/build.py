@@ -23,6 +23,7 @@ import inspect
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,11 +250,13 @@ def _compile_segment(
     gm = segment_module(graph, segment)
     args = tuple(_plain(values[v]) for v in segment.inputs)
     dynamic = tuple(_dynamic_dims(graph, v) for v in segment.inputs)
-    exported = torch.export.export(gm, args, dynamic_shapes=dynamic)
-    _check_still_dynamic(exported, dynamic, graph, segment)
-    torch._inductor.aoti_compile_and_package(
-        exported, package_path=str(path), inductor_configs=inductor_configs
-    )
+    with warnings.catch_warnings():  # torch's tracing notes, not the caller's business
+        warnings.simplefilter("ignore")
+        exported = torch.export.export(gm, args, dynamic_shapes=dynamic)
+        _check_still_dynamic(exported, dynamic, graph, segment)
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(path), inductor_configs=inductor_configs
+        )
     return path
 
 

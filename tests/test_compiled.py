@@ -1,0 +1,321 @@
+"""AOTInductor-compiled segments: compile once per session, load as delegate nodes, and check
+results, dynamic sizes, weight swaps (in flight too), cancellation between segments and the
+package checks (trust, manifest compatibility, archive rules)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.export import Dim
+
+import asyncgraph
+from asyncgraph import Executor
+from asyncgraph.compiled import CompileReport, compile_program, find_segments
+from asyncgraph.errors import ProgramLoadError
+from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
+from asyncgraph.graph.importers import Node, load_pt2
+from asyncgraph.graph.ir import Graph
+from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.kernels.base import KernelKind
+from asyncgraph.runtime.plan import Placement
+from asyncgraph.testing.reference import perturbed_weights
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+class Body(torch.nn.Module):
+    """An MLP (11 aten nodes), a torch.cond (uncompilable: a higher-order op), a short tail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 16)
+        self.l3 = torch.nn.Linear(16, 8)
+        self.tail = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.l1(x))
+        h = torch.tanh(self.l2(h)) * 0.5 + h
+        h = torch.sigmoid(self.l3(h)) - 0.1
+        h = torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,))
+        return torch.nn.functional.gelu(self.tail(h)) + 1
+
+
+class Compiled:
+    """The session's compiled packages: the source program and one package per mode."""
+
+    def __init__(self, root: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's tracing warnings; tests run with -W error
+            self.ep = torch.export.export(
+                Body().eval(), (torch.randn(4, 8),), dynamic_shapes=({0: Dim.AUTO},)
+            )
+        self.source = root / "body.pt2"
+        torch.export.save(self.ep, self.source)
+        self.reports: dict[str, CompileReport] = {}
+        for mode in ("auto", "whole"):
+            path = root / f"body.{mode}.aoti.pt2"
+            self.reports[mode] = compile_program(self.source, path, mode)
+
+    def path(self, mode: str) -> Path:
+        return self.reports[mode].path
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Compiled:
+    return Compiled(tmp_path_factory.mktemp("aoti"))
+
+
+# -- segments (no compiling) ----------------------------------------------------------------------
+
+
+def _graph() -> Graph:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's tracing warnings; tests run with -W error
+        ep = torch.export.export(Body().eval(), (torch.randn(4, 8),))
+    return asyncgraph.to_program(ep).graph
+
+
+def test_segments_split_at_the_higher_order_op() -> None:
+    graph = _graph()
+    cond = graph.node("cond").index
+    whole = find_segments(graph, "whole")
+    assert [(s.start, s.stop) for s in whole] == [(0, cond), (cond + 2, len(graph.nodes))]
+    auto = find_segments(graph, "auto")  # the 3-node tail is too short to gain from fusion
+    assert [(s.start, s.stop) for s in auto] == [(0, cond)]
+    names = [graph.values[v].name for v in auto[0].outputs]
+    assert names == ["sub", "gt"]  # read by the cond: the segment's outputs
+    with pytest.raises(ValueError, match="segments mode 'fast'"):
+        find_segments(graph, "fast")
+
+
+# -- the compiled packages ------------------------------------------------------------------------
+
+
+def test_reports(compiled: Compiled) -> None:
+    auto, whole = compiled.reports["auto"], compiled.reports["whole"]
+    assert [len(s.nodes) for s in auto.segments] == [11]
+    assert [len(s.nodes) for s in whole.segments] == [11, 3]
+    assert not auto.failed and not whole.failed
+    assert whole.nodes_compiled == 14 and whole.nodes_total == 16
+    assert auto.package_bytes == auto.path.stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["auto", "whole"])
+async def test_results_match_plain_graph(compiled: Compiled, mode: str, leak_check: Any) -> None:
+    ex = asyncgraph.load(compiled.path(mode), trust_compiled=True)
+    plain = Executor(compiled.source)
+    reference = compiled.ep.module()
+    try:
+        delegates = [n for n in ex.graph.nodes if n.name.startswith("aoti_segment_")]
+        assert len(delegates) == len(compiled.reports[mode].segments)
+        for node in delegates:
+            assert ex.kernels[node.index].kind is KernelKind.DELEGATE
+            assert ex.placements()[node.name] is Placement.WORKER
+        for batch in (4, 7, 2, 1):  # the example's size, and others (a dynamic dimension)
+            x = torch.randn(batch, 8)
+            out = await ex.execute(x)
+            torch.testing.assert_close(out, await plain.execute(x), **TOL)
+            torch.testing.assert_close(out, reference(x), **TOL)
+    finally:
+        await ex.aclose()
+        await plain.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_swap_weights_as_on_the_plain_graph(compiled: Compiled, leak_check: Any) -> None:
+    ex = asyncgraph.load(compiled.path("whole"), trust_compiled=True)
+    plain = Executor(compiled.source)
+    try:
+        new = perturbed_weights(ex.weights.tensors, 1)
+        x = torch.randn(5, 8)
+        before = await ex.execute(x)
+        assert ex.swap_weights(new) == plain.swap_weights(new) == 1
+        after = await ex.execute(x)
+        torch.testing.assert_close(after, await plain.execute(x), **TOL)
+        assert not torch.allclose(after, before)
+    finally:
+        await ex.aclose()
+        await plain.aclose()
+
+
+class Gate(KernelFactory):
+    """Holds the first call of segment `name` (on its worker) until `release` is set."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def kernel_for(self, node: Node, graph: Graph) -> OpKernel | None:
+        kernel = super().kernel_for(node, graph)
+        if kernel is None or node.name != self.name:
+            return kernel
+        run: Callable[..., Any] = kernel.fn
+
+        def gated(*args: Any) -> Any:
+            self.started.set()
+            assert self.release.wait(30), "the test never released the segment"
+            return run(*args)
+
+        return OpKernel(gated, kernel.kind, kernel.name, kernel.cost)
+
+
+async def _wait(event: threading.Event) -> None:
+    assert await asyncio.to_thread(event.wait, 30)
+
+
+@pytest.mark.timeout(120)
+async def test_swap_during_an_execution_keeps_its_version(
+    compiled: Compiled, leak_check: Any
+) -> None:
+    gate = Gate("aoti_segment_0")
+    program = load_pt2(compiled.path("whole"), trust_compiled=True)
+    ex = Executor(program, kernel_factory=gate)
+    plain = Executor(compiled.source)
+    try:
+        x = torch.randn(3, 8)
+        old = await plain.execute(x)
+        new = perturbed_weights(ex.weights.tensors, 2)
+        running = asyncio.create_task(ex.execute(x))
+        await _wait(gate.started)  # segment 0 has its (old) weights; the tail has not run
+        ex.swap_weights(new)
+        gate.release.set()
+        torch.testing.assert_close(await running, old, **TOL)
+        plain.swap_weights(new)
+        torch.testing.assert_close(await ex.execute(x), await plain.execute(x), **TOL)
+    finally:
+        gate.release.set()
+        await ex.aclose()
+        await plain.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_cancel_between_segments(compiled: Compiled, leak_check: Any) -> None:
+    gate = Gate("aoti_segment_0")
+    program = load_pt2(compiled.path("whole"), trust_compiled=True)
+    ex = Executor(program, kernel_factory=gate)
+    second = ex.graph.node("aoti_segment_1").target
+    try:
+        running = asyncio.create_task(ex.execute(torch.randn(3, 8)))
+        await _wait(gate.started)
+        running.cancel()
+        gate.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert second.calls == 0  # stopped after segment 0, before segment 1
+        stats = ex.statistics()
+        assert stats.cancelled == 1 and stats.frames.in_use == 0
+        await ex.execute(torch.randn(3, 8))  # the frame came back and works
+        assert second.calls == 1
+    finally:
+        gate.release.set()
+        await ex.aclose()
+
+
+# -- package checks -------------------------------------------------------------------------------
+
+
+def test_refused_without_trust(compiled: Compiled) -> None:
+    for load in (asyncgraph.load, Executor):
+        with pytest.raises(ProgramLoadError, match=r"trust_compiled=True.*--trust-compiled"):
+            load(compiled.path("auto"))
+
+
+def _rewrite(source: Path, target: Path, change: Callable[[str, bytes], bytes | None],
+             extra: dict[str, bytes] | None = None) -> Path:
+    """A copy of the archive with members changed (None drops one) and `extra` added."""
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(target, "w") as dst:
+        for info in src.infolist():
+            data = change(info.filename, src.read(info))
+            if data is not None:
+                dst.writestr(info.filename, data)
+        for name, data in (extra or {}).items():
+            dst.writestr(name, data)
+    return target
+
+
+def _with_manifest(compiled: Compiled, tmp_path: Path, **platform: str) -> Path:
+    def change(name: str, data: bytes) -> bytes:
+        if name.endswith(COMPILED_MANIFEST):
+            manifest = json.loads(data)
+            manifest["platform"].update(platform)
+            return json.dumps(manifest).encode()
+        return data
+
+    return _rewrite(compiled.path("auto"), tmp_path / "tampered.aoti.pt2", change)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "label"),
+    [("torch", "1.13.0", "torch version"), ("machine", "riscv64", "machine"),
+     ("cpu_isa", "NEON", "CPU instruction set")],
+)
+def test_other_torch_or_machine_refused(
+    compiled: Compiled, tmp_path: Path, field: str, value: str, label: str
+) -> None:
+    path = _with_manifest(compiled, tmp_path, **{field: value})
+    here = re.escape({"torch": torch.__version__}.get(field, ""))
+    with pytest.raises(ProgramLoadError, match=f"compiled for {label} '{value}'.*{here}"):
+        asyncgraph.load(path, trust_compiled=True)
+
+
+def test_archive_rules_still_apply(compiled: Compiled, tmp_path: Path) -> None:
+    source = compiled.path("whole")
+    root = zipfile.ZipFile(source).namelist()[0].split("/")[0]
+    bad = {
+        "a script among the compiled files": (
+            {f"{root}/data/aotinductor/aoti_segment_0/run.py": b"import os"},
+            "unexpected member",
+        ),
+        "a compiled model the manifest does not list": (
+            {f"{root}/data/aotinductor/aoti_segment_7/x.wrapper.so": b"\x7fELF"},
+            r"lists segments \['aoti_segment_0', 'aoti_segment_1'\]",
+        ),
+        "an unknown member": ({f"{root}/data/evil.bin": b"x"}, "unexpected member"),
+    }
+    for i, (what, (extra, message)) in enumerate(bad.items()):
+        path = _rewrite(source, tmp_path / f"bad{i}.pt2", lambda _n, d: d, extra)
+        with pytest.raises(ProgramLoadError, match=message):
+            check_pt2_archive(path, trust_compiled=True)
+        with pytest.raises(ProgramLoadError, match=message):
+            asyncgraph.load(path, trust_compiled=True)
+        assert what
+    pickled = _rewrite(  # a weights payload that is a pickle with a code-running global
+        source, tmp_path / "pickled.pt2",
+        lambda n, d: d.replace(b'"use_pickle": false', b'"use_pickle": true', 1)
+        if n.endswith("model_weights_config.json") else d,
+    )
+    with pytest.raises(ProgramLoadError):
+        asyncgraph.load(pickled, trust_compiled=True)
+    check_pt2_archive(source, trust_compiled=True)  # the untouched package passes
+    with pytest.raises(ProgramLoadError, match="AOTInductor compiled code"):
+        check_pt2_archive(source)  # and without trust, its shared libraries do not
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_compile(compiled: Compiled, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from asyncgraph.cli.main import app
+
+    out = tmp_path / "cli.aoti.pt2"
+    result = CliRunner().invoke(
+        app, ["compile", str(compiled.source), "-o", str(out), "--segments", "whole"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "14/16" in result.output and out.is_file()
