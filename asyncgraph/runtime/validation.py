@@ -266,10 +266,11 @@ class InputValidator:
                 )
             return
         lo, hi = self.ranges.get(str(sym), (0, float("inf")))
-        if not lo <= got <= hi and not (got in (0, 1) and lo <= 2):
-            # Sizes 0 and 1 pass a lower bound of 2 or less, as ep.module() lets them: export
-            # reports [2, ...] for a dimension it only assumed was not 0 or 1 (Dim.AUTO,
-            # Dim.DYNAMIC, its 0/1 specialization), and the program still runs at 1.
+        if not lo <= got <= hi and not (got in (0, 1) and lo <= 2 and hi == float("inf")):
+            # Sizes 0 and 1 pass an unbounded range from 2, as ep.module() lets them: export
+            # reports [2, inf] for a dimension it only assumed was not 0 or 1 (Dim.AUTO,
+            # Dim.DYNAMIC: its 0/1 specialization), and the program runs at 1. A range the
+            # user bounded (Dim("n", min=2, max=16)) is kept as written.
             upper = "inf" if hi == float("inf") else str(int(hi))
             raise InputValidationError(
                 f"{where}: expected a size in [{lo}, {upper}] for dimension {sym}, got {got}",
