@@ -178,6 +178,30 @@ async def test_max_delay_holds_a_batch_for_later_requests(
     assert stats is not None and (stats.batches, stats.largest_batch) == (1, 2)
 
 
+@pytest.mark.timeout(60)
+async def test_a_batch_that_fills_leaves_at_once_whatever_the_delay(
+    rows_program: tuple[torch.nn.Module, Any],
+) -> None:
+    """max_delay_s waits for a batch that is not full; a request that fills it while the delay
+    timer is pending starts the batch in that loop iteration, not when the timer fires."""
+    _, ep = rows_program
+    ex = Executor(ep, _batched(max_delay_s=30.0, max_batch_size=2))
+    try:
+        first = asyncio.create_task(ex.execute(*_request(1, 3, seed=0)))
+        for _ in range(5):  # queued, and the 30 s delay timer armed
+            await asyncio.sleep(0)
+        stats = ex.batching_statistics()
+        assert stats is not None and (stats.queued, stats.batches) == (1, 0)
+        second = asyncio.create_task(ex.execute(*_request(1, 3, seed=1)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        stats = ex.batching_statistics()
+        assert stats is not None and (stats.batches, stats.largest_batch) == (1, 2)
+        await asyncio.gather(first, second)
+    finally:
+        await ex.aclose()  # closing runs what is queued at once: no 30 s wait on failure
+
+
 # -- errors --------------------------------------------------------------------------------
 
 

@@ -17,9 +17,10 @@ How (`Batcher`): each request is validated alone, then queued with a key (the sh
 dtypes, devices, and the values of non-tensor inputs); requests with equal keys can share a
 batch. A dispatch callback runs once per loop iteration after the callers of that iteration have
 queued, so the callers that arrive together are batched together without a timer;
-`max_delay_s` can hold a batch that is not full a little longer. At most
-`max_concurrent_batches` run at once; the next batch forms from everything that queued
-meanwhile, so batches grow with load and stay at one request when there is none. Each batch's
+`max_delay_s` can hold a batch that is not full a little longer (one that fills meanwhile
+leaves at once). At most `max_concurrent_batches` run at once; the next batch forms from
+everything that queued meanwhile, so batches grow with load and stay at one request when there
+is none. Each batch's
 outputs are split back into per-request views. A failing batch of several requests runs each
 request alone, so one bad request fails alone. A request cancelled while queued leaves the
 queue; a batch whose callers have all gone is cancelled.
@@ -157,6 +158,7 @@ class Batcher:
         self._queue: deque[_Request] = deque()
         self._batches: dict[asyncio.Task[None], list[_Request]] = {}  # running, with members
         self._dispatch_handle: asyncio.Handle | None = None
+        self._delay_timer = False  # whether _dispatch_handle is a max_delay_s timer
         self._closed = False
         self._requests = self._batch_count = self._rows = self._largest = 0
         self._cancelled_in_queue = self._retried_alone = 0
@@ -208,12 +210,20 @@ class Batcher:
 
     def _schedule_dispatch(self) -> None:
         """Dispatch once, at the end of this loop iteration: every caller that runs in this
-        iteration queues first."""
+        iteration queues first. A pending max_delay_s timer gives way as soon as there is
+        nothing to wait for (a full batch has queued, or the batcher is closing): a full batch
+        leaves at once, and `_hold` re-arms the timer for what is left."""
+        if self._delay_timer and (self._closed or self._full()):
+            assert self._dispatch_handle is not None
+            self._dispatch_handle.cancel()
+            self._dispatch_handle = None
         if self._dispatch_handle is None:
+            self._delay_timer = False
             self._dispatch_handle = asyncio.get_running_loop().call_soon(self._dispatch)
 
     def _dispatch(self) -> None:
         self._dispatch_handle = None
+        self._delay_timer = False
         while self._queue and len(self._batches) < self.config.max_concurrent_batches:
             while self._queue and self._queue[0].future.done():  # cancelled while queued
                 self._queue.popleft()
@@ -226,14 +236,26 @@ class Batcher:
     def _hold(self) -> bool:
         """Whether to wait for more requests (max_delay_s); schedules the dispatch if so."""
         delay = self.config.max_delay_s
-        if delay <= 0 or self._closed or sum(r.rows for r in self._queue) >= self.layout.max_rows:
+        if delay <= 0 or self._closed or self._full():
             return False
         due = self._queue[0].arrived + delay
         wait = due - time.monotonic()
         if wait <= 0:
             return False
         self._dispatch_handle = asyncio.get_running_loop().call_later(wait, self._dispatch)
+        self._delay_timer = True
         return True
+
+    def _full(self) -> bool:
+        """Whether the waiting requests hold a full batch's rows (counting stops there, so
+        this costs at most max_rows steps past the requests cancelled in the queue)."""
+        rows = 0
+        for request in self._queue:
+            if not request.future.done():
+                rows += request.rows
+                if rows >= self.layout.max_rows:
+                    return True
+        return False
 
     def _take(self) -> list[_Request]:
         """The oldest request and the next ones with its key, up to max_rows rows."""

@@ -27,8 +27,9 @@ class BatchingConfig:
 
     Attributes:
         max_batch_size: rows per execution; a request with more rows runs alone.
-        max_delay_s: how long a batch that is not full may wait for more requests. 0 takes
-            what has queued by the end of the loop iteration: no added latency when idle.
+        max_delay_s: how long a batch that is not full may wait for more requests; a batch
+            that fills meanwhile leaves at once. 0 takes what has queued by the end of the
+            loop iteration: no added latency when idle.
         max_concurrent_batches: batches running at once; the next batch forms from what
             queues meanwhile, so batches grow with load.
         retry_alone: when a batch of several requests fails, run each alone so a bad request
