@@ -18,10 +18,12 @@ guards and asyncgraph's input validation word it differently), and vice versa.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
@@ -143,6 +145,34 @@ def imported(ep: ExportedProgram) -> Program:
     if entry is None or entry[0] is not ep:
         entry = _PROGRAMS[id(ep)] = (ep, to_program(ep))
     return entry[1]
+
+
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@dataclass(frozen=True)
+class TorchExportLimit:
+    """A program that torch.export itself cannot export before torch `fixed_in`.
+
+    These are torch's limits, not asyncgraph's: on an older torch the test asserts that export
+    fails with `error` (so the entry cannot outlive the limit unnoticed), and runs the program
+    from `fixed_in` on.
+    """
+
+    fixed_in: tuple[int, int]
+    reason: str
+    error: str
+
+    def applies(self) -> bool:
+        return self.fixed_in > TORCH_VERSION
+
+    def assert_export_fails(self, name: str, build: Callable[[], ExportedProgram]) -> None:
+        with pytest.raises(Exception) as info:
+            build()
+        assert re.search(self.error, str(info.value)), (
+            f"{name}: torch {torch.__version__} is listed as unable to export it ({self.reason}), "
+            f"but export failed differently: {info.value!r}"
+        )
 
 
 def cached_export(key: Any, build: Callable[[], ExportedProgram]) -> ExportedProgram:
