@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -104,8 +105,10 @@ def stress(
         options["batching"] = BatchingConfig(max_batch_size=max_batch_size)
     from asyncgraph.graph.importers import to_program
 
+    started = time.perf_counter()
     with console.status(f"loading {model} ..."):
         program = to_program(model)  # before the bars: a bad file is one line, nothing else
+    load_s = time.perf_counter() - started
     with _progress_bars() as progress:
         report = asyncio.run(run_stress(
             program, config, executor_config=executor_config(threads, **options),
@@ -127,9 +130,10 @@ def stress(
         ("frames high-water", f"{report.frames_high_water}/{report.max_frames}"),
         ("loop lag p99", f"{report.loop_lag_p99_ms:.2f} ms"),
         ("loop lag max", f"{report.loop_lag_max_ms:.2f} ms"),
+        ("loading", f"{load_s:.2f} s"),
         ("run", f"{report.elapsed_s:.2f} s"),
         ("verification", f"{report.verify_s:.2f} s ({report.reference_runs} reference runs)"),
-        ("total", f"{report.total_s:.2f} s"),
+        ("total", f"{load_s + report.total_s:.2f} s"),
     ]
     for name, value in rows:
         table.add_row(name, value)
