@@ -202,6 +202,27 @@ async def test_a_batch_that_fills_leaves_at_once_whatever_the_delay(
         await ex.aclose()  # closing runs what is queued at once: no 30 s wait on failure
 
 
+@pytest.mark.timeout(60)
+async def test_closing_runs_a_delayed_batch_without_waiting_for_its_timer(
+    rows_program: tuple[torch.nn.Module, Any],
+) -> None:
+    _, ep = rows_program
+    ex = Executor(ep, _batched(max_delay_s=30.0, max_batch_size=4))
+    first = asyncio.create_task(ex.execute(*_request(1, 3, seed=0)))
+    for _ in range(5):  # queued, and the 30 s delay timer armed
+        await asyncio.sleep(0)
+    closing = asyncio.create_task(ex.aclose())
+    try:
+        for _ in range(50):  # a few loop iterations to run the batch, not 30 s
+            await asyncio.sleep(0)
+            if first.done():
+                break
+        assert first.done() and first.result()[0].shape == (1, 3, 4)
+    finally:
+        first.cancel()
+        await asyncio.gather(first, closing, return_exceptions=True)
+
+
 # -- errors --------------------------------------------------------------------------------
 
 
