@@ -8,7 +8,13 @@ BIN := $(VENV)/bin
 SOAK_SCALE ?= 1
 CI_SOAK_SCALE ?= 0.25
 
-.PHONY: demo test lint typecheck unit soak install clean
+# The lowest torch pyproject admits gets the whole suite too, in a venv of its own: PyPI's wheel
+# (a CUDA build, about 4.6 GB with its libraries, which runs on the CPU here) and the same pins
+# as the main venv but torch's.
+TORCH_MIN ?= 2.11.0
+VENV_MIN ?= .venv-torch-min
+
+.PHONY: demo test lint typecheck unit soak test-torch-min install clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +24,20 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
+$(VENV_MIN)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/python -m pip install --quiet --upgrade pip
+	grep -v '^torch==' constraints.txt > $(VENV_MIN)/constraints.txt
+	$(VENV_MIN)/bin/python -m pip install --quiet -c $(VENV_MIN)/constraints.txt \
+		'torch==$(TORCH_MIN)' -e '.[dev]'
+	touch $@
+
 demo: install
 	$(BIN)/asyncgraph demo
 
 test: lint typecheck unit
 	$(MAKE) soak SOAK_SCALE=$(CI_SOAK_SCALE)
+	$(MAKE) test-torch-min
 
 lint: install
 	$(BIN)/ruff check asyncgraph kernels tests examples benchmarks
@@ -36,5 +51,8 @@ unit: install
 soak: install
 	ASYNCGRAPH_SOAK_SCALE=$(SOAK_SCALE) $(BIN)/python -m pytest -q -p no:cacheprovider -m slow --run-slow
 
+test-torch-min: $(VENV_MIN)/.installed
+	$(VENV_MIN)/bin/python -m pytest -q -p no:cacheprovider
+
 clean:
-	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_MIN) build .pytest_cache .mypy_cache .ruff_cache
