@@ -4,6 +4,7 @@ exactly what running alone gives, its own errors, and its own cancellation."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import warnings
 from typing import Any
 
@@ -221,6 +222,38 @@ async def test_closing_runs_a_delayed_batch_without_waiting_for_its_timer(
     finally:
         first.cancel()
         await asyncio.gather(first, closing, return_exceptions=True)
+
+
+class Scale(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+
+@pytest.mark.parametrize(("width", "off_loop"), [(65536, True), (16, False)],
+                         ids=["2MB-on-a-thread", "512B-inline"])
+async def test_a_large_batch_is_stacked_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch, width: int, off_loop: bool
+) -> None:
+    """8 rows of 256 KB stack to 2 MB: torch.cat runs on a thread, not the loop's; 8 rows of
+    64 B stay inline (a thread hop costs more than the copy)."""
+    ep = _export(Scale(), (torch.randn(2, width),), ({0: BATCH},))
+    joined_on: list[int] = []
+    join = Batcher._join
+
+    def recording_join(self: Batcher, batch: Any) -> list[Any]:
+        joined_on.append(threading.get_ident())
+        return join(self, batch)
+
+    monkeypatch.setattr(Batcher, "_join", recording_join)
+    xs = [torch.randn(1, width, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    async with Executor(ep, _batched(max_batch_size=8)) as ex:
+        outs = await asyncio.gather(*(ex.execute(x) for x in xs))
+        stats = ex.batching_statistics()
+    assert stats is not None and stats.batches == 1 and stats.largest_batch == 8
+    for x, y in zip(xs, outs, strict=True):
+        torch.testing.assert_close(y, x * 2 + 1)
+    loop_thread = threading.get_ident()
+    assert len(joined_on) == 1 and (joined_on[0] != loop_thread) == off_loop
 
 
 # -- errors --------------------------------------------------------------------------------
