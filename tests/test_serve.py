@@ -11,6 +11,8 @@ import asyncio
 import gzip
 import json
 import re
+import threading
+import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 import asyncgraph
 from asyncgraph.graph.builder import GraphBuilder
 from asyncgraph.graph.ir import Graph, TensorSpec
-from asyncgraph.serve import InferenceServer, create_app, running_server
+from asyncgraph.serve import InferenceServer, ProtocolError, create_app, running_server
 from asyncgraph.testing import FaultInjector
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -517,6 +519,62 @@ async def test_request_size_limit_and_compressed_bodies(linear: Any) -> None:
         )
         assert r.status_code == 413 and "inflates past the limit" in r.json()["error"]
         assert ex.statistics().started == 1
+
+
+async def test_a_large_compressed_body_inflates_off_the_loop(
+    linear: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body that inflates to 400 KB is inflated on a thread (after an inline try); a small
+    one inline (a thread hop costs more than inflating it)."""
+    model, ep = linear
+    x = torch.randn(2, 4)
+    small = json.dumps(infer_body(x)).encode()
+    large = small + b" " * 400_000  # JSON allows trailing whitespace
+    real = zlib.decompressobj
+    inflated_on: list[int] = []
+
+    class RecordingInflater:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.inflater = real(*args, **kwargs)
+
+        def decompress(self, data: bytes, max_length: int = 0) -> bytes:
+            inflated_on.append(threading.get_ident())
+            return self.inflater.decompress(data, max_length)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inflater, name)
+
+    monkeypatch.setattr(zlib, "decompressobj", RecordingInflater)
+    loop_thread = threading.get_ident()
+    with torch.no_grad():
+        expected = model(x)
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as (_, client, _url):
+        threads = []
+        for body in (small, large):
+            inflated_on.clear()
+            r = await client.post("/v2/models/lin/infer", content=gzip.compress(body),
+                                  headers={"content-encoding": "gzip"})
+            assert r.status_code == 200, r.text
+            got = torch.tensor(r.json()["outputs"][0]["data"]).reshape(2, 3)
+            torch.testing.assert_close(got, expected)
+            threads.append({t != loop_thread for t in inflated_on})
+    assert threads == [{False}, {False, True}]  # small: inline; large: inline, then a thread
+
+
+@pytest.mark.parametrize("size", [0, 1, (64 << 10) - 1, 64 << 10, (64 << 10) + 1, 100_000])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_inflation_at_the_inline_part_and_the_limit(size: int, encoding: str) -> None:
+    from asyncgraph.serve.app import _decompress
+
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    packed = gzip.compress(data) if encoding == "gzip" else zlib.compress(data)
+    assert await _decompress(packed, encoding, limit=100_000) == data
+    if size:
+        with pytest.raises(ProtocolError, match="inflates past the limit") as info:
+            await _decompress(packed, encoding, limit=size - 1)
+        assert info.value.status == 413
+        with pytest.raises(ProtocolError, match="truncated"):
+            await _decompress(packed[:-8], encoding, limit=100_000)
 
 
 # -- embedding -------------------------------------------------------------------------------
