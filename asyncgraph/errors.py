@@ -45,3 +45,16 @@ class ExecutorClosedError(AsyncGraphError, RuntimeError):
 
 class WeightsError(AsyncGraphError, ValueError):
     """A weight swap names an unknown weight or a tensor of the wrong shape or dtype."""
+
+
+class OverloadedError(AsyncGraphError, RuntimeError):
+    """A bounded queue is full, so the call was refused instead of queued without limit.
+
+    `bound` names the setting (say "ExecutorConfig.max_frame_waiters") and `limit` its value:
+    raise the setting, or shed load before calling. A server answers 503 with Retry-After.
+    """
+
+    def __init__(self, message: str, bound: str, limit: int) -> None:
+        super().__init__(message)
+        self.bound = bound
+        self.limit = limit

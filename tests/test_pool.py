@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from asyncgraph import ExecutorClosedError, FramePool
+from asyncgraph import ExecutorClosedError, FramePool, OverloadedError
 from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.plan import ExecutionPlan
 
@@ -125,3 +125,22 @@ async def test_closed_pool_refuses_acquire() -> None:
     pool.close()
     with pytest.raises(ExecutorClosedError):
         await pool.acquire()
+
+
+async def test_waiters_beyond_max_waiters_are_refused_at_once() -> None:
+    plan = _plan()
+    pool = FramePool(lambda i: ExecutionFrame(plan, i), 1, 0, 600.0, max_waiters=2)
+    held = await pool.acquire()
+    waiters = [asyncio.create_task(pool.acquire()) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(OverloadedError, match=r"max_frame_waiters=2") as info:
+        await pool.acquire()
+    assert info.value.limit == 2
+    stats = pool.statistics()
+    assert (stats.waiters, stats.refused, stats.max_waiters) == (2, 1, 2)
+    pool.release(held)
+    for task in waiters:
+        pool.release(await task)
+    stats = pool.statistics()
+    assert (stats.in_use, stats.waiters, stats.total) == (0, 0, 1)
+    pool.release(await pool.acquire())  # below the bound again: served at once

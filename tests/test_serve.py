@@ -364,6 +364,40 @@ async def test_overload_answers_503_at_once() -> None:
         assert metric(text, "nv_inference_request_success", model="g") == 2
 
 
+@pytest.mark.timeout(60)
+async def test_a_full_batcher_queue_answers_503(linear: Any) -> None:
+    """The admission gate lets frames x max_batch_size requests in; a batcher queue bounded
+    below that refuses the rest with OverloadedError, which the server answers with 503."""
+    _, ep = linear
+    faults = FaultInjector()
+    gate = faults.block("linear")
+    config = asyncgraph.ExecutorConfig(
+        max_concurrent_executions=1, heavy_op_flops=0, adaptive_placement=False,
+        batching=asyncgraph.BatchingConfig(
+            max_batch_size=4, max_concurrent_batches=1, max_queued_requests=2
+        ),
+    )
+    ex = asyncgraph.Executor(ep, config, kernel_factory=faults.kernel_factory())
+    body = infer_body(torch.ones(1, 4))
+    async with ex, serving({"lin": ex}) as (_, client, _url):
+        try:
+            first = asyncio.create_task(client.post("/v2/models/lin/infer", json=body))
+            await gate.wait_entered(1)
+            queued = [asyncio.create_task(client.post("/v2/models/lin/infer", json=body))
+                      for _ in range(2)]
+            await eventually(
+                lambda: getattr(ex.batching_statistics(), "queued", 0) == 2, "2 queued"
+            )
+            refused = await client.post("/v2/models/lin/infer", json=body)
+        finally:
+            gate.open()
+        assert refused.status_code == 503
+        assert "BatchingConfig.max_queued_requests=2" in refused.json()["error"]
+        assert [r.status_code for r in await asyncio.gather(first, *queued)] == [200] * 3
+        text = (await client.get("/metrics")).text
+    assert metric(text, "nv_inference_request_failure", model="lin", reason="REJECTED") == 1
+
+
 async def test_timeout_cancels_a_slow_execution() -> None:
     gate = Gate()
     async with asyncgraph.Executor(gated_graph(gate)) as ex, serving(

@@ -20,7 +20,7 @@ queued, so the callers that arrive together are batched together without a timer
 `max_delay_s` can hold a batch that is not full a little longer (one that fills meanwhile
 leaves at once). At most `max_concurrent_batches` run at once; the next batch forms from
 everything that queued meanwhile, so batches grow with load and stay at one request when there
-is none.
+is none. At most `max_queued_requests` wait; the next caller gets OverloadedError at once.
 
 Stacking copies every input row once: a batch whose stacked inputs pass `OFFLOAD_BYTES` is
 stacked on a thread (torch.cat releases the GIL), so the copy does not hold the loop; smaller
@@ -42,7 +42,7 @@ from typing import Any
 import sympy
 import torch
 
-from asyncgraph.errors import BatchingError, ExecutorClosedError
+from asyncgraph.errors import BatchingError, ExecutorClosedError, OverloadedError
 from asyncgraph.graph.ir import Graph, OutputKind, Ref, TensorSpec
 from asyncgraph.runtime.config import BatchingConfig
 
@@ -128,7 +128,8 @@ def _check_batched(what: str, spec: TensorSpec, symbol: sympy.Symbol) -> None:
 
 @dataclass(frozen=True, slots=True)
 class BatcherStatistics:
-    """Requests and batches so far; `mean_rows` is the average batch size in rows."""
+    """Requests and batches so far; `mean_rows` is the average batch size in rows; `refused`
+    counts the requests that found the queue full (OverloadedError)."""
 
     requests: int
     batches: int
@@ -138,6 +139,7 @@ class BatcherStatistics:
     running: int
     cancelled_in_queue: int
     retried_alone: int
+    refused: int = 0
 
     @property
     def mean_rows(self) -> float:
@@ -169,15 +171,18 @@ class Batcher:
         self._delay_timer = False  # whether _dispatch_handle is a max_delay_s timer
         self._closed = False
         self._requests = self._batch_count = self._rows = self._largest = 0
-        self._cancelled_in_queue = self._retried_alone = 0
+        self._cancelled_in_queue = self._retried_alone = self._refused = 0
+        self._waiting = 0  # requests in the queue that no one has cancelled
 
     async def submit(self, flat: list[Any]) -> list[Any]:
         """Run one validated request in a batch; its outputs, as if it had run alone."""
         if self._closed:
             raise ExecutorClosedError("the executor is closed; create a new one")
+        self._check_room()
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         request = _Request(flat, *self._rows_and_key(flat), future)
         self._queue.append(request)
+        self._waiting += 1
         self._requests += 1
         self._schedule_dispatch()
         try:
@@ -186,11 +191,25 @@ class Batcher:
             batch = request.batch
             if batch is None:
                 self._cancelled_in_queue += 1
+                self._waiting -= 1
             else:
                 members = self._batches.get(batch)
                 if members and all(r.future.done() for r in members):
                     batch.cancel()  # nobody waits for it any more
             raise
+
+    def _check_room(self) -> None:
+        """OverloadedError when max_queued_requests wait already (cancelled ones do not count,
+        though they stay in the deque until a dispatch passes them)."""
+        limit = self.config.max_queued_requests
+        if self._waiting >= limit:
+            self._refused += 1
+            raise OverloadedError(
+                f"{self._waiting} requests already wait in the batcher's queue "
+                f"(BatchingConfig.max_queued_requests={limit}); raise max_queued_requests, "
+                "max_batch_size or max_concurrent_batches, or shed load before calling",
+                bound="BatchingConfig.max_queued_requests", limit=limit,
+            )
 
     def _rows_and_key(self, flat: Sequence[Any]) -> tuple[int, Hashable]:
         """Rows of the request and what a batch-mate must match; a unique key when the
@@ -280,6 +299,7 @@ class Batcher:
                 skipped.append(request)
         skipped.extend(self._queue)
         self._queue = skipped
+        self._waiting -= len(batch)
         return batch
 
     def _start(self, batch: list[_Request]) -> None:
@@ -401,4 +421,5 @@ class Batcher:
             running=len(self._batches),
             cancelled_in_queue=self._cancelled_in_queue,
             retried_alone=self._retried_alone,
+            refused=self._refused,
         )

@@ -9,6 +9,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+#: The defaults of the two queue bounds: far above any burst a test, benchmark or the server
+#: (whose admission gate holds frames x max_batch_size requests) sends, yet a bound on the
+#: memory a flood of callers can pin (each waiting call holds its inputs).
+DEFAULT_MAX_FRAME_WAITERS = 4096
+DEFAULT_MAX_QUEUED_REQUESTS = 4096
+
 
 def _default_parallel_ops() -> int:
     return max(1, min(4, os.cpu_count() or 1))
@@ -34,12 +40,16 @@ class BatchingConfig:
             queues meanwhile, so batches grow with load.
         retry_alone: when a batch of several requests fails, run each alone so a bad request
             fails alone and the others succeed.
+        max_queued_requests: requests that may wait in the batcher's queue (4096); the next
+            caller gets OverloadedError at once, so a flood of callers cannot pin unbounded
+            memory. Raise it for bursts larger than that.
     """
 
     max_batch_size: int = 32
     max_delay_s: float = 0.0
     max_concurrent_batches: int = 2
     retry_alone: bool = True
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -49,6 +59,10 @@ class BatchingConfig:
         if self.max_concurrent_batches < 1:
             raise ValueError(
                 f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}"
+            )
+        if self.max_queued_requests < 1:
+            raise ValueError(
+                f"max_queued_requests must be >= 1, got {self.max_queued_requests}"
             )
 
 
@@ -88,6 +102,9 @@ class ExecutorConfig:
             cannot move away from them.
         max_concurrent_executions: execution frames; callers beyond this await a free frame,
             first come first served.
+        max_frame_waiters: executions that may await a frame (4096); the next gets
+            OverloadedError at once, so a flood of callers cannot pin unbounded memory.
+            Raise it for bursts larger than that; 0 refuses any call that finds no frame free.
         min_frames: frames kept alive by the idle cleanup.
         frame_cleanup_interval_s: frames idle longer than this are freed down to min_frames;
             0 disables the cleanup.
@@ -149,6 +166,7 @@ class ExecutorConfig:
     intra_op_threads: int | None = None
     pin_workers: bool = False
     max_concurrent_executions: int = 8
+    max_frame_waiters: int = DEFAULT_MAX_FRAME_WAITERS
     min_frames: int = 1
     frame_cleanup_interval_s: float = 600.0
     max_unbounded_int: int = 1 << 24
@@ -182,6 +200,8 @@ class ExecutorConfig:
                 "max_concurrent_executions must be >= 1, "
                 f"got {self.max_concurrent_executions}"
             )
+        if self.max_frame_waiters < 0:
+            raise ValueError(f"max_frame_waiters must be >= 0, got {self.max_frame_waiters}")
         if not 0 <= self.min_frames <= self.max_concurrent_executions:
             raise ValueError(
                 "min_frames must be between 0 and max_concurrent_executions "

@@ -149,6 +149,7 @@ class Executor:
             self.config.max_concurrent_executions,
             self.config.min_frames,
             self.config.frame_cleanup_interval_s,
+            max_waiters=self.config.max_frame_waiters,
         )
         sig = self.graph.signature
         self._user_outputs = [o.arg for o in sig.outputs if o.kind is OutputKind.USER_OUTPUT]

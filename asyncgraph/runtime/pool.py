@@ -5,6 +5,9 @@ that finds none free awaits one; a released frame is handed straight to the olde
 nobody barges ahead. A waiter cancelled after a frame was handed to it (the release-then-cancel
 race of anyio #398) passes the frame on, so no frame is ever leaked or skipped.
 
+At most `max_waiters` callers wait; the next gets OverloadedError at once instead of joining an
+unbounded queue, each entry of which pins the caller's inputs.
+
 Idle frames are freed down to `min_frames` once they have been idle for `cleanup_interval_s`
 (nativert's two-generation scheme, with timestamps instead of generations).
 """
@@ -18,13 +21,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncgraph.errors import ExecutorClosedError
+from asyncgraph.errors import ExecutorClosedError, OverloadedError
+from asyncgraph.runtime.config import DEFAULT_MAX_FRAME_WAITERS
 from asyncgraph.runtime.frame import ExecutionFrame
 
 
 @dataclass(frozen=True, slots=True)
 class FramePoolStatistics:
-    """A snapshot of the pool: frames total, in use, idle, waiters and lifetime counters."""
+    """A snapshot of the pool: frames total, in use, idle, waiters and lifetime counters
+    (`refused`: acquisitions that found max_waiters waiting and got OverloadedError)."""
 
     max_frames: int
     total: int
@@ -34,6 +39,8 @@ class FramePoolStatistics:
     created: int
     freed: int
     high_water: int
+    max_waiters: int = 0
+    refused: int = 0
 
 
 class FramePool:
@@ -45,9 +52,11 @@ class FramePool:
         max_frames: int,
         min_frames: int = 1,
         cleanup_interval_s: float = 600.0,
+        max_waiters: int = DEFAULT_MAX_FRAME_WAITERS,
     ) -> None:
         self._factory = factory
         self._max = max_frames
+        self._max_waiters = max_waiters
         self._min = min_frames
         self._interval = cleanup_interval_s
         self._idle: list[ExecutionFrame] = []
@@ -56,6 +65,7 @@ class FramePool:
         self._created = 0
         self._freed = 0
         self._high_water = 0
+        self._refused = 0
         self._closed = False
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
@@ -74,6 +84,14 @@ class FramePool:
             if self.total < self._max:
                 self._created += 1
                 return self._take(self._factory(self._created))
+        if len(self._waiters) >= self._max_waiters:
+            self._refused += 1
+            raise OverloadedError(
+                f"all {self._max} frames are in use and {len(self._waiters)} executions already "
+                f"wait for one (ExecutorConfig.max_frame_waiters={self._max_waiters}); raise "
+                "max_frame_waiters or max_concurrent_executions, or shed load before calling",
+                bound="ExecutorConfig.max_frame_waiters", limit=self._max_waiters,
+            )
         waiter: asyncio.Future[ExecutionFrame] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -141,6 +159,8 @@ class FramePool:
             created=self._created,
             freed=self._freed,
             high_water=self._high_water,
+            max_waiters=self._max_waiters,
+            refused=self._refused,
         )
 
     # -- internals ---------------------------------------------------------------------------

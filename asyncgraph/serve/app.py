@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive
 
-from asyncgraph.errors import ExecutorClosedError, InputValidationError
+from asyncgraph.errors import ExecutorClosedError, InputValidationError, OverloadedError
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve import metrics as m
 from asyncgraph.serve.admission import Admission, capacity_for
@@ -167,7 +167,7 @@ class InferenceServer:
             return error_response(exc), m.REJECTED if exc.status == 503 else m.OTHER
         except InputValidationError as exc:
             return error_response(ProtocolError(f"model {name!r}: {exc}")), m.OTHER
-        except ExecutorClosedError as exc:
+        except (ExecutorClosedError, OverloadedError) as exc:
             return error_response(ProtocolError(f"model {name!r}: {exc}", 503)), m.REJECTED
         except ExecutionTimeout as exc:
             return error_response(ProtocolError(str(exc), 504)), m.CANCELED
