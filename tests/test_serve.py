@@ -352,6 +352,7 @@ async def test_overload_answers_503_at_once() -> None:
         await eventually(lambda: admission.queued == 1, "the second request is queued")
         refused = await client.post("/v2/models/g/infer", json=body)
         assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
         assert refused.json() == {"error": refused.json()["error"]}
         assert "overloaded" in refused.json()["error"]
         assert gate.calls == 1  # the refused request reached no kernel
@@ -391,7 +392,7 @@ async def test_a_full_batcher_queue_answers_503(linear: Any) -> None:
             refused = await client.post("/v2/models/lin/infer", json=body)
         finally:
             gate.open()
-        assert refused.status_code == 503
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "BatchingConfig.max_queued_requests=2" in refused.json()["error"]
         assert [r.status_code for r in await asyncio.gather(first, *queued)] == [200] * 3
         text = (await client.get("/metrics")).text
@@ -429,10 +430,13 @@ async def test_closed_executor_is_not_ready_and_answers_503(linear: Any) -> None
     ex = asyncgraph.Executor(ep)
     async with serving({"lin": ex}) as (_, client, _url):
         await ex.aclose()
-        assert (await client.get("/v2/models/lin/ready")).status_code == 503
-        assert (await client.get("/v2/health/ready")).json() == {"ready": False}
+        for path in ("/v2/models/lin/ready", "/v2/health/ready"):
+            r = await client.get(path)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["ready"] is False
         r = await client.post("/v2/models/lin/infer", json=infer_body(torch.ones(1, 4)))
         assert r.status_code == 503 and "closed" in r.json()["error"]
+        assert r.headers["retry-after"] == "1"
 
 
 # -- malformed requests ----------------------------------------------------------------------

@@ -49,6 +49,11 @@ OFFLOAD_BYTES = 1 << 20
 #: Compressed bodies inflate inline up to this many bytes (~0.2 ms), the rest on a thread.
 INLINE_INFLATE_BYTES = 64 << 10
 
+#: Seconds a client should wait before retrying a 503 (the Retry-After header): an overloaded
+#: queue drains in about that long at the rates the server reaches, and clients that honour
+#: it (tritonclient's retries, most HTTP libraries' backoff) spread their retries.
+RETRY_AFTER_S = 1
+
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 
@@ -293,7 +298,8 @@ def _routes(server: InferenceServer) -> list[Route]:
         ok = not server.shutting_down and all(
             server.model_ready(n) for n in list(server.models)
         )
-        return JSONResponse({"ready": ok}, 200 if ok else 503)
+        status = 200 if ok else 503
+        return JSONResponse({"ready": ok}, status, headers=_retry_after(status))
 
     async def server_metadata(request: Request) -> Response:
         from asyncgraph import __version__
@@ -316,7 +322,8 @@ def _routes(server: InferenceServer) -> list[Route]:
         name = request.path_params["name"]
         server.served(name, request.path_params.get("version"))
         ok = server.model_ready(name)
-        return JSONResponse({"name": name, "ready": ok}, 200 if ok else 503)
+        status = 200 if ok else 503
+        return JSONResponse({"name": name, "ready": ok}, status, headers=_retry_after(status))
 
     async def metrics(request: Request) -> Response:
         return Response(server.metrics.render(), media_type=m.CONTENT_TYPE)
@@ -339,7 +346,12 @@ def _routes(server: InferenceServer) -> list[Route]:
 
 def error_response(exc: ProtocolError) -> Response:
     """The protocol's error body, `{"error": "..."}`, with the error's status."""
-    return JSONResponse(exc.body(), exc.status)
+    return JSONResponse(exc.body(), exc.status, headers=_retry_after(exc.status))
+
+
+def _retry_after(status: int) -> dict[str, str] | None:
+    """A 503 (overloaded, closed, not ready) tells the client when to come back."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
 
 
 async def _protocol_error_handler(request: Request, exc: Exception) -> Response:
