@@ -218,16 +218,16 @@ class Executor:
         except BaseException:
             self._callers.discard(caller)  # type: ignore[arg-type]
             raise
-        if self.recorder is not None:
-            self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
         self._started += 1
-        placement, times = (
-            self._adaptive.choose(flat, self._scheduler.loaded)
-            if self._adaptive is not None
-            else (self.plan.placement, None)
-        )
-        schedule = self._schedules.get(placement, fused=self._fuse and times is None)
-        try:
+        try:  # from here on the frame goes back to the pool on every path
+            if self.recorder is not None:
+                self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
+            placement, times = (
+                self._adaptive.choose(flat, self._scheduler.loaded)
+                if self._adaptive is not None
+                else (self.plan.placement, None)
+            )
+            schedule = self._schedules.get(placement, fused=self._fuse and times is None)
             frame.load(self._weights_template(), flat, execution, schedule, times)
             await self._scheduler.run(frame)
             outputs = self._take_outputs(frame, flat if caller_inputs is None else caller_inputs)

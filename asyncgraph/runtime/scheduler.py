@@ -18,6 +18,10 @@ Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
   wakes the awaiting caller once, on the loop thread.
 - Errors and cancellation set `stopped`: nothing new is dispatched, in-flight units drain, and
   the caller is woken only when no thread or task can touch the frame any more.
+- Every unit counted in `pending` ends exactly once, on every path: a work item ends its unit
+  whatever its run raised, and a hand-off ends the units it could not start. An error of the
+  runtime's own steps (bookkeeping, tracing, a hand-off) fails the execution like a kernel
+  error, so it never strands `pending` above zero (an execution nothing could end or cancel).
 - GPU programs (docs/gpu.md): the frame's unit tables make a CUDA unit enqueue its kernel on
   its stream (it then runs like an inline unit: microseconds, never a host wait) and mark a
   unit reading GPU values HOST_WAIT, which is handed off: it runs at once if the GPU has
@@ -113,10 +117,12 @@ class Scheduler:
             if not frame.finished:
                 await frame.waiter
         except asyncio.CancelledError as exc:
-            self._stop(frame)
-            await self._wait_finished(frame)
             cancelled = exc
         finally:
+            if not frame.finished:  # cancelled, or anything else: nothing may touch the frame
+                self._stop(frame)
+                absorbed = await self._wait_finished(frame)
+                cancelled = cancelled or absorbed
             self._running -= 1
             if gpu is not None and await gpu.finish() and cancelled is None:
                 cancelled = asyncio.CancelledError()
@@ -129,15 +135,22 @@ class Scheduler:
                 raise errors[0]
             raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
 
-    async def _wait_finished(self, frame: ExecutionFrame) -> None:
-        """Wait for in-flight units after a cancellation, absorbing further cancellations."""
+    async def _wait_finished(self, frame: ExecutionFrame) -> asyncio.CancelledError | None:
+        """Wait until the units in flight have ended (threads write the frame until then).
+
+        Cancellations meanwhile are absorbed and the first returned, for the caller to raise
+        once the frame is idle. This ends as soon as the units do: every unit ends on every
+        path, so a cancellation waits at most for the kernels running now.
+        """
         assert self.loop is not None
+        absorbed: asyncio.CancelledError | None = None
         while not frame.finished:
             frame.waiter = self.loop.create_future()
             try:
                 await frame.waiter
-            except asyncio.CancelledError:
-                continue
+            except asyncio.CancelledError as exc:
+                absorbed = absorbed or exc
+        return absorbed
 
     def _stop(self, frame: ExecutionFrame) -> None:
         """Stop dispatching and cancel the frame's async kernels (loop thread)."""
@@ -148,7 +161,19 @@ class Scheduler:
     # -- units -----------------------------------------------------------------------------
 
     def _start(self, frame: ExecutionFrame) -> None:
+        """Start the execution as a work item of its own (`pending` 1): hand off the roots
+        that run elsewhere, then go on as the drain of the inline ones. Never raises."""
         frame.pending = 1
+        try:
+            stack = self._start_roots(frame)
+        except BaseException as exc:
+            self._internal_error(frame, exc, on_worker=False)
+            self._end_unit(frame, on_worker=False)
+            return
+        self._run_on_loop(frame, stack)
+
+    def _start_roots(self, frame: ExecutionFrame) -> list[int]:
+        """Hand off the root units that do not run on the loop; return the others."""
         stack: list[int] = []
         handoff: list[int] = []
         schedule = _schedule(frame)
@@ -161,24 +186,40 @@ class Scheduler:
                 stack.append(unit)
             else:
                 handoff.append(unit)
-        frame.pending += len(handoff)
-        self._hand_off(frame, handoff, on_worker=False)
-        self._run_on_loop(frame, stack)
+        if handoff:
+            frame.pending += len(handoff)
+            self._hand_off(frame, handoff, on_worker=False)
+        return stack
 
     def _run_on_loop(self, frame: ExecutionFrame, stack: list[int], waited: bool = False) -> None:
+        """A work item on the loop thread: run `stack`'s inline work in the loop's shared
+        slice, or later (`_loop_slice`); end the unit once done, whatever was raised."""
+        try:
+            if self._loop_slice(frame, stack, waited):
+                return  # the item goes on in a later iteration
+        except BaseException as exc:
+            self._internal_error(frame, exc, on_worker=False)
+        self._end_unit(frame, on_worker=False)
+
+    def _loop_slice(self, frame: ExecutionFrame, stack: list[int], waited: bool) -> bool:
         """Run inline work within the loop's shared slice, or defer it to the next iteration
-        when this iteration's slice is spent (LoopBudget). `waited`: the work was deferred
-        because its next unit would have overrun the slice; that unit now runs first, fitting
-        or not, so a long unit neither stretches an iteration nor waits for ever."""
-        assert self._budget is not None
-        deadline = self._budget.deadline()
+        when this iteration's slice is spent (LoopBudget); True when deferred. `waited`: the
+        work was deferred because its next unit would have overrun the slice; that unit now
+        runs first, fitting or not, so a long unit neither stretches an iteration nor waits
+        for ever."""
+        budget = self._budget
+        assert budget is not None
+        deadline = budget.deadline()
         if deadline is None and stack and not frame.stopped:
-            self._budget.defer(self._run_on_loop, frame, stack, waited)
-            return
+            budget.defer(self._run_on_loop, frame, stack, waited)
+            return True
         start = time.perf_counter()
         with _inference_mode(self.config.inference_mode):
-            self._drain(frame, stack, on_worker=False, deadline=deadline or 0.0, waited=waited)
+            overrun = self._run_units(frame, stack, False, deadline or 0.0, waited)
         self._account_loop_time(start, time.perf_counter())
+        if overrun:  # the next unit would end after the slice: it goes first next time
+            budget.defer(self._run_on_loop, frame, stack, True)
+        return overrun
 
     @property
     def loaded(self) -> bool:
@@ -196,18 +237,19 @@ class Scheduler:
             self._window_busy = 0.0
         self._window_busy += end - start
 
-    def _drain(
+    def _run_units(
         self,
         frame: ExecutionFrame,
         stack: list[int],
         on_worker: bool,
         deadline: float = 0.0,
         waited: bool = False,
-    ) -> None:
+    ) -> bool:
         """The run loop of one work item: run ready units from `stack` until none is left
         here. On the loop, a unit that would end after `deadline` (by its measured time, or
-        any unit once the deadline has passed) goes on in a later iteration, with the rest;
-        after `waited`, the first unit runs regardless."""
+        any unit once the deadline has passed) stops the loop, and True is returned: it goes
+        on in a later iteration, with the rest; after `waited`, the first unit runs
+        regardless. The caller ends the item's unit."""
         schedule = _schedule(frame)
         calls, stores = frame.calls, schedule.stores
         values = frame.values
@@ -220,9 +262,7 @@ class Scheduler:
             if check:
                 expected = seconds[stack[-1]] if seconds is not None else 0.0
                 if time.perf_counter() + expected > deadline:
-                    assert self._budget is not None
-                    self._budget.defer(self._run_on_loop, frame, stack, True)  # same item
-                    return
+                    return True
             check = not on_worker
             unit = stack.pop()
             start = _clock() if timed else _START
@@ -238,7 +278,7 @@ class Scheduler:
                 values[store] = result
             del result
             self._complete(frame, unit, stack, on_worker)
-        self._end_unit(frame, on_worker)
+        return False
 
     def _record(
         self, frame: ExecutionFrame, node: int, start: tuple[int, int], result: Any = None
@@ -319,36 +359,56 @@ class Scheduler:
     def _hand_off(self, frame: ExecutionFrame, units: list[int], on_worker: bool) -> None:
         """Start a new work item for each unit; `pending` already counts them.
 
-        Async and host-wait units start on the loop: their tasks belong to it.
+        Async and host-wait units start on the loop: their tasks belong to it. Never raises:
+        the units it could not start are ended here and the error fails the execution.
         """
-        where = frame.where
-        loop = self.loop
-        ranked: list[tuple[float, int]] = []
-        for unit in units:
-            w = where[unit]
-            if w == _TASK:
-                if on_worker:
-                    assert loop is not None
-                    loop.call_soon_threadsafe(self._start_task, frame, unit)
+        started = 0
+        try:
+            where = frame.where
+            loop = self.loop
+            ranked: list[tuple[float, int]] = []
+            for unit in units:
+                w = where[unit]
+                if w == _TASK:
+                    if on_worker:
+                        assert loop is not None
+                        loop.call_soon_threadsafe(self._start_task, frame, unit)
+                    else:
+                        self._start_task(frame, unit)
+                elif w == _HOST_WAIT:
+                    if on_worker:
+                        assert loop is not None
+                        loop.call_soon_threadsafe(self._start_host_wait, frame, unit, False)
+                    else:
+                        self._start_host_wait(frame, unit, True)
                 else:
-                    self._start_task(frame, unit)
-            elif w == _HOST_WAIT:
-                if on_worker:
-                    assert loop is not None
-                    loop.call_soon_threadsafe(self._start_host_wait, frame, unit, False)
-                else:
-                    self._start_host_wait(frame, unit, True)
-            else:
-                ranked.append((self._rank(frame, unit), unit))
-        if ranked:  # one submission: a free thread takes the best of them, not the first
-            self.workers.submit(self._run_on_worker_item, frame, ranked)
+                    ranked.append((self._rank(frame, unit), unit))
+                    continue
+                started += 1
+            if ranked:  # one submission: a free thread takes the best of them, not the first
+                self.workers.submit(self._run_on_worker_item, frame, ranked)
+                started += len(ranked)
+        except BaseException as exc:
+            self._internal_error(frame, exc, on_worker)
+            self._end_unit(frame, on_worker, len(units) - started)
 
     def _run_on_worker_item(self, frame: Any, unit: int) -> None:
-        self._drain(frame, [unit], on_worker=True)
+        """A work item on a worker thread; never raises (WorkerPool.submit's contract): an
+        error of the runtime fails the execution, and the unit ends on every path."""
+        try:
+            try:
+                self._run_units(frame, [unit], on_worker=True)
+            except BaseException as exc:
+                self._internal_error(frame, exc, on_worker=True)
+        finally:
+            self._end_unit(frame, on_worker=True)
 
-    def _end_unit(self, frame: ExecutionFrame, on_worker: bool) -> None:
+    def _end_unit(self, frame: ExecutionFrame, on_worker: bool, count: int = 1) -> None:
+        """End `count` units; the last one of the execution wakes the caller, on the loop."""
+        if not count:
+            return
         with frame.lock:
-            frame.pending -= 1
+            frame.pending -= count
             last = frame.pending == 0
         if last:
             if on_worker:
@@ -360,6 +420,20 @@ class Scheduler:
     def _fail(self, frame: ExecutionFrame, node: int, exc: BaseException, on_worker: bool) -> None:
         """Record a kernel error with node context and stop the execution."""
         _add_node_note(exc, self.graph, node)
+        self._stop_with(frame, exc, on_worker)
+
+    def _internal_error(self, frame: ExecutionFrame, exc: BaseException, on_worker: bool) -> None:
+        """An error of the runtime's own steps, not of a kernel: it fails the execution as a
+        kernel error does, so the execution still ends and its caller gets the error."""
+        with contextlib.suppress(Exception):  # a type refusing attributes keeps its message
+            exc.add_note(
+                f"asyncgraph internal error in execution {frame.execution_id}: "
+                "the execution was stopped"
+            )
+        self._stop_with(frame, exc, on_worker)
+
+    def _stop_with(self, frame: ExecutionFrame, exc: BaseException, on_worker: bool) -> None:
+        """Record the execution's error, stop dispatching and cancel its async kernels."""
         with frame.lock:
             frame.errors.append(exc)
             frame.stopped = True
@@ -378,12 +452,18 @@ class Scheduler:
     # -- async kernels -----------------------------------------------------------------------
 
     def _start_task(self, frame: ExecutionFrame, unit: int) -> None:
-        """An async kernel's unit (always a single node) as a task of the frame."""
+        """An async kernel's unit (always a single node) as a task of the frame; the unit
+        ends in the task's done-callback, or here if the task cannot start."""
         if frame.stopped:
             self._end_unit(frame, on_worker=False)
             return
         assert self.loop is not None
-        task = self.loop.create_task(self._await_kernel(frame, unit))
+        try:
+            task = self.loop.create_task(self._await_kernel(frame, unit))
+        except BaseException as exc:
+            self._internal_error(frame, exc, on_worker=False)
+            self._end_unit(frame, on_worker=False)
+            return
         frame.tasks.add(task)
         # Bookkeeping lives in the done-callback, not in the coroutine: a task cancelled
         # before its first step never runs any of its code, but its callbacks always run.
@@ -396,13 +476,18 @@ class Scheduler:
         return result
 
     def _task_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:
-        if self._task_failed(frame, unit, task):
-            return
-        schedule = _schedule(frame)
-        if schedule.stores[unit] >= 0:
-            frame.values[schedule.stores[unit]] = task.result()
+        """The task's unit goes on as a work item on the loop (which ends it)."""
         stack: list[int] = []
-        self._complete(frame, unit, stack, on_worker=False)
+        try:
+            if self._task_failed(frame, unit, task):
+                return
+            schedule = _schedule(frame)
+            if schedule.stores[unit] >= 0:
+                frame.values[schedule.stores[unit]] = task.result()
+            self._complete(frame, unit, stack, on_worker=False)
+        except BaseException as exc:
+            self._internal_error(frame, exc, on_worker=False)
+            stack.clear()  # the item only ends its unit
         self._run_on_loop(frame, stack)
 
     def _task_failed(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> bool:
@@ -441,16 +526,31 @@ class Scheduler:
             self._fail(frame, node, exc, on_worker=False)
             self._end_unit(frame, on_worker=False)
             return
-        if ready:
-            self._continue_unit(frame, unit, in_drain)
+        try:
+            if ready:
+                self._continue_unit(frame, unit, in_drain)
+                return
+            task = self.loop.create_task(gpu.wait_host(node))
+        except BaseException as exc:
+            self._internal_error(frame, exc, on_worker=False)
+            self._end_unit(frame, on_worker=False)
             return
-        task = self.loop.create_task(gpu.wait_host(node))
         frame.tasks.add(task)
         task.add_done_callback(functools.partial(self._host_wait_done, frame, unit))
 
     def _host_wait_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:
-        if not self._task_failed(frame, unit, task):
+        try:
+            if self._task_failed(frame, unit, task):
+                return
+        except BaseException as exc:
+            self._internal_error(frame, exc, on_worker=False)
+            self._end_unit(frame, on_worker=False)
+            return
+        try:
             self._continue_unit(frame, unit, in_drain=False)
+        except BaseException as exc:
+            self._internal_error(frame, exc, on_worker=False)
+            self._end_unit(frame, on_worker=False)
 
     def _continue_unit(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
         """Run a host-wait unit whose GPU inputs are ready where its schedule places it.
