@@ -663,3 +663,17 @@ async def test_metrics_use_triton_names(linear: Any) -> None:
     assert metric(text, "asyncgraph_frames_in_use", model="lin") == 0
     assert metric(text, "asyncgraph_frame_waiters", model="lin") == 0
     assert metric(text, "asyncgraph_requests_total", model="lin", code="400") == 1
+
+
+def test_every_metric_is_documented() -> None:
+    """docs/serving.md names every metric metrics.py exposes (a new one must be documented)."""
+    from pathlib import Path
+
+    import asyncgraph.serve.metrics as metrics_module
+
+    source = Path(metrics_module.__file__).read_text()
+    names = set(re.findall(r'"((?:nv_inference|asyncgraph)_[a-z_]+)"', source))
+    assert len(names) >= 20  # the pattern still finds them
+    docs = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    missing = sorted(n for n in names if f"`{n}`" not in docs)
+    assert not missing, f"metrics missing from docs/serving.md: {missing}"
