@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import operator
+from typing import Any
+
 import pytest
 import torch
 
@@ -116,4 +120,57 @@ async def test_error_cancels_async_kernels_that_have_not_started_yet() -> None:
         with pytest.raises(ValueError, match="inline failure"):
             await ex.execute(1)
         assert started == []
+        assert ex.statistics().frames.in_use == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_error_cancels_an_async_kernel_started_while_it_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: a worker's failure read the frame's tasks without the loop's order: when
+    the loop had checked `stopped` but not yet added the new task, the failure saw no task to
+    cancel, and the failed execution waited out the whole async kernel. The interleaving is
+    forced: the loop pauses between its check and the add until the worker has failed."""
+    import threading
+
+    from asyncgraph.runtime.scheduler import Scheduler
+
+    in_window = threading.Event()  # the loop is between the check and the add
+    worker_failed = threading.Event()
+    completed: list[int] = []
+
+    def fail_once_the_loop_starts_the_task(x: int) -> int:
+        assert in_window.wait(10)
+        raise ValueError("worker failure")
+
+    async def remote(x: int) -> int:
+        await asyncio.sleep(2)
+        completed.append(x)
+        return x
+
+    create_kernel_coroutine = Scheduler._await_kernel
+    fail = Scheduler._fail
+
+    def paused_before_the_add(self: Scheduler, *args: Any) -> Any:
+        in_window.set()
+        assert worker_failed.wait(10)
+        return create_kernel_coroutine(self, *args)
+
+    def signalled_fail(self: Scheduler, *args: Any, **kwargs: Any) -> None:
+        fail(self, *args, **kwargs)
+        if threading.current_thread().name.startswith("asyncgraph-worker"):
+            worker_failed.set()
+
+    monkeypatch.setattr(Scheduler, "_await_kernel", paused_before_the_add)
+    monkeypatch.setattr(Scheduler, "_fail", signalled_fail)
+    b = GraphBuilder()
+    x = b.input("x")
+    before = b.call(operator.add, x, 1, name="before", placement="inline")
+    b.output([b.call(fail_once_the_loop_starts_the_task, x, placement="worker"),
+              b.call(remote, before)])
+    config = ExecutorConfig(adaptive_placement=False, max_parallel_ops=1)
+    async with asyncgraph.Executor(b.build(), config) as ex:
+        with pytest.raises(ValueError, match="worker failure"):
+            await ex.execute(1)
+        assert completed == [], "the async kernel ran to its end after the execution failed"
         assert ex.statistics().frames.in_use == 0

@@ -437,15 +437,19 @@ class Scheduler:
         with frame.lock:
             frame.errors.append(exc)
             frame.stopped = True
-        if frame.tasks:
+        if on_worker:
+            # Not `if frame.tasks` here: the loop may have checked `stopped` and be about to
+            # add a task (_start_task), which this thread would miss. The cancellation runs on
+            # the loop after that add, or else the task is never created; the callback comes
+            # before this unit's end, hence before the frame can be released.
             assert self.loop is not None
-            if on_worker:
-                self.loop.call_soon_threadsafe(self._cancel_tasks, frame)
-            else:
-                self._cancel_tasks(frame)
+            self.loop.call_soon_threadsafe(self._cancel_tasks, frame)
+        elif frame.tasks:
+            self._cancel_tasks(frame)
 
     @staticmethod
     def _cancel_tasks(frame: ExecutionFrame) -> None:
+        """Cancel the frame's async kernels (loop thread: the only one touching `tasks`)."""
         for task in list(frame.tasks):
             task.cancel()
 
