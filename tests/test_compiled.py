@@ -236,6 +236,28 @@ def test_refused_without_trust(compiled: Compiled) -> None:
             load(compiled.path("auto"))
 
 
+@pytest.mark.parametrize("command", ["run", "profile", "check", "stress", "trace"])
+def test_cli_commands_load_a_compiled_package_only_with_trust_compiled(
+    compiled: Compiled, command: str, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from asyncgraph.cli.main import app
+
+    extra = {
+        "run": ["--random", "-q"], "profile": ["--runs", "2", "--warmup", "0"],
+        "check": ["--random"], "stress": ["--executions", "8", "--concurrency", "2"],
+        "trace": ["-o", str(tmp_path / "t.json"), "--executions", "2", "--warmup", "0",
+                  "--random"],
+    }[command]
+    model = str(compiled.path("auto"))
+    refused = CliRunner().invoke(app, [command, model, *extra])
+    assert refused.exit_code == 1
+    assert "--trust-compiled" in refused.output
+    trusted = CliRunner().invoke(app, [command, model, *extra, "--trust-compiled"])
+    assert trusted.exit_code == 0, trusted.output
+
+
 def _rewrite(source: Path, target: Path, change: Callable[[str, bytes], bytes | None],
              extra: dict[str, bytes] | None = None) -> Path:
     """A copy of the archive with members changed (None drops one) and `extra` added."""

@@ -16,10 +16,9 @@ try:
     from rich.table import Table
     from typer.core import TyperCommand, TyperGroup
 
-    from asyncgraph.cli import bench, run, serve, stress
+    from asyncgraph.cli import bench, check, profile, run, serve, stress
     from asyncgraph.cli import compile as compile_cli
     from asyncgraph.cli.options import ThreadsOpt
-    from asyncgraph.tools import check, profile
 except ModuleNotFoundError as missing:
     _CLI_EXTRA_MODULES = {
         "typer", "rich", "click", "starlette", "uvicorn", "uvloop", "prometheus_client",

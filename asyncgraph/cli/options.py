@@ -10,12 +10,14 @@ Executor inside someone else's process sets it only on its worker threads.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 if TYPE_CHECKING:  # torch is imported by the commands, so `--help` stays quick
     from asyncgraph.runtime.config import ExecutorConfig
+    from asyncgraph.runtime.executor import Executor
 
 ThreadsOpt = Annotated[
     int | None,
@@ -26,6 +28,22 @@ ThreadsOpt = Annotated[
         show_default=False,
     ),
 ]
+
+TrustCompiledOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-compiled",
+        help="Load a package made by `asyncgraph compile`: it runs the native code inside it, "
+             "so give this only for packages you built or trust.",
+    ),
+]
+
+
+def load_executor(model: Path, config: ExecutorConfig, trust_compiled: bool) -> Executor:
+    """The Executor of a .pt2 file; a compiled package loads only with `trust_compiled`."""
+    from asyncgraph.runtime.executor import load
+
+    return load(model, config, trust_compiled=trust_compiled)
 
 
 def executor_config(threads: int | None, **options: Any) -> ExecutorConfig:

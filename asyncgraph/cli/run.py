@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from asyncgraph.cli.options import ThreadsOpt, executor_config
+from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config, load_executor
 
 console = Console()
 
@@ -35,11 +35,9 @@ RandomOpt = Annotated[
 SeedOpt = Annotated[int, typer.Option(help="Seed of the random inputs.")]
 
 
-def _load(model: Path, threads: int | None, **config: Any) -> Any:
-    from asyncgraph.runtime.executor import Executor
-
+def _load(model: Path, threads: int | None, trust_compiled: bool, **config: Any) -> Any:
     with console.status(f"loading {model} ..."):
-        return Executor(model, executor_config(threads, **config))
+        return load_executor(model, executor_config(threads, **config), trust_compiled)
 
 
 def _inputs(ex: Any, inputs: list[str] | None, random: bool, seed: int) -> list[Any]:
@@ -63,6 +61,7 @@ def run(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not print outputs.")] = False,
     threads: ThreadsOpt = None,
+    trust_compiled: TrustCompiledOpt = False,
 ) -> None:
     """Execute a model once on inputs from files (or random ones); print or save the outputs.
 
@@ -74,7 +73,7 @@ def run(
 
     if output is not None:
         check_output_path(output)
-    ex = _load(model, threads)
+    ex = _load(model, threads, trust_compiled)
     flat_in = _inputs(ex, inputs, random, seed)
 
     async def once() -> tuple[list[Any], float]:
@@ -121,6 +120,7 @@ def trace(
     random: RandomOpt = False,
     seed: SeedOpt = 0,
     threads: ThreadsOpt = None,
+    trust_compiled: TrustCompiledOpt = False,
 ) -> None:
     """Trace executions into Chrome trace-event JSON that ui.perfetto.dev opens.
 
@@ -138,7 +138,7 @@ def trace(
     config: dict[str, Any] = {"trace": True, "max_concurrent_executions": frames}
     if parallel_ops is not None:
         config["max_parallel_ops"] = parallel_ops
-    ex = _load(model, threads, **config)
+    ex = _load(model, threads, trust_compiled, **config)
     flat_in = _inputs(ex, inputs, random, seed)
 
     async def drive(progress: Progress) -> None:

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from asyncgraph.cli.options import ThreadsOpt, executor_config
+from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config, load_executor
 from asyncgraph.errors import AsyncGraphError
 
 console = Console()
@@ -86,6 +86,7 @@ def serve(
                             "more requests.")
     ] = 0,
     threads: ThreadsOpt = None,
+    trust_compiled: TrustCompiledOpt = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
@@ -110,7 +111,8 @@ def serve(
     executors: dict[str, Executor] = {}
     for key, path in specs.items():
         with console.status(f"loading {key} from {path} ..."):
-            executors[key] = Executor(path, executor_config(threads, **config))
+            executors[key] = load_executor(path, executor_config(threads, **config),
+                                           trust_compiled)
     app = create_app(
         executors,
         max_queue=max_queue,

@@ -28,7 +28,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from asyncgraph.cli.options import ThreadsOpt, executor_config
+from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config
 
 console = Console()
 DEFAULT_MAX_LOOP_LAG_MS = 100.0
@@ -80,6 +80,7 @@ def stress(
         int, typer.Option(min=0, help="Dynamic batching of up to this many rows (0: off).")
     ] = 0,
     threads: ThreadsOpt = None,
+    trust_compiled: TrustCompiledOpt = False,
 ) -> None:
     """Stress a model: concurrent callers, cancellations, timeouts, faults, weight swaps."""
     from asyncgraph.runtime.config import BatchingConfig
@@ -103,11 +104,12 @@ def stress(
         options["max_parallel_ops"] = parallel_ops
     if max_batch_size:
         options["batching"] = BatchingConfig(max_batch_size=max_batch_size)
-    from asyncgraph.graph.importers import to_program
+    from asyncgraph.graph.importers import load_pt2
 
     started = time.perf_counter()
     with console.status(f"loading {model} ..."):
-        program = to_program(model)  # before the bars: a bad file is one line, nothing else
+        # before the bars: a bad file is one line, nothing else
+        program = load_pt2(model, trust_compiled=trust_compiled)
     load_s = time.perf_counter() - started
     with _progress_bars() as progress:
         report = asyncio.run(run_stress(

@@ -1,12 +1,11 @@
-"""`asyncgraph check MODEL.pt2`: run a program through asyncgraph and through ep.module().
+"""Run a program through asyncgraph and through ep.module(), and compare: `run_check`.
 
 The program runs on its sample inputs (torch.export.save stores the example inputs) or, when
-there are none or `--random` is given, on random inputs that fit its signature. It runs once
+there are none or `use_random` is set, on random inputs that fit its signature. It runs once
 through eager PyTorch (a fresh `ep.module()`), once through a serial executor
 (max_parallel_ops=1) and once through a parallel one, each on its own copy of the inputs, and
 every output leaf, every mutated input and every mutated buffer is compared (see compare.py).
-The exit status is 1 when anything differs or a run fails, so the command can gate a
-deployment.
+`asyncgraph check` (asyncgraph/cli/check.py) prints the report and exits 1 when it is not ok.
 """
 
 from __future__ import annotations
@@ -14,23 +13,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
-
-import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
-from asyncgraph.cli.options import ThreadsOpt
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported by the command, so `asyncgraph --help` stays quick
     from asyncgraph.graph.importers import Program
     from asyncgraph.tools.compare import LeafComparison
-
-console = Console()
 
 
 @dataclass
@@ -68,12 +57,15 @@ def run_check(
     rtol: float | None = None,
     atol: float | None = None,
     threads: int | None = None,
+    trust_compiled: bool = False,
 ) -> CheckReport:
-    """Load `model`, run it eagerly and through asyncgraph, and compare (no printing)."""
+    """Load `model`, run it eagerly and through asyncgraph, and compare (no printing).
+
+    `trust_compiled` lets a package of `asyncgraph compile` load (it runs native code)."""
     from asyncgraph.graph.importers import load_pt2
     from asyncgraph.tools.compare import random_inputs
 
-    program = load_pt2(model)
+    program = load_pt2(model, trust_compiled=trust_compiled)
     ep = program.exported
     assert ep is not None
     sample = getattr(ep, "example_inputs", None)
@@ -87,85 +79,6 @@ def run_check(
     for name, ops in (("serial", 1), (f"parallel({parallel})", parallel)):
         runs[name] = asyncio.run(_run_asyncgraph(program, ops, args, kwargs, threads))
     return CheckReport(program.name, source, runs, _rows(program, runs, rtol, atol))
-
-
-def check(
-    model: Annotated[
-        Path, typer.Argument(metavar="MODEL", help="A .pt2 file written by torch.export.save.")
-    ],
-    seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
-    random: Annotated[
-        bool,
-        typer.Option("--random", help="Use random inputs even when the file has sample inputs."),
-    ] = False,
-    parallel: Annotated[
-        int, typer.Option(min=2, help="max_parallel_ops of the parallel run.")
-    ] = 2,
-    rtol: Annotated[
-        float | None, typer.Option(help="Relative tolerance (default: by dtype).")
-    ] = None,
-    atol: Annotated[
-        float | None, typer.Option(help="Absolute tolerance (default: by dtype).")
-    ] = None,
-    threads: ThreadsOpt = None,
-) -> None:
-    """Run MODEL through asyncgraph and through ep.module(); compare every output leaf."""
-    if (rtol is None) != (atol is None):
-        raise typer.BadParameter("give both --rtol and --atol, or neither")
-    with warnings.catch_warnings():  # torch's own pytree deprecation noise
-        warnings.filterwarnings(
-            "ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning
-        )
-        report = run_check(
-            model, seed=seed, use_random=random, parallel=parallel, rtol=rtol, atol=atol,
-            threads=threads,
-        )
-    print_report(report)
-    if not report.ok:
-        raise typer.Exit(1)
-
-
-def print_report(report: CheckReport) -> None:
-    """The per-output comparison table, then what differs, the failed runs and a verdict."""
-    names = [n for n in report.runs if n != "eager"]
-    table = Table(
-        title=f"asyncgraph check: {report.program} on {report.inputs_source}",
-        caption="mutated inputs and buffers are compared after the call",
-    )
-    table.add_column("output", no_wrap=True)
-    table.add_column("eager")
-    for name in names:
-        table.add_column(name, no_wrap=True)
-    table.add_column("max |diff|", justify="right", no_wrap=True)
-    table.add_column("result", no_wrap=True, min_width=8)
-    details: list[str] = []
-    for what, expected, comparisons in report.rows:
-        cells, diffs, bad = [], [], False
-        for name in names:
-            c = comparisons[name]
-            if c is None:
-                cells.append("[red]run failed[/red]")
-                bad = True
-                continue
-            cells.append(escape(c.actual) if c.actual != expected else "same")
-            if c.max_abs_diff is not None:
-                diffs.append(c.max_abs_diff)
-            if not c.ok:
-                bad = True
-                details.append(f"{what} ({name}): {c.problem}")
-        diff = f"{max(diffs):.3g}" if diffs else "-"
-        result = "[red]MISMATCH[/red]" if bad else "[green]ok[/green]"
-        table.add_row(escape(what), escape(expected), *cells, diff, result)
-    console.print(table)
-    for line in details:
-        console.print(f"[red]mismatch[/red] {escape(line)}", highlight=False)
-    for name, run in report.runs.items():
-        if run.error is not None:
-            console.print(f"[red]{name} run failed:[/red]\n{escape(run.error)}", highlight=False)
-    if report.ok:
-        console.print(f"[green]ok[/green]: {len(report.rows)} leaves match in every run")
-    else:
-        console.print("[red]MISMATCH[/red]: asyncgraph does not reproduce ep.module()")
 
 
 # -- runs --------------------------------------------------------------------------------------
@@ -202,11 +115,11 @@ async def _run_asyncgraph(
     kwargs: dict[str, Any],
     threads: int | None = None,
 ) -> RunResult:
-    from asyncgraph.cli.options import executor_config
     from asyncgraph.kernels import KernelFactory
+    from asyncgraph.runtime.config import ExecutorConfig
     from asyncgraph.runtime.executor import Executor
 
-    config = executor_config(threads, max_parallel_ops=max_parallel_ops)
+    config = ExecutorConfig(intra_op_threads=threads, max_parallel_ops=max_parallel_ops)
     a, k = copy.deepcopy((args, kwargs))
     try:
         async with Executor(program, config, kernel_factory=KernelFactory(config)) as ex:

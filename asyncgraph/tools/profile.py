@@ -1,4 +1,4 @@
-"""`asyncgraph profile MODEL.pt2`: where the time of one execution goes, node by node.
+"""Where the time of one execution goes, node by node (`asyncgraph profile` prints it).
 
 Built on the trace spans (ExecutorConfig(trace=True)): the program runs `warmup` times, then
 `runs` times with spans recorded, and each node's time is the mean of its spans. The report
@@ -12,22 +12,15 @@ Recording a span costs about a microsecond per node, which the wall time include
 
 from __future__ import annotations
 
-import asyncio
-import json
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-import typer
-from rich.console import Console
-from rich.table import Table
 
-from asyncgraph.cli.options import ThreadsOpt, executor_config
 from asyncgraph.kernels import KernelKind
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.tools.compare import random_flat_inputs
@@ -144,68 +137,3 @@ def _metrics(ex: Executor, mean_us: list[float], runs: int, wall_s: float) -> Pr
         wall_time_us=wall_s * 1e6,
         folded_nodes_count=ex.statistics().folded_nodes,
     )
-
-
-def render(metrics: ProfileMetrics, console: Console, top: int) -> None:
-    nodes = sorted(metrics.time_per_node, key=lambda n: -n.mean_us)
-    shown = nodes if top <= 0 else nodes[:top]
-    table = Table(title=f"slowest nodes ({len(shown)} of {metrics.total_nodes_count}), "
-                        f"mean of {metrics.runs} runs", title_justify="left")
-    for col in ("#", "node", "op", "placement", "us", "%"):
-        table.add_column(col, justify="right" if col in ("#", "us", "%") else "left")
-    for n in shown:
-        table.add_row(str(n.index), n.name, n.op, n.placement, f"{n.mean_us:.1f}",
-                      f"{n.percent:.1f}")
-    console.print(table)
-    types = Table(title="by op type", title_justify="left")
-    for col in ("op", "nodes", "us", "%", "us per node"):
-        types.add_column(col, justify="left" if col == "op" else "right")
-    for op, us in metrics.time_per_node_type.items():
-        count = metrics.instances_per_node_type[op]
-        types.add_row(op, str(count), f"{us:.1f}", f"{metrics.percent_per_node_type[op]:.1f}",
-                      f"{us / count:.1f}")
-    console.print(types)
-    overhead = metrics.wall_time_us - metrics.total_time_us
-    folded = (f"; {metrics.folded_nodes_count} nodes read only weights and were folded into "
-              "constants" if metrics.folded_nodes_count else "")
-    placements = ", ".join(f"{k} {v}" for k, v in sorted(metrics.placement_counts.items()))
-    console.print(
-        f"nodes {metrics.total_nodes_count} (prim {metrics.prim_nodes_count}, aten "
-        f"{metrics.static_dispatch_nodes_count}); placement: {placements}"
-        f"{folded}\n"
-        f"node time {metrics.total_time_us:.1f} us, wall {metrics.wall_time_us:.1f} us per "
-        f"execution; wall - node time = {overhead:.1f} us "
-        f"({overhead / max(1, metrics.total_nodes_count):.2f} us per node, tracing included)"
-    )
-
-
-def profile(
-    model: Path = typer.Argument(  # noqa: B008 - typer's declaration style
-        ..., metavar="MODEL", help="A .pt2 file written by torch.export.save."
-    ),
-    runs: int = typer.Option(20, min=1, help="Profiled executions."),
-    warmup: int = typer.Option(3, min=0, help="Executions before profiling."),
-    top: int = typer.Option(25, help="Nodes to list, slowest first (0: all)."),
-    max_parallel_ops: int | None = typer.Option(None, min=1, help="Worker threads."),
-    threads: ThreadsOpt = None,
-    json_out: bool = typer.Option(False, "--json", help="Print ProfileMetrics as JSON."),
-) -> None:
-    """Per-node time, percent, totals per op type and the placement chosen, for a .pt2."""
-    options: dict[str, Any] = {"trace": True}
-    if max_parallel_ops is not None:
-        options["max_parallel_ops"] = max_parallel_ops
-    ex = Executor(model, executor_config(threads, **options))
-
-    async def main() -> ProfileMetrics:
-        try:
-            return await collect(ex, example_inputs(ex), runs, warmup)
-        finally:
-            await ex.aclose()
-
-    console = Console(stderr=json_out)
-    with console.status(f"profiling {model.name}..."):
-        metrics = asyncio.run(main())
-    if json_out:
-        print(json.dumps(metrics.as_dict(), indent=2))
-    else:
-        render(metrics, console, top)

@@ -1,0 +1,102 @@
+"""`asyncgraph check MODEL.pt2`: asyncgraph against ep.module(), a table per output leaf.
+
+The comparison is asyncgraph/tools/check.py's; this prints it. The exit status is 1 when
+anything differs or a run fails, so the command can gate a deployment.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config
+from asyncgraph.tools.check import CheckReport, run_check
+
+console = Console()
+
+
+def check(
+    model: Annotated[
+        Path, typer.Argument(metavar="MODEL", help="A .pt2 file written by torch.export.save.")
+    ],
+    seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
+    random: Annotated[
+        bool,
+        typer.Option("--random", help="Use random inputs even when the file has sample inputs."),
+    ] = False,
+    parallel: Annotated[
+        int, typer.Option(min=2, help="max_parallel_ops of the parallel run.")
+    ] = 2,
+    rtol: Annotated[
+        float | None, typer.Option(help="Relative tolerance (default: by dtype).")
+    ] = None,
+    atol: Annotated[
+        float | None, typer.Option(help="Absolute tolerance (default: by dtype).")
+    ] = None,
+    threads: ThreadsOpt = None,
+    trust_compiled: TrustCompiledOpt = False,
+) -> None:
+    """Run MODEL through asyncgraph and through ep.module(); compare every output leaf."""
+    if (rtol is None) != (atol is None):
+        raise typer.BadParameter("give both --rtol and --atol, or neither")
+    with warnings.catch_warnings():  # torch's own pytree deprecation noise
+        warnings.filterwarnings(
+            "ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning
+        )
+        executor_config(threads, max_parallel_ops=parallel)  # this thread's torch threads
+        report = run_check(
+            model, seed=seed, use_random=random, parallel=parallel, rtol=rtol, atol=atol,
+            threads=threads, trust_compiled=trust_compiled,
+        )
+    print_report(report)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def print_report(report: CheckReport) -> None:
+    """The per-output comparison table, then what differs, the failed runs and a verdict."""
+    names = [n for n in report.runs if n != "eager"]
+    table = Table(
+        title=f"asyncgraph check: {report.program} on {report.inputs_source}",
+        caption="mutated inputs and buffers are compared after the call",
+    )
+    table.add_column("output", no_wrap=True)
+    table.add_column("eager")
+    for name in names:
+        table.add_column(name, no_wrap=True)
+    table.add_column("max |diff|", justify="right", no_wrap=True)
+    table.add_column("result", no_wrap=True, min_width=8)
+    details: list[str] = []
+    for what, expected, comparisons in report.rows:
+        cells, diffs, bad = [], [], False
+        for name in names:
+            c = comparisons[name]
+            if c is None:
+                cells.append("[red]run failed[/red]")
+                bad = True
+                continue
+            cells.append(escape(c.actual) if c.actual != expected else "same")
+            if c.max_abs_diff is not None:
+                diffs.append(c.max_abs_diff)
+            if not c.ok:
+                bad = True
+                details.append(f"{what} ({name}): {c.problem}")
+        diff = f"{max(diffs):.3g}" if diffs else "-"
+        result = "[red]MISMATCH[/red]" if bad else "[green]ok[/green]"
+        table.add_row(escape(what), escape(expected), *cells, diff, result)
+    console.print(table)
+    for line in details:
+        console.print(f"[red]mismatch[/red] {escape(line)}", highlight=False)
+    for name, run in report.runs.items():
+        if run.error is not None:
+            console.print(f"[red]{name} run failed:[/red]\n{escape(run.error)}", highlight=False)
+    if report.ok:
+        console.print(f"[green]ok[/green]: {len(report.rows)} leaves match in every run")
+    else:
+        console.print("[red]MISMATCH[/red]: asyncgraph does not reproduce ep.module()")

@@ -1,0 +1,85 @@
+"""`asyncgraph profile MODEL.pt2`: the slowest nodes, time per op type and the placement.
+
+The measurement is asyncgraph/tools/profile.py's (trace spans, nativert's ProfileMetrics
+fields); this runs it on a .pt2 and prints it as tables or JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config, load_executor
+from asyncgraph.tools.profile import ProfileMetrics, collect, example_inputs
+
+
+def render(metrics: ProfileMetrics, console: Console, top: int) -> None:
+    nodes = sorted(metrics.time_per_node, key=lambda n: -n.mean_us)
+    shown = nodes if top <= 0 else nodes[:top]
+    table = Table(title=f"slowest nodes ({len(shown)} of {metrics.total_nodes_count}), "
+                        f"mean of {metrics.runs} runs", title_justify="left")
+    for col in ("#", "node", "op", "placement", "us", "%"):
+        table.add_column(col, justify="right" if col in ("#", "us", "%") else "left")
+    for n in shown:
+        table.add_row(str(n.index), n.name, n.op, n.placement, f"{n.mean_us:.1f}",
+                      f"{n.percent:.1f}")
+    console.print(table)
+    types = Table(title="by op type", title_justify="left")
+    for col in ("op", "nodes", "us", "%", "us per node"):
+        types.add_column(col, justify="left" if col == "op" else "right")
+    for op, us in metrics.time_per_node_type.items():
+        count = metrics.instances_per_node_type[op]
+        types.add_row(op, str(count), f"{us:.1f}", f"{metrics.percent_per_node_type[op]:.1f}",
+                      f"{us / count:.1f}")
+    console.print(types)
+    overhead = metrics.wall_time_us - metrics.total_time_us
+    folded = (f"; {metrics.folded_nodes_count} nodes read only weights and were folded into "
+              "constants" if metrics.folded_nodes_count else "")
+    placements = ", ".join(f"{k} {v}" for k, v in sorted(metrics.placement_counts.items()))
+    console.print(
+        f"nodes {metrics.total_nodes_count} (prim {metrics.prim_nodes_count}, aten "
+        f"{metrics.static_dispatch_nodes_count}); placement: {placements}"
+        f"{folded}\n"
+        f"node time {metrics.total_time_us:.1f} us, wall {metrics.wall_time_us:.1f} us per "
+        f"execution; wall - node time = {overhead:.1f} us "
+        f"({overhead / max(1, metrics.total_nodes_count):.2f} us per node, tracing included)"
+    )
+
+
+def profile(
+    model: Path = typer.Argument(  # noqa: B008 - typer's declaration style
+        ..., metavar="MODEL", help="A .pt2 file written by torch.export.save."
+    ),
+    runs: int = typer.Option(20, min=1, help="Profiled executions."),
+    warmup: int = typer.Option(3, min=0, help="Executions before profiling."),
+    top: int = typer.Option(25, help="Nodes to list, slowest first (0: all)."),
+    max_parallel_ops: int | None = typer.Option(None, min=1, help="Worker threads."),
+    threads: ThreadsOpt = None,
+    trust_compiled: TrustCompiledOpt = False,
+    json_out: bool = typer.Option(False, "--json", help="Print ProfileMetrics as JSON."),
+) -> None:
+    """Per-node time, percent, totals per op type and the placement chosen, for a .pt2."""
+    options: dict[str, Any] = {"trace": True}
+    if max_parallel_ops is not None:
+        options["max_parallel_ops"] = max_parallel_ops
+    ex = load_executor(model, executor_config(threads, **options), trust_compiled)
+
+    async def main() -> ProfileMetrics:
+        try:
+            return await collect(ex, example_inputs(ex), runs, warmup)
+        finally:
+            await ex.aclose()
+
+    console = Console(stderr=json_out)
+    with console.status(f"profiling {model.name}..."):
+        metrics = asyncio.run(main())
+    if json_out:
+        print(json.dumps(metrics.as_dict(), indent=2))
+    else:
+        render(metrics, console, top)
