@@ -54,6 +54,11 @@ class LoopBudget:
         self._queue: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._scheduled = False
 
+    @property
+    def is_open(self) -> bool:
+        """Whether a slice is open in this iteration (the next `deadline` continues it)."""
+        return self._open
+
     def deadline(self) -> float | None:
         """The perf_counter time the current slice ends, opening one if none is open; None
         when the slice is spent (the caller hands its work to `defer`)."""

@@ -206,16 +206,27 @@ class Scheduler:
         when this iteration's slice is spent (LoopBudget); True when deferred. `waited`: the
         work was deferred because its next unit would have overrun the slice; that unit now
         runs first, fitting or not, so a long unit neither stretches an iteration nor waits
-        for ever."""
+        for ever.
+
+        The first unit of a slice this call opens runs too: nothing else has used the slice,
+        and work deferred now would run first in the next iteration anyway, before its
+        timers and I/O, so deferring would only add an iteration. Otherwise a preemption or
+        a collection between opening the slice and the first check deferred it, and whether
+        an execution's inline roots ran in the iteration that started it (before its async
+        kernels' first steps) depended on timing.
+        """
         budget = self._budget
         assert budget is not None
+        first_of_slice = not budget.is_open
         deadline = budget.deadline()
         if deadline is None and stack and not frame.stopped:
             budget.defer(self._run_on_loop, frame, stack, waited)
             return True
         start = time.perf_counter()
         with _inference_mode(self.config.inference_mode):
-            overrun = self._run_units(frame, stack, False, deadline or 0.0, waited)
+            overrun = self._run_units(
+                frame, stack, False, deadline or 0.0, waited or first_of_slice
+            )
         self._account_loop_time(start, time.perf_counter())
         if overrun:  # the next unit would end after the slice: it goes first next time
             budget.defer(self._run_on_loop, frame, stack, True)
