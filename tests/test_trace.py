@@ -139,3 +139,29 @@ def test_op_summary_and_span_limit() -> None:
     assert (op.calls, op.total_ns, op.mean_ns) == (2, 2000, 1000.0)
     assert recorder.dropped == 1
     assert recorder.chrome_trace()["otherData"]["dropped"] == 1
+
+
+def test_drops_are_counted_exactly_from_many_threads() -> None:
+    """Worker threads and the loop drop spans past max_spans at once; none may be lost.
+
+    On CPython with the GIL, `dropped += 1` happened not to lose increments (no switch point
+    inside it), so this guards the lock for free-threaded builds rather than failing today.
+    """
+    import threading
+
+    b = GraphBuilder()
+    b.output(b.call(torch.neg, b.input("x")))
+    recorder = asyncgraph.tools.trace.TraceRecorder(b.build(), max_spans=0)
+    threads, calls = 8, 5_000
+
+    def record() -> None:
+        for _ in range(calls):
+            recorder.node_span(1, 0, 0, 1)
+            recorder.phase(1, "frame wait", 0, 1)
+
+    workers = [threading.Thread(target=record) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert recorder.dropped == 2 * threads * calls

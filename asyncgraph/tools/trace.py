@@ -1,7 +1,8 @@
 """TraceRecorder: per-node spans (which thread ran which node, when), as Chrome trace JSON.
 
 Enabled by ExecutorConfig(trace=True). Spans are appended from the loop and worker threads;
-list.append is atomic, so recording costs two clock reads and one append per node.
+list.append is atomic, so recording costs two clock reads and one append per node. Only the
+count of spans dropped past `max_spans` is a read-modify-write: it changes under a lock.
 
 `chrome_trace()` lays the spans out the way ui.perfetto.dev and chrome://tracing read them:
 
@@ -71,7 +72,8 @@ class TraceRecorder:
         self.max_spans = max_spans
         self.spans: list[Span] = []
         self.phases: list[tuple[int, str, int, int]] = []
-        self.dropped = 0
+        self.dropped = 0  # spans and phases past max_spans; changed under _lock
+        self._lock = threading.Lock()
 
     def node_span(
         self,
@@ -88,19 +90,26 @@ class TraceRecorder:
                 execution, node, thread.ident or 0, thread.name, start_ns, end_ns, stream, shape
             ))
         else:
-            self.dropped += 1
+            self._drop()
 
     def phase(self, execution: int, name: str, start_ns: int, end_ns: int) -> None:
         """An execution-level interval, such as waiting for a frame."""
         if len(self.phases) < self.max_spans:
             self.phases.append((execution, name, start_ns, end_ns))
         else:
+            self._drop()
+
+    def _drop(self) -> None:
+        """Count one dropped record; `+=` on an attribute is not atomic across threads
+        (free-threaded CPython loses increments; the GIL hides it only by its switch points)."""
+        with self._lock:
             self.dropped += 1
 
     def clear(self) -> None:
         self.spans.clear()
         self.phases.clear()
-        self.dropped = 0
+        with self._lock:
+            self.dropped = 0
 
     # -- summaries -----------------------------------------------------------------------------
 
