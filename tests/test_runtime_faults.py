@@ -187,7 +187,7 @@ async def test_an_internal_error_fails_the_execution_and_the_executor_goes_on(
 
 
 @pytest.mark.parametrize(("owner", "step"), [(AdaptivePlacement, "choose"),
-                                             (ScheduleCache, "get")])
+                                             (ScheduleCache, "aget")])
 async def test_a_failure_before_the_run_returns_the_frame(
     monkeypatch: pytest.MonkeyPatch, owner: type, step: str
 ) -> None:

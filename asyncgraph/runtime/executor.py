@@ -227,7 +227,10 @@ class Executor:
                 if self._adaptive is not None
                 else (self.plan.placement, None)
             )
-            schedule = self._schedules.get(placement, fused=self._fuse and times is None)
+            fused = self._fuse and times is None
+            schedule = self._schedules.cached(placement, fused)
+            if schedule is None:  # compiled on a thread: milliseconds on large graphs
+                schedule = await self._schedules.aget(placement, fused)
             frame.load(self._weights_template(), flat, execution, schedule, times)
             await self._scheduler.run(frame)
             outputs = self._take_outputs(frame, flat if caller_inputs is None else caller_inputs)
