@@ -270,6 +270,32 @@ async def test_200_concurrent_requests(linear: Any, batching: bool) -> None:
     assert metric(text, "nv_inference_queue_duration_us", model="lin") >= 0
 
 
+@pytest.mark.timeout(120)
+async def test_a_200_request_burst_at_default_settings_gets_200_successes(linear: Any) -> None:
+    """The issue's new user: default executor, default app, 200 concurrent JSON requests on a
+    small model. No deadline is set, so admission holds them all (up to its memory caps)."""
+    model, ep = linear
+    xs = [torch.randn(1 + i % 4, 4, generator=torch.Generator().manual_seed(i))
+          for i in range(200)]
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as (server, client, _url):
+        responses = await asyncio.gather(
+            *(client.post("/v2/models/lin/infer", json=infer_body(x)) for x in xs)
+        )
+        text = (await client.get("/metrics")).text
+        admission = server.served("lin").admission
+        assert admission.running == 0 and admission.queued == 0
+    assert [r.status_code for r in responses] == [200] * 200, {
+        r.status_code: r.text for r in responses if r.status_code != 200
+    }
+    with torch.no_grad():
+        for r, x in zip(responses, xs, strict=True):
+            got = torch.tensor(r.json()["outputs"][0]["data"]).reshape(len(x), 3)
+            torch.testing.assert_close(got, model(x))
+    assert ex.statistics().completed == 200
+    assert metric(text, "nv_inference_request_success", model="lin", version="1") == 200
+    assert metric(text, "nv_inference_request_failure", model="lin", reason="REJECTED") == 0
+
+
 @pytest.mark.timeout(60)
 async def test_batches_through_the_server_fill_to_max_batch_size(linear: Any) -> None:
     """The server admits enough requests to fill a batch, not one per frame: 64 one-row

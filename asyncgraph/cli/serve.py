@@ -58,10 +58,18 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: a free one).")] = 8000,
     max_queue: Annotated[
-        int, typer.Option(min=0, help="Requests that may wait per model; more get 503.")
-    ] = 64,
+        int, typer.Option(min=0, help="Hard cap for memory: requests that may wait per model "
+                          "beyond the free execution slots; more get 503.")
+    ] = 4096,
+    max_queue_bytes: Annotated[
+        int, typer.Option(min=0, help="Hard cap for memory: request body bytes that may wait "
+                          "per model; more get 503 (0: 4 x --max-request-bytes).")
+    ] = 0,
     timeout_ms: Annotated[
-        float, typer.Option(min=0, help="Cancel requests slower than this (0: no limit); 504.")
+        float, typer.Option(min=0, help="Each request's deadline (0: none): a request that "
+                            "cannot make it is refused with 503 at once, one past it is "
+                            "cancelled with 504. A request's parameters.timeout (us) may "
+                            "shorten it.")
     ] = 0,
     max_request_bytes: Annotated[
         int, typer.Option(min=1, help="Larger request bodies get 413.")
@@ -116,6 +124,7 @@ def serve(
     app = create_app(
         executors,
         max_queue=max_queue,
+        max_queue_bytes=max_queue_bytes or None,
         timeout_ms=timeout_ms or None,
         max_request_bytes=max_request_bytes,
         close_executors=True,

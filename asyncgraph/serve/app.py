@@ -1,16 +1,19 @@
 """create_app: a Starlette app that serves Executors over the Open Inference Protocol (KServe v2).
 
-    app = create_app({"mlp": executor}, max_queue=64, timeout_ms=1000)
+    app = create_app({"mlp": executor}, timeout_ms=1000)
 
 The app is plain ASGI, so it runs on uvicorn (`asyncgraph serve`, `asyncgraph.serve.run`) or is
 mounted into an existing FastAPI or Starlette app. It does not need its lifespan to have run:
 a mounted app's lifespan is never run by its parent. `models` may be a dict the parent fills
 and empties in its own lifespan; the app reads it on every request.
 
-One inference request: look the model up (404) -> refuse at once if its queue is full (503) ->
+One inference request: look the model up (404) -> enter the model's admission gate, refused at
+once (503) if it could not make its deadline or the queue's memory caps are reached ->
 read the body within the size limit (413) -> decode and check every field against the
 signature (400, nothing allocated for a bad request) -> wait for an execution slot -> execute,
-cancelled by `timeout_ms` (504) or by the client going away -> encode JSON or binary outputs.
+cancelled at its deadline (504) or by the client going away -> encode JSON or binary outputs.
+A request's deadline is its arrival plus the smaller of `timeout_ms` and its own
+`parameters.timeout` (Triton's, in microseconds).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from starlette.types import Receive
 from asyncgraph.errors import ExecutorClosedError, InputValidationError, OverloadedError
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve import metrics as m
-from asyncgraph.serve.admission import Admission, capacity_for
+from asyncgraph.serve.admission import Admission, Ticket, capacity_for
 from asyncgraph.serve.codec import HEADER, InferRequest, decode_request, encode_response
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
@@ -54,8 +57,17 @@ INLINE_INFLATE_BYTES = 64 << 10
 #: it (tritonclient's retries, most HTTP libraries' backoff) spread their retries.
 RETRY_AFTER_S = 1
 
-DEFAULT_MAX_QUEUE = 64
+#: Requests that may wait per model beyond the free execution slots: a hard cap for memory,
+#: far above a burst a small model drains in time (the deadline decides before it matters).
+DEFAULT_MAX_QUEUE = 4096
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+#: Without --max-queue-bytes, waiting request bodies may hold this many maximal bodies.
+QUEUE_BYTES_PER_MAX_REQUEST = 4
+
+
+def default_max_queue_bytes(max_request_bytes: int) -> int:
+    """The memory cap on waiting request bodies when none is given."""
+    return QUEUE_BYTES_PER_MAX_REQUEST * max_request_bytes
 
 
 class ClientDisconnected(Exception):
@@ -64,6 +76,30 @@ class ClientDisconnected(Exception):
 
 class ExecutionTimeout(Exception):
     """The request took longer than timeout_ms; its execution was cancelled."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """When a request must be answered (loop time), its timeout and where the timeout came
+    from, for the 504's message."""
+
+    at: float
+    timeout_s: float
+    source: str
+
+    def remaining(self) -> float:
+        return self.at - asyncio.get_running_loop().time()
+
+
+def deadline_for(
+    arrival: float, server_s: float | None, request_s: float | None
+) -> Deadline | None:
+    """The earlier of the server's timeout and the request's own, from its arrival."""
+    if request_s is not None and (server_s is None or request_s < server_s):
+        return Deadline(arrival + request_s, request_s, "parameters.timeout")
+    if server_s is not None:
+        return Deadline(arrival + server_s, server_s, "--timeout-ms")
+    return None
 
 
 @dataclass(slots=True)
@@ -81,18 +117,25 @@ class InferenceServer:
         models: Mapping[str, Executor],
         *,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        max_queue_bytes: int | None = None,
         timeout_ms: float | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         version: str = "1",
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if max_queue_bytes is not None and max_queue_bytes < 0:
+            raise ValueError(f"max_queue_bytes must be >= 0, got {max_queue_bytes}")
         if timeout_ms is not None and timeout_ms <= 0:
             raise ValueError(f"timeout_ms must be > 0 (or None for no timeout), got {timeout_ms}")
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
         self.models = models
         self.max_queue = max_queue
+        self.max_queue_bytes = (
+            default_max_queue_bytes(max_request_bytes) if max_queue_bytes is None
+            else max_queue_bytes
+        )
         self.timeout_s = None if timeout_ms is None else timeout_ms / 1000
         self.timeout_ms = timeout_ms
         self.max_request_bytes = max_request_bytes
@@ -120,7 +163,9 @@ class InferenceServer:
             served = _Served(
                 ex,
                 ModelInterface(name, ex.graph),
-                Admission(name, capacity_for(ex.config), self.max_queue),
+                Admission(
+                    name, capacity_for(ex.config), self.max_queue, self.max_queue_bytes
+                ),
             )
             self._served[name] = served
         return served
@@ -136,10 +181,11 @@ class InferenceServer:
 
     async def infer(self, request: Request) -> Response:
         start = time.perf_counter()
+        arrival = asyncio.get_running_loop().time()
         name = request.path_params["name"]
         served = self.served(name, request.path_params.get("version"))
         timing: list[float] = []
-        response, failure = await self._infer(request, served, timing)
+        response, failure = await self._infer(request, served, arrival, timing)
         self.metrics.observe(
             name,
             response.status_code,
@@ -151,17 +197,29 @@ class InferenceServer:
         return response
 
     async def _infer(
-        self, request: Request, served: _Served, timing: list[float]
+        self, request: Request, served: _Served, arrival: float, timing: list[float]
     ) -> tuple[Response, str | None]:
         """The response and Triton's failure reason (None on success) of one request."""
         name = served.interface.model
         try:
-            served.admission.check()  # a full queue answers before the body is even read
-            body = await self._read_body(request)
-            decoded = await _maybe_offload(
-                len(body), decode_request, body, request.headers.get(HEADER), served.interface
-            )
-            outputs, queue_s, compute_s = await self._execute(request, served, decoded)
+            declared = self._declared_length(request)
+            server_deadline = deadline_for(arrival, self.timeout_s, None)
+            # refused (503) before the body is read if it cannot make the server's deadline
+            # or the queue's memory caps are reached
+            with served.admission.enter(
+                declared or 0, server_deadline.remaining() if server_deadline else None
+            ) as ticket:
+                body = await self._read_body(request)
+                ticket.resize(len(body))
+                decoded = await _maybe_offload(
+                    len(body), decode_request, body, request.headers.get(HEADER),
+                    served.interface,
+                )
+                deadline = deadline_for(arrival, self.timeout_s, decoded.timeout_s)
+                del body  # freed while it queues; the ticket keeps its size as the estimate
+                outputs, queue_s, compute_s = await self._execute(
+                    request, served, decoded, ticket, deadline
+                )
             timing += [queue_s, compute_s]
             payload, headers = await _maybe_offload(
                 sum(o.numel() * o.element_size() for o in outputs if hasattr(o, "numel")),
@@ -183,18 +241,23 @@ class InferenceServer:
             error = ProtocolError(f"model {name!r}: {_describe(exc)}", 500)
             return error_response(error), m.BACKEND
 
+    def _declared_length(self, request: Request) -> int | None:
+        """The Content-Length header, checked against the size limit (413)."""
+        declared = request.headers.get("content-length")
+        if declared is None:
+            return None
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ProtocolError(
+                f"Content-Length header: expected an integer, got {declared!r}"
+            ) from None
+        if size > self.max_request_bytes:
+            raise _too_large(size, self.max_request_bytes)
+        return size
+
     async def _read_body(self, request: Request) -> bytes:
         limit = self.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            try:
-                size = int(declared)
-            except ValueError:
-                raise ProtocolError(
-                    f"Content-Length header: expected an integer, got {declared!r}"
-                ) from None
-            if size > limit:
-                raise _too_large(size, limit)
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
@@ -214,31 +277,40 @@ class InferenceServer:
         return body
 
     async def _execute(
-        self, request: Request, served: _Served, decoded: InferRequest
+        self,
+        request: Request,
+        served: _Served,
+        decoded: InferRequest,
+        ticket: Ticket,
+        deadline: Deadline | None,
     ) -> tuple[list[Any], float, float]:
-        """Queue, execute and time one request; cancelled by the timeout or a disconnect."""
+        """Queue, execute and time one request; cancelled at its deadline or a disconnect.
+
+        A request whose deadline passes while it queues is answered 504 without running."""
         phase = "queued"
         queue_s = 0.0
 
         async def run() -> tuple[list[Any], float, float]:
             nonlocal phase, queue_s
-            async with served.admission.slot() as queue_s:
+            remaining = deadline.remaining() if deadline else None
+            async with served.admission.slot(ticket, remaining) as queue_s:
                 phase = "running"
                 started = time.perf_counter()
                 outputs = await served.executor.execute_flat(decoded.inputs)
                 return outputs, queue_s, time.perf_counter() - started
 
         async def bounded() -> tuple[list[Any], float, float]:
-            if self.timeout_s is None:
+            if deadline is None:
                 return await run()
             try:
-                async with asyncio.timeout(self.timeout_s):
+                async with asyncio.timeout_at(deadline.at):
                     return await run()
             except TimeoutError:
                 raise ExecutionTimeout(
                     f"model {served.interface.model!r}: the request exceeded the "
-                    f"{self.timeout_ms:g} ms timeout (--timeout-ms) while {phase} "
-                    f"(queued {queue_s * 1e3:.1f} ms); its execution was cancelled"
+                    f"{deadline.timeout_s * 1e3:g} ms timeout ({deadline.source}) while "
+                    f"{phase} (queued {queue_s * 1e3:.1f} ms); "
+                    + ("its execution was cancelled" if phase == "running" else "it never ran")
                 ) from None
 
         return await _until_disconnect(bounded(), request.receive)
@@ -251,6 +323,7 @@ def create_app(
     models: Mapping[str, Executor],
     *,
     max_queue: int = DEFAULT_MAX_QUEUE,
+    max_queue_bytes: int | None = None,
     timeout_ms: float | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     close_executors: bool = False,
@@ -260,15 +333,20 @@ def create_app(
 
     Args:
         models: the models by name; read on every request, so a dict filled later works.
-        max_queue: requests that may wait for an execution slot per model; more get 503.
-        timeout_ms: cancel a request (queued or running) after this long and answer 504.
+        max_queue: requests that may wait per model beyond the free execution slots; more
+            get 503 (a hard cap for memory; the deadline usually refuses long before).
+        max_queue_bytes: request body bytes that may wait per model; more get 503. None:
+            `QUEUE_BYTES_PER_MAX_REQUEST` x `max_request_bytes`.
+        timeout_ms: each request's deadline after its arrival: one that cannot make it is
+            refused (503) when it arrives, one past it is cancelled (queued or running) and
+            answered 504. A request's own `parameters.timeout` (microseconds) may shorten it.
         max_request_bytes: larger request bodies get 413, before or while they are read.
         close_executors: close every executor when the app's lifespan ends (the app owns
             them, as under `asyncgraph serve`).
         version: the single model version the app reports and accepts in URLs.
     """
     server = InferenceServer(
-        models, max_queue=max_queue, timeout_ms=timeout_ms,
+        models, max_queue=max_queue, max_queue_bytes=max_queue_bytes, timeout_ms=timeout_ms,
         max_request_bytes=max_request_bytes, version=version,
     )
 

@@ -46,6 +46,7 @@ class InferRequest:
     inputs: list[Any]
     outputs: list[RequestedOutput]
     parameters: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -79,12 +80,28 @@ def decode_request(
     parameters = _object(doc.get("parameters", {}), "parameters")
     planned = _plan_inputs(doc.get("inputs"), iface, len(body) - binary_start, binary_start)
     outputs = _requested_outputs(doc.get("outputs"), parameters, iface)
+    timeout_s = request_timeout_s(parameters)
     flat: list[Any] = [None] * iface.count
     for position, value in iface.fixed.items():
         flat[position] = value
     for plan in planned:
         flat[plan.info.position] = _materialize(plan, body)
-    return InferRequest(request_id, flat, outputs, parameters)
+    return InferRequest(request_id, flat, outputs, parameters, timeout_s)
+
+
+def request_timeout_s(parameters: Mapping[str, Any]) -> float | None:
+    """The request's own timeout in seconds, from Triton's `parameters.timeout` (an integer
+    number of microseconds, what `tritonclient`'s `infer(timeout=...)` sends); 0 or absent:
+    none of its own."""
+    timeout = parameters.get("timeout")
+    if timeout is None:
+        return None
+    if not _is_int(timeout) or timeout < 0:
+        raise ProtocolError(
+            f"parameters.timeout: expected a non-negative integer (microseconds), "
+            f"got {timeout!r}"
+        )
+    return timeout / 1e6 if timeout else None
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, int]:

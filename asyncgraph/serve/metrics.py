@@ -12,7 +12,10 @@ apps in one process (tests, a parent app mounting two) never collide in the glob
 - asyncgraph_request_duration_seconds / asyncgraph_queue_duration_seconds: histograms;
 - asyncgraph_frames_in_use, asyncgraph_frames, asyncgraph_frame_waiters,
   asyncgraph_queued_requests, asyncgraph_running_requests: read from the executors at scrape
-  time, so they are never stale.
+  time, so they are never stale;
+- the admission policy's view (admission.py): asyncgraph_expected_wait_seconds,
+  asyncgraph_service_rate, asyncgraph_queued_bytes and
+  asyncgraph_admission_refusals_total{model,reason}, read from the gates at scrape time.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from asyncgraph.runtime.executor import Executor
-from asyncgraph.serve.admission import Admission
+from asyncgraph.serve.admission import REASONS, Admission
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -149,7 +152,17 @@ class _LiveCollector(Collector):
             "asyncgraph_running_requests": "Inference requests holding an execution slot.",
             "asyncgraph_queued_requests": "Inference requests queued for an execution slot.",
             "asyncgraph_batch_queued_requests": "Requests waiting in the dynamic batcher.",
+            "asyncgraph_queued_bytes": "Request body bytes admitted and not yet running.",
+            "asyncgraph_expected_wait_seconds": "Expected wait for an execution slot of a "
+                                                "request arriving now (0 until measured).",
+            "asyncgraph_service_rate": "Measured requests per second at full concurrency "
+                                       "(0 until the first completion).",
         }
+        refusals = CounterMetricFamily(
+            "asyncgraph_admission_refusals",
+            "Requests refused at admission (503), by reason: deadline, max_queue, "
+            "max_queue_bytes.", labels=["model", "reason"],
+        )
         batching = {
             "asyncgraph_batches": "Executions of stacked requests (dynamic batching).",
             "asyncgraph_batch_rows": "Rows (dim 0) run in batches; / asyncgraph_batches = "
@@ -180,7 +193,11 @@ class _LiveCollector(Collector):
                 families[name].add_sample(name, labels, value)
             frames = ex.statistics().frames
             gate = self.admission(model)
+            admitted = gate.statistics() if gate else None
             pending.add_metric([model, v], gate.queued if gate else 0)
+            for reason in REASONS:
+                refusals.add_metric(
+                    [model, reason], admitted.refused[reason] if admitted else 0)
             for name, value in (
                 ("asyncgraph_frames_in_use", frames.in_use),
                 ("asyncgraph_frames", frames.total),
@@ -189,6 +206,10 @@ class _LiveCollector(Collector):
                 ("asyncgraph_running_requests", gate.running if gate else 0),
                 ("asyncgraph_queued_requests", gate.queued if gate else 0),
                 ("asyncgraph_batch_queued_requests", batches.queued if batches else 0),
+                ("asyncgraph_queued_bytes", admitted.queued_bytes if admitted else 0),
+                ("asyncgraph_expected_wait_seconds",
+                 admitted.expected_wait_s if admitted else 0),
+                ("asyncgraph_service_rate", (admitted.service_rate or 0) if admitted else 0),
             ):
                 live[name].add_metric([model], value)
             if batches is not None:
@@ -198,3 +219,4 @@ class _LiveCollector(Collector):
         yield pending
         yield from live.values()
         yield from totals.values()
+        yield refusals
