@@ -391,6 +391,183 @@ async def test_overload_answers_503_at_once() -> None:
         assert metric(text, "nv_inference_request_success", model="g") == 2
 
 
+class FakeClock:
+    """The admission gate's clock, advanced by the test: service times without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def measured_slow_service(
+    server: InferenceServer, client: httpx.AsyncClient, gate: Gate, service_s: float
+) -> None:
+    """One request through the gated model that holds its slot `service_s` on a fake clock:
+    the gate then measures a service rate of 1 / service_s (one frame)."""
+    clock = FakeClock()
+    server.served("g").admission.clock = clock
+    first = asyncio.create_task(client.post("/v2/models/g/infer", json=infer_body(torch.ones(2))))
+    async with asyncio.timeout(WAIT_S):
+        await gate.started.wait()
+    clock.now += service_s
+    gate.release.set()
+    assert (await first).status_code == 200
+    gate.release.clear()
+    gate.started.clear()
+    assert server.served("g").admission.mean_service_s == service_s
+
+
+@pytest.mark.timeout(60)
+async def test_sustained_overload_is_refused_at_once_by_deadline() -> None:
+    """Service measured at 10 s a request, a 5 s deadline: with the one frame busy, every new
+    request expects to finish in 20 s and is refused (503) on arrival, before it runs."""
+    gate = Gate()
+    config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
+    async with asyncgraph.Executor(gated_graph(gate), config) as ex, serving(
+        {"g": ex}, timeout_ms=5000
+    ) as (server, client, _url):
+        await measured_slow_service(server, client, gate, 10.0)
+        body = infer_body(torch.ones(2))
+        held = asyncio.create_task(client.post("/v2/models/g/infer", json=body))
+        async with asyncio.timeout(WAIT_S):
+            await gate.started.wait()
+        burst = await asyncio.gather(
+            *(client.post("/v2/models/g/infer", json=body) for _ in range(20))
+        )
+        calls = gate.calls
+        text = (await client.get("/metrics")).text
+        gate.release.set()
+        assert (await held).status_code == 200
+    assert calls == 2  # the measured one and the held one: no refused request ran
+    for r in burst:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        error = r.json()["error"]
+        assert "overloaded" in error and "expected to finish in 20000 ms" in error, error
+    assert metric(text, "asyncgraph_admission_refusals_total", model="g", reason="deadline") == 20
+    assert metric(text, "asyncgraph_admission_refusals_total", model="g", reason="max_queue") == 0
+    assert metric(text, "nv_inference_request_failure", model="g", reason="REJECTED") == 20
+    assert metric(text, "nv_inference_request_success", model="g") == 1
+    assert metric(text, "asyncgraph_service_rate", model="g") == pytest.approx(0.1)
+    assert metric(text, "asyncgraph_expected_wait_seconds", model="g") == pytest.approx(10.0)
+    assert ex.statistics().completed == 2
+
+
+@pytest.mark.timeout(60)
+async def test_a_requests_own_timeout_refuses_it_when_it_cannot_make_it() -> None:
+    """No server timeout: a request without a timeout of its own waits for its turn; one whose
+    Triton `parameters.timeout` (microseconds) is shorter than the expected wait is refused
+    once its body is decoded, before it runs."""
+    gate = Gate()
+    config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
+    async with asyncgraph.Executor(gated_graph(gate), config) as ex, serving({"g": ex}) as (
+        server, client, _url
+    ):
+        await measured_slow_service(server, client, gate, 10.0)
+        held = asyncio.create_task(
+            client.post("/v2/models/g/infer", json=infer_body(torch.ones(2)))
+        )
+        async with asyncio.timeout(WAIT_S):
+            await gate.started.wait()
+        patient = asyncio.create_task(
+            client.post("/v2/models/g/infer", json=infer_body(torch.ones(2)))
+        )
+        admission = server.served("g").admission
+        await eventually(lambda: len(admission._waiters) == 1, "the patient one waits")
+        hurried = await client.post(
+            "/v2/models/g/infer", json=infer_body(torch.ones(2), parameters={"timeout": 30_000_000})
+        )
+        assert hurried.status_code == 503, hurried.text
+        assert "1 request(s) ahead" in hurried.json()["error"]
+        assert gate.calls == 2
+        gate.release.set()
+        assert [(await t).status_code for t in (held, patient)] == [200, 200]
+        text = (await client.get("/metrics")).text
+    assert metric(text, "asyncgraph_admission_refusals_total", model="g", reason="deadline") == 1
+    assert ex.statistics().completed == 3
+
+
+@pytest.mark.timeout(60)
+async def test_a_deadline_that_passes_while_queued_answers_504_without_running() -> None:
+    """Before anything is measured a request is admitted; its own 50 ms timeout passes while
+    it waits behind a held execution: 504, and it never reaches the kernel."""
+    gate = Gate()
+    config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
+    async with asyncgraph.Executor(gated_graph(gate), config) as ex, serving({"g": ex}) as (
+        server, client, _url
+    ):
+        held = asyncio.create_task(
+            client.post("/v2/models/g/infer", json=infer_body(torch.ones(2)))
+        )
+        async with asyncio.timeout(WAIT_S):
+            await gate.started.wait()
+        late = await client.post(
+            "/v2/models/g/infer", json=infer_body(torch.ones(2), parameters={"timeout": 50_000})
+        )
+        assert late.status_code == 504, late.text
+        error = late.json()["error"]
+        assert "50 ms timeout (parameters.timeout) while queued" in error
+        assert "it never ran" in error
+        assert gate.calls == 1
+        gate.release.set()
+        assert (await held).status_code == 200
+        admission = server.served("g").admission
+        assert admission.queued == 0 and admission.running == 0
+        text = (await client.get("/metrics")).text
+    assert metric(text, "nv_inference_request_failure", model="g", reason="CANCELED") == 1
+    assert ex.statistics().completed == 1
+
+
+def test_tritonclient_timeout_parameter_reaches_the_server() -> None:
+    """tritonclient's infer(timeout=us) sends Triton's parameters.timeout, which we read."""
+    from asyncgraph.serve.codec import request_timeout_s
+
+    request, _ = th.InferenceServerClient.generate_request_body(
+        [_triton_input()], timeout=250_000
+    )
+    doc = json.loads(request)
+    assert request_timeout_s(doc["parameters"]) == 0.25
+
+
+def _triton_input() -> Any:
+    x = th.InferInput("x", [2], "FP32")
+    x.set_data_from_numpy(np.ones(2, dtype=np.float32), binary_data=False)
+    return x
+
+
+@pytest.mark.timeout(60)
+async def test_the_memory_cap_refuses_at_its_bound() -> None:
+    """--max-queue-bytes: one request runs, one waits holding its body's bytes; the next body
+    would pass the cap and is refused before it is read."""
+    gate = Gate()
+    config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
+    body = json.dumps(infer_body(torch.ones(2))).encode()
+    async with asyncgraph.Executor(gated_graph(gate), config) as ex, serving(
+        {"g": ex}, max_queue_bytes=len(body) + len(body) // 2
+    ) as (server, client, _url):
+        held = asyncio.create_task(client.post("/v2/models/g/infer", content=body))
+        async with asyncio.timeout(WAIT_S):
+            await gate.started.wait()
+        waiting = asyncio.create_task(client.post("/v2/models/g/infer", content=body))
+        admission = server.served("g").admission
+        await eventually(lambda: admission.queued == 1, "the second request waits")
+        assert admission.statistics().queued_bytes == len(body)
+        refused = await client.post("/v2/models/g/infer", content=body)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "--max-queue-bytes" in refused.json()["error"]
+        assert gate.calls == 1
+        text = (await client.get("/metrics")).text
+        gate.release.set()
+        assert [(await t).status_code for t in (held, waiting)] == [200, 200]
+    assert metric(text, "asyncgraph_queued_bytes", model="g") == len(body)
+    refusals = {reason: metric(text, "asyncgraph_admission_refusals_total", model="g",
+                               reason=reason)
+                for reason in ("deadline", "max_queue", "max_queue_bytes")}
+    assert refusals == {"deadline": 0, "max_queue": 0, "max_queue_bytes": 1}
+    assert ex.statistics().completed == 2
+
+
 @pytest.mark.timeout(60)
 async def test_a_full_batcher_queue_answers_503(linear: Any) -> None:
     """The admission gate lets frames x max_batch_size requests in; a batcher queue bounded
@@ -524,6 +701,9 @@ MALFORMED: dict[str, tuple[tuple[bytes, dict[str, str]], str]] = {
         _json(_x(data=[1.0, "a", 2.0, 3.0])),
         "inputs[0] ('x').data[1]: expected a number, got 'a'"),
     "no data": (_json(_x(data=None)), "inputs[0] ('x').data: missing"),
+    "bad timeout": (
+        _json({**_x(), "parameters": {"timeout": 1.5}}),
+        "parameters.timeout: expected a non-negative integer (microseconds), got 1.5"),
     "unknown output": (
         _json({**_x(), "outputs": [{"name": "z"}]}),
         "outputs[0].name: unknown output 'z'"),
