@@ -181,6 +181,27 @@ async def test_a_budget_does_not_keep_its_loop_alive() -> None:
     assert _closed_loops_with_budgets() == before
 
 
+async def test_a_closed_executor_still_referenced_does_not_keep_its_loop_alive() -> None:
+    """Regression: the CLI and tests keep closed Executors around (the leak checker itself
+    lists them); each held the loop it ran on, so the closed loop stayed alive."""
+    kept: list[Executor] = []
+
+    def run_and_keep_the_executor() -> None:
+        b = GraphBuilder()
+        b.output(b.call(lambda x: x + 1, b.input("x"), name="inc", placement="inline"))
+
+        async def once() -> None:
+            async with Executor(b.build()) as ex:
+                assert await ex.execute(1) == 2
+            kept.append(ex)
+
+        asyncio.run(once())
+
+    before = _closed_loops_with_budgets()
+    await asyncio.to_thread(run_and_keep_the_executor)
+    assert kept and _closed_loops_with_budgets() == before
+
+
 async def test_the_leak_checker_reports_a_closed_loop_left_alive() -> None:
     kept: list[asyncio.AbstractEventLoop] = []
 

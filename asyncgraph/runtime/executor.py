@@ -347,6 +347,9 @@ class Executor:
             if close is not None:
                 await close()
         await self._workers.aclose()
+        # A closed Executor that its owner still references must not keep its event loop
+        # (and everything the loop references) alive after the loop is closed.
+        self._loop = self._scheduler.loop = self._swap_lock_on_loop = None
 
     async def __aenter__(self) -> Executor:
         self._check_open()
