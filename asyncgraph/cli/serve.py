@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -16,6 +16,9 @@ from rich.table import Table
 
 from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config, load_executor
 from asyncgraph.errors import AsyncGraphError
+
+if TYPE_CHECKING:
+    from asyncgraph.runtime.config import ExecutorConfig
 
 console = Console()
 
@@ -97,6 +100,18 @@ def serve(
     trust_compiled: TrustCompiledOpt = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    ray: Annotated[
+        bool, typer.Option("--ray", help="Serve on Ray Serve (needs asyncgraph[ray]): "
+                           "replicas behind Serve's HTTP proxy, docs/scale-out.md.")
+    ] = False,
+    address: Annotated[
+        str | None, typer.Option(help="With --ray: the Ray cluster to join ('auto', "
+                                 "'HOST:PORT', 'ray://...'); left out, a local Ray "
+                                 "instance is started.")
+    ] = None,
+    replicas: Annotated[
+        int, typer.Option(min=1, help="With --ray: replicas, each with its own executors.")
+    ] = 1,
 ) -> None:
     """Serve models over the Open Inference Protocol (KServe v2 REST) on uvicorn + uvloop.
 
@@ -116,6 +131,17 @@ def serve(
         config["pin_workers"] = True
     if max_batch_size:
         config["batching"] = BatchingConfig(max_batch_size, batch_delay_ms / 1000)
+    if ray:
+        _serve_on_ray(
+            specs, executor_config(threads, **config), address=address, replicas=replicas,
+            host=host, port=port, trust_compiled=trust_compiled,
+            server_options={"max_queue": max_queue, "timeout_ms": timeout_ms or None,
+                            "max_request_bytes": max_request_bytes,
+                            "server_options": {"max_queue_bytes": max_queue_bytes or None}},
+        )
+        return
+    if address is not None or replicas != 1:
+        raise ServeConfigError("--address and --replicas need --ray")
     executors: dict[str, Executor] = {}
     for key, path in specs.items():
         with console.status(f"loading {key} from {path} ..."):
@@ -145,4 +171,45 @@ def serve(
     # shutdown is complete by then, so Ctrl+C is a normal end, not an error
     with contextlib.suppress(KeyboardInterrupt):
         run(app, host, port, log_level=log_level, access_log=access_log)
+    console.print("server stopped")
+
+
+def _serve_on_ray(
+    specs: dict[str, Path],
+    config: ExecutorConfig,
+    *,
+    address: str | None,
+    replicas: int,
+    host: str,
+    port: int,
+    trust_compiled: bool,
+    server_options: dict[str, Any],
+) -> None:
+    """`--ray`: the archives are checked here first (one error line, nothing started), then
+    asyncgraph.ray runs the app until SIGINT/SIGTERM; each replica checks them again."""
+    from asyncgraph.graph.archive import check_pt2_archive, is_compiled_package
+
+    try:
+        from asyncgraph.ray import ModelSource, build_app
+        from asyncgraph.ray.run import serve_on_ray
+    except ImportError as exc:
+        raise ServeConfigError(
+            f"--ray needs Ray Serve: pip install 'asyncgraph[ray]' ({exc})"
+        ) from None
+    for path in specs.values():
+        if not (trust_compiled and is_compiled_package(path)):
+            check_pt2_archive(path)
+
+    def build(shipped: bool) -> Any:
+        source = ModelSource.shipped if shipped else ModelSource.shared
+        return build_app(
+            {key: source(path) for key, path in specs.items()}, num_replicas=replicas,
+            executor_config=config, trust_compiled=trust_compiled, **server_options,
+        )
+
+    where = "a local Ray instance" if address is None else f"the Ray cluster at {address}"
+    console.print(f"starting {replicas} replica(s) on {where} ...")
+    serve_on_ray(build, address=address, host=host, port=port,
+                 on_ready=lambda url: console.print(f"asyncgraph serve --ray on {url}: "
+                                                    f"{', '.join(specs)} (Ctrl+C stops)"))
     console.print("server stopped")

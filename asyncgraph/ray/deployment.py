@@ -16,7 +16,6 @@ nothing is re-encoded on the way.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -75,24 +74,21 @@ class ModelReplica:
         app = create_app(self.executors, close_executors=True, **self.server_options)
         if self.metrics_interval_s:
             bridge = RayMetricsBridge(app.state.asyncgraph.metrics.registry)
+            # it ends once the app's lifespan shutdown has closed the executors
             self._bridge_task = asyncio.get_running_loop().create_task(
-                bridge.run(self.metrics_interval_s), name="asyncgraph-ray-metrics"
+                bridge.run(self.metrics_interval_s, until=self._closed),
+                name="asyncgraph-ray-metrics",
             )
         return app
+
+    def _closed(self) -> bool:
+        return any(ex.statistics().closed for ex in self.executors.values())
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose executor closed is replaced."""
         closed = [n for n, ex in self.executors.items() if ex.statistics().closed]
         if closed:
             raise RuntimeError(f"executor(s) closed: {', '.join(closed)}")
-
-    async def __del__(self) -> None:
-        """Called by Serve after the app's lifespan shutdown (executors closed)."""
-        task = self._bridge_task
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 def build_app(
@@ -109,6 +105,7 @@ def build_app(
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     ray_actor_options: Mapping[str, Any] | None = None,
     metrics_interval_s: float | None = DEFAULT_METRICS_INTERVAL_S,
+    server_options: Mapping[str, Any] | None = None,
     **deployment_options: Any,
 ) -> Application:
     """A Ray Serve application serving `models` over the Open Inference Protocol.
@@ -135,6 +132,7 @@ def build_app(
         ray_actor_options: the replica actors' resources (num_cpus, num_gpus, ...).
         metrics_interval_s: how often each replica copies its metrics into Ray's metrics
             (None: not at all; /metrics on a replica still works).
+        server_options: any other `create_app` option for each replica (max_queue_bytes).
         deployment_options: any other `serve.deployment` option (graceful_shutdown_timeout_s,
             health_check_period_s, max_replicas_per_node, ...).
     """
@@ -161,11 +159,12 @@ def build_app(
         options["num_replicas"] = 1 if num_replicas is None else num_replicas
     if ray_actor_options is not None:
         options["ray_actor_options"] = dict(ray_actor_options)
-    server_options = {
+    app_options = {
         "max_queue": max_queue, "timeout_ms": timeout_ms, "max_request_bytes": max_request_bytes,
+        **(server_options or {}),
     }
     deployment: Any = serve.deployment(serve.ingress()(ModelReplica))
     app: Application = deployment.options(**options).bind(
-        sources, config, server_options, trust_compiled, metrics_interval_s
+        sources, config, app_options, trust_compiled, metrics_interval_s
     )
     return app

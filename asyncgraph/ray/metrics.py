@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -53,9 +54,9 @@ class RayMetricsBridge:
         self.published = count
         return count
 
-    async def run(self, interval_s: float) -> None:
-        """Publish every `interval_s` until cancelled; an error is logged, not fatal."""
-        while True:
+    async def run(self, interval_s: float, until: Callable[[], bool] = lambda: False) -> None:
+        """Publish every `interval_s` until `until()` or cancelled; an error is logged."""
+        while not until():
             try:
                 self.publish()
             except Exception:
