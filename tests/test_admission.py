@@ -17,6 +17,7 @@ from asyncgraph.serve.admission import (
     MAX_QUEUE,
     MAX_QUEUE_BYTES,
     SERVICE_EWMA_WEIGHT,
+    THROUGHPUT_EWMA_WEIGHT,
     Admission,
     Ticket,
 )
@@ -68,6 +69,31 @@ async def test_service_time_is_an_exponentially_weighted_mean() -> None:
     assert admission.mean_service_s == pytest.approx(0.2 + SERVICE_EWMA_WEIGHT * 1.0)
     stats = admission.statistics()
     assert stats.completed == stats.admitted == 2 and stats.queued == stats.running == 0
+
+
+async def test_the_backlogged_throughput_counts_the_time_outside_the_slot_too() -> None:
+    """A request's body read and decode happen before its slot; when they are the bottleneck
+    the slot time says the gate is fast while completions say otherwise. The rate follows
+    completions per backlogged second once the gate has been backlogged."""
+    admission = gate(capacity=1)
+    clock = clock_of(admission)
+    a, b, c = admission.enter(), admission.enter(), admission.enter()  # backlogged from here
+    async with admission.slot(a):
+        clock.now += 0.5
+    assert admission.throughput == pytest.approx(1 / 0.5)
+    clock.now += 1.0  # b's decode, outside any slot
+    async with admission.slot(b):
+        clock.now += 0.5
+    keep = 1 - THROUGHPUT_EWMA_WEIGHT
+    expected = (keep + 1) / (0.5 * keep + 1.5)
+    assert admission.throughput == pytest.approx(expected)
+    assert admission.service_rate == pytest.approx(expected)  # not capacity / 0.5 s = 2
+    clock.now += 10.0  # idle, not backlogged: c alone neither counts nor spoils the rate
+    async with admission.slot(c):
+        clock.now += 0.5
+    assert admission.throughput == pytest.approx(expected)
+    assert admission.mean_service_s == pytest.approx(0.5)
+    assert admission.queued == 0 and admission.running == 0
 
 
 async def test_a_failed_or_cancelled_request_does_not_count_as_a_service_time() -> None:

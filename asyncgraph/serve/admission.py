@@ -8,10 +8,14 @@ so its own pool stays the final bound.
 
 The policy asks whether a request can finish in time, not how many others wait:
 
-- **Deadline.** The gate measures its service time (an exponentially weighted mean of how long
-  a request holds a slot, `SERVICE_EWMA_WEIGHT`) and from it the service rate at full
-  concurrency, capacity / mean service time (Little's law: while requests queue every slot
-  is busy). A request that would have to wait behind `ahead` others expects to wait
+- **Deadline.** The gate measures its service rate two ways. Its throughput while backlogged
+  (more requests admitted than slots): completions per second of backlogged time, decayed
+  sums weighted `THROUGHPUT_EWMA_WEIGHT`; it counts every stage a request passes after
+  admission, the body read and JSON decode on the event loop included, which for a small
+  model with large JSON bodies is the bottleneck. Until it has a sample (the gate has never
+  been backlogged), capacity / the mean time a request holds a slot (an exponentially
+  weighted mean, `SERVICE_EWMA_WEIGHT`; Little's law with every slot busy). A request that
+  would have to wait behind `ahead` others (admitted, not yet running) expects to wait
   (ahead - free slots + 1) / rate and then to run one mean service time. It is refused
   (503, reason `deadline`) when that exceeds the time left to its deadline: it could not make
   it, and a 503 now lets the client retry elsewhere instead of learning so at its deadline.
@@ -57,6 +61,11 @@ from asyncgraph.serve.errors import ProtocolError
 #: swinging on one slow request.
 SERVICE_EWMA_WEIGHT = 0.1
 
+#: The weight of the newest completion in the backlogged throughput (about the last 20
+#: completions count): completions come in bunches with batching, so the rate is a ratio of
+#: decayed sums (completions / backlogged seconds), not a mean of single intervals.
+THROUGHPUT_EWMA_WEIGHT = 0.05
+
 #: Refusal reasons (the `reason` label of asyncgraph_admission_refusals_total).
 DEADLINE = "deadline"
 MAX_QUEUE = "max_queue"
@@ -83,6 +92,7 @@ class AdmissionStatistics:
     admitted: int
     completed: int
     mean_service_s: float | None
+    throughput: float | None
     service_rate: float | None
     expected_wait_s: float
     refused: dict[str, int] = field(default_factory=dict)
@@ -118,6 +128,9 @@ class Admission:
         self.admitted = 0
         self.completed = 0
         self.mean_service_s: float | None = None
+        self._backlog_mark: float | None = None  # since when the gate is backlogged
+        self._backlog_s = 0.0  # decayed sums of backlogged seconds and completions in them
+        self._backlog_done = 0.0
         self.refused = dict.fromkeys(REASONS, 0)
         self._waiters: deque[asyncio.Future[None]] = deque()
 
@@ -129,8 +142,24 @@ class Admission:
         return self.pending
 
     @property
+    def backlogged(self) -> bool:
+        """More requests admitted than slots: some wait, so completions come at full rate."""
+        return self.pending + self.running > self.capacity
+
+    @property
+    def throughput(self) -> float | None:
+        """Completions per second while backlogged; None before the first such completion."""
+        if self._backlog_done == 0.0:
+            return None
+        return self._backlog_done / max(self._backlog_s, 1e-9)
+
+    @property
     def service_rate(self) -> float | None:
-        """Requests per second at full concurrency; None before the first completion."""
+        """Requests per second the gate serves when loaded: its backlogged throughput, or
+        before that capacity / mean slot time; None before the first completion."""
+        throughput = self.throughput
+        if throughput is not None:
+            return throughput
         mean = self.mean_service_s
         if mean is None:
             return None
@@ -146,12 +175,26 @@ class Admission:
         return (behind_free + 1) / rate
 
     def observe_service(self, seconds: float) -> None:
-        """Fold one request's time holding a slot into the running mean."""
+        """Fold one request's time holding a slot into the running mean, and the completion
+        into the backlogged throughput (call it before the slot is released)."""
         mean = self.mean_service_s
         self.mean_service_s = seconds if mean is None else (
             mean + SERVICE_EWMA_WEIGHT * (seconds - mean)
         )
         self.completed += 1
+        if self._backlog_mark is not None:
+            now = self.clock()
+            keep = 1.0 - THROUGHPUT_EWMA_WEIGHT
+            self._backlog_s = self._backlog_s * keep + (now - self._backlog_mark)
+            self._backlog_done = self._backlog_done * keep + 1.0
+            self._backlog_mark = now
+
+    def _track_backlog(self) -> None:
+        """Start the backlogged clock when the gate becomes backlogged, stop it when not."""
+        if not self.backlogged:
+            self._backlog_mark = None
+        elif self._backlog_mark is None:
+            self._backlog_mark = self.clock()
 
     # -- entering ---------------------------------------------------------------------------
 
@@ -169,6 +212,7 @@ class Admission:
         self.pending += 1
         self.pending_bytes += nbytes
         self.admitted += 1
+        self._track_backlog()
         return Ticket(self, nbytes)
 
     def _check_deadline(self, ahead: int, remaining_s: float | None) -> None:
@@ -226,8 +270,8 @@ class Admission:
         except BaseException:
             self._release()
             raise
-        self._release()
         self.observe_service(self.clock() - started)  # only a finished request measures
+        self._release()
 
     def _release(self) -> None:
         while self._waiters:
@@ -236,6 +280,7 @@ class Admission:
                 waiter.set_result(None)
                 return
         self.running -= 1
+        self._track_backlog()
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
@@ -246,6 +291,7 @@ class Admission:
             admitted=self.admitted,
             completed=self.completed,
             mean_service_s=self.mean_service_s,
+            throughput=self.throughput,
             service_rate=self.service_rate,
             expected_wait_s=self.expected_wait_s(self.pending),
             refused=dict(self.refused),
@@ -283,6 +329,7 @@ class Ticket:
             self.open = False
             self.admission.pending -= 1
             self.admission.pending_bytes -= self.nbytes
+            self.admission._track_backlog()
 
     def __enter__(self) -> Ticket:
         return self
