@@ -41,6 +41,12 @@ DEPLOYMENT_NAME = "asyncgraph"
 #: Requests Serve's router may hold per proxy while every replica is busy; more get 503.
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 
+#: Default max_ongoing_requests per request of admission capacity. Serve's router waits for a
+#: replica with room by polling with backoff (25-500 ms), so with max_ongoing_requests equal to
+#: the capacity one replica served 22 req/s of a ~5 ms model, and 111 req/s at 4x
+#: (benchmarks/ray_serve.py): requests should queue at the replica's event-driven gate.
+ONGOING_PER_CAPACITY = 4
+
 #: Seconds between two copies of a replica's metrics into Ray's metrics (see metrics.py).
 DEFAULT_METRICS_INTERVAL_S = 5.0
 
@@ -124,9 +130,10 @@ def build_app(
         max_queue, timeout_ms, max_request_bytes: each replica's server limits, as for
             `create_app`.
         trust_compiled: load packages made by `asyncgraph compile` (native code).
-        max_ongoing_requests: requests Serve sends one replica at once; default the sum of
-            the models' admission capacities (frames, or frames x max_batch_size), so requests
-            wait in Serve's router, which hands each to the first replica with room.
+        max_ongoing_requests: requests Serve sends one replica at once; default
+            ONGOING_PER_CAPACITY x the sum of the models' admission capacities (frames, or
+            frames x max_batch_size): requests then wait at the replica's own FIFO gate, not
+            in Serve's router, which waits for a full replica by polling with backoff.
         max_queued_requests: requests Serve's router holds per proxy while every replica is
             full; more get 503 (Serve's BackPressureError). -1: no bound.
         ray_actor_options: the replica actors' resources (num_cpus, num_gpus, ...).
@@ -146,7 +153,7 @@ def build_app(
         for name, src in models.items()
     }
     if max_ongoing_requests is None:
-        max_ongoing_requests = capacity_for(config) * len(sources)
+        max_ongoing_requests = ONGOING_PER_CAPACITY * capacity_for(config) * len(sources)
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
         "max_ongoing_requests": max_ongoing_requests,
