@@ -74,8 +74,10 @@ class FramePool:
     def total(self) -> int:
         return self._in_use + len(self._idle)
 
-    async def acquire(self) -> ExecutionFrame:
-        """Take a frame, awaiting one (first come, first served) when all are in use."""
+    def try_acquire(self) -> ExecutionFrame | None:
+        """A frame at once, or None when the caller must `await acquire()` (all in use, or
+        others already wait: first come, first served). The executor's path when frames are
+        free, which costs no coroutine."""
         if self._closed:
             raise ExecutorClosedError("the executor is closed")
         if not self._waiters:
@@ -84,6 +86,13 @@ class FramePool:
             if self.total < self._max:
                 self._created += 1
                 return self._take(self._factory(self._created))
+        return None
+
+    async def acquire(self) -> ExecutionFrame:
+        """Take a frame, awaiting one (first come, first served) when all are in use."""
+        frame = self.try_acquire()
+        if frame is not None:
+            return frame
         if len(self._waiters) >= self._max_waiters:
             self._refused += 1
             raise OverloadedError(

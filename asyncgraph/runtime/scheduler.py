@@ -47,6 +47,7 @@ from asyncgraph.runtime.frame import HOST_WAIT, ExecutionFrame
 from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.schedule import Schedule
+from asyncgraph.runtime.straight import StraightLine, straight_line
 from asyncgraph.runtime.workers import WorkerPool
 from asyncgraph.tools.trace import TraceRecorder, runtime_shape
 
@@ -55,6 +56,7 @@ from asyncgraph.tools.trace import TraceRecorder, runtime_shape
 _inference_mode = getattr(torch._C, "_InferenceMode", torch.inference_mode)
 
 _START = (0, 0)
+_MAX_STRAIGHT = 256  # straight-line forms kept, one per schedule in use
 
 
 def _clock() -> tuple[int, int]:
@@ -91,6 +93,8 @@ class Scheduler:
         self._budget: LoopBudget | None = None  # the loop's, once the loop is known
         self._window_start = 0.0
         self._window_busy = 0.0
+        # id(schedule) -> (schedule, its straight-line form or None): see _straight_line
+        self._straight: dict[int, tuple[Schedule, StraightLine | None]] = {}
 
     # -- one execution, seen from the caller --------------------------------------------------
 
@@ -104,9 +108,23 @@ class Scheduler:
         loop = self.loop = asyncio.get_running_loop()
         if self._budget is None:
             self._budget = loop_budget(loop, self.config.loop_slice_s)
-        frame.waiter = loop.create_future()
         if self._seed is not None:
             frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
+        gpu = frame.gpu
+        straight = self._straight_line(frame) if gpu is None else None
+        if straight is not None:
+            self._run_straight(frame, straight)  # nothing to await: no unit leaves the loop
+        else:
+            await self._run_dataflow(frame, loop)
+        if frame.errors:
+            errors = list(frame.errors)
+            frame.errors.clear()
+            if len(errors) == 1:
+                raise errors[0]
+            raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
+
+    async def _run_dataflow(self, frame: ExecutionFrame, loop: asyncio.AbstractEventLoop) -> None:
+        """The WorkUnits of the execution, across the loop, workers, tasks and streams."""
         gpu = frame.gpu
         if gpu is not None:
             gpu.begin()  # lease a stream set, ordered after the caller's stream
@@ -114,7 +132,8 @@ class Scheduler:
         cancelled: asyncio.CancelledError | None = None
         try:
             self._start(frame)
-            if not frame.finished:
+            if not frame.finished:  # made only now: most small graphs finish inside _start
+                frame.waiter = loop.create_future()
                 await frame.waiter
         except asyncio.CancelledError as exc:
             cancelled = exc
@@ -128,12 +147,49 @@ class Scheduler:
                 cancelled = asyncio.CancelledError()
         if cancelled is not None:
             raise cancelled
-        if frame.errors:
-            errors = list(frame.errors)
-            frame.errors.clear()
-            if len(errors) == 1:
-                raise errors[0]
-            raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
+
+    def _straight_line(self, frame: ExecutionFrame) -> StraightLine | None:
+        """The straight-line form of the frame's schedule when this execution may take it
+        (asyncgraph/runtime/straight.py says when), else None."""
+        if self._seed is not None or frame.times is not None or self.recorder is not None:
+            return None
+        schedule = _schedule(frame)
+        hit = self._straight.get(id(schedule))
+        if hit is None or hit[0] is not schedule:
+            if len(self._straight) >= _MAX_STRAIGHT:
+                self._straight.clear()  # schedules come and go with shape signatures
+            hit = self._straight[id(schedule)] = (schedule, straight_line(schedule))
+        straight = hit[1]
+        if straight is None:
+            return None
+        assert self._budget is not None
+        deadline = self._budget.deadline()
+        if deadline is None or time.perf_counter() + straight.seconds > deadline:
+            return None  # the dataflow path splits it over loop iterations
+        return straight
+
+    def _run_straight(self, frame: ExecutionFrame, straight: StraightLine) -> None:
+        """Run every unit in order on the loop; a kernel error stops the execution as in the
+        dataflow path (the error, with its node's note, is raised by `run`)."""
+        schedule = _schedule(frame)
+        calls, stores, drops = frame.calls, schedule.stores, straight.drops
+        values = frame.values
+        start = time.perf_counter()
+        with _inference_mode(self.config.inference_mode):
+            for unit, call in enumerate(calls):
+                try:
+                    result = call(values)
+                except BaseException as exc:
+                    self._fail(frame, schedule.failed_node(unit, exc), exc, on_worker=False)
+                    break
+                store = stores[unit]
+                if store >= 0:
+                    values[store] = result
+                del result
+                for value in drops[unit]:
+                    values[value] = None
+        self._account_loop_time(start, time.perf_counter())
+        frame.finish()
 
     async def _wait_finished(self, frame: ExecutionFrame) -> asyncio.CancelledError | None:
         """Wait until the units in flight have ended (threads write the frame until then).

@@ -1,0 +1,148 @@
+"""The straight-line path (asyncgraph/runtime/straight.py) and execute's cancellation check.
+
+An all-inline schedule with measured unit times that fit the loop's slice runs as one loop
+over its units. These tests pin down when that path is taken, that it gives the dataflow
+path's results, frees and errors, and that `execute` still takes no frame when its caller is
+already cancelled, now that it no longer starts with `await asyncio.sleep(0)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from asyncgraph import Executor, ExecutorConfig, GraphBuilder
+from asyncgraph.runtime.scheduler import Scheduler
+from asyncgraph.runtime.straight import straight_line
+
+pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(60)]
+
+
+class Chain(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x) + 1
+        z = y * 2
+        return torch.tanh(z) - y
+
+
+def _count_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    counts = {"straight": 0, "dataflow": 0}
+    straight, dataflow = Scheduler._run_straight, Scheduler._run_dataflow
+
+    def run_straight(self: Scheduler, *args: Any) -> None:
+        counts["straight"] += 1
+        straight(self, *args)
+
+    async def run_dataflow(self: Scheduler, *args: Any) -> None:
+        counts["dataflow"] += 1
+        await dataflow(self, *args)
+
+    monkeypatch.setattr(Scheduler, "_run_straight", run_straight)
+    monkeypatch.setattr(Scheduler, "_run_dataflow", run_dataflow)
+    return counts
+
+
+async def test_a_measured_all_inline_graph_runs_straight_with_the_same_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counts = _count_paths(monkeypatch)
+    ep = torch.export.export(Chain(), (torch.randn(4, 8),))
+    config = ExecutorConfig(profile_executions=2)
+    async with Executor(ep, config) as ex:
+        for _ in range(6):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(await ex.execute(x), Chain()(x))
+    # the warm-up and profiled executions take the dataflow path (their times are measured)
+    assert counts["dataflow"] >= 3
+    assert counts["straight"] >= 2
+
+
+async def test_the_straight_path_drops_values_after_their_last_reader() -> None:
+    ep = torch.export.export(Chain(), (torch.randn(4, 8),))
+    async with Executor(ep, ExecutorConfig(max_fused_nodes=1, profile_executions=1)) as ex:
+        for _ in range(4):
+            await ex.execute(torch.randn(4, 8))
+        schedule = ex._schedules.cached(ex._adaptive._last, False)  # type: ignore[union-attr]
+        assert schedule is not None
+        line = straight_line(schedule)
+        assert line is not None
+        dropped = {v for drops in line.drops for v in drops}
+        outputs = {a.id for a in ex._user_outputs}
+        assert dropped and not dropped & outputs  # intermediates go, outputs stay
+
+
+async def test_a_kernel_error_on_the_straight_path_names_its_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counts = _count_paths(monkeypatch)
+    fail = {"now": False}
+
+    def maybe_fail(x: int) -> int:
+        if fail["now"]:
+            raise ValueError("boom")
+        return x + 1
+
+    b = GraphBuilder()
+    b.output(b.call(maybe_fail, b.input("x"), name="maybe_fail", placement="inline"))
+    async with Executor(b.build(), ExecutorConfig(profile_executions=1)) as ex:
+        for _ in range(4):
+            assert await ex.execute(1) == 2
+        before = counts["straight"]
+        fail["now"] = True
+        with pytest.raises(ValueError, match="boom") as info:
+            await ex.execute(1)
+        assert counts["straight"] == before + 1
+        assert any("maybe_fail" in note for note in getattr(info.value, "__notes__", []))
+        fail["now"] = False
+        assert await ex.execute(1) == 2  # the executor stays usable
+        assert ex.statistics().frames.in_use == 0
+
+
+def test_a_schedule_with_a_worker_unit_has_no_straight_line() -> None:
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output(b.call(torch.mm, b.call(torch.relu, x, name="r", placement="inline"), x,
+                    name="mm", placement="worker"))
+    ex = Executor(b.build())
+    schedule = ex._schedules.get(ex.plan.placement, fused=True)
+    assert straight_line(schedule) is None
+
+
+async def test_a_call_made_while_cancelled_takes_no_frame() -> None:
+    b = GraphBuilder()
+    b.output(b.call(lambda x: x + 1, b.input("x"), name="inc", placement="inline"))
+    async with Executor(b.build()) as ex:
+        started = asyncio.Event()
+        go_on = asyncio.Event()
+
+        async def caller() -> Any:
+            started.set()
+            await go_on.wait()
+            asyncio.current_task().cancel()  # type: ignore[union-attr]
+            return await ex.execute(1)  # cancelled before it could take a frame
+
+        task = asyncio.create_task(caller())
+        await started.wait()
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ex.statistics().started == 0
+        assert await ex.execute(1) == 2
+
+
+async def test_a_tight_loop_of_inline_executions_still_lets_the_loop_run() -> None:
+    """No checkpoint at the start of execute: the loop's slice still makes a caller that
+    never waits for anything yield, so a timer set before the loop fires during it."""
+    b = GraphBuilder()
+    b.output(b.call(lambda x: x + 1, b.input("x"), name="inc", placement="inline"))
+    async with Executor(b.build(), ExecutorConfig(loop_slice_s=0.0005)) as ex:
+        fired = asyncio.Event()
+        asyncio.get_running_loop().call_soon(fired.set)
+        calls = 0
+        while not fired.is_set():
+            await ex.execute(1)
+            calls += 1
+            assert calls < 1_000_000, "the loop never got a turn"
