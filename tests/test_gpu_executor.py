@@ -402,6 +402,116 @@ async def test_a_cpu_node_reading_gpu_values_is_a_unit_of_its_own() -> None:
 
 
 # =============================================================================================
+# Host cost per execution: O(stream changes), not O(nodes)
+# =============================================================================================
+
+
+def cuda_units(ex: Executor) -> list[tuple[int, ...]]:
+    """The units of the executor's fused schedule that enqueue on a stream."""
+    schedule = ex._schedules.get(ex.plan.placement, fused=True)
+    return [
+        nodes for nodes, where in zip(schedule.nodes, schedule.where, strict=True)
+        if where is Placement.STREAM
+    ]
+
+
+def stream_changes(ex: Executor) -> int:
+    """Maximal runs of consecutive CUDA nodes on one stream (what the plan forces), counted
+    from the StreamPlan alone: a CUDA node starts a new run when the previous node was not
+    a CUDA node or an alias, or when its stream differs from the run's."""
+    sp = ex.stream_plan
+    assert sp is not None
+    runs, key = 0, None
+    for i, role in enumerate(sp.roles):
+        if role.value == "cuda":
+            if key != sp.key(i):
+                runs += 1
+            key = sp.key(i)
+        elif role.value != "alias":
+            key = None
+    return runs
+
+
+@pytest.mark.parametrize("length", [4, 24])
+async def test_a_chain_on_one_stream_switches_streams_once_per_execution(length: int) -> None:
+    gpu = ThreadGpu()
+    sim = Sim(gpu)
+    backend = FakeBackend(gpu)
+    async with gpu_running(gpu), gpu_executor(chain(sim, length), gpu, backend=backend) as ex:
+        assert cuda_units(ex) == [tuple(range(length))]  # one unit: one dispatch, one switch
+        await ex.execute(sim.upload(0))  # builds the schedule
+        before = (backend.switches, backend.enters, backend.host_stream_calls)
+        for k in range(3):
+            assert (await ex.execute(sim.upload(k))).data == k + length
+        per_execution = [
+            (after - first) / 3 for after, first in zip(
+                (backend.switches, backend.enters, backend.host_stream_calls), before,
+                strict=True,
+            )
+        ]
+    # one enter and one leave; the host's streams are asked once per execution (begin)
+    assert per_execution == [2, 1, 1]
+    assert gpu.errors == []
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+async def test_stream_switches_follow_stream_changes_not_nodes(streams: int) -> None:
+    gpu = ThreadGpu(seed=streams)
+    sim = Sim(gpu)
+    backend = FakeBackend(gpu)
+    graph = wide(sim, width=6, depth=5)
+    async with gpu_running(gpu), gpu_executor(
+        graph, gpu, backend=backend, cuda_streams=streams
+    ) as ex:
+        units = cuda_units(ex)
+        cuda_nodes = sum(len(u) for u in units)
+        assert len(units) == stream_changes(ex) < cuda_nodes
+        await ex.execute(sim.upload(0))
+        switches, enters = backend.switches, backend.enters
+        for k in range(2):
+            total, read = await ex.execute(sim.upload(k))
+            assert [total.data, read] == reference(graph, k)
+        assert (backend.enters - enters) / 2 == len(units)
+        assert (backend.switches - switches) / 2 <= 2 * len(units)
+    assert gpu.errors == [], ex.stream_plan.describe() if ex.stream_plan else ""
+
+
+async def test_a_fused_cuda_run_waits_records_and_protects_in_the_middle() -> None:
+    """The diamond's join continues the right branch's stream, so `gpu_right, gpu_join` is one
+    run whose second node waits on the left branch's event: the compiled run calls the layer
+    there, and record_stream is issued for the left value (made on the other stream)."""
+    for seed in range(6):
+        gpu = ThreadGpu(seed)
+        sim = Sim(gpu)
+        backend = FakeBackend(gpu)
+        graph = diamond(sim)
+        async with gpu_running(gpu), gpu_executor(graph, gpu, backend=backend) as ex:
+            right, join = index(graph, "gpu_right"), index(graph, "gpu_join")
+            assert (right, join) in cuda_units(ex)
+            out = await ex.execute(sim.upload(seed))
+            assert out.data == 3 * seed + 4
+        left_value = [v for v, _ in backend.recorded if v.writer[1] == "double"]
+        assert len(left_value) == 1  # the join read the left branch's value
+        assert gpu.errors == []
+
+
+async def test_an_error_inside_a_fused_cuda_run_names_its_node_and_restores_the_stream() -> None:
+    gpu = ThreadGpu()
+    sim = Sim(gpu)
+    b = GraphBuilder()
+    v = b.call(sim.kernel(add_one), b.input("x"), name="gpu_a")
+    v = b.call(sim.kernel(fail), v, name="gpu_bad")
+    b.output(b.call(sim.kernel(add_one), v, name="gpu_c"))
+    async with gpu_running(gpu), gpu_executor(b.build(), gpu) as ex:
+        assert cuda_units(ex) == [(0, 1, 2)]
+        with pytest.raises(ValueError, match="bad kernel") as info:
+            await ex.execute(sim.upload(1))
+        assert any("%gpu_bad" in note for note in info.value.__notes__)
+        assert gpu.current is None  # the loop thread's stream is the caller's again
+    assert gpu.errors == []
+
+
+# =============================================================================================
 # Host waits
 # =============================================================================================
 
@@ -540,8 +650,9 @@ async def test_cancellation_waits_for_the_gpu_before_the_frame_is_reused(
     monkeypatch.setattr(FrameStreams, "begin", recording_begin)
     async with gpu_executor(chain(sim), gpu, max_concurrent_executions=1) as ex:
         first = asyncio.create_task(ex.execute(sim.upload(0)))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        async with asyncio.timeout(10):  # the first execution builds its schedule on a thread
+            while len(gpu.pending_kernels()) < 4:  # noqa: ASYNC110 (polls the simulated GPU)
+                await asyncio.sleep(0.001)
         assert len(gpu.pending_kernels()) == 4  # all enqueued; finish() awaits the GPU
         first.cancel()
         await asyncio.sleep(0.01)

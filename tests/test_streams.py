@@ -20,7 +20,6 @@ The same layer run by the Executor's scheduler is tested in test_gpu_executor.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import random
@@ -29,8 +28,9 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncgraph.cuda.device import (
+    CudaFunctions,
     CudaRuntime,
     FrameStreams,
     PollPolicy,
@@ -470,9 +471,17 @@ class FakeGpu:
 
 
 class FakeBackend:
+    """The Backend of the simulated GPU; counts what an execution costs the host: stream
+    switches (`switches`: a set of the current stream, entering or leaving), `enters`
+    (units enqueued through the layer), `host_stream_calls` (the per-execution queries of
+    the host's streams: torch.cuda's Python helpers in the real backend)."""
+
     def __init__(self, gpu: FakeGpu) -> None:
         self.gpu = gpu
         self.recorded: list[tuple[Any, FakeStream]] = []
+        self.switches = 0
+        self.enters = 0
+        self.host_stream_calls = 0
 
     def new_stream(self, device: int) -> FakeStream:
         return self.gpu.stream(f"d{device}#{len(self.gpu.streams)}")
@@ -480,20 +489,32 @@ class FakeBackend:
     def new_event(self) -> FakeEvent:
         return FakeEvent(self.gpu)
 
-    @contextlib.contextmanager
-    def use_stream(self, stream: FakeStream) -> Iterator[None]:
-        previous, self.gpu.current = self.gpu.current, stream
-        try:
-            yield
-        finally:
-            self.gpu.current = previous
+    def stream_handle(self, stream: FakeStream) -> FakeStream:
+        return stream
+
+    def enter_stream(self, handle: FakeStream) -> Any:
+        self.enters += 1
+        previous = self.gpu.current
+        if previous is handle:
+            return _SAME
+        self.gpu.current = handle
+        self.switches += 1
+        return previous
+
+    def leave_stream(self, token: Any) -> None:
+        if token is not _SAME:
+            self.gpu.current = token
+            self.switches += 1
 
     def host_streams(self, device: int) -> list[FakeStream]:
+        self.host_stream_calls += 1
         return [self.gpu.default[device]]
 
     def record_stream(self, value: Any, stream: FakeStream) -> None:
         self.recorded.append((value, stream))
 
+
+_SAME = object()  # FakeBackend.enter_stream's token when the stream was current already
 
 FAST = PollPolicy(spin_s=0.0, max_delay_s=0.0)
 
@@ -918,6 +939,102 @@ def test_torch_backend_without_cuda_says_so_plainly() -> None:
     backend = TorchCudaBackend()  # constructing it touches nothing
     with pytest.raises(RuntimeError, match=r"torch.cuda.is_available\(\) is False"):
         backend.new_stream(0)
+
+
+class RecordingCuda:
+    """torch's CUDA C functions as `TorchCudaBackend` calls them, on a fake two-device
+    machine: a current device and a current stream per device, and a log of every call."""
+
+    def __init__(self) -> None:
+        self.device = 0
+        self.current = {0: (0, 0, 1), 1: (0, 1, 1)}  # the default streams: id 0
+        self.log: list[tuple[Any, ...]] = []
+
+    def functions(self) -> CudaFunctions:
+        def get_current(device: int) -> tuple[int, int, int]:
+            self.log.append(("get_current", device))
+            return self.current[device]
+
+        def get_default(device: int) -> tuple[int, int, int]:
+            self.log.append(("get_default", device))
+            return (0, device, 1)
+
+        def set_stream(stream_id: int, device_index: int, device_type: int) -> None:
+            self.log.append(("set_stream", stream_id, device_index))
+            self.current[device_index] = (stream_id, device_index, device_type)
+            self.device = device_index  # as torch's _cuda_setStream does
+
+        def get_device() -> int:
+            self.log.append(("get_device",))
+            return self.device
+
+        def set_device(device: int) -> None:
+            self.log.append(("set_device", device))
+            self.device = device
+
+        def make_stream(**kwargs: Any) -> Any:
+            return types.SimpleNamespace(**kwargs)
+
+        return CudaFunctions(
+            get_current, get_default, set_stream, get_device, set_device, make_stream,
+            lambda: None,
+        )
+
+
+def _forbid_torch_cuda_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python helpers the hot path must not reach (they cost more than a launch)."""
+    for name in ("stream", "current_stream", "default_stream", "set_stream", "is_available",
+                 "current_device", "_get_device_index"):
+        def forbidden(*args: Any, _name: str = name, **kwargs: Any) -> Any:
+            raise AssertionError(f"torch.cuda.{_name} called on the hot path")
+
+        monkeypatch.setattr(torch.cuda, name, forbidden, raising=False)
+
+
+def test_torch_backend_switches_with_c_functions_only_when_the_stream_differs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _forbid_torch_cuda_helpers(monkeypatch)
+    cuda = RecordingCuda()
+    backend = TorchCudaBackend(cuda.functions())
+    stream = types.SimpleNamespace(stream_id=7, device_index=0, device_type=1)
+    handle = backend.stream_handle(stream)
+    assert handle == (7, 0, 1)
+    token = backend.enter_stream(handle)
+    assert cuda.current[0] == handle
+    inner = backend.enter_stream(handle)  # already current: a read, no switch
+    backend.leave_stream(inner)
+    assert cuda.current[0] == handle
+    backend.leave_stream(token)
+    assert cuda.current[0] == (0, 0, 1) and cuda.device == 0
+    assert [c[0] for c in cuda.log] == [
+        "get_current", "get_device", "set_stream", "get_current", "set_stream",
+    ]
+
+
+def test_torch_backend_restores_the_device_after_a_stream_of_another_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _forbid_torch_cuda_helpers(monkeypatch)
+    cuda = RecordingCuda()
+    backend = TorchCudaBackend(cuda.functions())
+    token = backend.enter_stream((9, 1, 1))
+    assert (cuda.device, cuda.current[1]) == (1, (9, 1, 1))
+    backend.leave_stream(token)
+    assert (cuda.device, cuda.current) == (0, {0: (0, 0, 1), 1: (0, 1, 1)})
+
+
+def test_torch_backend_host_streams_are_cached_stream_objects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _forbid_torch_cuda_helpers(monkeypatch)
+    cuda = RecordingCuda()
+    backend = TorchCudaBackend(cuda.functions())
+    (default,) = backend.host_streams(0)
+    assert (default.stream_id, default.device_index) == (0, 0)
+    cuda.current[0] = (5, 0, 1)
+    current, again = backend.host_streams(0)
+    assert current.stream_id == 5 and again is default  # made once per stream id
 
 
 def test_move_inputs_to_device_moves_only_mismatched_tensors() -> None:

@@ -9,10 +9,16 @@ What it does, and why:
   less overlap). Streams come from torch's pool (32 per device and priority), so sets beyond
   that share hardware streams.
 - `FrameStreams`: the GPU state of one execution frame, reused by its executions: a node's
-  event, the end-of-stream events, and the leased set. `run` enqueues a node's kernel
-  under `torch.cuda.stream(s)` after `s.wait_event(e)` for its cross-stream producers, calls
-  `record_stream` for tensors made on another stream, and records the node's event. The host
-  never waits there.
+  event, the end-of-stream events, and the leased set. `run` enqueues one node's kernel with
+  `s` as the thread's current stream after `s.wait_event(e)` for its cross-stream producers,
+  calls `record_stream` for tensors made on another stream, and records the node's event;
+  `run_unit` does the same for a fused run of consecutive CUDA nodes on one stream, switching
+  the stream once for the run (schedule.py compiles the run, with the waits, events and
+  record_stream calls only where the plan has them). The host never waits there.
+- Host cost: a stream switch is the backend's lowest level (for torch, the C functions
+  `_cuda_getCurrentStream` / `_cuda_setStream` on cached stream ids, `CudaFunctions`), done
+  only when the stream differs from the current one, never `torch.cuda.stream(...)` or
+  `torch.cuda.current_stream()`, whose Python device-index helpers cost more than the launch.
 - `wait_events`: the host's wait. It polls `event.query()` from the event loop with a short
   spin of `asyncio.sleep(0)` and then a backoff, so the loop never blocks on the GPU; once
   every event has completed it calls `event.synchronize()`, which then returns at once but
@@ -31,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,13 +63,28 @@ class CudaEvent(Protocol):
 
 
 class Backend(Protocol):
-    """What the layer needs from CUDA; `TorchCudaBackend` is the real one."""
+    """What the layer needs from CUDA; `TorchCudaBackend` is the real one.
+
+    Switching streams is split in `stream_handle` (once per stream, when a stream set is
+    made) and `enter_stream` / `leave_stream` (per unit of CUDA nodes), so the per-unit cost
+    is what the backend's lowest level costs: for torch, one C call to read the current
+    stream and, only when it differs, two to set it and set it back.
+    """
 
     def new_stream(self, device: int) -> CudaStream: ...
 
     def new_event(self) -> CudaEvent: ...
 
-    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def stream_handle(self, stream: Any) -> Any:
+        """What `enter_stream` takes for `stream`: computed once per stream."""
+        ...
+
+    def enter_stream(self, handle: Any) -> Any:
+        """Make the stream of `handle` the calling thread's current stream on its device;
+        return the token `leave_stream` restores the previous state from."""
+        ...
+
+    def leave_stream(self, token: Any) -> None: ...
 
     def host_streams(self, device: int) -> list[Any]:
         """The streams the calling thread's GPU work may be on: current and default."""
@@ -75,41 +95,117 @@ class Backend(Protocol):
         ...
 
 
-class TorchCudaBackend:
-    """The real backend: torch.cuda, imported on first use."""
+StreamId = tuple[int, int, int]
+"""torch's identity of a stream: (stream_id, device_index, device_type), as
+`torch._C._cuda_getCurrentStream` returns it and `torch._C._cuda_setStream` takes it."""
 
-    def __init__(self) -> None:
-        self._cuda: Any = None
+
+@dataclass(frozen=True, slots=True)
+class CudaFunctions:
+    """The torch.cuda entry points `TorchCudaBackend` calls: the C functions under
+    torch.cuda's Python helpers, which those helpers reach only after `_lazy_init`, device
+    index parsing and, for `torch.cuda.stream(...)`, `current_stream` twice (is_available,
+    NVML and environment lookups per call). Their signatures are those of torch 1.10 to 2.13:
+    `get_current(device) -> StreamId`, `set_stream(stream_id, device_index, device_type)`,
+    which also makes the stream's device current."""
+
+    get_current: Callable[[int], StreamId]
+    get_default: Callable[[int], StreamId]
+    set_stream: Callable[[int, int, int], None]
+    get_device: Callable[[], int]
+    set_device: Callable[[int], None]
+    make_stream: Callable[..., Any]  # torch.cuda.Stream(device=...) or (stream_id=, ...)
+    make_event: Callable[[], Any]
+
+    @staticmethod
+    def from_torch() -> CudaFunctions:
+        import torch
+        import torch.cuda
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "the program has CUDA nodes but torch.cuda.is_available() is False: "
+                "export it on the CPU, or run it on a machine with a GPU"
+            )
+        c = torch._C
+        return CudaFunctions(
+            get_current=c._cuda_getCurrentStream,
+            get_default=c._cuda_getDefaultStream,
+            set_stream=c._cuda_setStream,
+            get_device=c._cuda_getDevice,
+            set_device=c._cuda_setDevice,
+            make_stream=torch.cuda.Stream,
+            make_event=torch.cuda.Event,  # no timing: cheaper to record
+        )
+
+
+_SAME = None
+"""`enter_stream`'s token when the stream was current already: nothing to restore."""
+
+
+class TorchCudaBackend:
+    """The real backend: torch's CUDA C functions, looked up on first use (`CudaFunctions`).
+
+    `stream_handle` is a stream's StreamId; `enter_stream` compares it with the thread's
+    current stream on that device and sets it only when it differs; `leave_stream` sets the
+    previous stream back and, when setting it moved the thread to another device, the
+    previous device too (what `torch.cuda.stream(...)` restores, without its Python).
+    Stream objects for the host's streams are made once per StreamId and kept.
+    """
+
+    def __init__(self, functions: CudaFunctions | None = None) -> None:
+        self._functions = functions
+        self._streams: dict[StreamId, Any] = {}
 
     @property
-    def cuda(self) -> Any:
-        if self._cuda is None:
-            import torch.cuda
-
-            if not torch.cuda.is_available():
-                raise RuntimeError(
-                    "the program has CUDA nodes but torch.cuda.is_available() is False: "
-                    "export it on the CPU, or run it on a machine with a GPU"
-                )
-            self._cuda = torch.cuda
-        return self._cuda
+    def functions(self) -> CudaFunctions:
+        if self._functions is None:
+            self._functions = CudaFunctions.from_torch()
+        return self._functions
 
     def new_stream(self, device: int) -> CudaStream:
-        stream: CudaStream = self.cuda.Stream(device=device)
+        stream: CudaStream = self.functions.make_stream(device=device)
         return stream
 
     def new_event(self) -> CudaEvent:
-        event: CudaEvent = self.cuda.Event()  # no timing: cheaper to record
+        event: CudaEvent = self.functions.make_event()
         return event
 
-    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
-        ctx: AbstractContextManager[Any] = self.cuda.stream(stream)
-        return ctx
+    def stream_handle(self, stream: Any) -> StreamId:
+        return (int(stream.stream_id), int(stream.device_index), int(stream.device_type))
+
+    def enter_stream(self, handle: StreamId) -> tuple[int, StreamId] | None:
+        f = self.functions
+        previous = f.get_current(handle[1])
+        if previous == handle:
+            return _SAME
+        device = f.get_device()
+        f.set_stream(*handle)
+        return device, previous
+
+    def leave_stream(self, token: tuple[int, StreamId] | None) -> None:
+        if token is _SAME:
+            return
+        device, previous = token
+        f = self.functions
+        f.set_stream(*previous)  # makes previous's device current
+        if device != previous[1]:
+            f.set_device(device)
+
+    def _stream(self, ident: StreamId) -> Any:
+        stream = self._streams.get(ident)
+        if stream is None:
+            stream = self._streams[ident] = self.functions.make_stream(
+                stream_id=ident[0], device_index=ident[1], device_type=ident[2]
+            )
+        return stream
 
     def host_streams(self, device: int) -> list[Any]:
-        current = self.cuda.current_stream(device)
-        default = self.cuda.default_stream(device)
-        return [current] if current == default else [current, default]
+        f = self.functions
+        current, default = f.get_current(device), f.get_default(device)
+        if current == default:
+            return [self._stream(current)]
+        return [self._stream(current), self._stream(default)]
 
     def record_stream(self, value: Any, stream: Any) -> None:
         for tensor in _cuda_tensors(value):
@@ -164,15 +260,24 @@ async def wait_events(events: Sequence[CudaEvent], policy: PollPolicy = PollPoli
 
 
 class StreamSet:
-    """One execution's streams: the stream of each (device, index) and of each CUDA node."""
+    """One execution's streams: the stream of each (device, index) and of each CUDA node,
+    and each CUDA node's stream handle (`Backend.stream_handle`, computed here once)."""
 
-    __slots__ = ("by_node", "index", "streams", "users")
+    __slots__ = ("by_node", "handles", "index", "streams", "users")
 
-    def __init__(self, index: int, streams: dict[StreamKey, CudaStream], plan: StreamPlan):
+    def __init__(
+        self, index: int, streams: dict[StreamKey, CudaStream], plan: StreamPlan,
+        backend: Backend,
+    ) -> None:
         self.index = index
         self.streams = streams
         self.by_node: tuple[CudaStream | None, ...] = tuple(
             streams[(d, s)] if d is not None and s is not None else None
+            for d, s in zip(plan.device, plan.stream, strict=True)
+        )
+        handles = {key: backend.stream_handle(stream) for key, stream in streams.items()}
+        self.handles: tuple[Any, ...] = tuple(
+            handles[(d, s)] if d is not None and s is not None else None
             for d, s in zip(plan.device, plan.stream, strict=True)
         )
         self.users = 0
@@ -202,7 +307,7 @@ class StreamPool:
             chosen = idle[0]
         elif len(self.sets) < self.max_sets:
             streams = {key: self.backend.new_stream(key[0]) for key in self.plan.streams_used}
-            chosen = StreamSet(len(self.sets), streams, self.plan)
+            chosen = StreamSet(len(self.sets), streams, self.plan, self.backend)
             self.sets.append(chosen)
         else:
             chosen = min(self.sets, key=lambda s: (s.users, s.index))
@@ -257,14 +362,15 @@ class FrameStreams:
     """
 
     __slots__ = (
-        "_begin_events", "_end_events", "_events", "_host", "_host_waits", "_outputs", "_set",
-        "_waits", "calls", "runtime",
+        "_backend", "_begin_events", "_end_events", "_events", "_host", "_host_waits",
+        "_outputs", "_set", "_waits", "calls", "runtime",
     )
 
     def __init__(self, runtime: CudaRuntime, calls: Sequence[Callable[[list[Any]], Any]]) -> None:
         plan = runtime.plan
         backend = runtime.backend
         self.runtime = runtime
+        self._backend = backend
         events = {i: backend.new_event() for i in range(plan.num_nodes) if plan.records_event[i]}
         self._events: tuple[CudaEvent | None, ...] = tuple(
             events.get(i) for i in range(plan.num_nodes)
@@ -328,12 +434,12 @@ class FrameStreams:
         plan = runtime.plan
         backend = runtime.backend
         if plan.fence[node]:
-            device = plan.device[node]
-            assert device is not None
-            for host_stream in self._host[device]:
-                stream.wait_stream(host_stream)
-        with backend.use_stream(stream):
+            self.fence(node, stream)
+        token = backend.enter_stream(stream_set.handles[node])
+        try:
             result = call(values)
+        finally:
+            backend.leave_stream(token)
         ids = runtime.value_ids
         for producer in plan.record_stream[node]:
             backend.record_stream(values[ids[producer]], stream)
@@ -341,6 +447,60 @@ class FrameStreams:
         if event is not None:
             event.record(stream)
         return result
+
+    def run_unit(
+        self, node: int, unit: Callable[[list[Any], FrameStreams, Any], Any], values: list[Any]
+    ) -> Any:
+        """Enqueue a fused run of CUDA nodes on their one stream (`node`: its first node).
+
+        The stream is switched once for the whole run (and only if it is not current);
+        `unit` is the run's compiled code (asyncgraph/runtime/schedule.py), which calls
+        `wait`, `fence`, `record_value` and `record_event` itself, only at the nodes the
+        StreamPlan names: cross-stream edges, host values and events someone waits on.
+        """
+        stream_set = self._set
+        if stream_set is None:
+            raise RuntimeError("a CUDA node ran outside begin()/finish()")
+        backend = self._backend
+        token = backend.enter_stream(stream_set.handles[node])
+        try:
+            return unit(values, self, stream_set.by_node[node])
+        finally:
+            backend.leave_stream(token)
+
+    def unit_call(
+        self, node: int, unit: Callable[..., Any]
+    ) -> Callable[[list[Any]], Any]:
+        """The frame's call for a compiled CUDA run starting at `node` (see `run_unit`)."""
+        run_unit = self.run_unit
+
+        def run_fused(values: list[Any]) -> Any:
+            return run_unit(node, unit, values)
+
+        return run_fused
+
+    # Called by compiled runs of CUDA nodes (schedule.py), on the run's stream.
+
+    def wait(self, node: int, stream: Any) -> None:
+        """Order `stream` after the events of `node`'s producers on other streams."""
+        for waited in self._waits[node]:
+            stream.wait_event(waited)
+
+    def fence(self, node: int, stream: Any) -> None:
+        """Order `stream` after the host streams `begin` saw (a HOST node's GPU tensors)."""
+        device = self.runtime.plan.device[node]
+        assert device is not None
+        for host_stream in self._host[device]:
+            stream.wait_stream(host_stream)
+
+    def record_value(self, value: Any, stream: Any) -> None:
+        """`record_stream(stream)` on the CUDA tensors of a value made on another stream."""
+        self._backend.record_stream(value, stream)
+
+    def record_event(self, node: int, stream: Any) -> None:
+        event = self._events[node]
+        assert event is not None
+        event.record(stream)
 
     def host_ready(self, node: int) -> bool:
         """Whether every event host node `node` waits on has completed (never waits)."""
@@ -397,11 +557,15 @@ class FrameStreams:
         The caller will use them on its own stream; without this, once it drops them the
         allocator could give their memory to our stream while its kernels still read it.
         """
-        backend = self.runtime.backend
+        backend = self._backend
+        callers: dict[int, Any] = {}  # per device: the caller's current stream, asked once
         for value in outputs:
             for tensor in _cuda_tensors(value):
-                index = tensor.device.index
-                backend.record_stream(tensor, backend.host_streams(index or 0)[0])
+                index = tensor.device.index or 0
+                caller = callers.get(index)
+                if caller is None:
+                    caller = callers[index] = backend.host_streams(index)[0]
+                backend.record_stream(tensor, caller)
 
 
 def _bind_run(

@@ -107,9 +107,11 @@ class ExecutionFrame:
     def _gpu_units(self, schedule: Schedule, gpu: FrameStreams) -> tuple[Calls, tuple[int, ...]]:
         """The unit tables of `schedule` on this frame's GPU state, built on first use.
 
-        A CUDA node is never fused, so its unit calls the node's stream-enqueueing call; a
-        unit reading GPU values (never fused either: ScheduleCache's `unfusable`) is marked
-        HOST_WAIT. Keyed by the schedule's identity, as ScheduleCache keys placements: the
+        A single CUDA node's unit calls the node's stream-enqueueing call (`FrameStreams.run`);
+        a CUDA run (consecutive CUDA nodes on one stream, schedule.py) calls its compiled
+        code through `FrameStreams.run_unit`, which switches to the run's stream once; a unit
+        reading GPU values (never fused: ScheduleCache's `unfusable`) is marked HOST_WAIT.
+        Keyed by the schedule's identity, as ScheduleCache keys placements: the
         schedules live as long as the Executor, and the entry keeps its schedule alive.
         """
         hit = self._gpu_tables.get(id(schedule))
@@ -120,8 +122,10 @@ class ExecutionFrame:
         where: list[int] = list(schedule.where)
         for unit, nodes in enumerate(schedule.nodes):
             if schedule.where[unit] is Placement.STREAM:
-                (node,) = nodes
-                calls[unit] = gpu.calls[node]
+                if len(nodes) == 1:
+                    calls[unit] = gpu.calls[nodes[0]]
+                else:
+                    calls[unit] = gpu.unit_call(nodes[0], schedule.calls[unit])
             elif any(needs_wait[n] for n in nodes):
                 if len(nodes) != 1:
                     raise RuntimeError(

@@ -1,7 +1,12 @@
 """Schedule: the graph of units one execution runs, for one placement of the nodes.
 
 A unit is what the scheduler dispatches: one node, or a *fused run* of inline nodes compiled
-into one straight-line function, as torch.fx's codegen writes a whole graph. Inside a run,
+into one straight-line function, as torch.fx's codegen writes a whole graph. With a
+StreamPlan, consecutive CUDA nodes on one stream are fused the same way (a *CUDA run*): the
+GPU layer switches to the run's stream once (`FrameStreams.run_unit`) and the compiled code
+calls the layer only where the plan needs it (a wait on another stream's event, a fence, a
+record_stream, an event someone waits on), so enqueueing N kernels costs one dispatch and
+O(cross-stream edges) GPU-layer calls instead of N stream switches. Inside a run,
 values that never leave it are Python locals deleted after their last use; only values read
 elsewhere (or returned) are stored in the frame. So a run of N cheap ops costs one dispatch,
 one lock and one count update instead of N of each, and reads locals instead of list slots.
@@ -33,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan
 from asyncgraph.graph.ir import Graph, Ref
 from asyncgraph.kernels import OpKernel
 from asyncgraph.runtime.placement import Decision
@@ -111,8 +117,10 @@ class ScheduleCache:
         unfusable: Sequence[bool] | None = None,
         max_schedules: int = 64,
         decided: Callable[[tuple[Placement, ...]], Decision | None] | None = None,
+        stream_plan: StreamPlan | None = None,
     ) -> None:
         self.graph = graph
+        self.stream_plan = stream_plan  # CUDA nodes on one stream fuse into CUDA runs
         self.max_schedules = max_schedules
         self.plan = plan
         self.kernels = kernels
@@ -192,7 +200,7 @@ class ScheduleCache:
             build_schedule,
             self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1,
             unfusable, decision.best_us if decision is not None else self.estimated_costs,
-            measured=decision is not None, yield_gil=on_thread,
+            measured=decision is not None, yield_gil=on_thread, stream_plan=self.stream_plan,
         )
 
     def _add(self, placement: tuple[Placement, ...], fused: bool, schedule: Schedule) -> None:
@@ -223,6 +231,7 @@ def build_schedule(
     costs: Sequence[float] | None = None,
     measured: bool = False,
     yield_gil: bool = False,
+    stream_plan: StreamPlan | None = None,
 ) -> Schedule:
     """Group nodes into units (see the module docstring) and derive the unit graph.
 
@@ -230,9 +239,11 @@ def build_schedule(
     i's cost, for the units' priorities (default 1 each); `measured`: the costs are measured
     times in microseconds, which also give each unit's expected time (`Schedule.seconds`);
     `yield_gil`: built on a thread beside the event loop, which gets the GIL after each
-    compiled unit.
+    compiled unit; `stream_plan`: fuse consecutive CUDA nodes on one stream (CUDA runs,
+    compiled as `unit(v, g, s)` for `FrameStreams.run_unit`).
     """
-    runs = _runs(plan, placement, max_fused, unfusable)
+    keys = _stream_keys(plan, placement, stream_plan, unfusable)
+    runs = _runs(plan, placement, max_fused, unfusable, keys)
     unit_of = [0] * plan.num_nodes
     for u, run in enumerate(runs):
         for node in run:
@@ -263,7 +274,9 @@ def build_schedule(
                 v for v, k in reads.items()
                 if k == plan.read_counts[v] and graph.values[v].producer not in members
             }
-            calls.append(_compile_run(graph, plan, kernels, run, escaping, owned, u))
+            # a CUDA run: only they start with a STREAM node and have more than one
+            cuda = stream_plan if placement[run[0]] is Placement.STREAM else None
+            calls.append(_compile_run(graph, plan, kernels, run, escaping, owned, u, cuda))
             if yield_gil:
                 time.sleep(0)  # releases the GIL: a waiting thread takes it now
             stores.append(-1)
@@ -306,32 +319,82 @@ def build_schedule(
     )
 
 
+def _stream_keys(
+    plan: ExecutionPlan,
+    placement: tuple[Placement, ...],
+    stream_plan: StreamPlan | None,
+    unfusable: Sequence[bool] | None,
+) -> list[StreamKey | None]:
+    """Per node: its (device, stream) when it may join a CUDA run, else None; `ALIAS_KEY`
+    for an inline alias (getitem, tuple packing), which joins the CUDA run it follows: it
+    runs on the host in nanoseconds and would otherwise split runs after every tuple op."""
+    keys: list[StreamKey | None] = [None] * plan.num_nodes
+    if stream_plan is None:
+        return keys
+    for i, p in enumerate(placement):
+        if unfusable is not None and unfusable[i]:
+            continue
+        role = stream_plan.roles[i]
+        if p is Placement.STREAM and role is Role.CUDA:
+            keys[i] = stream_plan.key(i)
+        elif p is Placement.INLINE and role is Role.ALIAS:
+            keys[i] = ALIAS_KEY
+    return keys
+
+
+ALIAS_KEY: StreamKey = (-1, -1)
+"""`_stream_keys`' key of an inline alias node: it continues an open CUDA run."""
+
+
 def _runs(
     plan: ExecutionPlan,
     placement: tuple[Placement, ...],
     max_fused: int,
     unfusable: Sequence[bool] | None,
+    keys: Sequence[StreamKey | None],
 ) -> list[list[int]]:
+    """Consecutive inline nodes, or consecutive CUDA nodes on one stream (`keys`), up to
+    `max_fused` each; every other node alone. An inline run ends after a node feeding a node
+    outside inline runs; a CUDA run ends where the next node is not on its stream."""
     alone = [
         p is not Placement.INLINE or (unfusable is not None and unfusable[i])
         for i, p in enumerate(placement)
     ]
     runs: list[list[int]] = []
     current: list[int] = []
+    current_key: StreamKey | None = None  # the stream of `current`, None for an inline run
+
+    def flush() -> None:
+        nonlocal current, current_key
+        if current:
+            runs.append(current)
+            current = []
+        current_key = None
+
     for node in range(plan.num_nodes):
+        key = keys[node]
+        if key == ALIAS_KEY:
+            if current_key is not None and len(current) < max_fused:
+                current.append(node)  # continues the CUDA run on its stream
+                continue
+            key = None  # an inline node like any other
+        if key is not None and max_fused > 1:
+            if not current or current_key != key or len(current) >= max_fused:
+                flush()
+            current_key = key
+            current.append(node)
+            continue
         if alone[node]:
-            if current:
-                runs.append(current)
-                current = []
+            flush()
             runs.append([node])
             continue
+        if current_key is not None:
+            flush()
         current.append(node)
         feeds_elsewhere = any(alone[u] for u in plan.users[node])
         if feeds_elsewhere or len(current) >= max_fused:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
+            flush()
+    flush()
     return runs
 
 
@@ -343,12 +406,18 @@ def _compile_run(
     escaping: set[int],
     owned: set[int],
     unit: int,
+    cuda: StreamPlan | None = None,
 ) -> Callable[[list[Any]], Any]:
     """One function running `run` in order: locals for its own values, `del` after last use.
 
     Values in `escaping` are also stored in the frame (`v[id] = t<id> = ...`); frame slots in
     `owned` are read by this run only and cleared after its last read. Each node's call is on
     its own line, so a failing kernel is found from the traceback's line number.
+
+    With `cuda` (a CUDA run), the function is `unit(v, g, s)`: `g` the frame's FrameStreams,
+    `s` the run's stream, current while it runs (`FrameStreams.run_unit`). Around a node's
+    kernel it calls `g.wait` / `g.fence` before and `g.record_value` / `g.record_event`
+    after, only where the plan has them, as `FrameStreams.run` does for a single node.
     """
     namespace: dict[str, Any] = {}
     produced = {plan.outputs[n] for n in run}
@@ -371,15 +440,26 @@ def _compile_run(
         target = f"v[{out}] = " if out in escaping else ""
         if out in last_read:
             target += f"t{out} = "  # unbound when no later node of the run reads it
+        if cuda is not None and cuda.waits[node]:
+            body.append(f"    g.wait({node}, s)")
+        if cuda is not None and cuda.fence[node]:
+            body.append(f"    g.fence({node}, s)")
         node_lines[len(body) + 2] = node  # line 1 is the def
         body.append(f"    {target}{fn}({emit_args(n, namespace, name)})")
+        if cuda is not None:
+            for producer in cuda.record_stream[node]:
+                value = Ref(plan.outputs[producer])
+                body.append(f"    g.record_value({name(value)}, s)")
+            if cuda.records_event[node]:
+                body.append(f"    g.record_event({node}, s)")
         dead = sorted(v for v, p in last_read.items() if p == position)
         if locals_ := [f"t{v}" for v in dead if v in produced]:
             body.append(f"    del {', '.join(locals_)}")
         for v in dead:
             if v in owned:
                 body.append(f"    v[{v}] = None")
-    source = f"def unit{unit}(v):\n" + "\n".join(body) + "\n"
+    params = "v, g, s" if cuda is not None else "v"
+    source = f"def unit{unit}({params}):\n" + "\n".join(body) + "\n"
     code = compile(source, f"<asyncgraph unit {unit}: nodes {run[0]}..{run[-1]}>", "exec")
     exec(code, namespace)
     fn_obj: types.FunctionType = namespace[f"unit{unit}"]
