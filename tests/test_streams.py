@@ -25,12 +25,12 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
-import time
 import types
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -1068,12 +1068,17 @@ class Branches(torch.nn.Module):
 
 
 def gpu_program(
-    model: torch.nn.Module, x: torch.Tensor, streams: int, max_sets: int = 2
+    model: torch.nn.Module | torch.export.ExportedProgram, x: torch.Tensor, streams: int,
+    max_sets: int = 2,
 ) -> tuple[Any, CudaRuntime]:
-    """Executor parts for a CUDA program, run by `run_in_order` (independent of the scheduler)."""
+    """Executor parts for a CUDA program (a model, exported here, or an exported program),
+    run by `run_in_order` (independent of the scheduler)."""
     from asyncgraph.runtime.executor import Executor
 
-    ep = torch.export.export(model, (x,))
+    if isinstance(model, torch.export.ExportedProgram):
+        ep = model
+    else:
+        ep = torch.export.export(model, (x,))
     ex = Executor(ep, ExecutorConfig())
     costs = [float(k.cost) for k in ex.kernels]
     sp = stream_plan_for(ex.graph, ex.plan, streams, costs=costs,
@@ -1114,14 +1119,31 @@ async def test_gpu_results_equal_eager(streams: int) -> None:
 
 
 @needs_gpu
-async def test_gpu_concurrent_executions_use_distinct_streams_and_agree() -> None:
+async def test_gpu_concurrent_executions_use_distinct_streams_and_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Overlapping executions get distinct stream sets. Whether executions overlap on their
+    own depends on the GPU (a fast one may finish each before the next begins, and then one
+    set serves all, as designed), so a barrier in `finish` makes all four hold their sets at
+    once before any returns it."""
     torch.manual_seed(0)
     model = Branches().cuda().eval()
     x = torch.randn(32, 64, device="cuda")
     ex, runtime = gpu_program(model, x, streams=2, max_sets=4)
     states = [runtime.frame_state(ex.plan.calls) for _ in range(4)]
     xs = [torch.randn(32, 64, device="cuda") for _ in states]
-    outs = await asyncio.gather(*(run_gpu(ex, s, xi) for s, xi in zip(states, xs, strict=True)))
+    all_begun = asyncio.Barrier(len(states))
+    finish = FrameStreams.finish
+
+    async def finish_once_all_began(self: FrameStreams) -> bool:
+        await all_begun.wait()
+        return await finish(self)
+
+    monkeypatch.setattr(FrameStreams, "finish", finish_once_all_began)
+    async with asyncio.timeout(60):
+        outs = await asyncio.gather(
+            *(run_gpu(ex, s, xi) for s, xi in zip(states, xs, strict=True))
+        )
     assert len(runtime.pool.sets) == 4
     ids = [set(map(id, s.streams.values())) for s in runtime.pool.sets]
     assert all(not (ids[i] & ids[j]) for i in range(4) for j in range(i))
@@ -1131,45 +1153,98 @@ async def test_gpu_concurrent_executions_use_distinct_streams_and_agree() -> Non
     await ex.aclose()
 
 
-def _sleep_graph(cycles: int, branches: int) -> tuple[Any, ExecutionPlan]:
-    """Branches of `torch.cuda._sleep` kernels, marked STREAM as CUDA nodes."""
+def _sleep_graph(
+    cycles: int, branches: int, spin: Callable[[int], Any] | None = None
+) -> tuple[Any, ExecutionPlan]:
+    """Branches of `torch.cuda._sleep` kernels (`spin(cycles)` makes one), marked STREAM as
+    CUDA nodes."""
 
-    def spin(x: torch.Tensor) -> torch.Tensor:
+    def sleep_kernel(x: torch.Tensor) -> torch.Tensor:
         torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
         return x + 1
+
+    kernel = spin(cycles) if spin is not None else sleep_kernel
 
     def total(*xs: torch.Tensor) -> torch.Tensor:
         return torch.stack(xs).sum(0)
 
     b = GraphBuilder()
     x = b.input("x")
-    tails = [b.call(spin, b.call(spin, x)) for _ in range(branches)]
+    tails = [b.call(kernel, b.call(kernel, x)) for _ in range(branches)]
     b.output(b.call(total, *tails))
     graph = b.build()
     plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
     return graph, dataclasses.replace(plan, placement=(Placement.STREAM,) * len(graph.nodes))
 
 
+class GpuIntervals:
+    """Timing events around each `_sleep` kernel, on the stream it runs on: GPU-side start
+    and end times, so overlap is read from the GPU, not from the host's wall clock."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, Any]] = []
+
+    def spin(self, cycles: int) -> Any:
+        def spin(x: torch.Tensor) -> torch.Tensor:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()  # the current stream: the node's
+            torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+            end.record()
+            self.events.append((start, end))
+            return x + 1
+
+        return spin
+
+    def busy(self) -> bool:
+        """Whether a recorded kernel has not finished (never waits)."""
+        return any(not end.query() for _, end in self.events)
+
+    def overlapping_pairs(self) -> int:
+        """Pairs of kernels whose GPU intervals overlap (after the GPU is done)."""
+        torch.cuda.synchronize()
+        first = self.events[0][0]
+        spans = [(first.elapsed_time(s), first.elapsed_time(e)) for s, e in self.events]
+        return sum(
+            1 for i, (a0, a1) in enumerate(spans) for b0, b1 in spans[:i] if a0 < b1 and b0 < a1
+        )
+
+
 @needs_gpu
 async def test_gpu_branches_overlap_on_several_streams_and_the_loop_stays_free() -> None:
+    """On 4 streams independent branches overlap on the GPU (timing events: GPU time, no
+    host wall clock); on 1 they cannot. The loop keeps turning while kernels run: a ticker
+    sees the GPU busy on several turns, which a blocked loop could not."""
     cycles = 50_000_000  # tens of milliseconds per kernel on current GPUs
-    graph, plan = _sleep_graph(cycles, branches=4)
-    elapsed = {}
+    overlaps = {}
     for streams in (1, 4):
+        intervals = GpuIntervals()
+        graph, plan = _sleep_graph(cycles, branches=4, spin=intervals.spin)
         sp = stream_plan_for(graph, plan, streams, default_device=torch.cuda.current_device())
         runtime = CudaRuntime(sp, plan.outputs, max_stream_sets=1)
         state = runtime.frame_state(plan.calls)
         values: list[Any] = [None] * plan.num_values
         values[plan.user_input_slots[0]] = torch.zeros(4, device="cuda")
         torch.cuda.synchronize()
-        async with LoopTurns(0.001) as turns:
-            start = time.perf_counter()
+        busy_turns: list[bool] = []
+
+        async def ticker(
+            intervals: GpuIntervals = intervals, busy_turns: list[bool] = busy_turns
+        ) -> None:
+            while True:
+                busy_turns.append(intervals.busy())
+                await asyncio.sleep(0.001)
+
+        tick = asyncio.create_task(ticker())
+        try:
             await run_in_order(state, values)
-            elapsed[streams] = time.perf_counter() - start
+        finally:
+            tick.cancel()
         assert values[plan.outputs[-1]].tolist() == [8.0] * 4
-        # the loop ran its other task all along: about one tick per ms of GPU time
-        assert turns.count > elapsed[streams] * 1000 / 4
-    assert elapsed[4] < 0.6 * elapsed[1], elapsed
+        assert sum(busy_turns) >= 2
+        overlaps[streams] = intervals.overlapping_pairs()
+    assert overlaps[1] == 0
+    assert overlaps[4] >= 1, overlaps
 
 
 @needs_gpu
@@ -1231,13 +1306,12 @@ _SANITIZER_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys, torch
     sys.path.insert(0, {tests!r})
-    from test_streams import Branches, gpu_program, run_gpu
+    from test_streams import gpu_program, run_gpu
 
     async def main():
-        torch.manual_seed(0)
-        model = Branches().cuda().eval()
+        ep = torch.export.load({program!r})
         x = torch.randn(32, 64, device="cuda")
-        ex, runtime = gpu_program(model, x, streams=4)
+        ex, runtime = gpu_program(ep, x, streams=4)
         state = runtime.frame_state(ex.plan.calls)
         for _ in range(3):
             (out,) = await run_gpu(ex, state, x)
@@ -1250,19 +1324,74 @@ _SANITIZER_SCRIPT = textwrap.dedent(
 )
 
 
-def assert_sanitizer_clean(script: str) -> None:
-    """Run `script` (formatted with `tests`, this folder) under TORCH_CUDA_SANITIZER in a
-    subprocess: it must succeed, print "ok" last, and the sanitizer must report nothing."""
-    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script.format(tests=os.path.dirname(__file__))],
-        env=env, capture_output=True, text=True, timeout=300,
+_EXPORT_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
+    from {module} import Branches
+
+    torch.manual_seed(0)
+    model = Branches().to({device!r}).eval()
+    x = torch.randn({shape!r}, device={device!r})
+    torch.export.save(torch.export.export(model, (x,)), {program!r})
+    """
+)
+
+
+def export_in_subprocess(
+    module: str, shape: tuple[int, ...], device: str, program: str
+) -> None:
+    """Export `module`'s Branches (seed 0) to the .pt2 file `program`, in a process without
+    TORCH_CUDA_SANITIZER: on torch 2.11 the sanitizer aborts inside torch.export.export
+    ("terminate called after throwing an instance of 'python_error'"), before any of our
+    code runs, so the program is exported first and only loaded and run under it."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_SANITIZER"}
+    script = _EXPORT_SCRIPT.format(
+        tests=os.path.dirname(__file__), module=module, shape=shape, device=device,
+        program=program,
     )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def assert_sanitizer_clean(script: str, module: str, shape: tuple[int, ...]) -> None:
+    """Export `module`'s Branches without the sanitizer (`export_in_subprocess`), then run
+    `script` (formatted with `tests`, this folder, and `program`, the .pt2 file) under
+    TORCH_CUDA_SANITIZER in another subprocess: it must succeed, print "ok" last, and the
+    sanitizer must report nothing."""
+    with tempfile.TemporaryDirectory() as folder:
+        program = os.path.join(folder, "program.pt2")
+        export_in_subprocess(module, shape, "cuda", program)
+        env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-c",
+             script.format(tests=os.path.dirname(__file__), program=program)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "CSAN" not in proc.stderr, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("ok")
 
 
+@pytest.mark.timeout(300)
+def test_the_sanitizer_runs_export_in_a_process_of_its_own(tmp_path: Any) -> None:
+    """The export half of the sanitizer tests, on the CPU: a .pt2 made in a subprocess
+    (TORCH_CUDA_SANITIZER removed from its environment) that this process loads and runs."""
+    program = str(tmp_path / "program.pt2")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_CUDA_SANITIZER", "1")  # must not reach the export
+        export_in_subprocess("test_streams", (32, 64), "cpu", program)
+    ep = torch.export.load(program)
+    torch.manual_seed(0)
+    model = Branches().eval()
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), model(x))
+
+
 @needs_gpu
+@pytest.mark.timeout(600)
 def test_gpu_sanitizer_finds_no_race() -> None:
-    assert_sanitizer_clean(_SANITIZER_SCRIPT)
+    assert_sanitizer_clean(_SANITIZER_SCRIPT, "test_streams", (32, 64))

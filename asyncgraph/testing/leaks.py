@@ -144,12 +144,29 @@ class LeakChecker:
 
 
 def _cuda_allocated() -> int | None:
-    """Bytes allocated by the CUDA caching allocator, or None when CUDA is not in use."""
+    """Bytes allocated by the CUDA caching allocator, or None when CUDA is not in use.
+
+    Read the same way before and after the block, once nothing torch caches on its own
+    counts (each would otherwise read as a leak of the first test to use it):
+
+    - freed blocks still waiting for streams recorded on them (`record_stream`, which the GPU
+      layer uses on cross-stream values and outputs): the allocator keeps them *allocated*
+      until it polls their events, which it does only in a later malloc or in `empty_cache`
+      (`synchronize_and_free_events`); `synchronize()` alone leaves them counted;
+    - cuBLAS (and cuBLASLt) workspaces: allocated through the caching allocator, one per
+      (handle, stream) a matmul first ran on, kept for the process, so the first matmul on
+      each of an Executor's new streams grows `memory_allocated` by a workspace;
+      `torch._C._cuda_clearCublasWorkspaces` drops them (they are re-made on next use).
+    """
     import torch
 
     if not _cuda_in_use():
         return None
     torch.cuda.synchronize()
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()  # processes the recorded streams' events of freed blocks
     return int(torch.cuda.memory_allocated())
 
 
