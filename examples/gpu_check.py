@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -147,14 +148,31 @@ def main() -> int:
         return 0
     rc = 0
     if not args.skip_tests:
-        import pytest
-
-        rc = int(pytest.main(
-            ["-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_streams.py"),
-             str(ROOT / "tests" / "test_gpu_executor.py"), "-k", "test_gpu_", "-rs"]
-        ))
+        rc = run_gpu_tests()
     asyncio.run(timing(args))
     return rc
+
+
+def gpu_tests_command(*extra: str) -> list[str]:
+    """pytest over the GPU test files (simulated and real-GPU tests), for a subprocess
+    started in the repository root.
+
+    In a subprocess, not `pytest.main` here: run as `python examples/gpu_check.py`, this
+    process has examples/ as sys.path[0], so the tests' `tests` package (tests.loop_turns)
+    would not import; `python -m pytest` in the root puts the root on sys.path, whatever
+    directory this script was started from. pytest-benchmark is disabled: with xdist and
+    `filterwarnings = error` it stops the session on the GPU image (docs/gpu.md).
+    """
+    return [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark",
+        "--rootdir", str(ROOT), "tests/test_streams.py", "tests/test_gpu_executor.py",
+        "-rs", *extra,
+    ]
+
+
+def run_gpu_tests(*extra: str) -> int:
+    """Run the GPU tests (`gpu_tests_command`) in the repository root; their exit status."""
+    return subprocess.run(gpu_tests_command(*extra), cwd=ROOT, check=False).returncode
 
 
 if __name__ == "__main__":

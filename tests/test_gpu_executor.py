@@ -952,3 +952,29 @@ _SANITIZER_SCRIPT = textwrap.dedent(
 @pytest.mark.timeout(600)
 def test_gpu_executor_under_the_cuda_sanitizer() -> None:
     assert_sanitizer_clean(_SANITIZER_SCRIPT, "test_gpu_executor", (16, 64))
+
+
+@pytest.mark.timeout(300)
+def test_gpu_check_collects_the_gpu_tests_from_any_directory(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/gpu_check.py ran pytest in its own process, with examples/ first on sys.path,
+    and collection failed on `import tests...`; its subprocess collects them wherever it is
+    started from."""
+    import importlib.util
+    import pathlib
+    import subprocess
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.chdir(tmp_path)
+    command = gpu_check.gpu_tests_command("--collect-only")
+    proc = subprocess.run(
+        command, cwd=gpu_check.ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "test_gpu_executor_under_the_cuda_sanitizer" in proc.stdout
+    assert "errors during collection" not in proc.stdout
