@@ -130,6 +130,7 @@ class Executor:
             self.graph, self.plan, self.kernels, self.config.max_fused_nodes,
             unfusable=runtime.needs_host_wait if runtime is not None else None,
             decided=self._adaptive.decision if self._adaptive is not None else None,
+            stream_plan=self.stream_plan,  # CUDA nodes on one stream fuse (schedule.py)
         )
         # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
         self._fuse = not self.config.trace and self.config.ready_order_seed is None
