@@ -66,6 +66,16 @@ _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\Z")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+\Z")
 
 
+def existing_file(path: str | os.PathLike[str]) -> Path:
+    """`path` as a Path, or ProgramLoadError when it is a directory or does not exist."""
+    p = Path(path)
+    if p.is_dir():
+        raise ProgramLoadError(f"{p}: is a directory, not a .pt2 file")
+    if not p.is_file():
+        raise ProgramLoadError(f"{p}: no such file")
+    return p
+
+
 def check_pt2_archive(
     path: str | os.PathLike[str], *, verify_crc: bool = True, trust_compiled: bool = False
 ) -> None:
@@ -76,11 +86,7 @@ def check_pt2_archive(
     `trust_compiled=True` accepts the AOTInductor models of a compiled package (native code,
     which the caller then loads), checked against its manifest.
     """
-    p = Path(path)
-    if p.is_dir():
-        raise ProgramLoadError(f"{p}: is a directory, not a .pt2 file")
-    if not p.is_file():
-        raise ProgramLoadError(f"{p}: no such file")
+    p = existing_file(path)
     if not zipfile.is_zipfile(p):
         with p.open("rb") as f:
             head = f.read(4)

@@ -16,7 +16,6 @@ import weakref
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import sympy
@@ -29,7 +28,12 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
 from asyncgraph.errors import GraphValidationError, ProgramLoadError
-from asyncgraph.graph.archive import TRUST_HINT, check_pt2_archive, is_compiled_package
+from asyncgraph.graph.archive import (
+    TRUST_HINT,
+    check_pt2_archive,
+    existing_file,
+    is_compiled_package,
+)
 from asyncgraph.graph.ir import (
     Graph,
     InputKind,
@@ -91,11 +95,7 @@ def load_pt2(
     `trust_compiled`; `runners` is then how many executions each compiled segment runs at once
     (asyncgraph/compiled/package.py).
     """
-    p = Path(path)
-    if p.is_dir():
-        raise ProgramLoadError(f"{p}: is a directory, not a .pt2 file")
-    if not p.is_file():
-        raise ProgramLoadError(f"{p}: no such file")
+    p = existing_file(path)
     if not zipfile.is_zipfile(p):
         raise ProgramLoadError(f"{p}: not a .pt2 archive (not a zip file)")
     try:
