@@ -22,7 +22,7 @@ PYTHON_312 ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/pyth
 TORCH_312 ?= 2.13.0
 VENV_312 ?= .venv-py312
 
-.PHONY: demo test lint typecheck unit soak test-torch-min test-py312 install clean
+.PHONY: demo test lint typecheck unit soak test-torch-min test-py312 bench-nativert install clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,14 @@ test-torch-min: $(VENV_MIN)/.installed
 
 test-py312: $(VENV_312)/.installed
 	$(VENV_312)/bin/python -m pytest -q -p no:cacheprovider
+
+# asyncgraph against nativert (torch._C._nativert.PyModelRunner, whose run() only PyPI's torch
+# 2.9-2.11 wheels have), AOTInductor and eager, in the torch 2.11 venv: benchmarks/nativert_compare.py.
+# The first run compiles AOTInductor packages (minutes; cached under build/nativert_compare).
+# NATIVERT_ARGS=--quick for a look, --json -o FILE for a report.
+NATIVERT_ARGS ?=
+bench-nativert: $(VENV_MIN)/.installed
+	$(VENV_MIN)/bin/python -m benchmarks.nativert_compare $(NATIVERT_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_MIN) $(VENV_312) build .pytest_cache .mypy_cache .ruff_cache

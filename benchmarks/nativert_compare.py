@@ -1,51 +1,90 @@
-"""asyncgraph against nativert (torch._C._nativert.PyModelRunner), in a separate environment.
+"""asyncgraph against nativert, PyTorch's C++ runtime for exported programs, in torch 2.11's venv.
 
-nativert is the C++ executor asyncgraph is modelled on. PyPI's torch 2.9, 2.10 and 2.11
-wheels ship a working `PyModelRunner`; later wheels ship a stub with no methods, so this
-comparison cannot run in the project's own environment. Make a second one:
+    make bench-nativert                    # the full run (compiles on the first run: ~10 min)
+    make bench-nativert NATIVERT_ARGS=--quick
+    .venv-torch-min/bin/python -m benchmarks.nativert_compare [--quick] [--json] [-o FILE]
 
-    python3 -m venv /tmp/nrt && /tmp/nrt/bin/pip install "torch>=2.9,<2.12"
-    /tmp/nrt/bin/python benchmarks/nativert_compare.py [--rounds 15] [--json]
+nativert's Python binding, `torch._C._nativert.PyModelRunner`, has a working `run()` in PyPI's
+torch 2.9-2.11 wheels only (later wheels ship a stub without methods), so this scenario runs in
+the torch 2.11 venv that `make test-torch-min` uses; with another torch it says why and exits 2.
 
-Only torch is needed there: asyncgraph is imported from this checkout (the script maps
-kernels/ to asyncgraph.kernels, as the editable install does). If asyncgraph cannot be
-imported with that torch, the asyncgraph rows are left out and the others still run.
+Graphs (every peer runs the same exported program, batch 1, one intra-op thread):
+the MLP (12 x Linear+ReLU, 256 wide: 24 nodes), tiny BERT (token and position embeddings, a
+2-layer GELU nn.TransformerEncoder, hidden 128, seq 16), the core-ATen encoder of the main suite
+(run_decompositions(), 142 nodes) and the 1,000-relu chain.
 
-What is compared, alternating round by round, medians after warm-up, one intra-op thread:
-nativert `runner.run(x)`, eager `model(x)`, `ep.module()(x)` and asyncgraph `execute(x)` on
-the chain of 1,000 relu ops and the transformer encoder of the main suite. nativert runs the
-core-ATen program (run_decompositions(), as its loader expects); so do the other graph peers,
-while eager runs the module.
+Latency peers: asyncgraph `execute`, asyncgraph with compiled segments
+(`asyncgraph.compiled.compile_program(ep, path, "auto")`, loaded with trust_compiled=True),
+nativert `runner.run(x)`, AOTInductor whole-model (`aoti_compile_and_package`,
+`aoti_load_package`) and eager `model(x)`. Compiled packages are cached under
+build/nativert_compare/torch-<version>/, keyed by graph and a digest of the program and its
+weights, so only the first run pays the compiles (printed with their times).
+
+64 callers (MLP and tiny BERT): asyncgraph `execute` from 64 tasks, each request its own
+execution and with dynamic batching (`BatchingConfig(max_batch_size=32)` on the graph exported
+with a dynamic batch dimension), against nativert `runner.run` via `asyncio.to_thread` from 64
+tasks; requests per second.
+
+The harness of the main suite (benchmarks/harness.py) does the measuring: outputs compared with
+asyncgraph's first (a peer that disagrees is marked MISMATCH), rounds alternating in a new
+seeded random order each round, medians after warm-up, ratios of medians of the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import json
-import statistics
+import gc
+import hashlib
+import random
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import torch
+from torch.export import ExportedProgram
+
+import asyncgraph
+from asyncgraph import BatchingConfig, Executor, ExecutorConfig
+from benchmarks.concurrency import _round as concurrent_round
+from benchmarks.concurrency import _summarise as summarise_round
+from benchmarks.harness import (
+    CaseResult,
+    Context,
+    Peer,
+    Settings,
+    Target,
+    environment,
+    frozen_heap,
+    measure,
+    new_results,
+    round_order,
+    sync_peer,
+    torch_threads,
+    verify,
+)
+from benchmarks.models import call_nodes, exported_chain, exported_encoder
+from benchmarks.peers import asyncgraph_peer, in_inference
+
+NAME = "nativert"
 ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "build" / "nativert_compare"
 NEEDS = "a torch between 2.9 and 2.11 (PyPI wheels), whose PyModelRunner has a run() method"
+TOLERANCE = {"rtol": 1e-3, "atol": 1e-3}  # eager's fused encoder path and inductor round apart
+GRAPHS = ("mlp", "bert", "encoder", "chain")
+MAX_BATCH = 32
+COMPILED = "asyncgraph (compiled)"
+BATCHED = "asyncgraph (batched)"
+NATIVERT = "nativert"
+NATIVERT_THREAD = "nativert via to_thread"
 
 
 def check_nativert() -> tuple[Any, str | None]:
     """PyModelRunner, or None and the reason it cannot be used here."""
-    try:
-        import torch
-    except ImportError:
-        return None, f"torch is not installed in this environment; it needs {NEEDS}"
     runner = getattr(getattr(torch._C, "_nativert", None), "PyModelRunner", None)
     if runner is None:
         return None, f"torch {torch.__version__} has no torch._C._nativert.PyModelRunner"
@@ -57,163 +96,345 @@ def check_nativert() -> tuple[Any, str | None]:
     return runner, None
 
 
-class _KernelsFinder(importlib.abc.MetaPathFinder):
-    """Maps asyncgraph.kernels to kernels/ of this checkout, as the editable install does."""
+# -- the graphs ---------------------------------------------------------------------------------
 
-    def find_spec(
-        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if name != "asyncgraph.kernels":
-            return None
-        init = ROOT / "kernels" / "__init__.py"
-        return importlib.util.spec_from_file_location(
-            name, init, submodule_search_locations=[str(init.parent)]
+
+class TinyBert(torch.nn.Module):
+    """BERT's shape at toy size: token and position embeddings, LayerNorm, a post-norm GELU
+    encoder. Inputs are token ids (batch, seq)."""
+
+    def __init__(self, hidden: int, layers: int, seq: int, vocab: int = 1000) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = torch.nn.Embedding(vocab, hidden)
+        self.positions = torch.nn.Embedding(seq, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        layer = torch.nn.TransformerEncoderLayer(
+            hidden, 4, 4 * hidden, dropout=0.0, activation="gelu", batch_first=True
         )
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.register_buffer("position_ids", torch.arange(seq))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(self.position_ids)
+        out: torch.Tensor = self.encoder(self.norm(x))
+        return out
 
 
-def import_asyncgraph() -> tuple[Any, str | None]:
-    try:
-        import asyncgraph
-
-        return asyncgraph, None
-    except ImportError:
-        pass
-    sys.path.insert(0, str(ROOT))
-    sys.meta_path.insert(0, _KernelsFinder())
-    try:
-        import asyncgraph
-
-        return asyncgraph, None
-    except Exception as exc:  # an API this torch lacks, a missing dependency
-        return None, f"{type(exc).__name__}: {exc}"
+def mlp(width: int, layers: int = 12) -> torch.nn.Module:
+    """`layers` x (Linear, ReLU): 2 nodes each in the export graph (linear, relu)."""
+    torch.manual_seed(0)
+    modules: list[torch.nn.Module] = []
+    for _ in range(layers):
+        modules += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*modules).eval()
 
 
-def package(ep: Any, directory: str, name: str) -> str:
-    """Write `ep` as the PT2 archive nativert loads (model name "forward")."""
-    import torch
+@dataclass
+class Workload:
+    """One graph: the model, its batch-1 program and input, and (for the 64-caller case) a
+    builder of the same model exported with a dynamic batch dimension."""
 
-    path = f"{directory}/{name}.pt2"
-    torch.export.pt2_archive._package.package_pt2(path, exported_programs={"forward": ep})
-    return path
+    key: str
+    title: str
+    model: torch.nn.Module
+    ep: ExportedProgram
+    x: torch.Tensor
+    dynamic: Callable[[], ExportedProgram] | None = None
+    targets: bool = False  # the latency targets are judged on this graph
 
 
-def workloads() -> list[tuple[str, Any, Any, Any]]:
-    """(name, model, core-ATen exported program, input) for each compared graph."""
-    import torch
-
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.models import ReluChain, encoder
-
-    out = []
+def _export(model: torch.nn.Module, x: torch.Tensor, dynamic: bool = False) -> ExportedProgram:
+    shapes = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},) if dynamic else None
+    if dynamic:
+        x = torch.cat([x, x])  # export a dynamic dimension from an example of size 2
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        chain = ReluChain(1000)
-        x = torch.randn(8, 64)
-        out.append(("chain (1,000 relu)", chain, torch.export.export(chain, (x,)), x))
-        model = encoder(128, 2)
-        x = torch.randn(1, 16, 128)
-        ep = torch.export.export(model, (x,)).run_decompositions()
-        out.append(("transformer (core-aten)", model, ep, x))
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.export.export(model, (x,), dynamic_shapes=shapes)
+
+
+def workloads(settings: Settings, names: Sequence[str] = GRAPHS) -> list[Workload]:
+    """The compared graphs at the run's size (tiny: small widths, for the smoke test)."""
+    out = []
+    for name in names:
+        if name == "mlp":
+            width = settings.pick(256, 256, 16)
+            model = mlp(width)
+            x = torch.randn(1, width)
+            out.append(Workload("mlp", f"MLP, 12 x Linear+ReLU {width} wide, batch 1", model,
+                                _export(model, x), x,
+                                lambda model=model, x=x: _export(model, x, dynamic=True),
+                                targets=True))
+        elif name == "bert":
+            hidden, layers, seq = settings.pick((128, 2, 16), (128, 2, 16), (32, 1, 4))
+            model = TinyBert(hidden, layers, seq).eval()
+            x = torch.randint(0, 1000, (1, seq))
+            out.append(Workload("bert", f"tiny BERT, hidden {hidden}, {layers} layers, seq {seq}",
+                                model, _export(model, x), x,
+                                lambda model=model, x=x: _export(model, x, dynamic=True),
+                                targets=True))
+        elif name == "encoder":
+            hidden, layers, seq = settings.pick((128, 2, 16), (128, 2, 16), (32, 1, 4))
+            model, ep = exported_encoder(hidden, layers, seq, True)
+            out.append(Workload("encoder", f"encoder, core-ATen graph, hidden {hidden}, "
+                                f"{layers} layers, seq {seq}", model, ep,
+                                torch.randn(1, seq, hidden)))
+        elif name == "chain":
+            n = settings.pick(1000, 1000, 20)
+            model, ep = exported_chain(n, (8, 64))
+            out.append(Workload("chain", f"chain of {n} relu on 8x64", model, ep,
+                                torch.randn(8, 64)))
+        else:
+            raise ValueError(f"unknown graph {name!r}; choose from {', '.join(GRAPHS)}")
     return out
 
 
-def measure(
-    peers: dict[str, Callable[[], Any]], rounds: int, warmup: int, sample_s: float = 0.02
-) -> dict[str, float]:
-    """Median seconds per call of each peer, interleaved round by round (order rotated)."""
-    names = list(peers)
-    calls = {}
-    for name in names:
-        start = time.perf_counter()
-        peers[name]()
-        calls[name] = max(1, round(sample_s / max(time.perf_counter() - start, 1e-7)))
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(warmup + rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            fn, n = peers[name], calls[name]
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            if r >= warmup:
-                samples[name].append((time.perf_counter() - start) / n)
-    return {n: statistics.median(xs) for n, xs in samples.items()}
+# -- building the peers' artefacts (cached) -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a run builds: `compiled` False leaves out AOTInductor and compiled segments (they
+    take minutes to build); `nativert` False leaves out nativert (torch 2.12 and later)."""
+
+    graphs: tuple[str, ...] = GRAPHS
+    compiled: bool = True
+    nativert: bool = True
+    cache: Path = CACHE
+
+
+@dataclass
+class Built:
+    """Compiled artefacts of one workload and what building them cost."""
+
+    notes: dict[str, Any] = field(default_factory=dict)
+    aoti: Any = None
+    segments: Path | None = None
+
+
+def digest(ep: ExportedProgram) -> str:
+    """A key for the compiled caches: the graph's text and every weight's bytes."""
+    h = hashlib.sha1(str(ep.graph).encode())
+    for name, value in sorted({**ep.state_dict, **ep.constants}.items()):
+        if isinstance(value, torch.Tensor):
+            h.update(name.encode())
+            h.update(value.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+def build_compiled(work: Workload, options: Options) -> Built:
+    """AOTInductor's whole-model package and asyncgraph's compiled-segments package, from the
+    cache when there, else compiled now (times printed to stderr and kept in the notes)."""
+    built = Built()
+    folder = options.cache / f"torch-{torch.__version__}"
+    folder.mkdir(parents=True, exist_ok=True)
+    key = f"{work.key}-{digest(work.ep)}"
+    aoti_path = folder / f"{key}.aoti-whole.pt2"
+    segments_path = folder / f"{key}.segments-auto.pt2"
+    try:
+        seconds = _cached(aoti_path, lambda: torch._inductor.aoti_compile_and_package(
+            work.ep, package_path=str(aoti_path)))
+        built.notes["aoti_compile_s"] = seconds
+        built.aoti = torch._inductor.aoti_load_package(str(aoti_path))
+    except Exception as exc:
+        built.notes["aoti_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    try:
+        from asyncgraph.compiled import compile_program
+
+        seconds = _cached(segments_path, lambda: compile_program(work.ep, segments_path, "auto"))
+        built.notes["segments_compile_s"] = seconds
+        built.segments = segments_path
+    except Exception as exc:
+        built.notes["segments_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    for what, value in built.notes.items():
+        shown = "cached" if value == 0.0 else f"{value:.1f} s" if isinstance(value, float) \
+            else value
+        print(f"  {work.key}: {what} = {shown}", file=sys.stderr)
+    return built
+
+
+def _cached(path: Path, compile_now: Callable[[], Any]) -> float:
+    """Seconds spent compiling `path`; 0.0 when the cache had it."""
+    if path.exists():
+        return 0.0
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's export-time advice
+        compile_now()
+    return time.perf_counter() - start
+
+
+def nativert_runner(ep: ExportedProgram, folder: Path, key: str) -> Any:
+    """nativert's runner of `ep`, packaged as the PT2 archive it loads (model "forward")."""
+    runner_cls, why = check_nativert()
+    if runner_cls is None:
+        raise RuntimeError(why)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key}-{digest(ep)}.nativert.pt2"
+    if not path.exists():
+        torch.export.pt2_archive._package.package_pt2(str(path), exported_programs={"forward": ep})
+    return runner_cls(str(path), "forward")
+
+
+# -- the scenario -------------------------------------------------------------------------------
+
+
+async def run(ctx: Context, options: Options | None = None) -> list[CaseResult]:
+    """One latency case per graph, and a 64-caller case for the graphs with targets."""
+    options = options or Options()
+    cases = []
+    for work in workloads(ctx.settings, options.graphs):
+        built = build_compiled(work, options) if options.compiled else Built()
+        runner = (nativert_runner(work.ep, options.cache / "nativert", work.key)
+                  if options.nativert else None)
+        cases.append(await _latency_case(ctx, work, built, runner))
+        if work.dynamic is not None:
+            cases.append(await _concurrent_case(ctx, work, runner))
+    return cases
+
+
+async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any) -> CaseResult:
+    x = work.x
+    executors = [Executor(work.ep, ExecutorConfig())]
+    peers = [asyncgraph_peer("asyncgraph", executors[0], [x], "plain graph, default config")]
+    if built.segments is not None:
+        executors.append(asyncgraph.load(built.segments, trust_compiled=True))
+        peers.append(asyncgraph_peer(COMPILED, executors[-1], [x],
+                                     "compile_program(ep, path, 'auto')"))
+    if runner is not None:
+        peers.append(sync_peer(NATIVERT, lambda: runner.run(x), "PyModelRunner.run(x)"))
+    if built.aoti is not None:
+        aoti = in_inference(built.aoti)
+        peers.append(sync_peer("AOTInductor", lambda: aoti(x), "aoti_load_package, whole model"))
+    eager = in_inference(work.model)
+    peers.append(sync_peer("eager model(x)", lambda: eager(x), "the nn.Module itself"))
+    try:
+        advance = ctx.task(f"{NAME}: {work.key} ({call_nodes(work.ep)} nodes)", ctx.rounds_total)
+        results = await measure(peers, ctx.settings, advance, **TOLERANCE)
+    finally:
+        for ex in executors:
+            await ex.aclose()
+    case = CaseResult(NAME, f"{work.key} latency", f"{work.title}; one caller",
+                      {"nodes": call_nodes(work.ep), **built.notes}, results)
+    names = {p.name for p in results}
+    for peer in ("asyncgraph", COMPILED, "AOTInductor", "eager model(x)"):
+        if peer in names and NATIVERT in names:
+            case.metrics[f"{peer} / nativert"] = case.ratio(peer, NATIVERT)
+    if work.targets and NATIVERT in names:
+        case.targets.append(Target(1, f"{work.key}: latency, asyncgraph / nativert",
+                                   case.ratio("asyncgraph", NATIVERT), "<=", 1.0))
+        ratio = case.ratio(COMPILED, NATIVERT) if COMPILED in names else None
+        case.targets.append(Target(2, f"{work.key}: latency, asyncgraph compiled / nativert",
+                                   ratio, "<=", 0.6))
+    return case
+
+
+async def _concurrent_case(ctx: Context, work: Workload, runner: Any) -> CaseResult:
+    s = ctx.settings
+    callers, per_caller = s.pick(64, 64, 4), s.pick(8, 4, 1)
+    assert work.dynamic is not None
+    x = work.x
+    unbatched = Executor(work.ep, ExecutorConfig())
+    batched = Executor(work.dynamic(), ExecutorConfig(
+        batching=BatchingConfig(max_batch_size=MAX_BATCH)))
+    peers = [
+        asyncgraph_peer("asyncgraph", unbatched, [x], "each request its own execution"),
+        asyncgraph_peer(BATCHED, batched, [x], f"dynamic batching, up to {MAX_BATCH} rows"),
+    ]
+    if runner is not None:
+        run_native = runner.run
+
+        async def native_in_thread() -> Any:
+            return await asyncio.to_thread(run_native, x)
+
+        peers.append(Peer(NATIVERT_THREAD, native_in_thread, "asyncio.to_thread(runner.run, x)"))
+    results = new_results(peers)
+    try:
+        await verify(peers, results, **TOLERANCE)
+        live = [p for p in peers if not results[p.name].failed]
+        rounds: dict[str, list[Any]] = {p.name: [] for p in live}
+        advance = ctx.task(f"{NAME}: {work.key}, {callers} callers", ctx.rounds_total)
+        rng = random.Random(s.seed)
+        with frozen_heap():
+            for r in range(ctx.rounds_total):
+                for peer in round_order(live, rng):
+                    gc.collect()
+                    measured = await concurrent_round(peer.call, callers, per_caller)
+                    if r >= s.n_warmup:
+                        rounds[peer.name].append(measured)
+                advance()
+    finally:
+        await unbatched.aclose()
+        await batched.aclose()
+    for name, rs in rounds.items():
+        summarise_round(results[name], rs)
+    case = CaseResult(NAME, f"{work.key} x {callers} callers",
+                      f"{work.title}; {callers} concurrent callers x {per_caller} requests",
+                      {"nodes": call_nodes(work.ep), "callers": callers,
+                       "requests_per_caller": per_caller},
+                      [results[p.name] for p in peers], columns="metrics")
+    stats = batched.batching_statistics()
+    if stats is not None:
+        case.params["mean_batch_rows"] = round(stats.mean_rows, 1)
+    if runner is not None:
+        base = results[NATIVERT_THREAD].extra.get("throughput")
+        for number, peer, limit in ((3, "asyncgraph", 1.5), (4, BATCHED, 4.0)):
+            mine = results[peer].extra.get("throughput")
+            case.targets.append(Target(
+                number, f"{work.key}, {callers} callers: throughput, {peer} / nativert "
+                "via to_thread", mine / base if mine and base else None, ">=", limit))
+    return case
+
+
+# -- the command --------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--quick", action="store_true", help="few rounds: a look, not a figure")
+    parser.add_argument("--rounds", type=int, help="measured rounds (15; 5 with --quick)")
+    parser.add_argument("--warmup", type=int, help="warm-up rounds dropped (3; 1 with --quick)")
+    parser.add_argument("--graph", action="append", choices=GRAPHS,
+                        help="only these graphs (repeatable); all by default")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="leave out AOTInductor and compiled segments")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="compiled packages' folder")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout, progress on stderr")
+    parser.add_argument("-o", "--output", type=Path, help="also write the JSON report here")
     args = parser.parse_args(argv)
 
-    runner_cls, why = check_nativert()
-    if runner_cls is None:
-        print(f"nativert_compare: cannot run: {why}.", file=sys.stderr)
-        print("\n\n".join(__doc__.split("\n\n")[1:4]), file=sys.stderr)
+    _, why = check_nativert()
+    if why is not None:
+        print(f"nativert_compare: cannot run: {why}. Run `make bench-nativert` (torch 2.11).",
+              file=sys.stderr)
         return 2
-    import torch
+    from rich.console import Console
 
-    torch.set_num_threads(1)
-    asyncgraph, ag_error = import_asyncgraph()
-    loop = asyncio.new_event_loop()
-    report: dict[str, Any] = {"torch": torch.__version__, "asyncgraph_error": ag_error,
-                              "rounds": args.rounds, "cases": []}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, model, ep, x in workloads():
-                runner = runner_cls(package(ep, tmp, name.split()[0]), "forward")
-                module = ep.module()
+    from benchmarks import suite
 
-                def inference(fn: Callable[..., Any], x: Any = x) -> Callable[[], Any]:
-                    def call() -> Any:
-                        with torch.inference_mode():
-                            return fn(x)
-                    return call
+    settings = Settings(size="quick" if args.quick else "full", rounds=args.rounds,
+                        warmup=args.warmup)
+    options = Options(graphs=tuple(args.graph or GRAPHS), compiled=not args.no_compile,
+                      cache=args.cache)
 
-                peers: dict[str, Callable[[], Any]] = {}
-                executor = None
-                if asyncgraph is not None:
-                    executor = asyncgraph.Executor(ep)
-                    execute = executor.execute
+    def start_task(description: str, total: int) -> Callable[[], None]:
+        print(f"{description}: {total} rounds", file=sys.stderr, flush=True)
+        return lambda: None
 
-                    def run_ag(x: Any = x, execute: Any = execute) -> Any:
-                        return loop.run_until_complete(execute(x))
-
-                    peers["asyncgraph"] = run_ag
-                peers["nativert"] = lambda runner=runner, x=x: runner.run(x)
-                peers["eager model(x)"] = inference(model)
-                peers["ep.module()"] = inference(module)
-                expected = peers["ep.module()"]()
-                matched = {}
-                for peer, fn in peers.items():
-                    got = fn()
-                    got = got[0] if isinstance(got, (list, tuple)) else got
-                    matched[peer] = bool(torch.allclose(got, expected, rtol=1e-3, atol=1e-3))
-                medians = measure(peers, args.rounds, args.warmup)
-                if executor is not None:
-                    loop.run_until_complete(executor.aclose())
-                report["cases"].append({
-                    "case": name,
-                    "nodes": sum(1 for n in ep.graph.nodes if n.op == "call_function"),
-                    "median_ms": {k: v * 1e3 for k, v in medians.items()},
-                    "matched": matched,
-                })
-    finally:
-        loop.close()
+    report = suite.Report(environment(), asdict(settings))
+    start = time.perf_counter()
+    with torch_threads(settings.threads), asyncio.Runner() as loop:
+        report.cases = loop.run(run(Context(settings, start_task), options))
+    report.elapsed_s = time.perf_counter() - start
+    report.environment["torch_threads"] = settings.threads
+    report.environment["load_average_end"] = environment()["load_average"]
+    text = suite.to_json(report)
+    if args.output is not None:
+        args.output.write_text(text)
     if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(f"torch {report['torch']}, 1 intra-op thread, {args.rounds} rounds alternating, "
-          "medians per call")
-    if ag_error:
-        print(f"asyncgraph left out: {ag_error}")
-    for case in report["cases"]:
-        print(f"\n{case['case']}: {case['nodes']} nodes")
-        base = case["median_ms"]["nativert"]
-        for peer, ms in case["median_ms"].items():
-            ok = "ok" if case["matched"][peer] else "MISMATCH"
-            print(f"  {peer:<16} {ms:9.3f} ms   {ms / base:6.2f}x nativert   {ok}")
+        print(text)
+    else:
+        suite.render(report, Console(width=None if sys.stdout.isatty() else 130))
     return 0
 
 
