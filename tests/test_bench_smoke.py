@@ -84,3 +84,47 @@ async def test_profile_collects_every_node(tmp_path: Path) -> None:
     assert abs(sum(metrics.percent_per_node_type.values()) - 100) < 1e-6
     assert all(n.mean_us > 0 for n in metrics.time_per_node)
     assert json.loads(json.dumps(metrics.as_dict()))["runs"] == 2
+
+
+async def test_nativert_compare_tiny_runs_its_graphs_and_peers(tmp_path: Path) -> None:
+    """benchmarks/nativert_compare.py at tiny sizes: its graph builders and the asyncgraph peers
+    run and agree with eager; nativert joins where this torch has a working PyModelRunner
+    (the torch 2.11 leg of `make test`), AOTInductor and compiled segments never (minutes)."""
+    from benchmarks import nativert_compare as nc
+    from benchmarks.harness import Context
+
+    has_nativert = nc.check_nativert()[0] is not None
+    options = nc.Options(compiled=False, nativert=has_nativert, cache=tmp_path)
+    cases = await nc.run(Context(Settings(size="tiny")), options)
+
+    assert [c.case for c in cases] == [
+        "mlp latency", "mlp x 4 callers", "bert latency", "bert x 4 callers",
+        "encoder latency", "chain latency",
+    ]
+    assert cases[0].params["nodes"] == 24
+    for case in cases:
+        names = [p.name for p in case.peers]
+        assert names[0] == "asyncgraph", case.case
+        assert (nc.NATIVERT in names or nc.NATIVERT_THREAD in names) == has_nativert, case.case
+        for peer in case.peers:
+            assert peer.matched is True, f"{case.case} / {peer.name}: {peer.error}"
+            assert peer.samples >= 1, f"{case.case} / {peer.name}"
+    batched = cases[1].peer(nc.BATCHED)
+    assert batched.extra["throughput"] > 0
+    targets = [t for c in cases for t in c.targets]
+    assert sorted({t.number for t in targets}) == ([1, 2, 3, 4] if has_nativert else [])
+
+
+def test_nativert_compare_cache_key_follows_graph_and_weights() -> None:
+    """Compiled packages are cached by this key: a stale package for changed weights or a
+    changed graph would be timed as if it were the current model."""
+    from benchmarks import nativert_compare as nc
+
+    model = nc.mlp(8, layers=2)
+    x = torch.randn(1, 8)
+    key = nc.digest(torch.export.export(model, (x,)))
+    assert nc.digest(torch.export.export(nc.mlp(8, layers=2), (x,))) == key
+    assert nc.digest(torch.export.export(nc.mlp(8, layers=3), (x,))) != key
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1  # the program shares the module's parameters
+    assert nc.digest(torch.export.export(model, (x,))) != key
