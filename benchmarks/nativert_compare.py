@@ -297,10 +297,10 @@ async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any)
     x = work.x
     executors = [Executor(work.ep, ExecutorConfig())]
     peers = [asyncgraph_peer("asyncgraph", executors[0], [x], "plain graph, default config")]
-    if built.segments is not None:
-        executors.append(asyncgraph.load(built.segments, trust_compiled=True))
-        peers.append(asyncgraph_peer(COMPILED, executors[-1], [x],
-                                     "compile_program(ep, path, 'auto')"))
+    compiled = _load_compiled(built)
+    if compiled is not None:
+        executors.append(compiled)
+        peers.append(asyncgraph_peer(COMPILED, compiled, [x], "compile_program(ep, path, 'auto')"))
     if runner is not None:
         peers.append(sync_peer(NATIVERT, lambda: runner.run(x), "PyModelRunner.run(x)"))
     if built.aoti is not None:
@@ -327,6 +327,20 @@ async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any)
         case.targets.append(Target(2, f"{work.key}: latency, asyncgraph compiled / nativert",
                                    ratio, "<=", 0.6))
     return case
+
+
+def _load_compiled(built: Built) -> Executor | None:
+    """The compiled-segments Executor, or None with the load error kept in the notes (a
+    package asyncgraph refuses is a finding to report, not a reason to lose the run)."""
+    if built.segments is None:
+        return None
+    try:
+        return asyncgraph.load(built.segments, trust_compiled=True)
+    except Exception as exc:
+        built.notes["segments_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"  {built.segments.name}: not loaded: {built.notes['segments_error']}",
+              file=sys.stderr)
+        return None
 
 
 async def _concurrent_case(ctx: Context, work: Workload, runner: Any) -> CaseResult:
