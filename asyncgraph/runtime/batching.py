@@ -32,18 +32,21 @@ have all gone is cancelled.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import sympy
 import torch
 
 from asyncgraph.errors import BatchingError, ExecutorClosedError, OverloadedError
 from asyncgraph.graph.ir import Graph, OutputKind, Ref, TensorSpec
+from asyncgraph.runtime.backend import FutureLike, Handle, Loop, TaskLike, current_loop
 from asyncgraph.runtime.config import BatchingConfig
 
 Run = Callable[[list[Any]], Awaitable[list[Any]]]
@@ -149,13 +152,13 @@ class BatcherStatistics:
 class _Request:
     __slots__ = ("arrived", "batch", "flat", "future", "key", "rows")
 
-    def __init__(self, flat: list[Any], rows: int, key: Hashable, future: asyncio.Future[Any]):
+    def __init__(self, flat: list[Any], rows: int, key: Hashable, future: FutureLike):
         self.flat = flat
         self.rows = rows
         self.key = key
         self.future = future
         self.arrived = time.monotonic()
-        self.batch: asyncio.Task[None] | None = None
+        self.batch: TaskLike | None = None
 
 
 class Batcher:
@@ -166,8 +169,10 @@ class Batcher:
         self.config = config
         self._run = run
         self._queue: deque[_Request] = deque()
-        self._batches: dict[asyncio.Task[None], list[_Request]] = {}  # running, with members
-        self._dispatch_handle: asyncio.Handle | None = None
+        self._batches: dict[TaskLike, list[_Request]] = {}  # running, with members
+        self._drained: anyio.Event | None = None  # set when the last running batch ends
+        self.loop: Loop | None = None  # the event loop's seam, bound by the Executor
+        self._dispatch_handle: Handle | None = None
         self._delay_timer = False  # whether _dispatch_handle is a max_delay_s timer
         self._closed = False
         self._requests = self._batch_count = self._rows = self._largest = 0
@@ -179,15 +184,17 @@ class Batcher:
         if self._closed:
             raise ExecutorClosedError("the executor is closed; create a new one")
         self._check_room()
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        loop = self._loop()
+        future: FutureLike = loop.create_future()
         request = _Request(flat, *self._rows_and_key(flat), future)
         self._queue.append(request)
         self._waiting += 1
         self._requests += 1
         self._schedule_dispatch()
         try:
-            return await future
-        except asyncio.CancelledError:
+            outputs: list[Any] = await future
+            return outputs
+        except loop.cancelled_exc:
             batch = request.batch
             if batch is None:
                 self._cancelled_in_queue += 1
@@ -246,7 +253,7 @@ class Batcher:
             self._dispatch_handle = None
         if self._dispatch_handle is None:
             self._delay_timer = False
-            self._dispatch_handle = asyncio.get_running_loop().call_soon(self._dispatch)
+            self._dispatch_handle = self._loop().call_soon(self._dispatch)
 
     def _dispatch(self) -> None:
         self._dispatch_handle = None
@@ -269,7 +276,7 @@ class Batcher:
         wait = due - time.monotonic()
         if wait <= 0:
             return False
-        self._dispatch_handle = asyncio.get_running_loop().call_later(wait, self._dispatch)
+        self._dispatch_handle = self._loop().call_later(wait, self._dispatch)
         self._delay_timer = True
         return True
 
@@ -303,7 +310,7 @@ class Batcher:
         return batch
 
     def _start(self, batch: list[_Request]) -> None:
-        task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+        task = self._loop().create_task(self._run_batch(batch))
         for request in batch:
             request.batch = task
         self._batches[task] = batch
@@ -315,7 +322,8 @@ class Batcher:
     # -- one batch ---------------------------------------------------------------------------
 
     async def _run_batch(self, batch: list[_Request]) -> None:
-        task = asyncio.current_task()
+        task = batch[0].batch  # set by _start before this task's first step
+        cancelled_exc = self._loop().cancelled_exc
         try:
             if len(batch) == 1:
                 await self._run_alone(batch[0])
@@ -326,10 +334,12 @@ class Batcher:
                 if not self.config.retry_alone:
                     raise
                 self._retried_alone += 1
-                await asyncio.gather(*(self._run_alone(r) for r in batch))
+                async with anyio.create_task_group() as group:
+                    for request in batch:
+                        group.start_soon(self._run_alone, request)
                 return
             self._split(batch, outputs)
-        except asyncio.CancelledError:
+        except cancelled_exc:
             for request in batch:
                 request.future.cancel()
             raise
@@ -341,6 +351,8 @@ class Batcher:
             for request in batch:  # nothing is left waiting, whatever happened
                 request.future.cancel()
             self._batches.pop(task, None)  # type: ignore[arg-type]
+            if not self._batches and self._drained is not None:
+                self._drained.set()
             if self._queue:
                 self._schedule_dispatch()
 
@@ -349,8 +361,6 @@ class Batcher:
             return
         try:
             outputs = await self._run(request.flat)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:
             if not request.future.done():
                 request.future.set_exception(exc)
@@ -361,7 +371,7 @@ class Batcher:
     async def _joined(self, batch: list[_Request]) -> list[Any]:
         """`_join`, on a thread when the batch is large (see OFFLOAD_BYTES)."""
         if self._stacked_bytes(batch) > OFFLOAD_BYTES:
-            return await asyncio.to_thread(self._join, batch)
+            return await anyio.to_thread.run_sync(self._join, batch)
         return self._join(batch)
 
     def _stacked_bytes(self, batch: list[_Request]) -> int:
@@ -406,10 +416,18 @@ class Batcher:
                 task.cancel()
         while self._queue or self._batches:
             if self._batches:
-                await asyncio.wait(set(self._batches))
+                if self._drained is None or self._drained.is_set():
+                    self._drained = anyio.Event()  # shared by concurrent aclose calls
+                await self._drained.wait()
             else:
                 self._schedule_dispatch()
-                await asyncio.sleep(0)
+                await anyio.lowlevel.checkpoint()
+
+    def _loop(self) -> Loop:
+        """The bound loop's seam; the running one for a Batcher used without an Executor."""
+        if self.loop is None:
+            self.loop = current_loop()
+        return self.loop
 
     def statistics(self) -> BatcherStatistics:
         return BatcherStatistics(

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import torch
 from torch.utils import _pytree as pytree
 
@@ -36,6 +39,7 @@ from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.passes.folding import ConstantFolder, fold_constants
 from asyncgraph.passes.recompose import recompose_attention
 from asyncgraph.runtime import registry
+from asyncgraph.runtime.backend import Loop, current_loop
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.frame import ExecutionFrame
@@ -170,7 +174,9 @@ class Executor:
             else None
         )
         self._ids = itertools.count(1)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: Loop | None = None  # the event loop's seam (backend.py), bound on first use
+        self._native_loop: object = None  # its asyncio loop (or TrioLoop): the bound check
+        self._cancelled_exc: type[BaseException] = asyncio.CancelledError  # the loop's
         self._closed = False
         self._started = self._completed = self._failed = self._cancelled = 0
         self._callers: set[asyncio.Task[Any]] = set()
@@ -180,9 +186,12 @@ class Executor:
 
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
         """Run the program on `(args, kwargs)`; returns what `ep.module()(*args, **kwargs)` does."""
-        caller = asyncio.current_task()
+        try:
+            caller = asyncio.current_task()
+        except RuntimeError:  # no asyncio loop: trio (backend.py), which has no such task
+            caller = None
         if _cancel_pending(caller):  # a call made while cancelled takes no frame
-            await asyncio.sleep(0)  # delivers the cancellation
+            await anyio.lowlevel.checkpoint()  # delivers the cancellation
         self._check_open()
         flat = self._validator.flatten(args, kwargs)
         outputs = await self._submit(flat, caller)
@@ -191,9 +200,12 @@ class Executor:
 
     async def execute_flat(self, inputs: Sequence[Any]) -> list[Any]:
         """Run the program on flat user inputs; returns the flat user outputs (nativert's path)."""
-        caller = asyncio.current_task()
+        try:
+            caller = asyncio.current_task()
+        except RuntimeError:  # trio
+            caller = None
         if _cancel_pending(caller):
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         self._check_open()
         return await self._submit(list(inputs), caller)
 
@@ -220,7 +232,7 @@ class Executor:
         """One execution of validated inputs: take a frame, run, take the outputs. `caller`:
         the calling task, when the caller already asked for it."""
         execution = next(self._ids)
-        if caller is None:
+        if caller is None and self._loop is not None and self._loop.name == "asyncio":
             caller = asyncio.current_task()
         if caller is not None:  # before the frame wait, so aclose(cancel=True) reaches waiters
             self._callers.add(caller)
@@ -241,6 +253,10 @@ class Executor:
             )
             fused = self._fuse and times is None
             schedule = self._schedules.cached(placement, fused)
+            if schedule is None and self._cancelled_exc is not asyncio.CancelledError:
+                # ScheduleCache.aget's shared build is asyncio's (run_in_executor): on trio a
+                # miss builds here, on the loop, once per placement
+                schedule = self._schedules.get(placement, fused)
             if schedule is None:  # compiled on a thread: milliseconds on large graphs
                 schedule = await self._schedules.aget(placement, fused)
             frame.load(self._weights_template(), flat, execution, schedule, times)
@@ -248,7 +264,7 @@ class Executor:
             outputs = self._take_outputs(frame, flat if caller_inputs is None else caller_inputs)
             if times is not None and self._adaptive is not None:
                 self._adaptive.finished(flat, times)
-        except asyncio.CancelledError:
+        except self._cancelled_exc:
             self._cancelled += 1
             raise
         except BaseException:
@@ -311,7 +327,7 @@ class Executor:
             while True:
                 base = self._weights
                 candidate = base.swapped(state_dict, strict=strict)  # checks names and shapes
-                derived = await asyncio.to_thread(folder, candidate.tensors)
+                derived = await anyio.to_thread.run_sync(folder, candidate.tensors)
                 self._check_open()
                 current = self._weights
                 if folder.reads_same(base.tensors, current.tensors):
@@ -321,12 +337,12 @@ class Executor:
             self._weights = current.swapped(state_dict, strict=strict).with_derived(derived)
             return self._weights.version
 
-    _swap_lock_on_loop: asyncio.Lock | None = None
+    _swap_lock_on_loop: anyio.Lock | None = None
 
-    def _swap_lock(self) -> asyncio.Lock:
+    def _swap_lock(self) -> anyio.Lock:
         """The FIFO lock that orders aswap_weights calls (made on first use, on the loop)."""
         if self._swap_lock_on_loop is None:
-            self._swap_lock_on_loop = asyncio.Lock()
+            self._swap_lock_on_loop = anyio.Lock()
         return self._swap_lock_on_loop
 
     def _with_folded(self, weights: Weights) -> Weights:
@@ -362,6 +378,9 @@ class Executor:
         # A closed Executor that its owner still references must not keep its event loop
         # (and everything the loop references) alive after the loop is closed.
         self._loop = self._scheduler.loop = self._swap_lock_on_loop = None
+        self._native_loop = None
+        if self._batcher is not None:
+            self._batcher.loop = None
 
     async def __aenter__(self) -> Executor:
         self._check_open()
@@ -418,10 +437,22 @@ class Executor:
             )
 
     def _bind_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Bind the Executor to the running event loop on first use, through its seam
+        (backend.py: asyncio's own methods, or trio's); later calls check it is the same."""
+        try:
+            native: object = asyncio.get_running_loop()
+        except RuntimeError:
+            native = None  # trio, or no loop: current_loop() tells
+        if native is not None and native is self._native_loop:
+            return
+        loop = current_loop()
         if self._loop is None:
-            self._loop = loop
-        elif self._loop is not loop:
+            self._loop, self._native_loop = loop, loop.native
+            self._cancelled_exc = loop.cancelled_exc
+            self._scheduler.loop = loop
+            if self._batcher is not None:
+                self._batcher.loop = loop
+        elif self._native_loop is not loop.native:
             raise RuntimeError(
                 "this Executor is bound to another event loop; create one Executor per loop"
             )

@@ -17,7 +17,6 @@ scheduler's run loop is the same for CPU and GPU programs and tests nothing per 
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from asyncgraph.cuda.device import FrameStreams
+from asyncgraph.runtime.backend import FutureLike, TaskLike
 from asyncgraph.runtime.placement import NodeTimes
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.schedule import Schedule
@@ -60,8 +60,8 @@ class ExecutionFrame:
         self.stopped = False
         self.finished = True
         self.errors: list[BaseException] = []
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.waiter: asyncio.Future[None] | None = None
+        self.tasks: set[TaskLike] = set()  # asyncio Tasks or their trio form (backend.py)
+        self.waiter: FutureLike | None = None
         self.execution_id = 0
         self.last_used = 0.0
         self.rng: Any = None

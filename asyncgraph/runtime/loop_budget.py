@@ -13,6 +13,10 @@ longer than a slice, or one not measured yet), whatever the number of callers, t
 get their turn in between, and deferred work costs one loop callback per iteration rather
 than one per waiting execution.
 
+On trio the "loop" is the run's TrioLoop (backend.py): `call_soon` there is the run token's
+`run_sync_soon`, whose callbacks run in the run's next batch, after the tasks runnable now, so
+the slice closes and deferred work resumes once per scheduling round, as on asyncio.
+
 Budgets are kept per loop in a table with weak keys, and a budget holds its loop weakly too:
 an entry (and its loop) goes as soon as nothing else uses the loop, so a process that runs
 many `asyncio.run` calls does not keep every loop it ever ran on.
@@ -20,13 +24,19 @@ many `asyncio.run` calls does not keep every loop it ever ran on.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+
+class SoonLoop(Protocol):
+    """What a budget needs of its loop: an asyncio loop, or a TrioLoop (backend.py)."""
+
+    def call_soon(self, fn: Callable[[], None], /) -> Any: ...
+    def is_closed(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +52,7 @@ class LoopBudget:
         "_deadline", "_deferred", "_loop", "_open", "_queue", "_scheduled", "_slices", "slice_s",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, slice_s: float) -> None:
+    def __init__(self, loop: SoonLoop, slice_s: float) -> None:
         # Weak: the budget is the value of a weak-keyed table whose key is this loop; a strong
         # reference here would keep the key, and so the entry and the loop, alive for ever.
         self._loop = weakref.ref(loop)
@@ -113,12 +123,10 @@ class LoopBudget:
         return LoopBudgetStatistics(self._slices, self._deferred)
 
 
-_BUDGETS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBudget] = (
-    weakref.WeakKeyDictionary()
-)
+_BUDGETS: weakref.WeakKeyDictionary[SoonLoop, LoopBudget] = weakref.WeakKeyDictionary()
 
 
-def loop_budget(loop: asyncio.AbstractEventLoop, slice_s: float) -> LoopBudget:
+def loop_budget(loop: SoonLoop, slice_s: float) -> LoopBudget:
     """The budget shared by everything on `loop`; the smallest slice asked for wins."""
     budget = _BUDGETS.get(loop)
     if budget is None:
@@ -128,6 +136,6 @@ def loop_budget(loop: asyncio.AbstractEventLoop, slice_s: float) -> LoopBudget:
     return budget
 
 
-def loops_with_budgets() -> list[asyncio.AbstractEventLoop]:
+def loops_with_budgets() -> list[SoonLoop]:
     """The loops that have a budget and are still alive (the leak checker reads this)."""
     return list(_BUDGETS)

@@ -14,14 +14,16 @@ Idle frames are freed down to `min_frames` once they have been idle for `cleanup
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import anyio
+
 from asyncgraph.errors import ExecutorClosedError, OverloadedError
+from asyncgraph.runtime.backend import FutureLike, Handle, current_loop
 from asyncgraph.runtime.config import DEFAULT_MAX_FRAME_WAITERS
 from asyncgraph.runtime.frame import ExecutionFrame
 
@@ -60,15 +62,15 @@ class FramePool:
         self._min = min_frames
         self._interval = cleanup_interval_s
         self._idle: list[ExecutionFrame] = []
-        self._waiters: deque[asyncio.Future[ExecutionFrame]] = deque()
+        self._waiters: deque[FutureLike] = deque()  # futures of the loop (backend.py)
         self._in_use = 0
         self._created = 0
         self._freed = 0
         self._high_water = 0
         self._refused = 0
         self._closed = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._drained: asyncio.Future[None] | None = None
+        self._timer: Handle | None = None
+        self._drained: anyio.Event | None = None
 
     @property
     def total(self) -> int:
@@ -101,10 +103,11 @@ class FramePool:
                 "max_frame_waiters or max_concurrent_executions, or shed load before calling",
                 bound="ExecutorConfig.max_frame_waiters", limit=self._max_waiters,
             )
-        waiter: asyncio.Future[ExecutionFrame] = asyncio.get_running_loop().create_future()
+        waiter: FutureLike = current_loop().create_future()
         self._waiters.append(waiter)
         try:
-            return await waiter
+            handed: ExecutionFrame = await waiter
+            return handed
         except BaseException:
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self.release(waiter.result())  # handed a frame, then cancelled: pass it on
@@ -127,8 +130,8 @@ class FramePool:
             frame.last_used = time.monotonic()
             self._idle.append(frame)
             self._schedule_cleanup()
-        if self._in_use == 0 and self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
+        if self._in_use == 0 and self._drained is not None:
+            self._drained.set()
 
     def cleanup(self, now: float | None = None) -> int:
         """Free frames idle for longer than the interval, down to min_frames; return how many."""
@@ -145,9 +148,9 @@ class FramePool:
     async def wait_idle(self) -> None:
         """Wait until no frame is in use and nobody waits for one."""
         while self._in_use or self._waiters:
-            if self._drained is None or self._drained.done():
-                self._drained = asyncio.get_running_loop().create_future()
-            await asyncio.shield(self._drained)
+            if self._drained is None or self._drained.is_set():
+                self._drained = anyio.Event()  # shared by concurrent callers
+            await self._drained.wait()
 
     def close(self) -> None:
         """Refuse new acquisitions and free the idle frames (in-use ones come back later)."""
@@ -180,7 +183,7 @@ class FramePool:
             self._high_water = self._in_use
         return frame
 
-    def _discard_waiter(self, waiter: asyncio.Future[ExecutionFrame]) -> None:
+    def _discard_waiter(self, waiter: FutureLike) -> None:
         with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
 
@@ -189,8 +192,7 @@ class FramePool:
             return
         if len(self._idle) + self._in_use <= self._min:
             return
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self._interval, self._on_timer)
+        self._timer = current_loop().call_later(self._interval, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from asyncgraph.graph.ir import Graph
+from asyncgraph.runtime.backend import Loop, TaskLike, current_loop
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.frame import HOST_WAIT, ExecutionFrame
 from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
@@ -86,7 +87,7 @@ class Scheduler:
         self.config = config
         self.workers = workers
         self.recorder = recorder
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop: Loop | None = None  # bound by the Executor (backend.py), or on first run
         self._seed = config.ready_order_seed
         self._loop_busy = 0.0
         self._running = 0  # executions between start and finish
@@ -105,9 +106,11 @@ class Scheduler:
         GPU work is (its kernels may still write the frame's tensors), so the caller may
         release the frame. A cancellation while the GPU finishes is absorbed, then re-raised.
         """
-        loop = self.loop = asyncio.get_running_loop()
+        loop = self.loop
+        if loop is None:
+            loop = self.loop = current_loop()
         if self._budget is None:
-            self._budget = loop_budget(loop, self.config.loop_slice_s)
+            self._budget = loop_budget(loop.native, self.config.loop_slice_s)
         if self._seed is not None:
             frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
         gpu = frame.gpu
@@ -123,24 +126,29 @@ class Scheduler:
                 raise errors[0]
             raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
 
-    async def _run_dataflow(self, frame: ExecutionFrame, loop: asyncio.AbstractEventLoop) -> None:
-        """The WorkUnits of the execution, across the loop, workers, tasks and streams."""
+    async def _run_dataflow(self, frame: ExecutionFrame, loop: Loop) -> None:
+        """The WorkUnits of the execution, across the loop, workers, tasks and streams.
+
+        Cancelled (asyncio's CancelledError, trio's Cancelled), it stops dispatching, waits
+        shielded until the units in flight end, then re-raises the original cancellation.
+        """
         gpu = frame.gpu
         if gpu is not None:
             gpu.begin()  # lease a stream set, ordered after the caller's stream
         self._running += 1
-        cancelled: asyncio.CancelledError | None = None
+        cancelled: BaseException | None = None
         try:
             self._start(frame)
             if not frame.finished:  # made only now: most small graphs finish inside _start
                 frame.waiter = loop.create_future()
                 await frame.waiter
-        except asyncio.CancelledError as exc:
+        except loop.cancelled_exc as exc:
             cancelled = exc
         finally:
             if not frame.finished:  # cancelled, or anything else: nothing may touch the frame
                 self._stop(frame)
-                absorbed = await self._wait_finished(frame)
+                with loop.shielded():  # trio cancels every checkpoint of a cancelled scope
+                    absorbed = await self._wait_finished(frame, loop)
                 cancelled = cancelled or absorbed
             self._running -= 1
             if gpu is not None and await gpu.finish() and cancelled is None:
@@ -191,20 +199,19 @@ class Scheduler:
         self._account_loop_time(start, time.perf_counter())
         frame.finish()
 
-    async def _wait_finished(self, frame: ExecutionFrame) -> asyncio.CancelledError | None:
+    async def _wait_finished(self, frame: ExecutionFrame, loop: Loop) -> BaseException | None:
         """Wait until the units in flight have ended (threads write the frame until then).
 
         Cancellations meanwhile are absorbed and the first returned, for the caller to raise
         once the frame is idle. This ends as soon as the units do: every unit ends on every
         path, so a cancellation waits at most for the kernels running now.
         """
-        assert self.loop is not None
-        absorbed: asyncio.CancelledError | None = None
+        absorbed: BaseException | None = None
         while not frame.finished:
-            frame.waiter = self.loop.create_future()
+            frame.waiter = loop.create_future()
             try:
                 await frame.waiter
-            except asyncio.CancelledError as exc:
+            except loop.cancelled_exc as exc:
                 absorbed = absorbed or exc
         return absorbed
 
@@ -546,7 +553,7 @@ class Scheduler:
         self._record(frame, _schedule(frame).nodes[unit][0], start, result)
         return result
 
-    def _task_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:
+    def _task_done(self, frame: ExecutionFrame, unit: int, task: TaskLike) -> None:
         """The task's unit goes on as a work item on the loop (which ends it)."""
         stack: list[int] = []
         try:
@@ -561,7 +568,7 @@ class Scheduler:
             stack.clear()  # the item only ends its unit
         self._run_on_loop(frame, stack)
 
-    def _task_failed(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> bool:
+    def _task_failed(self, frame: ExecutionFrame, unit: int, task: TaskLike) -> bool:
         """Forget a finished task of the frame; if it failed or was cancelled, account the
         failure, end its unit and return True."""
         frame.tasks.discard(task)
@@ -609,7 +616,7 @@ class Scheduler:
         frame.tasks.add(task)
         task.add_done_callback(functools.partial(self._host_wait_done, frame, unit))
 
-    def _host_wait_done(self, frame: ExecutionFrame, unit: int, task: asyncio.Task[Any]) -> None:
+    def _host_wait_done(self, frame: ExecutionFrame, unit: int, task: TaskLike) -> None:
         try:
             if self._task_failed(frame, unit, task):
                 return

@@ -24,7 +24,6 @@ may use by a process-wide counter, so two pools do not stack their first threads
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import heapq
 import itertools
@@ -37,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import torch
 
 WorkItem = tuple[Callable[[Any, int], None], Any, int]
@@ -161,7 +161,7 @@ class WorkerPool:
         self._queue.stop(len(threads))
         delay = 0.0005
         while any(t.is_alive() for t in threads):
-            await asyncio.sleep(delay)  # a blocking join() would stall the event loop
+            await anyio.sleep(delay)  # a blocking join() would stall the event loop
             delay = min(delay * 2, 0.05)
         for thread in threads:
             thread.join()

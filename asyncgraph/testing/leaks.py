@@ -3,7 +3,9 @@
 Checked: frames still in use, waiters for frames, tasks still pending on the loop, worker
 threads that outlive their Executor, event loops closed during the block that the runtime
 still knows (a LoopBudget entry outlives its loop only while something holds the loop), and
-CUDA memory that grew (when CUDA is initialised).
+CUDA memory that grew (when CUDA is initialised). It runs on asyncio, uvloop and trio; on trio
+the tasks checked are the runtime's own (async kernels, batches: TrioLoop.pending_tasks), as
+trio keeps no list of all tasks.
 
     async with LeakChecker():
         async with Executor(program) as ex:
@@ -12,12 +14,17 @@ CUDA memory that grew (when CUDA is initialised).
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import threading
+import time
 import weakref
 from types import TracebackType
+from typing import Any
 
+import anyio
+import anyio.lowlevel
+
+from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.loop_budget import loops_with_budgets
 from asyncgraph.runtime.registry import live_executors
 
@@ -52,7 +59,7 @@ class LeakChecker:
         self.cuda_slack_bytes = cuda_slack_bytes
         self._executors_before: set[int] = set()
         self._threads_before: set[threading.Thread] = set()
-        self._loops_before: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        self._loops_before: weakref.WeakSet[Any] = weakref.WeakSet()
         self._cuda_before: int | None = None
 
     async def __aenter__(self) -> LeakChecker:
@@ -91,10 +98,9 @@ class LeakChecker:
             for ex in executors:
                 await ex.aclose()
         del executors
-        current = asyncio.current_task()
         for _ in range(10):  # let done-callbacks and cancellations settle
-            await asyncio.sleep(0)
-        pending = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+            await anyio.lowlevel.checkpoint()
+        pending = current_loop().pending_tasks()
         if pending:
             problems.append(f"{len(pending)} task(s) still pending: {pending[:5]!r}")
         del pending
@@ -114,13 +120,13 @@ class LeakChecker:
         if problems:
             raise LeakError("leak check failed:\n  " + "\n  ".join(problems))
 
-    def _closed_loops(self) -> list[asyncio.AbstractEventLoop]:
+    def _closed_loops(self) -> list[Any]:
         """Loops that got a budget during the block and were closed, yet are still alive.
 
         A closed loop usually sits in a reference cycle, so the collector runs first, but only
         when there is such a loop: most blocks never create one, and a full collection costs.
         """
-        def closed() -> list[asyncio.AbstractEventLoop]:
+        def closed() -> list[Any]:
             return [
                 loop for loop in loops_with_budgets()
                 if loop.is_closed() and loop not in self._loops_before
@@ -132,15 +138,15 @@ class LeakChecker:
         return closed()
 
     async def _stray_threads(self) -> list[threading.Thread]:
-        deadline = asyncio.get_running_loop().time() + self.settle_s
+        deadline = time.monotonic() + self.settle_s
         while True:
             stray = [
                 t for t in threading.enumerate()
                 if t not in self._threads_before and t.name.startswith(self.thread_prefix)
             ]
-            if not stray or asyncio.get_running_loop().time() > deadline:
+            if not stray or time.monotonic() > deadline:
                 return stray
-            await asyncio.sleep(0.01)
+            await anyio.sleep(0.01)
 
 
 def _cuda_allocated() -> int | None:

@@ -1,0 +1,528 @@
+"""The Executor's contract on trio, beside asyncio: the same test bodies run on both.
+
+Each test is a plain function that runs its body with `anyio.run(body, backend=...)`, for
+"asyncio" (debug mode) and "trio". Not pytest's anyio plugin nor pytest-trio: the suite runs
+pytest-asyncio in auto mode (tests/conftest.py's asyncio + uvloop matrix), which claims every
+`async def` test and fixture, so an anyio-marked test's "trio" case ran on asyncio. A sync test
+that starts its own run is unambiguous. Every body ends with the leak check.
+
+On trio: results (inline, worker and async kernels), kernel errors, cancellation by cancel
+scopes (`CancelScope.cancel`, `move_on_after`, `fail_after`) while a worker blocks or an async
+kernel awaits, the frame pool under contention with cancelled waiters, batching, the loop
+slice's fairness, the leak check itself, and one soak at ASYNCGRAPH_SOAK_SCALE.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import warnings
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import pytest
+import torch
+from soak import soak
+from torch.export import Dim
+
+from asyncgraph import BatchingConfig, Executor, ExecutorConfig, GraphBuilder
+from asyncgraph.graph.ir import Graph
+from asyncgraph.runtime.backend import current_loop
+from asyncgraph.runtime.loop_budget import loop_budget
+from asyncgraph.testing import LeakChecker
+from asyncgraph.testing.leaks import LeakError
+
+BACKENDS = ["asyncio", "trio"]
+backends = pytest.mark.parametrize("backend", BACKENDS)
+
+
+def run(body: Callable[[], Awaitable[None]], backend: str) -> None:
+    """Run `body` on `backend` inside a leak check."""
+
+    async def checked() -> None:
+        async with LeakChecker():
+            await body()
+
+    options = {"debug": True} if backend == "asyncio" else {}
+    anyio.run(checked, backend=backend, backend_options=options)
+
+
+def cancelled_exc() -> type[BaseException]:
+    return anyio.get_cancelled_exc_class()
+
+
+async def settle(turns: int = 10) -> None:
+    for _ in range(turns):
+        await anyio.lowlevel.checkpoint()
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    with anyio.fail_after(30):
+        while not condition():  # noqa: ASYNC110 (set by a thread: no event to await)
+            await anyio.sleep(0.001)
+    assert condition(), what
+
+
+def add_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def mixed_graph() -> Graph:
+    """Inline, worker and async kernels: the loop, threads handing back, tasks."""
+
+    async def async_scale(x: torch.Tensor) -> torch.Tensor:
+        await anyio.lowlevel.checkpoint()
+        return x * 3
+
+    b = GraphBuilder()
+    x = b.input("x")
+    a = b.call(add_one, x, name="a", placement="inline")
+    w = b.call(double, a, name="w", placement="worker")
+    t = b.call(async_scale, a, name="t")
+    b.output(b.call(torch.add, w, t, name="sum", placement="inline"))
+    return b.build()
+
+
+def mixed_expected(x: torch.Tensor) -> torch.Tensor:
+    return (x + 1) * 2 + (x + 1) * 3
+
+
+class Blocker:
+    """A worker kernel that blocks its thread until `release()`; records what happened."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.log: list[str] = []
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append("blocked")
+        self.entered.set()
+        self.gate.wait(30)
+        self.log.append("released")
+        return x * 2
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def graph(self) -> Graph:
+        def after(y: torch.Tensor) -> torch.Tensor:
+            self.log.append("after")
+            return y + 1
+
+        b = GraphBuilder()
+        x = b.input("x")
+        y = b.call(self.kernel, x, name="blocking", placement="worker")
+        b.output(b.call(after, y, name="after", placement="worker"))
+        return b.build()
+
+
+# -- results and errors --------------------------------------------------------------------
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_results_of_inline_worker_and_async_kernels(backend: str) -> None:
+    async def body() -> None:
+        async with Executor(mixed_graph()) as ex:
+            for i in range(5):
+                x = torch.full((4,), float(i))
+                torch.testing.assert_close(await ex.execute(x), mixed_expected(x))
+            stats = ex.statistics()
+            assert (stats.completed, stats.failed, stats.cancelled) == (5, 0, 0)
+            assert stats.workers.items_run >= 5, "the worker node did not run on a worker"
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_an_exported_program(backend: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    program = torch.export.export(model.eval(), (x,))
+
+    async def body() -> None:
+        async with Executor(program) as ex:
+            for _ in range(3):
+                torch.testing.assert_close(await ex.execute(x), model(x))
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.parametrize("placement", ["inline", "worker", "async"])
+@pytest.mark.timeout(60)
+def test_a_kernel_error_names_its_node(backend: str, placement: str) -> None:
+    def bad(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad input")
+
+    async def bad_async(x: torch.Tensor) -> torch.Tensor:
+        await anyio.lowlevel.checkpoint()
+        raise ValueError("bad input")
+
+    b = GraphBuilder()
+    x = b.input("x")
+    if placement == "async":
+        b.output(b.call(bad_async, b.call(add_one, x), name="broken"))
+    else:
+        b.output(b.call(bad, b.call(add_one, x), name="broken", placement=placement))
+
+    async def body() -> None:
+        async with Executor(b.build()) as ex:
+            with pytest.raises(ValueError, match="bad input") as info:
+                await ex.execute(torch.ones(2))
+            assert any("%broken" in note for note in info.value.__notes__)
+            assert ex.statistics().failed == 1
+            assert ex.statistics().frames.in_use == 0
+
+    run(body, backend)
+
+
+# -- cancellation --------------------------------------------------------------------------
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_a_cancel_scope_waits_for_the_blocked_worker_then_reraises(backend: str) -> None:
+    """Cancelled while a worker blocks: the execution neither returns nor releases its frame
+    until the thread is done; then the cancellation propagates to its scope, and the late
+    result is dropped (the next node never runs)."""
+    blocker = Blocker()
+
+    async def body() -> None:
+        config = ExecutorConfig(max_concurrent_executions=1, max_parallel_ops=2)
+        async with Executor(blocker.graph(), config) as ex:
+            scope = anyio.CancelScope()
+            returned: list[str] = []
+
+            async def call() -> None:
+                with scope:
+                    await ex.execute(torch.ones(3))
+                    returned.append("value")
+                returned.append("scope exited")
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(call)
+                await until(blocker.entered.is_set, "the worker never started")
+                scope.cancel()
+                await settle(20)
+                assert returned == [], "the execution ended while its worker held the frame"
+                assert ex.statistics().frames.in_use == 1
+                blocker.release()
+            assert returned == ["scope exited"] and scope.cancelled_caught
+            assert blocker.log == ["blocked", "released"], "the late result was passed on"
+            stats = ex.statistics()
+            assert (stats.cancelled, stats.completed, stats.frames.in_use) == (1, 0, 0)
+            out = await ex.execute(torch.ones(3))  # the frame is reusable
+            torch.testing.assert_close(out, torch.full((3,), 3.0))
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_fail_after_while_a_worker_blocks(backend: str) -> None:
+    """`fail_after` expires while the worker blocks: TimeoutError only once the thread ended."""
+    blocker = Blocker()
+
+    async def body() -> None:
+        async with Executor(blocker.graph(), ExecutorConfig(max_parallel_ops=1)) as ex:
+
+            async def release_later() -> None:
+                await until(blocker.entered.is_set, "the worker never started")
+                await anyio.sleep(0.2)  # past the deadline below
+                blocker.release()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(release_later)
+                with pytest.raises(TimeoutError):
+                    with anyio.fail_after(0.05):
+                        await ex.execute(torch.ones(2))
+                assert blocker.log == ["blocked", "released"], "raised before the thread ended"
+            assert ex.statistics().cancelled == 1
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_move_on_after_cancels_an_async_kernel(backend: str) -> None:
+    log: list[str] = []
+
+    async def forever(x: torch.Tensor) -> torch.Tensor:
+        log.append("started")
+        try:
+            await anyio.sleep_forever()
+        finally:
+            log.append("kernel cancelled")
+        return x
+
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output(b.call(add_one, b.call(forever, x, name="forever")))
+
+    async def body() -> None:
+        async with Executor(b.build()) as ex:
+            with anyio.move_on_after(0.05) as scope:
+                await ex.execute(torch.ones(2))
+            assert scope.cancelled_caught
+            assert log == ["started", "kernel cancelled"]
+            assert ex.statistics().cancelled == 1
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_a_call_made_in_a_cancelled_scope_does_not_run(backend: str) -> None:
+    async def body() -> None:
+        async with Executor(mixed_graph()) as ex:
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await ex.execute(torch.ones(2))
+            assert scope.cancelled_caught
+            stats = ex.statistics()
+            assert stats.completed == 0 and stats.frames.in_use == 0
+            if backend == "trio":  # anyio's asyncio scope cancels the task only once it waits
+                assert stats.started == 0
+
+    run(body, backend)
+
+
+# -- the frame pool ------------------------------------------------------------------------
+
+
+@backends
+@pytest.mark.timeout(120)
+def test_the_frame_pool_under_contention_with_cancelled_waiters(backend: str) -> None:
+    """40 callers on 2 frames, every fifth cancelled while it waits or runs: every other
+    caller gets its own result, at most 2 frames exist, and none is left in use."""
+
+    async def body() -> None:
+        config = ExecutorConfig(max_concurrent_executions=2, max_parallel_ops=2)
+        async with Executor(mixed_graph(), config) as ex:
+            results: dict[int, torch.Tensor] = {}
+
+            async def call(i: int) -> None:
+                with anyio.CancelScope() as scope:
+                    if i % 5 == 0:
+                        scope.cancel()  # at its first checkpoint: waiting or running
+                    results[i] = await ex.execute(torch.full((2,), float(i)))
+
+            async with anyio.create_task_group() as group:
+                for i in range(40):
+                    group.start_soon(call, i)
+            for i, out in results.items():
+                torch.testing.assert_close(out, mixed_expected(torch.full((2,), float(i))))
+            assert set(results) >= {i for i in range(40) if i % 5}
+            stats = ex.statistics()
+            assert stats.frames.high_water <= 2 and stats.frames.in_use == 0
+            assert stats.frames.waiters == 0
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_a_waiter_cancelled_while_it_waits_leaves_the_queue(backend: str) -> None:
+    blocker = Blocker()
+
+    async def body() -> None:
+        config = ExecutorConfig(max_concurrent_executions=1, max_parallel_ops=1)
+        async with Executor(blocker.graph(), config) as ex:
+            async with anyio.create_task_group() as group:
+                group.start_soon(ex.execute, torch.ones(1))
+                await until(blocker.entered.is_set, "the worker never started")
+                with anyio.CancelScope() as waiting:
+                    group.start_soon(_cancel_when, waiting, lambda: _waiters(ex) == 1)
+                    await ex.execute(torch.ones(1))
+                assert waiting.cancelled_caught
+                assert ex.statistics().frames.waiters == 0
+                blocker.release()
+            assert ex.statistics().completed == 1
+
+    run(body, backend)
+
+
+def _waiters(ex: Executor) -> int:
+    return ex.statistics().frames.waiters
+
+
+async def _cancel_when(scope: anyio.CancelScope, condition: Callable[[], bool]) -> None:
+    await until(condition, "the condition never held")
+    scope.cancel()
+
+
+# -- batching ------------------------------------------------------------------------------
+
+
+class Rows(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+
+@backends
+@pytest.mark.timeout(120)
+def test_batching_stacks_concurrent_requests(backend: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        program = torch.export.export(
+            Rows().eval(), (torch.ones(2, 3),),
+            dynamic_shapes={"x": {0: Dim("batch", min=1, max=64)}},
+        )
+
+    async def body() -> None:
+        config = ExecutorConfig(batching=BatchingConfig(max_batch_size=16))
+        async with Executor(program, config) as ex:
+            results: dict[int, torch.Tensor] = {}
+
+            async def call(i: int) -> None:
+                results[i] = await ex.execute(torch.full((1, 3), float(i)))
+
+            async with anyio.create_task_group() as group:
+                for i in range(24):
+                    group.start_soon(call, i)
+            for i in range(24):
+                torch.testing.assert_close(results[i], torch.full((1, 3), 2.0 * i + 1))
+            stats = ex.batching_statistics()
+            assert stats is not None and stats.requests == 24
+            assert stats.batches < 24, "no two requests shared a batch"
+
+    run(body, backend)
+
+
+# -- the loop slice ------------------------------------------------------------------------
+
+
+def spin(x: int) -> int:
+    """An inline kernel that holds the loop thread for 100 us."""
+    import time
+
+    end = time.perf_counter() + 1e-4
+    while time.perf_counter() < end:
+        pass
+    return x + 1
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_many_callers_share_one_slice_per_loop_turn(backend: str) -> None:
+    """Slices shorter than a unit: a heartbeat task gets a turn between units, whatever the
+    number of callers (without the shared budget all 32 would run between two beats)."""
+    b = GraphBuilder()
+    v = b.input("x")
+    for i in range(4):
+        v = b.call(spin, v, name=f"spin{i}", placement="inline")
+    b.output(v)
+    config = ExecutorConfig(
+        max_fused_nodes=1, loop_slice_s=1e-6, adaptive_placement=False,
+        max_concurrent_executions=32,
+    )
+
+    async def body() -> None:
+        beats = 0
+
+        async def heartbeat() -> None:
+            nonlocal beats
+            while True:
+                beats += 1
+                await anyio.lowlevel.checkpoint()
+
+        async with Executor(b.build(), config) as ex, anyio.create_task_group() as outer:
+            outer.start_soon(heartbeat)
+            await settle(2)
+            results: dict[int, int] = {}
+
+            async def call(k: int) -> None:
+                results[k] = await ex.execute(k)
+
+            before = beats
+            async with anyio.create_task_group() as group:
+                for k in range(32):
+                    group.start_soon(call, k)
+            during = beats - before
+            outer.cancel_scope.cancel()
+        assert results == {k: k + 4 for k in range(32)}
+        assert during >= 32 * 4 // 2, f"{during} heartbeat turns for {32 * 4} units"
+        budget = loop_budget(current_loop().native, 1.0)
+        assert budget.statistics().deferred > 0
+
+    run(body, backend)
+
+
+# -- the leak check ------------------------------------------------------------------------
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_the_leak_check_finds_a_pending_kernel_task(backend: str) -> None:
+    """A runtime task left pending (an async kernel's) fails the leak check on both loops."""
+
+    async def body() -> None:
+        loop = current_loop()
+        task = loop.create_task(anyio.sleep_forever())
+        try:
+            with pytest.raises(LeakError, match="task"):
+                async with LeakChecker():
+                    pass
+        finally:
+            task.cancel()
+        await settle(5)
+        assert task.done() and task.cancelled()
+
+    anyio.run(body, backend=backend)
+
+
+# -- soak ----------------------------------------------------------------------------------
+
+
+@backends
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_soak_with_random_cancellations(backend: str) -> None:
+    """Many concurrent executions of the mixed graph, a fifth of them cancelled at a random
+    moment: every finished one is right, and nothing is left over."""
+    executions = soak(400, minimum=40)
+    rng = random.Random(7)
+    plans = [(i, rng.random() < 0.2, rng.random() * 0.002) for i in range(executions)]
+
+    async def body() -> None:
+        config = ExecutorConfig(max_concurrent_executions=4, max_parallel_ops=2)
+        async with Executor(mixed_graph(), config) as ex:
+            done: dict[int, torch.Tensor] = {}
+
+            async def call(i: int, cancel: bool, delay: float) -> None:
+                with anyio.CancelScope() as scope:
+                    if cancel:
+                        _cancel_after(scope, delay)
+                    done[i] = await ex.execute(torch.full((3,), float(i)))
+
+            limiter = anyio.CapacityLimiter(32)
+
+            async def limited(*args: Any) -> None:
+                async with limiter:
+                    await call(*args)
+
+            async with anyio.create_task_group() as group:
+                for plan in plans:
+                    group.start_soon(limited, *plan)
+            for i, out in done.items():
+                torch.testing.assert_close(out, mixed_expected(torch.full((3,), float(i))))
+            assert len(done) >= sum(1 for _, cancel, _ in plans if not cancel)
+            stats = ex.statistics()
+            assert stats.completed + stats.cancelled == stats.started
+            assert stats.frames.in_use == 0 and stats.failed == 0
+
+    run(body, backend)
+
+
+def _cancel_after(scope: anyio.CancelScope, delay: float) -> None:
+    scope.deadline = anyio.current_time() + delay
