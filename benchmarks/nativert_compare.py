@@ -232,36 +232,46 @@ def build_compiled(work: Workload, options: Options) -> Built:
     aoti_path = folder / f"{key}.aoti-whole.pt2"
     segments_path = folder / f"{key}.segments-auto.pt2"
     try:
-        seconds = _cached(aoti_path, lambda: torch._inductor.aoti_compile_and_package(
-            work.ep, package_path=str(aoti_path)))
-        built.notes["aoti_compile_s"] = seconds
+        built.notes["aoti_compile_s"], built.notes["aoti_cached"] = _cached(
+            aoti_path, lambda: torch._inductor.aoti_compile_and_package(
+                work.ep, package_path=str(aoti_path)))
         built.aoti = torch._inductor.aoti_load_package(str(aoti_path))
     except Exception as exc:
         built.notes["aoti_error"] = f"{type(exc).__name__}: {exc}"[:300]
     try:
         from asyncgraph.compiled import compile_program
 
-        seconds = _cached(segments_path, lambda: compile_program(work.ep, segments_path, "auto"))
-        built.notes["segments_compile_s"] = seconds
+        built.notes["segments_compile_s"], built.notes["segments_cached"] = _cached(
+            segments_path, lambda: compile_program(work.ep, segments_path, "auto"))
         built.segments = segments_path
     except Exception as exc:
         built.notes["segments_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    for what, value in built.notes.items():
-        shown = "cached" if value == 0.0 else f"{value:.1f} s" if isinstance(value, float) \
-            else value
-        print(f"  {work.key}: {what} = {shown}", file=sys.stderr)
+    for what in ("aoti", "segments"):
+        if f"{what}_error" in built.notes:
+            print(f"  {work.key}: {what}: {built.notes[what + '_error']}", file=sys.stderr)
+        else:
+            cached = " (cached)" if built.notes[f"{what}_cached"] else ""
+            print(f"  {work.key}: {what} compiled in {built.notes[what + '_compile_s']} s{cached}",
+                  file=sys.stderr)
     return built
 
 
-def _cached(path: Path, compile_now: Callable[[], Any]) -> float:
-    """Seconds spent compiling `path`; 0.0 when the cache had it."""
+def _cached(path: Path, compile_now: Callable[[], Any]) -> tuple[float, bool]:
+    """Seconds compiling `path` took, and whether it came from the cache (the time of the
+    first compile is kept beside the package)."""
+    record = path.with_name(path.name + ".compile_s")
     if path.exists():
-        return 0.0
+        try:
+            return float(record.read_text()), True
+        except (OSError, ValueError):
+            return float("nan"), True
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's export-time advice
         compile_now()
-    return time.perf_counter() - start
+    seconds = round(time.perf_counter() - start, 1)
+    record.write_text(f"{seconds}\n")
+    return seconds, False
 
 
 def nativert_runner(ep: ExportedProgram, folder: Path, key: str) -> Any:
