@@ -244,6 +244,7 @@ async def test_a_schedule_is_compiled_off_the_loop_once_for_concurrent_misses(
         turned.set()
 
     monkeypatch.setattr(schedule_module, "build_schedule", build_waiting_for_the_loop)
+    monkeypatch.setattr(schedule_module, "INLINE_BUILD_NODES", 0)  # as a large graph does
     b = GraphBuilder()
     b.output(b.call(spin, b.input("x"), name="spin", placement="inline"))
     config = ExecutorConfig(adaptive_placement=False, max_concurrent_executions=2)
@@ -253,3 +254,27 @@ async def test_a_schedule_is_compiled_off_the_loop_once_for_concurrent_misses(
         await ticker
         assert builds == [True]  # one build for both, and the loop turned meanwhile
         assert ex.statistics().schedules.built == 1
+
+
+async def test_a_small_graph_builds_its_schedule_in_the_call_that_needs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Up to INLINE_BUILD_NODES nodes the build costs less than a thread hop: it happens on
+    the loop, within the first call, so that call's timing is the same on every run."""
+    import threading
+
+    import asyncgraph.runtime.schedule as schedule_module
+
+    threads: list[int] = []
+    build = schedule_module.build_schedule
+
+    def recording_build(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(schedule_module, "build_schedule", recording_build)
+    b = GraphBuilder()
+    b.output(b.call(spin, b.input("x"), name="spin", placement="inline"))
+    async with Executor(b.build(), ExecutorConfig(adaptive_placement=False)) as ex:
+        assert await ex.execute(1) == 2
+    assert threads == [threading.get_ident()]

@@ -253,10 +253,6 @@ class Executor:
             )
             fused = self._fuse and times is None
             schedule = self._schedules.cached(placement, fused)
-            if schedule is None and self._cancelled_exc is not asyncio.CancelledError:
-                # ScheduleCache.aget's shared build is asyncio's (run_in_executor): on trio a
-                # miss builds here, on the loop, once per placement
-                schedule = self._schedules.get(placement, fused)
             if schedule is None:  # compiled on a thread: milliseconds on large graphs
                 schedule = await self._schedules.aget(placement, fused)
             frame.load(self._weights_template(), flat, execution, schedule, times)
