@@ -399,3 +399,24 @@ async def _conformance_row(case: Any, tmp_path: Path) -> str:
         f"{len(report.segments)} segment(s){left} | {seconds:.1f} s, "
         f"{report.package_bytes / 1e6:.2f} MB |"
     )
+
+
+def test_an_in_memory_program_is_segmented_as_its_package_will_load_it() -> None:
+    """Regression: compiling an in-memory core-ATen encoder named nodes that a saved and
+    reloaded program does not have in that order (loading adds getitems for native_layer_norm's
+    unused outputs), and `load` refused the package: "not one run of the program"."""
+    import io
+
+    from asyncgraph.compiled.build import _exported
+    from asyncgraph.graph.importers import from_exported_program
+
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(layer, (torch.randn(1, 4, 16),)).run_decompositions()
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    reloaded = from_exported_program(torch.export.load(buffer)).graph
+    compiled_from = from_exported_program(_exported(ep)).graph
+    assert [n.name for n in compiled_from.nodes] == [n.name for n in reloaded.nodes]

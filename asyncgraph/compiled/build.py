@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import io
 import os
 import tempfile
 import time
@@ -136,8 +137,15 @@ def compile_program(
 
 
 def _exported(source: ExportedProgram | str | os.PathLike[str]) -> ExportedProgram:
+    """The program as the package will hold it. An in-memory program goes through
+    torch.export's save and load first: loading can change the graph (it adds getitems for
+    unused outputs of multi-output ops such as native_layer_norm), and the segments must
+    name the nodes of the program that `load` will see."""
     if isinstance(source, ExportedProgram):
-        return source
+        buffer = io.BytesIO()
+        torch.export.save(source, buffer)
+        buffer.seek(0)
+        return torch.export.load(buffer)
     program = load_pt2(source)  # checked by archive.py before torch reads it
     assert program.exported is not None
     return program.exported
