@@ -78,25 +78,12 @@ async def run(ctx: Context) -> list[CaseResult]:
     ]
     results = new_results(peers)
     try:
-        await verify(peers, results, **TOLERANCE)
-        live = [p for p in peers if not results[p.name].failed]
-        rounds: dict[str, list[_Round]] = {p.name: [] for p in live}
-        advance = ctx.task(f"{NAME}: {callers} callers", ctx.rounds_total)
-        rng = random.Random(s.seed)
-        with frozen_heap():
-            for r in range(ctx.rounds_total):
-                for peer in round_order(live, rng):
-                    gc.collect()
-                    measured = await _round(peer.call, callers, per_caller)
-                    if r >= s.n_warmup:
-                        rounds[peer.name].append(measured)
-                advance()
+        await measure_concurrent(ctx, peers, results, callers, per_caller,
+                                 f"{NAME}: {callers} callers")
     finally:
         await ex.aclose()
         await inline.aclose()
         await batched.aclose()
-    for name, rs in rounds.items():
-        _summarise(results[name], rs)
     case = CaseResult(
         NAME, "concurrent",
         f"{callers} concurrent callers x {per_caller} requests, transformer encoder",
@@ -118,6 +105,31 @@ async def run(ctx: Context) -> list[CaseResult]:
         4, "event-loop lag p99 (asyncgraph, batched)", ag.get("lag_p99_ms"), "<=", 5.0,
         unit="ms"))
     return [case]
+
+
+async def measure_concurrent(
+    ctx: Context, peers: list[Peer], results: dict[str, PeerResult], callers: int,
+    per_caller: int, label: str,
+) -> None:
+    """Verify the peers, then time `callers` concurrent callers of each, `per_caller` calls
+    apiece, round by round in a new seeded order; throughput, latency and loop lag go into
+    `results` (the nativert comparison measures its 64-caller case the same way)."""
+    s = ctx.settings
+    await verify(peers, results, **TOLERANCE)
+    live = [p for p in peers if not results[p.name].failed]
+    rounds: dict[str, list[_Round]] = {p.name: [] for p in live}
+    advance = ctx.task(label, ctx.rounds_total)
+    rng = random.Random(s.seed)
+    with frozen_heap():
+        for r in range(ctx.rounds_total):
+            for peer in round_order(live, rng):
+                gc.collect()
+                measured = await _round(peer.call, callers, per_caller)
+                if r >= s.n_warmup:
+                    rounds[peer.name].append(measured)
+            advance()
+    for name, rs in rounds.items():
+        _summarise(results[name], rs)
 
 
 class _Round:

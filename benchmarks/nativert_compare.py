@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import hashlib
-import random
 import sys
 import time
 import warnings
@@ -50,8 +48,7 @@ from torch.export import ExportedProgram
 
 import asyncgraph
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
-from benchmarks.concurrency import _round as concurrent_round
-from benchmarks.concurrency import _summarise as summarise_round
+from benchmarks.concurrency import measure_concurrent
 from benchmarks.harness import (
     CaseResult,
     Context,
@@ -59,13 +56,10 @@ from benchmarks.harness import (
     Settings,
     Target,
     environment,
-    frozen_heap,
     measure,
     new_results,
-    round_order,
     sync_peer,
     torch_threads,
-    verify,
 )
 from benchmarks.models import call_nodes, exported_chain, exported_encoder
 from benchmarks.peers import asyncgraph_peer, in_inference
@@ -374,24 +368,11 @@ async def _concurrent_case(ctx: Context, work: Workload, runner: Any) -> CaseRes
         peers.append(Peer(NATIVERT_THREAD, native_in_thread, "asyncio.to_thread(runner.run, x)"))
     results = new_results(peers)
     try:
-        await verify(peers, results, **TOLERANCE)
-        live = [p for p in peers if not results[p.name].failed]
-        rounds: dict[str, list[Any]] = {p.name: [] for p in live}
-        advance = ctx.task(f"{NAME}: {work.key}, {callers} callers", ctx.rounds_total)
-        rng = random.Random(s.seed)
-        with frozen_heap():
-            for r in range(ctx.rounds_total):
-                for peer in round_order(live, rng):
-                    gc.collect()
-                    measured = await concurrent_round(peer.call, callers, per_caller)
-                    if r >= s.n_warmup:
-                        rounds[peer.name].append(measured)
-                advance()
+        await measure_concurrent(ctx, peers, results, callers, per_caller,
+                                 f"{NAME}: {work.key}, {callers} callers")
     finally:
         await unbatched.aclose()
         await batched.aclose()
-    for name, rs in rounds.items():
-        summarise_round(results[name], rs)
     case = CaseResult(NAME, f"{work.key} x {callers} callers",
                       f"{work.title}; {callers} concurrent callers x {per_caller} requests",
                       {"nodes": call_nodes(work.ep), "callers": callers,
