@@ -16,6 +16,20 @@ from torch.export import Dim
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
+class Scaled(torch.nn.Module):
+    """`x @ (2 * W).t() + b`: the scaling and the transpose read only weights
+    (constant folding takes them out of the graph; tests of folding and of swaps use it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(4, 3))
+        self.b = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.w * 2).t() + self.b
+
+
 @dataclass
 class Case:
     name: str

@@ -11,21 +11,9 @@ import torch
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.errors import WeightsError
 from asyncgraph.passes.folding import FOLDED_PREFIX
+from tests.models import Scaled
 
 pytestmark = pytest.mark.usefixtures("leak_check")
-
-
-class Scaled(torch.nn.Module):
-    """`x @ (2 * W).t() + b`: the scaling and the transpose read only weights."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.w = torch.nn.Parameter(torch.randn(4, 3))
-        self.b = torch.nn.Parameter(torch.randn(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ (self.w * 2).t() + self.b
 
 
 class Inverse(torch.nn.Module):

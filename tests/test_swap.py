@@ -19,21 +19,9 @@ import torch
 
 from asyncgraph import Executor, ExecutorClosedError, ExecutorConfig
 from asyncgraph.passes.folding import ConstantFolder
+from tests.models import Scaled
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(60)]
-
-
-class Scaled(torch.nn.Module):
-    """`x @ (2 * W).t() + b`: the scaling and the transpose fold."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.w = torch.nn.Parameter(torch.randn(4, 3))
-        self.b = torch.nn.Parameter(torch.randn(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ (self.w * 2).t() + self.b
 
 
 class Counting(Scaled):
