@@ -43,6 +43,14 @@ class ExecutorClosedError(AsyncGraphError, RuntimeError):
     """The executor was closed with aclose(); it takes no new executions."""
 
 
+class BatchCancelledError(AsyncGraphError, RuntimeError):
+    """The batch a request ran in was cancelled by the runtime, not by the request's caller.
+
+    Raised on trio only (asyncio cancels the caller's future: CancelledError); a batch
+    cancelled by aclose(cancel=True) gives ExecutorClosedError instead.
+    """
+
+
 class WeightsError(AsyncGraphError, ValueError):
     """A weight swap names an unknown weight or a tensor of the wrong shape or dtype."""
 

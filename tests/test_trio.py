@@ -14,6 +14,8 @@ slice's fairness, the leak check itself, and one soak at ASYNCGRAPH_SOAK_SCALE.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import random
 import threading
 import warnings
@@ -29,10 +31,11 @@ from soak import soak
 from torch.export import Dim
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig, GraphBuilder
+from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.loop_budget import loop_budget
-from asyncgraph.testing import LeakChecker
+from asyncgraph.testing import FaultInjector, LeakChecker
 from asyncgraph.testing.leaks import LeakError
 
 BACKENDS = ["asyncio", "trio"]
@@ -297,6 +300,103 @@ def test_a_call_made_in_a_cancelled_scope_does_not_run(backend: str) -> None:
     run(body, backend)
 
 
+# -- aclose(cancel=True) ------------------------------------------------------------------
+
+
+def closed_by_cancel(backend: str) -> str:
+    """What a caller whose execution aclose(cancel=True) cancelled sees: on asyncio its task
+    is cancelled (CancelledError); on trio, where a cancellation belongs to a cancel scope,
+    ExecutorClosedError naming aclose(cancel=True)."""
+    return "cancelled" if backend == "asyncio" else "closed"
+
+
+async def outcome_of(call: Awaitable[Any], outcomes: dict[str, str], name: str) -> None:
+    """Record how `call` ended: "value", "closed" (ExecutorClosedError), "cancelled" (the
+    backend's cancellation) or the name of any other exception type."""
+    try:
+        await call
+        outcomes[name] = "value"
+    except ExecutorClosedError as exc:
+        assert "aclose(cancel=True)" in str(exc), str(exc)
+        outcomes[name] = "closed"
+    except cancelled_exc():
+        outcomes[name] = "cancelled"
+    except BaseException as exc:  # concurrent.futures.CancelledError would land here
+        outcomes[name] = type(exc).__qualname__
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_aclose_cancel_cancels_a_running_execution_and_a_frame_waiter(backend: str) -> None:
+    """aclose(cancel=True) cancels the execution that holds the frame and the one waiting for
+    it; the frame goes back (and aclose returns) only once the blocked worker ended, and the
+    next node never runs."""
+    blocker = Blocker()
+
+    async def body() -> None:
+        config = ExecutorConfig(max_concurrent_executions=1, max_parallel_ops=2)
+        ex = Executor(blocker.graph(), config)
+        outcomes: dict[str, str] = {}
+        closed: list[str] = []
+
+        async def close() -> None:
+            await ex.aclose(cancel=True)
+            closed.append("closed")
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(outcome_of, ex.execute(torch.ones(2)), outcomes, "running")
+            await until(blocker.entered.is_set, "the worker never started")
+            group.start_soon(outcome_of, ex.execute(torch.ones(2)), outcomes, "waiting")
+            await until(lambda: _waiters(ex) == 1, "the second call never waited")
+            group.start_soon(close)
+            await until(lambda: "waiting" in outcomes, "the frame waiter was not cancelled")
+            await settle(20)
+            assert "running" not in outcomes and closed == [], "ended while its worker ran"
+            assert ex.statistics().frames.in_use == 1
+            blocker.release()
+        expected = closed_by_cancel(backend)
+        assert outcomes == {"running": expected, "waiting": expected}
+        assert blocker.log == ["blocked", "released"], "the next node ran after aclose"
+        stats = ex.statistics()
+        assert (stats.cancelled, stats.completed, stats.frames.in_use) == (1, 0, 0)
+        assert stats.frames.waiters == 0 and stats.closed
+
+    run(body, backend)
+
+
+@pytest.mark.parametrize("backend", ["trio"])
+@pytest.mark.timeout(60)
+def test_the_callers_own_cancel_scope_wins_over_aclose_cancel(backend: str) -> None:
+    """Cancelled by its own scope and by aclose(cancel=True) at once, the caller sees its own
+    cancellation (its scope catches it), not ExecutorClosedError."""
+    blocker = Blocker()
+
+    async def body() -> None:
+        ex = Executor(blocker.graph(), ExecutorConfig(max_parallel_ops=2))
+        scope = anyio.CancelScope()
+        escaped: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                with scope:
+                    await ex.execute(torch.ones(2))
+            except BaseException as exc:
+                escaped.append(exc)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(call)
+            await until(blocker.entered.is_set, "the worker never started")
+            group.start_soon(functools.partial(ex.aclose, cancel=True))
+            await settle(5)
+            scope.cancel()
+            await settle(5)
+            blocker.release()
+        assert escaped == [] and scope.cancelled_caught
+        assert ex.statistics().cancelled == 1
+
+    run(body, backend)
+
+
 # -- the frame pool ------------------------------------------------------------------------
 
 
@@ -397,6 +497,65 @@ def test_batching_stacks_concurrent_requests(backend: str) -> None:
             assert stats.batches < 24, "no two requests shared a batch"
 
     run(body, backend)
+
+
+def batched_rows_with_a_gate(**batching: Any) -> tuple[Executor, Any]:
+    """Rows with batching, every node on a worker, `mul` blocked behind a gate."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        program = torch.export.export(
+            Rows().eval(), (torch.ones(2, 3),),
+            dynamic_shapes={"x": {0: Dim("batch", min=1, max=64)}},
+        )
+    faults = FaultInjector()
+    gate = faults.block("mul")
+    config = ExecutorConfig(
+        heavy_op_flops=0, adaptive_placement=False, batching=BatchingConfig(**batching)
+    )
+    return Executor(program, config, kernel_factory=faults.kernel_factory()), gate
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_aclose_cancel_ends_running_and_queued_batched_requests(backend: str) -> None:
+    """A request in a running batch and one still queued, both cancelled by the runtime
+    (aclose(cancel=True)): on trio each caller gets ExecutorClosedError, never
+    concurrent.futures.CancelledError; a caller whose own scope was cancelled meanwhile sees
+    its own cancellation."""
+
+    async def body() -> None:
+        ex, gate = batched_rows_with_a_gate(max_concurrent_batches=1)
+        outcomes: dict[str, str] = {}
+        own = anyio.CancelScope()
+
+        async def own_call() -> None:
+            with own:
+                await ex.execute(torch.ones(1, 3))
+            outcomes["own scope"] = "scope caught" if own.cancelled_caught else "no"
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(outcome_of, ex.execute(torch.ones(1, 3)), outcomes, "running")
+            await until(lambda: gate.entered >= 1, "the batch never started")
+            group.start_soon(outcome_of, ex.execute(torch.ones(1, 3)), outcomes, "queued")
+            group.start_soon(own_call)
+            await until(lambda: _queued(ex) == 2, "the requests never queued")
+            own.cancel()
+            await until(lambda: "own scope" in outcomes, "the own-scope call did not end")
+            group.start_soon(functools.partial(ex.aclose, cancel=True))
+            await until(lambda: "queued" in outcomes, "the queued request did not end")
+            gate.open()
+        expected = closed_by_cancel(backend)
+        assert outcomes == {"running": expected, "queued": expected, "own scope": "scope caught"}
+        leaked = concurrent.futures.CancelledError.__qualname__
+        assert leaked not in outcomes.values()
+        assert ex.statistics().frames.in_use == 0
+
+    run(body, backend)
+
+
+def _queued(ex: Executor) -> int:
+    stats = ex.batching_statistics()
+    return stats.queued if stats is not None else 0
 
 
 # -- the loop slice ------------------------------------------------------------------------

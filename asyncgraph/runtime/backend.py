@@ -22,9 +22,13 @@ when a trio run is in progress, so asyncio programs never import it.
 
 Cancellation on trio: `await future` in a cancelled scope raises trio's Cancelled and marks the
 future cancelled, as a cancelled asyncio task cancels the future it awaits (the frame pool and
-the scheduler rely on that); `future.cancel()` by its owner wakes the waiter with
-`concurrent.futures.CancelledError` (trio's Cancelled belongs to cancel scopes and cannot be
-raised at will).
+the scheduler rely on that). trio's Cancelled belongs to cancel scopes and cannot be raised at
+will, so the runtime never cancels a future someone awaits on trio: where asyncio's owner
+cancels it (the batcher giving up a request), the trio owner sets a named asyncgraph error
+instead (`future.cancel()` there would wake the waiter with `concurrent.futures.CancelledError`,
+asyncio's internals leaking into a trio program). Likewise there is no task to cancel for an
+execution: on trio each runs in a cancel scope of its own (`ScopeCaller`) that
+`Executor.aclose(cancel=True)` cancels.
 """
 
 from __future__ import annotations
@@ -69,6 +73,14 @@ class TaskLike(Protocol):
     def exception(self) -> BaseException | None: ...
     def cancel(self) -> bool: ...
     def add_done_callback(self, fn: Callable[[Any], object]) -> None: ...
+
+
+class Caller(Protocol):
+    """What `Executor.aclose(cancel=True)` cancels for an execution in flight: the calling
+    asyncio Task, or on trio the execution's own cancel scope (`ScopeCaller`)."""
+
+    def done(self) -> bool: ...
+    def cancel(self) -> Any: ...
 
 
 class Loop(Protocol):
@@ -388,6 +400,30 @@ class TrioTask:
 
     def __repr__(self) -> str:
         return f"<TrioTask {self._future!r}>"
+
+
+class ScopeCaller:
+    """An execution's stand-in for its calling task on trio, which has no `task.cancel()`:
+    the execution runs inside `scope`, and `cancel()` cancels just that scope (not the
+    caller's own scopes around it). The scope catches its own cancellation; when the
+    caller's own scope is cancelled too, trio hands the Cancelled to the caller's scope."""
+
+    __slots__ = ("scope",)
+
+    def __init__(self) -> None:
+        import trio
+
+        self.scope = trio.CancelScope()
+
+    def done(self) -> bool:
+        """Whether there is nothing left to cancel (the scope was cancelled already)."""
+        return self.scope.cancel_called
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+    def __repr__(self) -> str:
+        return f"<ScopeCaller cancelled={self.scope.cancel_called}>"
 
 
 def _trio_cancelled() -> type[BaseException]:

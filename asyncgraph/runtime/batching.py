@@ -44,7 +44,12 @@ import anyio.to_thread
 import sympy
 import torch
 
-from asyncgraph.errors import BatchingError, ExecutorClosedError, OverloadedError
+from asyncgraph.errors import (
+    BatchCancelledError,
+    BatchingError,
+    ExecutorClosedError,
+    OverloadedError,
+)
 from asyncgraph.graph.ir import Graph, OutputKind, Ref, TensorSpec
 from asyncgraph.runtime.backend import FutureLike, Handle, Loop, TaskLike, current_loop
 from asyncgraph.runtime.config import BatchingConfig
@@ -341,7 +346,7 @@ class Batcher:
             self._split(batch, outputs)
         except cancelled_exc:
             for request in batch:
-                request.future.cancel()
+                self._abandon(request)
             raise
         except Exception as exc:
             for request in batch:
@@ -349,7 +354,7 @@ class Batcher:
                     request.future.set_exception(exc)
         finally:
             for request in batch:  # nothing is left waiting, whatever happened
-                request.future.cancel()
+                self._abandon(request)
             self._batches.pop(task, None)  # type: ignore[arg-type]
             if not self._batches and self._drained is not None:
                 self._drained.set()
@@ -410,7 +415,7 @@ class Batcher:
         self._closed = True
         if cancel:
             for request in self._queue:
-                request.future.cancel()
+                self._abandon(request)
             self._queue.clear()
             for task in self._batches:
                 task.cancel()
@@ -422,6 +427,33 @@ class Batcher:
             else:
                 self._schedule_dispatch()
                 await anyio.lowlevel.checkpoint()
+
+    def _abandon(self, request: _Request) -> None:
+        """End a request the batcher gives up on while its caller may still wait (closed with
+        cancel, or its batch task cancelled or ended without its result).
+
+        On asyncio its future is cancelled: the caller gets CancelledError, as the callers
+        aclose(cancel=True) cancels do. On trio a cancellation belongs to a cancel scope and
+        cannot be raised at will (a cancelled future would raise concurrent.futures'
+        CancelledError, asyncio's internals, into a trio program), so the caller gets a named
+        error: ExecutorClosedError naming aclose(cancel=True) once the batcher is closed, else
+        BatchCancelledError. A caller whose own scope was cancelled has left already.
+        """
+        future = request.future
+        if future.done():
+            return
+        if self._loop().name == "asyncio":
+            future.cancel()
+        elif self._closed:
+            future.set_exception(ExecutorClosedError(
+                "the executor was closed with aclose(cancel=True) before this batched request "
+                "ran to its end"
+            ))
+        else:
+            future.set_exception(BatchCancelledError(
+                "the batch of this request was cancelled before it produced the request's "
+                "outputs (the batch's task was cancelled: the trio run is ending?)"
+            ))
 
     def _loop(self) -> Loop:
         """The bound loop's seam; the running one for a Batcher used without an Executor."""

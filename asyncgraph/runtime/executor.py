@@ -39,7 +39,7 @@ from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.passes.folding import ConstantFolder, fold_constants
 from asyncgraph.passes.recompose import recompose_attention
 from asyncgraph.runtime import registry
-from asyncgraph.runtime.backend import Loop, current_loop
+from asyncgraph.runtime.backend import Caller, Loop, ScopeCaller, current_loop
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.frame import ExecutionFrame
@@ -179,7 +179,7 @@ class Executor:
         self._cancelled_exc: type[BaseException] = asyncio.CancelledError  # the loop's
         self._closed = False
         self._started = self._completed = self._failed = self._cancelled = 0
-        self._callers: set[asyncio.Task[Any]] = set()
+        self._callers: set[Caller] = set()  # what aclose(cancel=True) cancels
         registry.register(self)
 
     # -- executions --------------------------------------------------------------------------
@@ -227,13 +227,20 @@ class Executor:
         self,
         flat: list[Any],
         caller_inputs: list[Any] | None = None,
-        caller: asyncio.Task[Any] | None = None,
+        caller: Caller | None = None,
     ) -> list[Any]:
         """One execution of validated inputs: take a frame, run, take the outputs. `caller`:
         the calling task, when the caller already asked for it."""
-        execution = next(self._ids)
-        if caller is None and self._loop is not None and self._loop.name == "asyncio":
+        if caller is None and self._loop is not None:
+            if self._loop.name != "asyncio":  # trio: no task to cancel, a scope (ScopeCaller)
+                caller = ScopeCaller()
+                with caller.scope:
+                    return await self._execute(flat, caller_inputs, caller)
+                raise ExecutorClosedError(  # the scope caught its own cancellation
+                    f"{self.program.name}: the execution was cancelled by aclose(cancel=True)"
+                )
             caller = asyncio.current_task()
+        execution = next(self._ids)
         if caller is not None:  # before the frame wait, so aclose(cancel=True) reaches waiters
             self._callers.add(caller)
         waited = time.perf_counter_ns() if self.recorder is not None else 0
@@ -355,7 +362,13 @@ class Executor:
     async def aclose(self, *, cancel: bool = False) -> None:
         """Stop taking executions, let those in flight finish (or cancel them), stop threads.
 
-        Idempotent. With `cancel=True` executions in flight are cancelled instead.
+        Idempotent. With `cancel=True` executions in flight, those waiting for a frame and
+        batched requests are cancelled instead; each still returns its frame only once its
+        worker threads and GPU work are done, and aclose returns after that. What the caller
+        sees: on asyncio its task is cancelled (CancelledError); on trio, where a cancellation
+        belongs to a cancel scope and cannot be raised at will, each execution runs in a
+        scope of its own that is cancelled, and the caller gets ExecutorClosedError naming
+        aclose(cancel=True) (a caller whose own scope was cancelled too gets its cancellation).
         """
         if not self._closed:
             self._closed = True
@@ -453,7 +466,7 @@ class Executor:
                 "this Executor is bound to another event loop; create one Executor per loop"
             )
 
-    def _in_flight_tasks(self) -> list[asyncio.Task[Any]]:
+    def _in_flight_tasks(self) -> list[Caller]:
         return [t for t in self._callers if not t.done()]
 
 
