@@ -204,6 +204,105 @@ async def test_swap_during_an_execution_keeps_its_version(
         await plain.aclose()
 
 
+class HoldFirst(KernelFactory):
+    """Holds only the first call of node `name` (before the segment runs) until `release`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self._first = True
+
+    def kernel_for(self, node: Node, graph: Graph) -> OpKernel | None:
+        kernel = super().kernel_for(node, graph)
+        if kernel is None or node.name != self.name:
+            return kernel
+        run: Callable[..., Any] = kernel.fn
+
+        def held(*args: Any) -> Any:
+            if self._first:
+                self._first = False
+                self.started.set()
+                assert self.release.wait(30), "the test never released the segment"
+            return run(*args)
+
+        return OpKernel(held, kernel.kind, kernel.name, kernel.cost)
+
+
+def test_weights_are_constants_of_the_segments(compiled: Compiled) -> None:
+    """Every weight a segment reads is baked into its AOTI model (so inductor can fold and
+    pre-pack it); only the user input is passed at run time."""
+    with zipfile.ZipFile(compiled.path("whole")) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(COMPILED_MANIFEST))
+        manifest = json.loads(archive.read(name))
+    first = manifest["segments"][0]
+    baked = {i for i, c in zip(first["inputs"], first["constants"], strict=True) if c}
+    assert baked == {"p_l1_weight", "p_l1_bias", "p_l2_weight", "p_l2_bias", "p_l3_weight",
+                     "p_l3_bias"}
+    delegate = asyncgraph.load(compiled.path("whole"), trust_compiled=True).graph.node(
+        "aoti_segment_0").target
+    assert set(first["constants"]) - {""} <= set(delegate.loader.get_constant_fqns())
+
+
+@pytest.mark.timeout(120)
+async def test_old_and_new_versions_interleave_on_one_segment(
+    compiled: Compiled, leak_check: Any
+) -> None:
+    """An execution on the old weights waits before segment 1 while one on the new weights
+    runs through it: each gets its own version (two containers), the old one's result is the
+    plain graph's on the old weights."""
+    hold = HoldFirst("aoti_segment_1")
+    ex = Executor(load_pt2(compiled.path("whole"), trust_compiled=True), kernel_factory=hold)
+    plain = Executor(compiled.source)
+    segment = ex.graph.node("aoti_segment_1").target
+    try:
+        x = torch.randn(3, 8)
+        old = await plain.execute(x)
+        running = asyncio.create_task(ex.execute(x))
+        await _wait(hold.started)  # segment 0 ran on the old weights; segment 1 not yet
+        new = perturbed_weights(ex.weights.tensors, 3)
+        ex.swap_weights(new)
+        plain.swap_weights(new)
+        expected_new = await plain.execute(x)
+        torch.testing.assert_close(await ex.execute(x), expected_new, **TOL)
+        hold.release.set()
+        torch.testing.assert_close(await running, old, **TOL)
+        torch.testing.assert_close(await ex.execute(x), expected_new, **TOL)
+        stats = segment.statistics()
+        assert stats["containers"] == 2 and stats["constants"] == 2
+    finally:
+        hold.release.set()
+        await ex.aclose()
+        await plain.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_swap_to_views_and_back(compiled: Compiled, leak_check: Any) -> None:
+    """Swapped weights that are non-contiguous views (a transposed copy's .t(), a slice of a
+    larger tensor) reach the compiled constants with the right values; swapping back to the
+    first tensors gives the first results again."""
+    ex = asyncgraph.load(compiled.path("whole"), trust_compiled=True)
+    plain = Executor(compiled.source)
+    try:
+        x = torch.randn(4, 8)
+        first = dict(ex.weights.tensors)
+        before = await ex.execute(x)
+        new = perturbed_weights(first, 4)
+        views = {k: (v.t().contiguous().t() if v.dim() == 2 else torch.cat([v, v])[v.numel():])
+                 for k, v in new.items()}
+        assert not views["l2.weight"].is_contiguous()
+        assert views["l2.bias"].storage_offset() > 0
+        ex.swap_weights(views)
+        plain.swap_weights(new)
+        torch.testing.assert_close(await ex.execute(x), await plain.execute(x), **TOL)
+        ex.swap_weights(first)
+        torch.testing.assert_close(await ex.execute(x), before, **TOL)
+    finally:
+        await ex.aclose()
+        await plain.aclose()
+
+
 @pytest.mark.timeout(120)
 async def test_cancel_between_segments(compiled: Compiled, leak_check: Any) -> None:
     gate = Gate("aoti_segment_0")

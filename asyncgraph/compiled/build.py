@@ -38,13 +38,22 @@ from torch.utils import _pytree as pytree
 from asyncgraph.compiled.package import SegmentRecord, write_package
 from asyncgraph.compiled.segments import Segment, find_segments
 from asyncgraph.graph.importers import Program, from_exported_program, load_pt2
-from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, InputKind, TensorSpec
+from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, InputKind, OutputKind, TensorSpec
 from asyncgraph.kernels import KernelFactory
 from asyncgraph.kernels.cost import estimate_cost
 from asyncgraph.passes.rewrite import substitute
 from asyncgraph.tools.compare import random_flat_inputs
 
 Progress = Callable[[str], None]
+
+# Inductor settings that keep every weight a constant the buffer update reaches: small
+# tensors are not inlined into the kernels as literals, and whatever inductor folds from the
+# weights (transposes, pre-packed matrices) is folded at run time, from the constants, again
+# after each update, rather than once at compile time.
+SWAPPABLE_CONSTANTS: dict[str, Any] = {
+    "always_keep_tensor_constants": True,
+    "aot_inductor.use_runtime_constant_folding": True,
+}
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,7 @@ def compile_program(
     say(f"running the program once on its example inputs ({len(graph.nodes)} nodes)")
     values = example_values(program, inputs)
     segments = _tensor_bounded_segments(graph, mode, values)
+    frozen = swappable_weights(graph)
     say(f"{len(segments)} segment(s) to compile ({mode})")
     with tempfile.TemporaryDirectory(prefix="asyncgraph-aoti-") as tmp:
         compiled: list[tuple[SegmentRecord, Path]] = []
@@ -105,8 +115,8 @@ def compile_program(
             name = f"aoti_segment_{len(compiled)}"
             t0 = time.perf_counter()
             try:
-                aoti = _compile_segment(graph, segment, values, Path(tmp) / f"{name}.pt2",
-                                        inductor_configs)
+                aoti = _compile_segment(graph, segment, values, frozen,
+                                        Path(tmp) / f"{name}.pt2", inductor_configs)
             except Exception as exc:  # export or inductor refused it: keep it interpreted
                 reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}" \
                     if str(exc).strip() else type(exc).__name__
@@ -123,6 +133,8 @@ def compile_program(
                     for v in segment.inputs
                 ),
                 cost=sum(estimate_cost(n, graph) for n in segment.nodes(graph)),
+                constants=tuple(_constant_name(i) if v in frozen else ""
+                                for i, v in enumerate(segment.inputs)),
                 compile_s=round(time.perf_counter() - t0, 3),
             )
             compiled.append((record, aoti))
@@ -237,33 +249,60 @@ def _tensor_bounded_segments(graph: Graph, mode: str, values: list[Any]) -> list
             return segments
 
 
-def segment_module(graph: Graph, segment: Segment) -> torch.fx.GraphModule:
-    """The segment as an fx GraphModule: its outside values in, its outputs out as a tuple."""
+def swappable_weights(graph: Graph) -> dict[int, str]:
+    """Value id -> weight name of the weights a segment bakes in as AOTI constants: every
+    parameter, buffer and constant the program does not mutate (a buffer it writes back gets a
+    new tensor on every call, so it stays a run-time input)."""
+    mutated = {o.target for o in graph.signature.outputs if o.kind is OutputKind.BUFFER_MUTATION}
+    return {s.value: s.target or "" for s in graph.signature.inputs
+            if s.kind in WEIGHT_KINDS and s.target not in mutated}
+
+
+def _constant_name(index: int) -> str:
+    """The name of a segment's input `index` as an AOTI constant (its FQN in the package)."""
+    return f"weight_{index}"
+
+
+def segment_module(
+    graph: Graph, segment: Segment, constants: Mapping[int, torch.Tensor] | None = None,
+) -> torch.fx.GraphModule:
+    """The segment as an fx GraphModule: its outside values in, its outputs out as a tuple.
+    An input in `constants` (value id -> tensor) is a buffer of the module instead of a
+    placeholder: AOTInductor bakes it in as a constant it can fold and pre-pack."""
     fx = torch.fx.Graph()
+    root = torch.nn.Module()
     env: dict[int, Any] = {}
     for i, vid in enumerate(segment.inputs):
-        env[vid] = fx.placeholder(f"in_{i}_{_ident(graph.values[vid].name)}")
+        if constants is not None and vid in constants:
+            root.register_buffer(_constant_name(i), constants[vid])
+            env[vid] = fx.get_attr(_constant_name(i))
+        else:
+            env[vid] = fx.placeholder(f"in_{i}_{_ident(graph.values[vid].name)}")
     for node in segment.nodes(graph):
         env[node.output] = fx.call_function(
             node.target, substitute(node.args, env), substitute(node.kwargs, env)
         )
     fx.output(tuple(env[v] for v in segment.outputs))
-    return torch.fx.GraphModule(torch.nn.Module(), fx)
+    return torch.fx.GraphModule(root, fx)
 
 
 def _compile_segment(
-    graph: Graph, segment: Segment, values: list[Any], path: Path,
+    graph: Graph, segment: Segment, values: list[Any], frozen: Mapping[int, str], path: Path,
     inductor_configs: dict[str, Any] | None,
 ) -> Path:
-    gm = segment_module(graph, segment)
-    args = tuple(_plain(values[v]) for v in segment.inputs)
-    dynamic = tuple(_dynamic_dims(graph, v) for v in segment.inputs)
+    constants = {v: _plain(values[v]).detach().contiguous() for v in segment.inputs
+                 if v in frozen and isinstance(values[v], torch.Tensor)}
+    gm = segment_module(graph, segment, constants)
+    runtime = [v for v in segment.inputs if v not in constants]
+    args = tuple(_plain(values[v]) for v in runtime)
+    dynamic = tuple(_dynamic_dims(graph, v) for v in runtime)
     with warnings.catch_warnings():  # torch's tracing notes, not the caller's business
         warnings.simplefilter("ignore")
         exported = torch.export.export(gm, args, dynamic_shapes=dynamic)
-        _check_still_dynamic(exported, dynamic, graph, segment)
+        _check_still_dynamic(exported, dynamic, graph, runtime)
         torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(path), inductor_configs=inductor_configs
+            exported, package_path=str(path),
+            inductor_configs={**SWAPPABLE_CONSTANTS, **(inductor_configs or {})},
         )
     return path
 
@@ -287,12 +326,13 @@ def _dynamic_dims(graph: Graph, vid: int) -> dict[int, Any] | None:
 
 def _check_still_dynamic(
     exported: ExportedProgram, dynamic: tuple[dict[int, Any] | None, ...], graph: Graph,
-    segment: Segment,
+    runtime: Sequence[int],
 ) -> None:
     """Refuse a segment whose export fixed a dimension the program leaves free: its compiled
     code would only be right for the example's size."""
-    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
-    for node, dims, vid in zip(placeholders, dynamic, segment.inputs, strict=True):
+    user = set(exported.graph_signature.user_inputs)
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder" and n.name in user]
+    for node, dims, vid in zip(placeholders, dynamic, runtime, strict=True):
         val = node.meta.get("val")
         for dim in dims or {}:
             if isinstance(val, torch.Tensor) and isinstance(val.shape[dim], int):

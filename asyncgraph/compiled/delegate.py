@@ -1,65 +1,203 @@
 """AOTIDelegate: one compiled segment, called by the scheduler like any kernel.
 
 The delegate node's target. KernelFactory gives it an OpKernel of kind DELEGATE (it sees
-`kernel_kind`), which the plan places on a worker thread: the segment holds many nodes' work,
-and the AOTI runner releases the GIL while it runs. Its arguments are the segment's inputs,
-weights included, read from the execution's frame; it returns the segment's outputs as a list
-that operator.getitem nodes take apart.
+`kernel_kind`). Its arguments are all the segment's inputs, read from the execution's frame,
+weights included; it returns the segment's outputs as a list that operator.getitem nodes take
+apart.
 
-Weights are arguments, not constants baked into the compiled model (see asyncgraph/compiled/
-__init__.py for why): so a swap needs no recompile and no constant-buffer update, and each
-execution runs on the weights version it started with.
+Weights are constants of the compiled model (AOTInductor folds and pre-packs them), yet each
+execution runs on the weights version it started with. The delegate still receives the
+execution's weight tensors as arguments, and runs the segment on a container whose constant
+buffer holds exactly those tensors (checked by identity: a swap makes new Weights whose swapped
+entries are other tensor objects). When none does, it loads them into an idle container with
+AOTInductor's constant-buffer update (`load_constants`, copied into the container's own
+buffer; the container refolds its derived constants on its next run), never a recompile.
+
+A second container is made on the first call with other weights than the first holds: during
+a swap, executions on the old version keep running on one container while the new version
+runs on the other, so neither waits for the other (no barrier) and the buffer of a container
+is never changed under a running call. With both busy on two other versions (a third version
+arriving while two are still running) a call waits until one is free. Loading costs one copy
+of the segment's weights, once per swap per container, paid by the first call on the new
+version (on its worker thread).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from asyncgraph.kernels.base import KernelKind
 
+MAX_CONTAINERS = 2  # a version running and the next one: enough for swaps without waiting
+
+
+@dataclass(eq=False)
+class _Container:
+    """One AOTI model container and the weight tensors its constant buffer holds."""
+
+    loader: Any
+    weights: tuple[Any, ...]  # the tensors loaded, held so their identities stay theirs
+    ready: bool = True  # False while a call loads `weights` into it
+    running: int = 0  # calls running on it now
+    last_used: int = 0
+    loads: int = 0
+
 
 class AOTIDelegate:
     """Calls one AOTInductor model (an AOTIModelPackageLoader) on a segment's inputs.
 
     `contiguous[i]` says whether input i was contiguous when the segment was compiled: the
-    compiled code assumes the strides it saw, so an input that is not (a swapped weight made
-    with .t(), a sliced user input) is made contiguous first rather than read wrongly.
+    compiled code assumes the strides it saw, so an input that is not (a sliced user input)
+    is made contiguous first rather than read wrongly. `constants[i]` is input i's constant
+    name in the AOTI model ("" for an input passed at run time); `baked[i]` the tensor the
+    model was compiled with for that constant; `new_loader` makes another container.
     """
 
     kernel_kind = KernelKind.DELEGATE
 
     def __init__(
         self, name: str, loader: Any, contiguous: Sequence[bool], node_names: Sequence[str],
-        cost: int = 0,
+        cost: int = 0, *, constants: Sequence[str] | None = None,
+        baked: Sequence[Any] | None = None, new_loader: Callable[[], Any] | None = None,
     ) -> None:
         self.__name__ = name
         self.__qualname__ = name
-        self.loader = loader
         self.contiguous = tuple(contiguous)
         self.node_names = tuple(node_names)
         self.cost = cost
+        names = tuple(constants) if constants is not None else ("",) * len(self.contiguous)
+        self._runtime = tuple(i for i, c in enumerate(names) if not c)
+        self._constant = tuple(i for i, c in enumerate(names) if c)
+        self._fqns = tuple(names[i] for i in self._constant)
+        self._new_loader = new_loader
+        held = tuple(baked[i] for i in self._constant) if baked is not None else ()
+        first = _Container(loader, held if len(held) == len(self._constant) else ())
+        self._containers = [first]
+        self._latest = first
+        self._changed = threading.Condition()
+        self._clock = 0
         self.calls = 0
+        self.loads = 0
+
+    @property
+    def loader(self) -> Any:
+        """The first container's loader (the one made at load time)."""
+        return self._containers[0].loader
 
     def __call__(self, *inputs: Any) -> list[torch.Tensor]:
         if len(inputs) != len(self.contiguous):
             raise TypeError(
                 f"{self.__name__}: expected {len(self.contiguous)} inputs, got {len(inputs)}"
             )
-        args = [
-            t.contiguous() if want and isinstance(t, torch.Tensor) and not t.is_contiguous()
-            else t
-            for t, want in zip(inputs, self.contiguous, strict=True)
-        ]
+        args = [self._arg(inputs[i], i) for i in self._runtime]
         self.calls += 1
-        outputs: list[torch.Tensor] = self.loader.run(args)
+        if not self._constant:
+            outputs: list[torch.Tensor] = self._latest.loader.run(args)
+            return outputs
+        weights = tuple(inputs[i] for i in self._constant)
+        container = self._acquire(weights)
+        try:
+            outputs = container.loader.run(args)
+        finally:
+            with self._changed:
+                container.running -= 1
+                self._changed.notify_all()
         return outputs
 
+    def _arg(self, value: Any, index: int) -> Any:
+        if self.contiguous[index] and isinstance(value, torch.Tensor) and not value.is_contiguous():
+            return value.contiguous()
+        return value
+
+    def _acquire(self, weights: tuple[Any, ...]) -> _Container:
+        """A container holding `weights`, marked running; loads them into one when none does."""
+        latest = self._latest
+        with self._changed:
+            while True:
+                if latest.ready and _same(latest.weights, weights):  # the usual case
+                    return self._take(latest)
+                for container in self._containers:
+                    if _same(container.weights, weights):
+                        if container.ready:
+                            return self._take(container)
+                        break  # another call is loading these: wait for it
+                else:
+                    target = self._idle_container()
+                    if target is not None:
+                        break
+                self._changed.wait()
+                latest = self._latest
+            target.weights, target.ready, target.running = weights, False, 1
+        try:
+            self._load(target.loader, weights)
+        except BaseException:
+            with self._changed:
+                target.weights, target.ready, target.running = (), True, 0
+                self._changed.notify_all()
+            raise
+        with self._changed:
+            target.ready = True
+            target.loads += 1
+            self.loads += 1
+            self._touch(target)
+            self._changed.notify_all()
+        return target
+
+    def _take(self, container: _Container) -> _Container:
+        container.running += 1
+        self._touch(container)
+        return container
+
+    def _touch(self, container: _Container) -> None:
+        self._clock += 1
+        container.last_used = self._clock
+        self._latest = container
+
+    def _idle_container(self) -> _Container | None:
+        """A new container while fewer than MAX_CONTAINERS exist (the old version may still
+        be wanted: executions that started on it and have not reached this segment yet),
+        else the least recently used one no call runs on, or None: wait."""
+        if len(self._containers) < MAX_CONTAINERS and self._new_loader is not None:
+            container = _Container(self._new_loader(), ())
+            self._containers.append(container)
+            return container
+        idle = [c for c in self._containers if c.running == 0 and c.ready]
+        return min(idle, key=lambda c: c.last_used) if idle else None
+
+    def _load(self, loader: Any, weights: tuple[Any, ...]) -> None:
+        """Copy `weights` into the loader's active constant buffer (no call runs on it)."""
+        tensors = {}
+        for fqn, value in zip(self._fqns, weights, strict=True):
+            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+                raise TypeError(f"{self.__name__}: constant {fqn} must be a CPU tensor, got "
+                                f"{type(value).__name__}")
+            tensors[fqn] = _compact(value)
+        loader.load_constants(tensors, False, False)
+
     def statistics(self) -> dict[str, Any]:
-        """Calls so far and the nodes this segment replaces."""
-        return {"name": self.__name__, "calls": self.calls, "nodes": len(self.node_names)}
+        """Calls so far, the nodes this segment replaces, its containers and buffer loads."""
+        return {"name": self.__name__, "calls": self.calls, "nodes": len(self.node_names),
+                "constants": len(self._constant), "containers": len(self._containers),
+                "loads": self.loads}
 
     def __repr__(self) -> str:
         return f"<AOTIDelegate {self.__name__}: {len(self.node_names)} nodes>"
+
+
+def _same(held: tuple[Any, ...], weights: tuple[Any, ...]) -> bool:
+    return len(held) == len(weights) and all(a is b for a, b in zip(held, weights, strict=True))
+
+
+def _compact(value: torch.Tensor) -> torch.Tensor:
+    """`value` as a tensor that owns exactly its bytes, contiguous: the buffer update copies
+    the whole storage from the data pointer and keeps the compiled strides."""
+    value = value.detach()
+    whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    if value.is_contiguous() and value.storage_offset() == 0 and whole:
+        return value
+    return value.clone(memory_format=torch.contiguous_format)

@@ -43,10 +43,10 @@ from asyncgraph.compiled.delegate import AOTIDelegate
 from asyncgraph.compiled.segments import Segment, _segment
 from asyncgraph.errors import ProgramLoadError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
-from asyncgraph.graph.ir import Graph, Node, Ref, Signature, Value
+from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, Node, Ref, Signature, Value
 from asyncgraph.passes.rewrite import rebuild
 
-FORMAT = "asyncgraph-aoti/1"
+FORMAT = "asyncgraph-aoti/2"  # /2: weights are constants of the segments
 _AOTI_DIR = "data/aotinductor/"
 
 
@@ -61,6 +61,8 @@ class SegmentRecord:
     contiguous: tuple[bool, ...]
     cost: int = 0
     compile_s: float = 0.0
+    # per input: its AOTI constant name when the segment bakes it in (a weight), else ""
+    constants: tuple[str, ...] = ()
 
 
 def build_platform() -> dict[str, str]:
@@ -165,7 +167,7 @@ def load_compiled(path: str | os.PathLike[str], *, runners: int = 1) -> Any:
     ep = _load_program_only(p)
     program = from_exported_program(ep)
     records = [_record(s) for s in manifest["segments"]]
-    graph = splice(program.graph, records, str(p), max(1, runners))
+    graph = splice(program.graph, records, str(p), max(1, runners), program.weights)
     return Program(graph, program.weights, p.name, program.reference, ep)
 
 
@@ -174,6 +176,7 @@ def _record(entry: Mapping[str, Any]) -> SegmentRecord:
         name=str(entry["name"]), nodes=tuple(entry["nodes"]), inputs=tuple(entry["inputs"]),
         outputs=tuple(entry["outputs"]), contiguous=tuple(bool(c) for c in entry["contiguous"]),
         cost=int(entry.get("cost", 0)), compile_s=float(entry.get("compile_s", 0.0)),
+        constants=tuple(str(c) for c in entry.get("constants", ())),
     )
 
 
@@ -203,9 +206,16 @@ class _Source:
     signature: Signature
 
 
-def splice(graph: Graph, records: Sequence[SegmentRecord], package: str, runners: int) -> Graph:
-    """`graph` with each segment's nodes replaced by its delegate node and getitems."""
+def splice(
+    graph: Graph, records: Sequence[SegmentRecord], package: str, runners: int,
+    weights: Mapping[str, Any] | None = None,
+) -> Graph:
+    """`graph` with each segment's nodes replaced by its delegate node and getitems.
+    `weights` (name -> tensor) are those the compiled segments were built with."""
     values = list(graph.values)
+    named = weights or {}
+    baked = {s.value: named.get(s.target or "") for s in graph.signature.inputs
+             if s.kind in WEIGHT_KINDS}
     by_start: dict[int, tuple[SegmentRecord, Segment]] = {}
     for record in records:
         segment = _match(graph, record, package)
@@ -218,7 +228,7 @@ def splice(graph: Graph, records: Sequence[SegmentRecord], package: str, runners
             i += 1
             continue
         record, segment = by_start[i]
-        nodes += _delegate_nodes(graph, record, segment, values, package, runners)
+        nodes += _delegate_nodes(graph, record, segment, values, package, runners, baked)
         i = segment.stop
     return rebuild(cast(Graph, _Source(values, graph.signature)), nodes)
 
@@ -248,18 +258,34 @@ def _match(graph: Graph, record: SegmentRecord, package: str) -> Segment:
         )
     if len(record.contiguous) != len(inputs):
         raise ProgramLoadError(f"{package}: {record.name}: malformed 'contiguous' list")
+    if record.constants and len(record.constants) != len(inputs):
+        raise ProgramLoadError(f"{package}: {record.name}: malformed 'constants' list")
     return segment
 
 
 def _delegate_nodes(
     graph: Graph, record: SegmentRecord, segment: Segment, values: list[Value], package: str,
-    runners: int,
+    runners: int, weights: Mapping[int, Any],
 ) -> list[Node]:
+    def new_loader() -> Any:
+        return torch._C._aoti.AOTIModelPackageLoader(package, record.name, False, runners, -1)
+
     try:
-        loader = torch._C._aoti.AOTIModelPackageLoader(package, record.name, False, runners, -1)
+        loader = new_loader()
     except Exception as exc:
         raise ProgramLoadError(f"{package}: cannot load {record.name}: {exc}") from exc
-    delegate = AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost)
+    constants = record.constants or ("",) * len(record.inputs)
+    baked = tuple(weights.get(v) if c else None
+                  for v, c in zip(segment.inputs, constants, strict=True))
+    fqns = set(loader.get_constant_fqns())
+    unknown = [c for c in constants if c and c not in fqns]
+    if unknown:
+        raise ProgramLoadError(
+            f"{package}: {record.name} lists constants {unknown} that its AOTI model lacks "
+            f"(it has {sorted(fqns)})"
+        )
+    delegate = AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost,
+                            constants=constants, baked=baked, new_loader=new_loader)
     result = len(values)
     values.append(Value(result, record.name))
     first = segment.nodes(graph)[0]
