@@ -17,7 +17,6 @@ from asyncgraph.serve.admission import (
     MAX_QUEUE,
     MAX_QUEUE_BYTES,
     SERVICE_EWMA_WEIGHT,
-    THROUGHPUT_EWMA_WEIGHT,
     Admission,
     Ticket,
 )
@@ -42,12 +41,23 @@ def clock_of(admission: Admission) -> FakeClock:
     return clock
 
 
-async def measure(admission: Admission, *service_s: float) -> None:
-    """Run requests one after another that each hold a slot for `service_s` fake seconds."""
+async def measure(
+    admission: Admission, *service_s: float, decode_s: float | None = None,
+    encode_s: float | None = None,
+) -> None:
+    """Run requests one after another that each hold a slot for `service_s` fake seconds,
+    after `decode_s` in the decode lane and before `encode_s` encoding (when given)."""
+    clock = clock_of(admission)
     for seconds in service_s:
         with admission.enter() as ticket:
+            if decode_s is not None:
+                async with admission.decoding(ticket):
+                    clock.now += decode_s
             async with admission.slot(ticket):
-                clock_of(admission).now += seconds
+                clock.now += seconds
+        if encode_s is not None:
+            with admission.encoding():
+                clock.now += encode_s
 
 
 def refused(reason: str, admission: Admission, *args: float | None) -> ProtocolError:
@@ -71,29 +81,82 @@ async def test_service_time_is_an_exponentially_weighted_mean() -> None:
     assert stats.completed == stats.admitted == 2 and stats.queued == stats.running == 0
 
 
-async def test_the_backlogged_throughput_counts_the_time_outside_the_slot_too() -> None:
-    """A request's body read and decode happen before its slot; when they are the bottleneck
-    the slot time says the gate is fast while completions say otherwise. The rate follows
-    completions per backlogged second once the gate has been backlogged."""
-    admission = gate(capacity=1)
-    clock = clock_of(admission)
-    a, b, c = admission.enter(), admission.enter(), admission.enter()  # backlogged from here
-    async with admission.slot(a):
-        clock.now += 0.5
-    assert admission.throughput == pytest.approx(1 / 0.5)
-    clock.now += 1.0  # b's decode, outside any slot
-    async with admission.slot(b):
-        clock.now += 0.5
-    keep = 1 - THROUGHPUT_EWMA_WEIGHT
-    expected = (keep + 1) / (0.5 * keep + 1.5)
-    assert admission.throughput == pytest.approx(expected)
-    assert admission.service_rate == pytest.approx(expected)  # not capacity / 0.5 s = 2
-    clock.now += 10.0  # idle, not backlogged: c alone neither counts nor spoils the rate
-    async with admission.slot(c):
-        clock.now += 0.5
-    assert admission.throughput == pytest.approx(expected)
-    assert admission.mean_service_s == pytest.approx(0.5)
-    assert admission.queued == 0 and admission.running == 0
+async def test_the_decode_lane_measures_decode_and_encode_as_loop_time_per_request() -> None:
+    """Decoding and encoding hold the event loop: the gate measures them per request, and the
+    rate it serves at is the slower of the loop (1 / that time) and the slots."""
+    admission = gate(capacity=4)
+    await measure(admission, 0.2, decode_s=0.05, encode_s=0.01)
+    assert admission.mean_decode_s == pytest.approx(0.05)
+    assert admission.mean_encode_s == pytest.approx(0.01)
+    assert admission.service_rate == pytest.approx(1 / 0.06)  # not 4 / 0.2 = 20
+    await measure(admission, 0.2, decode_s=0.15, encode_s=0.01)
+    assert admission.mean_decode_s == pytest.approx(0.05 + SERVICE_EWMA_WEIGHT * 0.1)
+    stats = admission.statistics()
+    assert stats.mean_decode_s == admission.mean_decode_s and stats.decoding == 0
+
+
+async def test_a_decode_bound_overload_is_refused_on_arrival() -> None:
+    """The issue's decode-bound model: 10 ms of JSON decode on the loop, 0.1 ms of execution,
+    8 free slots. Requests admitted and not yet decoded queue for the loop, one after another:
+    with a 100 ms deadline at most 9 fit ahead of a new one, whatever the free slots say."""
+    admission = gate(capacity=8)
+    await measure(admission, 0.0001, decode_s=0.01)
+    admitted: list[Ticket] = []
+    for _ in range(50):
+        try:
+            admitted.append(admission.enter(1000, 0.1))
+        except ProtocolError as exc:
+            assert exc.status == 503
+    # the k-th admitted expects (k + 1) x 10 ms of decode, then 0.1 ms of execution
+    assert len(admitted) == 9 and admission.refused[DEADLINE] == 41
+    error = refused(DEADLINE, admission, 1000, 0.1)
+    assert "9 request(s) ahead" in str(error) and "9 to decode at 10.0 ms each" in str(error)
+    assert "expected to finish in 100 ms" in str(error)
+    for ticket in admitted:
+        ticket.close()
+    assert admission.queued == 0
+
+
+async def test_the_decode_lane_gives_the_loop_a_turn_between_long_decodes() -> None:
+    """A decode holds the loop. Once decodes have held it for the slice (0 here: every
+    decode is long), the next one waits for a loop turn of its own, so whatever became ready
+    meanwhile (a request to refuse, a completion) runs before it; one at a time, in order."""
+    admission = Admission("m", 8, 1000, 1 << 30, clock=FakeClock(), lane_slice_s=0.0)
+    order: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    async def decode(name: str) -> None:
+        with admission.enter() as ticket:
+            async with admission.decoding(ticket):
+                order.append(name)
+                loop.call_soon(order.append, f"after {name}")  # e.g. a new arrival
+
+    tasks = [loop.create_task(decode(name)) for name in ("a", "b", "c")]
+    loop.call_soon(order.append, "arrival")  # ready before any decode has run
+    await _until(lambda: len(order) == 1)
+    assert admission.statistics().decoding == 3  # one in the lane, two waiting for it
+    await asyncio.gather(*tasks)
+    assert order == ["arrival", "a", "after a", "b", "after b", "c", "after c"]
+    assert admission.queued == 0 and admission.statistics().decoding == 0
+
+
+async def test_short_decodes_run_together_within_the_slice() -> None:
+    """Decodes that together hold the loop less than the slice run back to back in the loop
+    turn they became ready in, as they would without the lane (a batcher sees them together)."""
+    admission = Admission("m", 8, 1000, 1 << 30, clock=FakeClock(), lane_slice_s=3600.0)
+    order: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    async def decode(name: str) -> None:
+        with admission.enter() as ticket:
+            async with admission.decoding(ticket):
+                order.append(name)
+
+    await decode("first")  # opens the slice
+    tasks = [loop.create_task(decode(name)) for name in ("a", "b", "c")]
+    loop.call_soon(order.append, "arrival")
+    await asyncio.gather(*tasks)
+    assert order == ["first", "a", "b", "c", "arrival"]
 
 
 async def test_a_failed_or_cancelled_request_does_not_count_as_a_service_time() -> None:
@@ -117,15 +180,24 @@ async def test_expected_wait_counts_the_requests_ahead_beyond_the_free_slots() -
     admission.running = 0
 
 
-async def test_nothing_is_refused_for_time_before_the_first_measurement() -> None:
-    admission = gate(capacity=1)
-    async with AsyncExitStack() as stack:
-        running = stack.enter_context(admission.enter(0, 0.001))
-        await stack.enter_async_context(admission.slot(running))
-        tickets = [admission.enter(0, 0.001) for _ in range(50)]  # all would wait
-        assert admission.queued == 50 and admission.refused[DEADLINE] == 0
-        for ticket in tickets:
-            ticket.close()
+async def test_before_the_first_measurement_only_what_the_slots_hold_is_admitted() -> None:
+    """Nothing measured, nothing can be promised: a request with a deadline is admitted while
+    the requests in flight fit the slots (none of them queues); the rest of a first burst is
+    refused at once, not admitted blindly to miss its deadline. Without a deadline a request
+    is never refused for time."""
+    admission = gate(capacity=2)
+    first = admission.enter(0, 1.0)
+    second = admission.enter(0, 1.0)
+    error = refused(DEADLINE, admission, 0, 1.0)
+    assert "nothing measured yet" in str(error) and "2 request(s) in flight" in str(error)
+    patient = [admission.enter(0, None) for _ in range(5)]
+    assert admission.queued == 7 and admission.refused[DEADLINE] == 1
+    for ticket in (first, second, *patient):
+        ticket.close()
+    await measure(admission, 0.01)
+    tickets = [admission.enter(0, 1.0) for _ in range(10)]  # measured: 10 x 5 ms fit in 1 s
+    for ticket in tickets:
+        ticket.close()
 
 
 async def test_a_request_that_cannot_make_its_deadline_is_refused_at_once() -> None:

@@ -28,6 +28,7 @@ import asyncgraph
 from asyncgraph.graph.builder import GraphBuilder
 from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.serve import InferenceServer, ProtocolError, create_app, running_server
+from asyncgraph.serve import app as app_module
 from asyncgraph.testing import FaultInjector
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -490,13 +491,14 @@ async def test_a_requests_own_timeout_refuses_it_when_it_cannot_make_it() -> Non
 
 @pytest.mark.timeout(60)
 async def test_a_deadline_that_passes_while_queued_answers_504_without_running() -> None:
-    """Before anything is measured a request is admitted; its own 50 ms timeout passes while
-    it waits behind a held execution: 504, and it never reaches the kernel."""
+    """Measured at 1 ms a request, a request with its own 50 ms timeout is admitted behind a
+    held execution; the timeout passes while it waits: 504, and it never reaches the kernel."""
     gate = Gate()
     config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
     async with asyncgraph.Executor(gated_graph(gate), config) as ex, serving({"g": ex}) as (
         server, client, _url
     ):
+        await measured_slow_service(server, client, gate, 0.001)
         held = asyncio.create_task(
             client.post("/v2/models/g/infer", json=infer_body(torch.ones(2)))
         )
@@ -509,14 +511,118 @@ async def test_a_deadline_that_passes_while_queued_answers_504_without_running()
         error = late.json()["error"]
         assert "50 ms timeout (parameters.timeout) while queued" in error
         assert "it never ran" in error
-        assert gate.calls == 1
+        assert gate.calls == 2
         gate.release.set()
         assert (await held).status_code == 200
         admission = server.served("g").admission
         assert admission.queued == 0 and admission.running == 0
         text = (await client.get("/metrics")).text
     assert metric(text, "nv_inference_request_failure", model="g", reason="CANCELED") == 1
-    assert ex.statistics().completed == 1
+    assert ex.statistics().completed == 2
+
+
+@pytest.mark.timeout(60)
+async def test_a_first_burst_before_any_measurement_is_refused_beyond_the_slots() -> None:
+    """A fresh server has measured nothing, so it cannot promise a deadline to a request that
+    would queue: with its one slot held, a burst with a 2 s timeout is refused (503) at once
+    instead of being admitted blindly to miss its deadline (504 after 2 s). Once a request
+    has completed, the gate judges by what it measured."""
+    gate = Gate()
+    config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
+    async with asyncgraph.Executor(gated_graph(gate), config) as ex, serving(
+        {"g": ex}, timeout_ms=2000
+    ) as (_server, client, _url):
+        body = infer_body(torch.ones(2))
+        held = asyncio.create_task(client.post("/v2/models/g/infer", json=body))
+        async with asyncio.timeout(WAIT_S):
+            await gate.started.wait()
+        burst = await asyncio.gather(
+            *(client.post("/v2/models/g/infer", json=body) for _ in range(5))
+        )
+        calls = gate.calls
+        gate.release.set()
+        assert (await held).status_code == 200
+        after = await client.post("/v2/models/g/infer", json=body)
+        text = (await client.get("/metrics")).text
+    assert calls == 1  # no refused request ran
+    for r in burst:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "nothing measured yet" in r.json()["error"], r.text
+    assert after.status_code == 200
+    assert metric(text, "asyncgraph_admission_refusals_total", model="g", reason="deadline") == 5
+    assert ex.statistics().completed == 2
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One HTTP/1.1 response with a Content-Length: its status and body."""
+    status = int((await reader.readline()).split()[1])
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    return status, await reader.readexactly(length)
+
+
+@pytest.mark.timeout(60)
+async def test_a_decode_bound_overload_is_refused_before_the_admitted_requests_finish(
+    linear: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's decode-bound model: a request's cost is its JSON decode on the event loop,
+    not its execution. Here each decode costs 150 ms on the gate's clock and execution none;
+    with a 1 s timeout, 6 requests admitted and still sending their bodies will hold the loop
+    for 0.9 s, so the next ones are refused (503) on arrival, answered while the admitted
+    ones ahead of them have not even been read. The admitted ones then succeed."""
+    model, ep = linear
+    clock = FakeClock()
+    decode = app_module.decode_request
+
+    def costly_decode(*args: Any) -> Any:
+        clock.now += 0.15
+        return decode(*args)
+
+    monkeypatch.setattr(app_module, "decode_request", costly_decode)
+    x = torch.randn(1, 4)
+    body = json.dumps(infer_body(x)).encode()
+    head = (b"POST /v2/models/lin/infer HTTP/1.1\r\nHost: test\r\nContent-Type: "
+            b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}, timeout_ms=1000) as (
+        server, client, url
+    ):
+        admission = server.served("lin").admission
+        admission.clock = clock
+        assert (await client.post("/v2/models/lin/infer", content=body)).status_code == 200
+        assert admission.mean_decode_s == 0.15 and admission.mean_service_s == 0.0
+        host, port = url.removeprefix("http://").split(":")
+        admitted = []
+        for k in range(6):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(head + body[:10])
+            admitted.append((reader, writer))
+            await eventually(lambda k=k: admission.queued == k + 1, f"request {k} admitted")
+        refused = await asyncio.gather(
+            *(client.post("/v2/models/lin/infer", content=body) for _ in range(5))
+        )
+        still_reading = admission.queued
+        for _reader, writer in admitted:
+            writer.write(body[10:])
+        answers = [await _read_response(reader) for reader, _writer in admitted]
+        for _reader, writer in admitted:
+            writer.close()
+            await writer.wait_closed()
+        text = (await client.get("/metrics")).text
+    for r in refused:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "6 to decode at 150.0 ms each" in r.json()["error"], r.text
+    assert still_reading == 6  # the refusals came first
+    with torch.no_grad():
+        want = model(x)
+    for status, answer in answers:
+        assert status == 200, answer
+        got = torch.tensor(json.loads(answer)["outputs"][0]["data"]).reshape(1, 3)
+        torch.testing.assert_close(got, want)
+    assert metric(text, "asyncgraph_admission_refusals_total", model="lin", reason="deadline") == 5
+    assert ex.statistics().completed == 7
 
 
 def test_tritonclient_timeout_parameter_reaches_the_server() -> None:

@@ -6,26 +6,41 @@ whether to take it at all, and so that the time a request spends queued is measu
 (the `nv_inference_queue_duration_us` metric). Behind the gate the executor finds a frame free,
 so its own pool stays the final bound.
 
-The policy asks whether a request can finish in time, not how many others wait:
+A request passes two stages after admission, and both are measured:
 
-- **Deadline.** The gate measures its service rate two ways. Its throughput while backlogged
-  (more requests admitted than slots): completions per second of backlogged time, decayed
-  sums weighted `THROUGHPUT_EWMA_WEIGHT`; it counts every stage a request passes after
-  admission, the body read and JSON decode on the event loop included, which for a small
-  model with large JSON bodies is the bottleneck. Until it has a sample (the gate has never
-  been backlogged), capacity / the mean time a request holds a slot (an exponentially
-  weighted mean, `SERVICE_EWMA_WEIGHT`; Little's law with every slot busy). A request that
-  would have to wait behind `ahead` others (admitted, not yet running) expects to wait
-  (ahead - free slots + 1) / rate and then to run one mean service time. It is refused
-  (503, reason `deadline`) when that exceeds the time left to its deadline: it could not make
-  it, and a 503 now lets the client retry elsewhere instead of learning so at its deadline.
-  Before the first completion nothing is measured and every request is admitted; a request
-  with no deadline is never refused for time; a request that finds a slot free never waits,
-  so it is never refused for time either.
-- **Memory.** Hard caps bound what waiting requests hold: `max_queue` requests waiting beyond
-  the free slots (reason `max_queue`) and `max_queue_bytes` bytes of request bodies not yet
-  running (reason `max_queue_bytes`; a lone request is always let in, it is bounded by the
-  body size limit already).
+- **The decode lane.** Decoding a body (JSON above all: 12,800 floats take ~5 ms) and
+  encoding a response hold the event loop, so they are serial whatever the slots: for a small
+  model with large JSON bodies they are the bottleneck. Decodes take turns in a FIFO lane
+  (`decoding`) that gives the loop a turn once they have held it `LANE_SLICE_S`: the loop
+  then reads new arrivals, so a request the gate refuses is answered after at most a slice
+  and one decode, not after every decode admitted before it, and a completion is not held
+  behind a run of decodes, so the slot time measures the execution. Small bodies still
+  decode together in one turn, as they arrived, and reach a batcher together. The gate keeps
+  exponentially weighted means of a request's decode and encode time (`SERVICE_EWMA_WEIGHT`).
+- **The slots.** At most `capacity` requests execute; the gate keeps the mean time a request
+  holds a slot. Its rate is capacity / that mean (Little's law with every slot busy).
+
+**Deadline.** A new request waits for the decodes ahead of it (requests admitted and not yet
+decoded, each one mean decode + encode on the loop) and for a slot (those ahead beyond the
+free slots, at the slots' rate); the two stages overlap, so it expects to wait the longer of
+the two, then to execute one mean slot time. It is refused (503, reason `deadline`) when that
+passes the time left to its deadline: it could not make it, and a 503 now lets the client
+retry elsewhere instead of learning so at its deadline. A request with no deadline is never
+refused for time, nor one with nothing ahead of it (it waits for nothing).
+Before the first completion nothing is measured, and a fresh server has no basis to promise
+any wait: a request with a deadline is then admitted only while the requests in flight
+(admitted, not finished) fit the slots, so none of them queues for a slot and the lane holds
+at most one decode per slot; the rest of a first burst gets 503 at once (Retry-After) rather
+than being admitted blindly to miss its deadline together, which is what a decode-bound first
+burst did (every request of it 504). The first completion comes within one request's time,
+so this costs only the very first burst, and only requests that set a deadline. Estimating
+the decode from the body size instead would need a bytes-per-second figure for this machine
+and codec that nothing has measured either.
+
+**Memory.** Hard caps bound what waiting requests hold: `max_queue` requests waiting beyond
+the free slots (reason `max_queue`) and `max_queue_bytes` bytes of request bodies not yet
+running (reason `max_queue_bytes`; a lone request is always let in, it is bounded by the body
+size limit already).
 
 A request enters the gate (`enter`, a `Ticket`) before its body is read, so a refusal costs
 no read, and holds its place and its bytes until it takes a slot (`slot`) or fails. Once its
@@ -39,8 +54,9 @@ row, so that many requests always carry enough rows, and the batcher's own bound
 the requests its running batches have no room for.
 
 State: `running` slots taken, `waiters` FIFO for a slot, `pending` tickets not yet running
-(reading, decoding or waiting) and their bytes. A slot released goes straight to the oldest
-waiter; a waiter cancelled after it was handed a slot passes the slot on.
+(reading, decoding or waiting) and their bytes, `decoding` tickets in the lane or waiting for
+it. A slot released goes straight to the oldest waiter; a waiter cancelled after it was handed
+a slot passes the slot on.
 """
 
 from __future__ import annotations
@@ -48,8 +64,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -61,10 +77,11 @@ from asyncgraph.serve.errors import ProtocolError
 #: swinging on one slow request.
 SERVICE_EWMA_WEIGHT = 0.1
 
-#: The weight of the newest completion in the backlogged throughput (about the last 20
-#: completions count): completions come in bunches with batching, so the rate is a ratio of
-#: decayed sums (completions / backlogged seconds), not a mean of single intervals.
-THROUGHPUT_EWMA_WEIGHT = 0.05
+#: Decodes run back to back in one loop turn until they have held the loop this long (wall
+#: time, not the gate's clock): small bodies decode together, as they arrived together (so a
+#: batcher sees them together), while behind large JSON bodies (~5 ms each) anything that
+#: arrives, a request to refuse or a completion, waits at most this plus one decode.
+LANE_SLICE_S = 0.002
 
 #: Refusal reasons (the `reason` label of asyncgraph_admission_refusals_total).
 DEADLINE = "deadline"
@@ -89,13 +106,19 @@ class AdmissionStatistics:
     running: int
     queued: int
     queued_bytes: int
+    decoding: int
     admitted: int
     completed: int
     mean_service_s: float | None
-    throughput: float | None
+    mean_decode_s: float | None
+    mean_encode_s: float | None
     service_rate: float | None
     expected_wait_s: float
     refused: dict[str, int] = field(default_factory=dict)
+
+
+def _ewma(mean: float | None, sample: float) -> float:
+    return sample if mean is None else mean + SERVICE_EWMA_WEIGHT * (sample - mean)
 
 
 class Admission:
@@ -110,6 +133,7 @@ class Admission:
         max_queue_bytes: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        lane_slice_s: float = LANE_SLICE_S,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -125,14 +149,17 @@ class Admission:
         self.running = 0
         self.pending = 0
         self.pending_bytes = 0
+        self.in_lane = 0  # requests in the decode lane or waiting for it
         self.admitted = 0
         self.completed = 0
         self.mean_service_s: float | None = None
-        self._backlog_mark: float | None = None  # since when the gate is backlogged
-        self._backlog_s = 0.0  # decayed sums of backlogged seconds and completions in them
-        self._backlog_done = 0.0
+        self.mean_decode_s: float | None = None
+        self.mean_encode_s: float | None = None
         self.refused = dict.fromkeys(REASONS, 0)
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self.lane_slice_s = lane_slice_s
+        self._lane = asyncio.Lock()
+        self._slice_end = 0.0  # perf_counter time the current run of decodes yields at
 
     # -- the estimate -----------------------------------------------------------------------
 
@@ -142,59 +169,60 @@ class Admission:
         return self.pending
 
     @property
-    def backlogged(self) -> bool:
-        """More requests admitted than slots: some wait, so completions come at full rate."""
-        return self.pending + self.running > self.capacity
+    def measured(self) -> bool:
+        """A request has completed: the gate has a service time to predict with."""
+        return self.mean_service_s is not None
 
     @property
-    def throughput(self) -> float | None:
-        """Completions per second while backlogged; None before the first such completion."""
-        if self._backlog_done == 0.0:
-            return None
-        return self._backlog_done / max(self._backlog_s, 1e-9)
+    def loop_s(self) -> float:
+        """Mean seconds of event loop a request costs outside its slot (decode + encode)."""
+        return (self.mean_decode_s or 0.0) + (self.mean_encode_s or 0.0)
+
+    @property
+    def slot_rate(self) -> float | None:
+        """Requests per second the slots serve when all are busy; None before a completion."""
+        mean = self.mean_service_s
+        return None if mean is None else self.capacity / max(mean, 1e-9)
 
     @property
     def service_rate(self) -> float | None:
-        """Requests per second the gate serves when loaded: its backlogged throughput, or
-        before that capacity / mean slot time; None before the first completion."""
-        throughput = self.throughput
-        if throughput is not None:
-            return throughput
-        mean = self.mean_service_s
-        if mean is None:
-            return None
-        return self.capacity / max(mean, 1e-9)
+        """Requests per second the gate serves when loaded: the slower of the slots and the
+        loop's decode + encode; None before the first completion."""
+        rate = self.slot_rate
+        if rate is None or self.loop_s <= 0.0:
+            return rate
+        return min(rate, 1.0 / self.loop_s)
 
     def expected_wait_s(self, ahead: int) -> float:
         """Seconds a request expects to wait for a slot behind `ahead` others (0 when a slot
         will be free for it, or before anything is measured)."""
-        rate = self.service_rate
+        rate = self.slot_rate
         behind_free = ahead - (self.capacity - self.running)
         if rate is None or behind_free < 0:
             return 0.0
         return (behind_free + 1) / rate
 
-    def observe_service(self, seconds: float) -> None:
-        """Fold one request's time holding a slot into the running mean, and the completion
-        into the backlogged throughput (call it before the slot is released)."""
-        mean = self.mean_service_s
-        self.mean_service_s = seconds if mean is None else (
-            mean + SERVICE_EWMA_WEIGHT * (seconds - mean)
-        )
-        self.completed += 1
-        if self._backlog_mark is not None:
-            now = self.clock()
-            keep = 1.0 - THROUGHPUT_EWMA_WEIGHT
-            self._backlog_s = self._backlog_s * keep + (now - self._backlog_mark)
-            self._backlog_done = self._backlog_done * keep + 1.0
-            self._backlog_mark = now
+    def lane_wait_s(self, to_decode: int) -> float:
+        """Seconds of loop a request expects before its own decode and encode are done,
+        behind `to_decode` requests not yet decoded (each one mean decode + encode)."""
+        return (to_decode + 1) * self.loop_s
 
-    def _track_backlog(self) -> None:
-        """Start the backlogged clock when the gate becomes backlogged, stop it when not."""
-        if not self.backlogged:
-            self._backlog_mark = None
-        elif self._backlog_mark is None:
-            self._backlog_mark = self.clock()
+    def _to_decode(self) -> int:
+        """Admitted requests that have not been decoded: all pending but the slot waiters."""
+        return self.pending - len(self._waiters)
+
+    def _arrival_wait_s(self) -> float:
+        """The expected wait of a request arriving now: decodes ahead or slot, the longer."""
+        if not self.measured:
+            return 0.0
+        lane = self._to_decode() * self.loop_s
+        return max(lane, self.expected_wait_s(self.pending))
+
+    def observe_service(self, seconds: float) -> None:
+        """Fold one request's time holding a slot into the running mean (call it before the
+        slot is released)."""
+        self.mean_service_s = _ewma(self.mean_service_s, seconds)
+        self.completed += 1
 
     # -- entering ---------------------------------------------------------------------------
 
@@ -208,27 +236,48 @@ class Admission:
                                     f"(max queue {self.max_queue}, --max-queue)")
         if ahead and self.pending_bytes + nbytes > self.max_queue_bytes:
             self._refuse(MAX_QUEUE_BYTES, self._bytes_message(nbytes))
-        self._check_deadline(ahead, remaining_s)
+        self._check_deadline(ahead, remaining_s, to_decode=self._to_decode())
         self.pending += 1
         self.pending_bytes += nbytes
         self.admitted += 1
-        self._track_backlog()
         return Ticket(self, nbytes)
 
-    def _check_deadline(self, ahead: int, remaining_s: float | None) -> None:
-        if remaining_s is None or self.mean_service_s is None:
+    def _check_deadline(
+        self, ahead: int, remaining_s: float | None, to_decode: int = 0
+    ) -> None:
+        """Refuse (503) a request that would wait behind `ahead` others for a slot and
+        behind `to_decode` for the loop when it cannot finish by `remaining_s`."""
+        if remaining_s is None:
             return
-        if ahead < self.capacity - self.running:
-            return  # a slot is free for it: it does not wait, so there is nothing to predict
-        wait = self.expected_wait_s(ahead)
-        finish = wait + self.mean_service_s
+        free = self.capacity - self.running
+        if ahead < free and to_decode == 0:
+            return  # nothing ahead of it: it waits for nothing, so there is nothing to predict
+        mean = self.mean_service_s
+        if mean is None:
+            self._check_unmeasured(ahead)
+            return
+        lane = self.lane_wait_s(to_decode) if to_decode else 0.0
+        wait = max(lane, self.expected_wait_s(ahead))
+        finish = wait + mean
         if finish > remaining_s:
             self._refuse(
                 DEADLINE,
-                f"{ahead} request(s) ahead at {self.service_rate:.1f} req/s: expected to "
-                f"finish in {finish * 1e3:.0f} ms (wait {wait * 1e3:.0f} ms + service "
-                f"{self.mean_service_s * 1e3:.0f} ms), past its deadline in "
-                f"{max(remaining_s, 0.0) * 1e3:.0f} ms",
+                f"{ahead} request(s) ahead ({to_decode} to decode at "
+                f"{self.loop_s * 1e3:.1f} ms each; {self.capacity - free} running in "
+                f"{self.capacity} slots at {self.slot_rate:.1f} req/s): expected to finish in "
+                f"{finish * 1e3:.0f} ms (wait {wait * 1e3:.0f} ms + service {mean * 1e3:.0f} "
+                f"ms), past its deadline in {max(remaining_s, 0.0) * 1e3:.0f} ms",
+            )
+
+    def _check_unmeasured(self, ahead: int) -> None:
+        """Before a completion: admit while the requests in flight fit the slots."""
+        in_flight = ahead + self.running
+        if in_flight >= self.capacity:
+            self._refuse(
+                DEADLINE,
+                f"nothing measured yet and {in_flight} request(s) in flight fill its "
+                f"{self.capacity} slot(s): a request that would queue cannot be promised its "
+                f"deadline until the first completes",
             )
 
     def _bytes_message(self, nbytes: int) -> str:
@@ -273,6 +322,35 @@ class Admission:
         self.observe_service(self.clock() - started)  # only a finished request measures
         self._release()
 
+    @asynccontextmanager
+    async def decoding(self, ticket: Ticket) -> AsyncIterator[None]:
+        """Hold the decode lane for the block (decode the body in it): FIFO, one at a time;
+        decodes run back to back in one loop turn until they have held the loop for
+        `lane_slice_s`, then the next one starts a loop turn of its own (see the module
+        docstring). A decode that finishes counts in the mean decode time."""
+        self.in_lane += 1
+        waited = self._lane.locked()  # then it gets the lane in a later loop turn
+        try:
+            async with self._lane:
+                now = time.perf_counter()
+                if not waited and now >= self._slice_end:
+                    await asyncio.sleep(0)  # the rest of this loop turn runs first
+                    now = time.perf_counter()
+                if waited or now >= self._slice_end:
+                    self._slice_end = now + self.lane_slice_s
+                started = self.clock()
+                yield
+                self.mean_decode_s = _ewma(self.mean_decode_s, self.clock() - started)
+        finally:
+            self.in_lane -= 1
+
+    @contextmanager
+    def encoding(self) -> Iterator[None]:
+        """Time the block (encode a response) into the mean encode time, when it finishes."""
+        started = self.clock()
+        yield
+        self.mean_encode_s = _ewma(self.mean_encode_s, self.clock() - started)
+
     def _release(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -280,7 +358,6 @@ class Admission:
                 waiter.set_result(None)
                 return
         self.running -= 1
-        self._track_backlog()
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
@@ -290,10 +367,12 @@ class Admission:
             queued_bytes=self.pending_bytes,
             admitted=self.admitted,
             completed=self.completed,
+            decoding=self.in_lane,
             mean_service_s=self.mean_service_s,
-            throughput=self.throughput,
+            mean_decode_s=self.mean_decode_s,
+            mean_encode_s=self.mean_encode_s,
             service_rate=self.service_rate,
-            expected_wait_s=self.expected_wait_s(self.pending),
+            expected_wait_s=self._arrival_wait_s(),
             refused=dict(self.refused),
         )
 
@@ -329,7 +408,6 @@ class Ticket:
             self.open = False
             self.admission.pending -= 1
             self.admission.pending_bytes -= self.nbytes
-            self.admission._track_backlog()
 
     def __enter__(self) -> Ticket:
         return self

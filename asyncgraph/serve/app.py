@@ -9,9 +9,11 @@ and empties in its own lifespan; the app reads it on every request.
 
 One inference request: look the model up (404) -> enter the model's admission gate, refused at
 once (503) if it could not make its deadline or the queue's memory caps are reached ->
-read the body within the size limit (413) -> decode and check every field against the
-signature (400, nothing allocated for a bad request) -> wait for an execution slot -> execute,
-cancelled at its deadline (504) or by the client going away -> encode JSON or binary outputs.
+read the body within the size limit (413) -> decode, in the gate's decode lane (one decode per
+loop turn, timed), and check every field against the signature (400, nothing allocated for a
+bad request) -> wait for an execution slot -> execute, cancelled at its deadline (504) or by
+the client going away -> encode JSON or binary outputs (timed: the gate counts decode and
+encode as the loop time a request costs).
 A request's deadline is its arrival plus the smaller of `timeout_ms` and its own
 `parameters.timeout` (Triton's, in microseconds).
 """
@@ -211,20 +213,22 @@ class InferenceServer:
             ) as ticket:
                 body = await self._read_body(request)
                 ticket.resize(len(body))
-                decoded = await _maybe_offload(
-                    len(body), decode_request, body, request.headers.get(HEADER),
-                    served.interface,
-                )
+                async with served.admission.decoding(ticket):  # one decode per loop turn
+                    decoded = await _maybe_offload(
+                        len(body), decode_request, body, request.headers.get(HEADER),
+                        served.interface,
+                    )
                 deadline = deadline_for(arrival, self.timeout_s, decoded.timeout_s)
                 del body  # freed while it queues; the ticket keeps its size as the estimate
                 outputs, queue_s, compute_s = await self._execute(
                     request, served, decoded, ticket, deadline
                 )
             timing += [queue_s, compute_s]
-            payload, headers = await _maybe_offload(
-                sum(o.numel() * o.element_size() for o in outputs if hasattr(o, "numel")),
-                encode_response, name, decoded, outputs, self.version,
-            )
+            with served.admission.encoding():
+                payload, headers = await _maybe_offload(
+                    sum(o.numel() * o.element_size() for o in outputs if hasattr(o, "numel")),
+                    encode_response, name, decoded, outputs, self.version,
+                )
             return Response(payload, 200, headers=headers), None
         except ProtocolError as exc:
             return error_response(exc), m.REJECTED if exc.status == 503 else m.OTHER
