@@ -140,6 +140,39 @@ async def test_the_decode_lane_gives_the_loop_a_turn_between_long_decodes() -> N
     assert admission.queued == 0 and admission.statistics().decoding == 0
 
 
+async def test_a_request_costs_the_loop_the_interval_between_decodes_when_they_queue() -> None:
+    """The loop does more per request than its decode and encode (reading the body, answering
+    refusals, completing executions). When decodes queue for the lane, the interval from one
+    decode's end to the next one's end is what each request ahead costs the requests behind
+    it: that is the loop time the estimate counts."""
+    admission = Admission("m", 8, 1000, 1 << 30, clock=FakeClock(), lane_slice_s=0.0)
+    clock = clock_of(admission)
+    loop = asyncio.get_running_loop()
+    first_in = asyncio.Event()
+    others_done = asyncio.Event()
+
+    async def decode(first: bool) -> None:
+        with admission.enter() as ticket:
+            async with admission.decoding(ticket):
+                if first:
+                    first_in.set()
+                    await others_done.wait()  # the second asks for the lane meanwhile
+                clock.now += 0.01
+        if first:
+            clock.now += 0.02  # the loop's other work before the next decode starts
+
+    first = loop.create_task(decode(True))
+    await first_in.wait()
+    second = loop.create_task(decode(False))
+    await _until(lambda: admission.statistics().decoding == 2)
+    others_done.set()
+    await asyncio.gather(first, second)
+    assert admission.mean_decode_s == pytest.approx(0.01)
+    assert admission.mean_turn_s == pytest.approx(0.03)  # 0.02 of other work + 0.01 decode
+    assert admission.loop_s == pytest.approx(0.03)
+    assert admission.statistics().mean_turn_s == pytest.approx(0.03)
+
+
 async def test_short_decodes_run_together_within_the_slice() -> None:
     """Decodes that together hold the loop less than the slice run back to back in the loop
     turn they became ready in, as they would without the lane (a batcher sees them together)."""

@@ -14,8 +14,9 @@ apps in one process (tests, a parent app mounting two) never collide in the glob
   asyncgraph_queued_requests, asyncgraph_running_requests: read from the executors at scrape
   time, so they are never stale;
 - the admission policy's view (admission.py): asyncgraph_expected_wait_seconds,
-  asyncgraph_service_rate, asyncgraph_queued_bytes and
-  asyncgraph_admission_refusals_total{model,reason}, read from the gates at scrape time.
+  asyncgraph_service_rate, asyncgraph_decode_seconds, asyncgraph_loop_seconds,
+  asyncgraph_queued_bytes and asyncgraph_admission_refusals_total{model,reason}, read from the
+  gates at scrape time.
 """
 
 from __future__ import annotations
@@ -153,10 +154,17 @@ class _LiveCollector(Collector):
             "asyncgraph_queued_requests": "Inference requests queued for an execution slot.",
             "asyncgraph_batch_queued_requests": "Requests waiting in the dynamic batcher.",
             "asyncgraph_queued_bytes": "Request body bytes admitted and not yet running.",
-            "asyncgraph_expected_wait_seconds": "Expected wait for an execution slot of a "
-                                                "request arriving now (0 until measured).",
-            "asyncgraph_service_rate": "Measured requests per second at full concurrency "
-                                       "(0 until the first completion).",
+            "asyncgraph_expected_wait_seconds": "Expected wait of a request arriving now, for "
+                                                "the decodes ahead or a slot (0 until "
+                                                "measured).",
+            "asyncgraph_service_rate": "Measured requests per second at full load: the slower "
+                                       "of the slots and the event loop (0 until the first "
+                                       "completion).",
+            "asyncgraph_decode_seconds": "Mean time a request body takes to decode (0 until "
+                                         "measured).",
+            "asyncgraph_loop_seconds": "Mean event-loop time a request costs outside its "
+                                       "slot, as the admission estimate counts it (0 until "
+                                       "measured).",
         }
         refusals = CounterMetricFamily(
             "asyncgraph_admission_refusals",
@@ -210,6 +218,8 @@ class _LiveCollector(Collector):
                 ("asyncgraph_expected_wait_seconds",
                  admitted.expected_wait_s if admitted else 0),
                 ("asyncgraph_service_rate", (admitted.service_rate or 0) if admitted else 0),
+                ("asyncgraph_decode_seconds", (admitted.mean_decode_s or 0) if admitted else 0),
+                ("asyncgraph_loop_seconds", admitted.loop_s if admitted else 0),
             ):
                 live[name].add_metric([model], value)
             if batches is not None:
