@@ -72,6 +72,7 @@ TOLERANCE = {"rtol": 1e-3, "atol": 1e-3}  # eager's fused encoder path and induc
 GRAPHS = ("mlp", "bert", "encoder", "chain")
 MAX_BATCH = 32
 COMPILED = "asyncgraph (compiled)"
+SEGMENTS_FORMAT = "w2"  # in the cache key: packages with weights as constants (not inputs)
 BATCHED = "asyncgraph (batched)"
 NATIVERT = "nativert"
 NATIVERT_THREAD = "nativert via to_thread"
@@ -224,7 +225,7 @@ def build_compiled(work: Workload, options: Options) -> Built:
     folder.mkdir(parents=True, exist_ok=True)
     key = f"{work.key}-{digest(work.ep)}"
     aoti_path = folder / f"{key}.aoti-whole.pt2"
-    segments_path = folder / f"{key}.segments-auto.pt2"
+    segments_path = folder / f"{key}.segments-auto-{SEGMENTS_FORMAT}.pt2"
     try:
         built.notes["aoti_compile_s"], built.notes["aoti_cached"] = _cached(
             aoti_path, lambda: torch._inductor.aoti_compile_and_package(
@@ -293,7 +294,7 @@ async def run(ctx: Context, options: Options | None = None) -> list[CaseResult]:
                   if options.nativert else None)
         cases.append(await _latency_case(ctx, work, built, runner))
         if work.dynamic is not None:
-            cases.append(await _concurrent_case(ctx, work, runner))
+            cases.append(await _concurrent_case(ctx, work, built, runner))
     return cases
 
 
@@ -347,7 +348,9 @@ def _load_compiled(built: Built) -> Executor | None:
         return None
 
 
-async def _concurrent_case(ctx: Context, work: Workload, runner: Any) -> CaseResult:
+async def _concurrent_case(
+    ctx: Context, work: Workload, built: Built, runner: Any
+) -> CaseResult:
     s = ctx.settings
     callers, per_caller = s.pick(64, 64, 4), s.pick(8, 4, 1)
     assert work.dynamic is not None
@@ -359,6 +362,11 @@ async def _concurrent_case(ctx: Context, work: Workload, runner: Any) -> CaseRes
         asyncgraph_peer("asyncgraph", unbatched, [x], "each request its own execution"),
         asyncgraph_peer(BATCHED, batched, [x], f"dynamic batching, up to {MAX_BATCH} rows"),
     ]
+    executors = [unbatched, batched]
+    compiled = _load_compiled(built)
+    if compiled is not None:
+        executors.append(compiled)
+        peers.append(asyncgraph_peer(COMPILED, compiled, [x], "compiled segments, unbatched"))
     if runner is not None:
         run_native = runner.run
 
@@ -371,8 +379,8 @@ async def _concurrent_case(ctx: Context, work: Workload, runner: Any) -> CaseRes
         await measure_concurrent(ctx, peers, results, callers, per_caller,
                                  f"{NAME}: {work.key}, {callers} callers")
     finally:
-        await unbatched.aclose()
-        await batched.aclose()
+        for ex in executors:
+            await ex.aclose()
     case = CaseResult(NAME, f"{work.key} x {callers} callers",
                       f"{work.title}; {callers} concurrent callers x {per_caller} requests",
                       {"nodes": call_nodes(work.ep), "callers": callers,
@@ -383,7 +391,9 @@ async def _concurrent_case(ctx: Context, work: Workload, runner: Any) -> CaseRes
         case.params["mean_batch_rows"] = round(stats.mean_rows, 1)
     if runner is not None:
         base = results[NATIVERT_THREAD].extra.get("throughput")
-        for number, peer, limit in ((3, "asyncgraph", 1.5), (4, BATCHED, 4.0)):
+        for number, peer, limit in ((3, "asyncgraph", 1.5), (3, COMPILED, 1.5), (4, BATCHED, 4.0)):
+            if peer not in results:
+                continue
             mine = results[peer].extra.get("throughput")
             case.targets.append(Target(
                 number, f"{work.key}, {callers} callers: throughput, {peer} / nativert "

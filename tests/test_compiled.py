@@ -20,7 +20,7 @@ import torch
 from torch.export import Dim
 
 import asyncgraph
-from asyncgraph import Executor
+from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.compiled import CompileReport, compile_program, find_segments
 from asyncgraph.errors import ProgramLoadError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
@@ -101,6 +101,23 @@ def test_segments_split_at_the_higher_order_op() -> None:
         find_segments(graph, "fast")
 
 
+def test_dropout_and_attention_without_randomness_do_not_split() -> None:
+    """An eval-mode encoder layer's dropout (train=False) and attention (dropout_p=0) are
+    tagged random but draw nothing: they are compiled, so the layer is one segment rather
+    than split at each of them; a training-mode dropout still splits."""
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's tracing warnings; tests run with -W error
+        graph = asyncgraph.to_program(torch.export.export(
+            layer.eval(), (torch.randn(1, 4, 16),))).graph
+        training = asyncgraph.to_program(torch.export.export(
+            torch.nn.Dropout(0.5).train(), (torch.randn(4),))).graph
+    names = {n.target_name() for n in graph.nodes}
+    assert {"aten.dropout.default", "aten.scaled_dot_product_attention.default"} <= names
+    assert [(s.start, s.stop) for s in find_segments(graph, "whole")] == [(0, len(graph.nodes))]
+    assert find_segments(training, "whole") == []
+
+
 # -- the compiled packages ------------------------------------------------------------------------
 
 
@@ -124,7 +141,6 @@ async def test_results_match_plain_graph(compiled: Compiled, mode: str, leak_che
         assert len(delegates) == len(compiled.reports[mode].segments)
         for node in delegates:
             assert ex.kernels[node.index].kind is KernelKind.DELEGATE
-            assert ex.placements()[node.name] is Placement.WORKER
         for batch in (4, 7, 2, 1):  # the example's size, and others (a dynamic dimension)
             x = torch.randn(batch, 8)
             out = await ex.execute(x)
@@ -228,6 +244,25 @@ class HoldFirst(KernelFactory):
             return run(*args)
 
         return OpKernel(held, kernel.kind, kernel.name, kernel.cost)
+
+
+@pytest.mark.timeout(120)
+async def test_a_segment_is_placed_like_any_kernel(compiled: Compiled, leak_check: Any) -> None:
+    """A delegate's place follows its cost as a CPU kernel's does (no forced worker hop): a
+    short segment can run inline, and adaptive placement may move it."""
+    program = load_pt2(compiled.path("whole"), trust_compiled=True)
+    placements = {}
+    for bar in (1, 10**12):
+        ex = Executor(program, ExecutorConfig(heavy_op_flops=bar, adaptive_placement=False))
+        placements[bar] = ex.placements()["aoti_segment_0"]
+        await ex.aclose()
+    assert placements == {1: Placement.WORKER, 10**12: Placement.INLINE}
+    ex = Executor(program)
+    try:
+        assert ex._adaptive is not None
+        assert ex._adaptive.movable[ex.graph.node("aoti_segment_0").index]
+    finally:
+        await ex.aclose()
 
 
 def test_weights_are_constants_of_the_segments(compiled: Compiled) -> None:

@@ -5,7 +5,9 @@ a run is convex: a path between two of its nodes only passes through nodes whose
 between theirs, all inside the run, so replacing the run by one node never makes a cycle.
 
 A node is compilable when it is a CPU aten operator (a torch._ops.OpOverload that is neither
-CUDA nor random: a compiled random op would draw other numbers than the plain graph), or an
+CUDA nor random: a compiled random op would draw other numbers than the plain graph; a random
+op whose arguments turn its randomness off, such as eval-mode dropout and attention without
+dropout, draws nothing and is compilable), or an
 `operator.getitem` of a value made inside the same segment. Higher-order ops (cond, while_loop,
 map), Python callables, coroutines and CUDA nodes stay interpreted, and split the runs.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,7 +59,7 @@ def uncompilable_reason(node: Node, graph: Graph) -> str | None:
         return None  # inside a segment only when what it indexes is (checked by find_segments)
     if not isinstance(target, torch._ops.OpOverload):
         return f"{node.target_name()} is not an aten operator"
-    if torch.Tag.nondeterministic_seeded in target.tags:
+    if torch.Tag.nondeterministic_seeded in target.tags and not _draws_nothing(node, target):
         return f"{target} is random (compiled code would draw other numbers)"
     for vid in [node.output, *node.inputs()]:
         spec = graph.values[vid].spec
@@ -66,6 +69,32 @@ def uncompilable_reason(node: Node, graph: Graph) -> str | None:
         if isinstance(arg, torch.Tensor):
             return f"{target} has a tensor constant argument"
     return None
+
+
+# Arguments that switch a random op's randomness off: dropout(train=False) or with p=0, and
+# scaled_dot_product_attention with dropout_p=0 (its default). Eval-mode models are full of them.
+_NO_RANDOMNESS: dict[str, Any] = {"train": False, "p": 0, "dropout_p": 0}
+
+
+def _draws_nothing(node: Node, target: torch._ops.OpOverload) -> bool:
+    """Whether the call of random op `target` at `node` draws no random numbers: one of its
+    arguments turns the randomness off (a compiled call then computes what the plain one does)."""
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name not in _NO_RANDOMNESS:
+            continue
+        if i < len(node.args):
+            value = node.args[i]
+        elif arg.name in node.kwargs:
+            value = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            value = arg.default_value
+        else:
+            continue
+        off = _NO_RANDOMNESS[arg.name]
+        if type(value) in (bool, int, float) and value == off and (
+                isinstance(off, bool) == isinstance(value, bool)):
+            return True
+    return False
 
 
 def find_segments(

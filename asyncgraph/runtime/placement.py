@@ -123,8 +123,8 @@ class AdaptivePlacement:
         self.loop_slice_us = loop_slice_us
         self.max_signatures = max_signatures
         self.key = key if key is not None else shape_key
-        self.movable = tuple(
-            k.kind is KernelKind.CPU and n.placement_hint is None
+        self.movable = tuple(  # a compiled segment (DELEGATE) is placed like any CPU kernel
+            k.kind in (KernelKind.CPU, KernelKind.DELEGATE) and n.placement_hint is None
             for n, k in zip(graph.nodes, kernels, strict=True)
         )
         self._entries: OrderedDict[ShapeKey, _Entry] = OrderedDict()

@@ -71,8 +71,6 @@ def choose_placement(node: Node, kernel: OpKernel, config: ExecutorConfig) -> Pl
         return Placement.INLINE
     if kernel.kind is KernelKind.CUDA:
         return Placement.STREAM
-    if kernel.kind is KernelKind.DELEGATE:
-        return Placement.WORKER
     if not isinstance(node.target, torch._ops.OpOverload) and kernel.cost == 0:
         return Placement.WORKER  # a Python callable of unknown cost: keep it off the loop
     return Placement.WORKER if kernel.cost >= config.heavy_op_flops else Placement.INLINE
