@@ -32,6 +32,8 @@ from asyncgraph.runtime.plan import Placement
 from asyncgraph.testing.reference import perturbed_weights
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+# every segment on a worker thread: the tests that hold a segment's call must not hold the loop
+ON_WORKERS = ExecutorConfig(heavy_op_flops=1, adaptive_placement=False)
 
 
 class Body(torch.nn.Module):
@@ -201,7 +203,7 @@ async def test_swap_during_an_execution_keeps_its_version(
 ) -> None:
     gate = Gate("aoti_segment_0")
     program = load_pt2(compiled.path("whole"), trust_compiled=True)
-    ex = Executor(program, kernel_factory=gate)
+    ex = Executor(program, ON_WORKERS, kernel_factory=gate)
     plain = Executor(compiled.source)
     try:
         x = torch.randn(3, 8)
@@ -288,7 +290,8 @@ async def test_old_and_new_versions_interleave_on_one_segment(
     runs through it: each gets its own version (two containers), the old one's result is the
     plain graph's on the old weights."""
     hold = HoldFirst("aoti_segment_1")
-    ex = Executor(load_pt2(compiled.path("whole"), trust_compiled=True), kernel_factory=hold)
+    ex = Executor(load_pt2(compiled.path("whole"), trust_compiled=True), ON_WORKERS,
+                  kernel_factory=hold)
     plain = Executor(compiled.source)
     segment = ex.graph.node("aoti_segment_1").target
     try:
@@ -308,6 +311,34 @@ async def test_old_and_new_versions_interleave_on_one_segment(
         assert stats["containers"] == 2 and stats["constants"] == 2
     finally:
         hold.release.set()
+        await ex.aclose()
+        await plain.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_a_swap_loads_the_spare_buffer_before_executions(
+    compiled: Compiled, leak_check: Any
+) -> None:
+    """swap_weights and aswap_weights load the new weights into a spare container (the AOTI
+    constant-buffer update, no recompile) before they return: the first execution on the new
+    version finds them loaded and copies nothing."""
+    ex = asyncgraph.load(compiled.path("whole"), trust_compiled=True)
+    plain = Executor(compiled.source)
+    segment = ex.graph.node("aoti_segment_0").target
+    try:
+        x = torch.randn(2, 8)
+        await ex.execute(x)
+        assert segment.statistics()["loads"] == 0  # the compiled-in weights are the program's
+        for version, swap in enumerate((ex.swap_weights, ex.aswap_weights), start=1):
+            new = perturbed_weights(ex.weights.tensors, 10 + version)
+            result = swap(new)
+            assert (await result if asyncio.iscoroutine(result) else result) == version
+            stats = segment.statistics()
+            assert stats["loads"] == version and stats["containers"] == 2
+            plain.swap_weights(new)
+            torch.testing.assert_close(await ex.execute(x), await plain.execute(x), **TOL)
+            assert segment.statistics()["loads"] == version  # nothing loaded by the call
+    finally:
         await ex.aclose()
         await plain.aclose()
 
@@ -342,7 +373,7 @@ async def test_swap_to_views_and_back(compiled: Compiled, leak_check: Any) -> No
 async def test_cancel_between_segments(compiled: Compiled, leak_check: Any) -> None:
     gate = Gate("aoti_segment_0")
     program = load_pt2(compiled.path("whole"), trust_compiled=True)
-    ex = Executor(program, kernel_factory=gate)
+    ex = Executor(program, ON_WORKERS, kernel_factory=gate)
     second = ex.graph.node("aoti_segment_1").target
     try:
         running = asyncio.create_task(ex.execute(torch.randn(3, 8)))

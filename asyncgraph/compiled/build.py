@@ -133,8 +133,9 @@ def compile_program(
                     for v in segment.inputs
                 ),
                 cost=sum(estimate_cost(n, graph) for n in segment.nodes(graph)),
-                constants=tuple(_constant_name(i) if v in frozen else ""
-                                for i, v in enumerate(segment.inputs)),
+                constants=tuple(
+                    _constant_name(i) if v in frozen and isinstance(values[v], torch.Tensor)
+                    else "" for i, v in enumerate(segment.inputs)),
                 compile_s=round(time.perf_counter() - t0, 3),
             )
             compiled.append((record, aoti))

@@ -24,8 +24,9 @@ version (on its worker thread).
 
 from __future__ import annotations
 
+import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,7 @@ class AOTIDelegate:
         self, name: str, loader: Any, contiguous: Sequence[bool], node_names: Sequence[str],
         cost: int = 0, *, constants: Sequence[str] | None = None,
         baked: Sequence[Any] | None = None, new_loader: Callable[[], Any] | None = None,
+        weight_names: Sequence[str] | None = None,
     ) -> None:
         self.__name__ = name
         self.__qualname__ = name
@@ -75,11 +77,15 @@ class AOTIDelegate:
         self._constant = tuple(i for i, c in enumerate(names) if c)
         self._fqns = tuple(names[i] for i in self._constant)
         self._new_loader = new_loader
+        # the weight name of each constant input: prepare_weights finds its tensor by it
+        self._weight_names = (tuple(weight_names[i] for i in self._constant)
+                              if weight_names is not None else None)
         held = tuple(baked[i] for i in self._constant) if baked is not None else ()
         first = _Container(loader, held if len(held) == len(self._constant) else ())
         self._containers = [first]
         self._latest = first
-        self._changed = threading.Condition()
+        self._changed = threading.Condition(threading.Lock())
+        self._waiting = 0  # calls waiting for a container: notified only when there are some
         self._clock = 0
         self.calls = 0
         self.loads = 0
@@ -99,14 +105,15 @@ class AOTIDelegate:
         if not self._constant:
             outputs: list[torch.Tensor] = self._latest.loader.run(args)
             return outputs
-        weights = tuple(inputs[i] for i in self._constant)
+        weights = tuple(map(inputs.__getitem__, self._constant))
         container = self._acquire(weights)
         try:
             outputs = container.loader.run(args)
         finally:
             with self._changed:
                 container.running -= 1
-                self._changed.notify_all()
+                if self._waiting:
+                    self._changed.notify_all()
         return outputs
 
     def _arg(self, value: Any, index: int) -> Any:
@@ -130,9 +137,19 @@ class AOTIDelegate:
                     target = self._idle_container()
                     if target is not None:
                         break
-                self._changed.wait()
+                self._waiting += 1
+                try:
+                    self._changed.wait()
+                finally:
+                    self._waiting -= 1
                 latest = self._latest
             target.weights, target.ready, target.running = weights, False, 1
+        self._fill(target, weights)
+        return target
+
+    def _fill(self, target: _Container, weights: tuple[Any, ...]) -> None:
+        """Load `weights` into `target` (claimed: not ready, running 1); on return it is ready
+        and still claimed, on failure released and empty."""
         try:
             self._load(target.loader, weights)
         except BaseException:
@@ -146,7 +163,27 @@ class AOTIDelegate:
             self.loads += 1
             self._touch(target)
             self._changed.notify_all()
-        return target
+
+    def prepare_weights(self, tensors: Mapping[str, Any]) -> None:
+        """Load a new weights version (name -> tensor, as the executor's next Weights will hold
+        them) into a spare container before executions use it, so that the first of them does
+        not pay the copy. Never evicts the container the latest calls ran on, never waits: with
+        no spare container free, the first call on the new version loads it instead."""
+        if not self._constant or self._weight_names is None:
+            return
+        weights = tuple(tensors[name] for name in self._weight_names)
+        with self._changed:
+            if any(_same(c.weights, weights) for c in self._containers):
+                return
+            target = self._idle_container(keep=self._latest)
+            if target is None:
+                return
+            target.weights, target.ready, target.running = weights, False, 1
+        self._fill(target, weights)
+        with self._changed:
+            target.running = 0
+            if self._waiting:
+                self._changed.notify_all()
 
     def _take(self, container: _Container) -> _Container:
         container.running += 1
@@ -158,7 +195,7 @@ class AOTIDelegate:
         container.last_used = self._clock
         self._latest = container
 
-    def _idle_container(self) -> _Container | None:
+    def _idle_container(self, keep: _Container | None = None) -> _Container | None:
         """A new container while fewer than MAX_CONTAINERS exist (the old version may still
         be wanted: executions that started on it and have not reached this segment yet),
         else the least recently used one no call runs on, or None: wait."""
@@ -166,7 +203,7 @@ class AOTIDelegate:
             container = _Container(self._new_loader(), ())
             self._containers.append(container)
             return container
-        idle = [c for c in self._containers if c.running == 0 and c.ready]
+        idle = [c for c in self._containers if c.running == 0 and c.ready and c is not keep]
         return min(idle, key=lambda c: c.last_used) if idle else None
 
     def _load(self, loader: Any, weights: tuple[Any, ...]) -> None:
@@ -190,7 +227,7 @@ class AOTIDelegate:
 
 
 def _same(held: tuple[Any, ...], weights: tuple[Any, ...]) -> bool:
-    return len(held) == len(weights) and all(a is b for a, b in zip(held, weights, strict=True))
+    return len(held) == len(weights) and all(map(operator.is_, held, weights))
 
 
 def _compact(value: torch.Tensor) -> torch.Tensor:

@@ -214,7 +214,7 @@ def splice(
     `weights` (name -> tensor) are those the compiled segments were built with."""
     values = list(graph.values)
     named = weights or {}
-    baked = {s.value: named.get(s.target or "") for s in graph.signature.inputs
+    baked = {s.value: (s.target or "", named.get(s.target or "")) for s in graph.signature.inputs
              if s.kind in WEIGHT_KINDS}
     by_start: dict[int, tuple[SegmentRecord, Segment]] = {}
     for record in records:
@@ -265,7 +265,7 @@ def _match(graph: Graph, record: SegmentRecord, package: str) -> Segment:
 
 def _delegate_nodes(
     graph: Graph, record: SegmentRecord, segment: Segment, values: list[Value], package: str,
-    runners: int, weights: Mapping[int, Any],
+    runners: int, weights: Mapping[int, tuple[str, Any]],
 ) -> list[Node]:
     def new_loader() -> Any:
         return torch._C._aoti.AOTIModelPackageLoader(package, record.name, False, runners, -1)
@@ -275,8 +275,8 @@ def _delegate_nodes(
     except Exception as exc:
         raise ProgramLoadError(f"{package}: cannot load {record.name}: {exc}") from exc
     constants = record.constants or ("",) * len(record.inputs)
-    baked = tuple(weights.get(v) if c else None
-                  for v, c in zip(segment.inputs, constants, strict=True))
+    named = [weights.get(v, ("", None)) if c else ("", None)
+             for v, c in zip(segment.inputs, constants, strict=True)]
     fqns = set(loader.get_constant_fqns())
     unknown = [c for c in constants if c and c not in fqns]
     if unknown:
@@ -285,7 +285,8 @@ def _delegate_nodes(
             f"(it has {sorted(fqns)})"
         )
     delegate = AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost,
-                            constants=constants, baked=baked, new_loader=new_loader)
+                            constants=constants, baked=[t for _, t in named],
+                            new_loader=new_loader, weight_names=[n for n, _ in named])
     result = len(values)
     values.append(Value(result, record.name))
     first = segment.nodes(graph)[0]

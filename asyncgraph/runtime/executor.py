@@ -309,7 +309,9 @@ class Executor:
         Executions already running finish on the old weights; later ones see the new ones.
         """
         self._check_open()
-        self._weights = self._with_folded(self._weights.swapped(state_dict, strict=strict))
+        weights = self._with_folded(self._weights.swapped(state_dict, strict=strict))
+        _prepare_compiled(self.kernels, weights.tensors)  # compiled segments' spare buffers
+        self._weights = weights
         return self._weights.version
 
     async def aswap_weights(self, state_dict: Mapping[str, Any], *, strict: bool = False) -> int:
@@ -323,6 +325,9 @@ class Executor:
         completes changes nothing. Errors are those of `swap_weights`, raised here.
         """
         self._check_open()
+        if any(hasattr(k.fn, "prepare_weights") for k in self.kernels):  # off the loop
+            new = self._weights.swapped(state_dict, strict=strict).tensors
+            await anyio.to_thread.run_sync(_prepare_compiled, self.kernels, new)
         folder = self._folder
         if folder is None or not len(folder):
             return self.swap_weights(state_dict, strict=strict)
@@ -500,3 +505,12 @@ def load(
     config = config if config is not None else ExecutorConfig()
     program = load_pt2(path, trust_compiled=trust_compiled, runners=config.max_parallel_ops)
     return Executor(program, config)
+
+
+def _prepare_compiled(kernels: Sequence[OpKernel], tensors: Mapping[str, Any]) -> None:
+    """Compiled segments (asyncgraph/compiled/delegate.py) load a new weights version into a
+    spare AOTI constant buffer before executions use it: a swap never recompiles them."""
+    for kernel in kernels:
+        prepare = getattr(kernel.fn, "prepare_weights", None)
+        if prepare is not None:
+            prepare(tensors)
