@@ -8,19 +8,19 @@ so its own pool stays the final bound.
 
 A request passes two stages after admission, and both are measured:
 
-- **The decode lane.** Decoding a body (JSON above all: 12,800 floats take ~5 ms) and
-  encoding a response hold the event loop, so they are serial whatever the slots: for a small
-  model with large JSON bodies they are the bottleneck. Decodes take turns in a FIFO lane
-  (`decoding`) that gives the loop a turn once they have held it `LANE_SLICE_S`: the loop
-  then reads new arrivals, so a request the gate refuses is answered after at most a slice
-  and one decode, not after every decode admitted before it, and a completion is not held
-  behind a run of decodes, so the slot time measures the execution. Small bodies still
-  decode together in one turn, as they arrived, and reach a batcher together. The gate keeps
-  exponentially weighted means (`SERVICE_EWMA_WEIGHT`) of a request's decode and encode time
-  and, when decodes queue for the lane, of the interval from one decode's end to the next
-  one's: the loop time each request ahead really costs the ones behind it, body reads,
-  refusals and completions in between included (decode + encode alone counted ~70% of it in
-  a 300-request burst of 253 KB bodies). The longer of the two is the loop time per request.
+- **The decode lane.** Decoding a body (JSON above all: 12,800 floats take 3.5-12 ms on 2 loaded
+  cores) and encoding a response hold the event loop, so they are serial whatever the slots: for
+  a small model with large JSON bodies they are the bottleneck. Decodes take turns in a FIFO
+  lane (`decoding`) that gives the loop a turn once they have held it `LANE_SLICE_S`: the loop
+  then reads new arrivals, so a request the gate refuses is answered after at most a slice and
+  one decode, not after every decode admitted before it, and a completion is not held behind a
+  run of decodes, so the slot time measures the execution. Small bodies still decode together in
+  one turn, as they arrived, and reach a batcher together. The gate keeps exponentially weighted
+  means (`SERVICE_EWMA_WEIGHT`) of a request's decode and encode time and, when decodes queue
+  for the lane, of the interval from one decode's end to the next one's: the loop time each
+  request ahead really costs the ones behind it, body reads, refusals and completions in between
+  included (decode + encode alone counted 70-80% of it under overload with 253 KB JSON bodies).
+  The longer of the two is the loop time per request.
 - **The slots.** At most `capacity` requests execute; the gate keeps the mean time a request
   holds a slot. Its rate is capacity / that mean (Little's law with every slot busy).
 
