@@ -63,10 +63,34 @@ async def run(rounds: int, calls: int, workdir: Path) -> None:
         plain = statistics.median(samples["plain"])
         for name, times in samples.items():
             median = statistics.median(times)
-            print(f"{name:<6} median {median * 1e6:8.1f} us   {name} / plain {median / plain:.2f}x")
+            q = statistics.quantiles(times, n=10)
+            print(f"{name:<6} median {median * 1e6:8.1f} us (p10-p90 {q[0] * 1e6:.0f}-"
+                  f"{q[-1] * 1e6:.0f})   {name} / plain {median / plain:.2f}x")
+        await _swap_times(executors, x)
     finally:
         for ex in executors.values():
             await ex.aclose()
+
+
+async def _swap_times(executors: dict[str, asyncgraph.Executor], x: torch.Tensor) -> None:
+    """What a weight swap costs each executor (compiled: the constant-buffer load into the
+    spare container), median of 5 swaps, and that the results then agree."""
+    from asyncgraph.testing.reference import perturbed_weights
+
+    for seed in range(5):
+        new = perturbed_weights(executors["plain"].weights.tensors, seed)
+        for name, ex in executors.items():
+            start = time.perf_counter()
+            ex.swap_weights(new)
+            _SWAPS.setdefault(name, []).append(time.perf_counter() - start)
+        expected = await executors["plain"].execute(x)
+        for ex in executors.values():
+            torch.testing.assert_close(await ex.execute(x), expected, rtol=1e-4, atol=1e-4)
+    for name, times in _SWAPS.items():
+        print(f"{name:<6} swap_weights median {statistics.median(times) * 1e3:.2f} ms")
+
+
+_SWAPS: dict[str, list[float]] = {}
 
 
 def main() -> None:

@@ -8,16 +8,13 @@ and replaces each run by one delegate node (delegate.py) that the scheduler runs
 kernel: on a worker thread, cancellable between segments, profiled and traced under its name
 (`aoti_segment_0`). The nodes outside the segments stay interpreted.
 
-Weights are inputs of the compiled segments, not constants inside them. AOTInductor can bake
-weights into the model and swap them with the runner's constant-buffer update
-(update_constant_buffer), but that buffer is shared by every call of the runner: updated in
-place, it would change the weights under executions already running, and asyncgraph's
-swap_weights promises that a running execution finishes on the weights version it started
-with (asyncgraph/runtime/weights.py). Passed as inputs, the weights come from the execution's
-frame like for any other node, so a swap is the ordinary one: no recompile, no buffer update,
-the guarantee kept. What it costs: inductor cannot constant-fold or pre-pack weights (freezing),
-so a compiled segment calls the same matmul kernels as the plain graph and gains from fusing
-the elementwise work around them.
+Weights are constants of the compiled segments, so inductor folds them (transposed weights
+are folded once, not transposed per call), and `swap_weights` reaches them with AOTInductor's
+constant-buffer update, never a recompile. The buffer of one AOTI container is shared by all
+its calls, while asyncgraph promises that a running execution finishes on the weights version
+it started with (asyncgraph/runtime/weights.py): so each delegate keeps up to two containers
+and runs a call on the one whose buffer holds that execution's weight tensors (delegate.py);
+a swap loads the new version into the spare one before executions see it.
 """
 
 from asyncgraph.compiled.build import CompileReport, FailedSegment, compile_program

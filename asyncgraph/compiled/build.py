@@ -6,11 +6,14 @@
 2. Find the segments (asyncgraph/compiled/segments.py). A segment whose boundary carries a
    non-tensor (a SymInt, a list) is narrowed until none does: the compiled model takes and
    returns tensors only.
-3. Each segment becomes an fx GraphModule of its nodes: a placeholder per value it reads from
-   outside (weights included), its outputs as a tuple. It is exported with Dim.AUTO on every
-   dimension that is symbolic in the program, and compiled with
-   torch._inductor.aoti_compile_and_package. A segment that fails to export or compile, or
-   whose dynamic dimension the export specialised, stays interpreted, and the report says why.
+3. Each segment becomes an fx GraphModule of its nodes: a buffer per weight it reads (a
+   parameter, buffer or constant the program does not mutate: AOTInductor bakes it in as a
+   constant it can fold), a placeholder per other value it reads from outside, its outputs as
+   a tuple. It is exported with Dim.AUTO on every dimension that is symbolic in the program,
+   and compiled with torch._inductor.aoti_compile_and_package under SWAPPABLE_CONSTANTS (every
+   weight stays a constant that the constant-buffer update reaches). A segment that fails to
+   export or compile, or whose dynamic dimension the export specialised, stays interpreted,
+   and the report says why.
 4. The package (asyncgraph/compiled/package.py) holds the original program, one AOTI model per
    segment and the manifest.
 """
