@@ -341,3 +341,60 @@ async def _until(condition: object) -> None:
             return
         await asyncio.sleep(0)
     raise AssertionError("condition never held")
+
+
+async def _contend_for_the_lane(admission: Admission) -> list[str]:
+    """Two decodes that queue for the lane: the second waits while the first holds it."""
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def decode(name: str, hold: bool) -> None:
+        with admission.enter() as ticket:
+            async with admission.decoding(ticket):
+                order.append(name)
+                if hold:
+                    await release.wait()
+
+    first = asyncio.create_task(decode("first", True))
+    await _until(lambda: order == ["first"])
+    second = asyncio.create_task(decode("second", False))
+    await _until(lambda: admission.statistics().decoding == 2)
+    release.set()
+    await asyncio.gather(first, second)
+    return order
+
+
+def test_the_decode_lane_serves_one_event_loop_after_another() -> None:
+    """An app outlives a loop (a test per loop, a server restarted in the same process): the
+    lane binds to no loop, so contention on a second loop works as on the first."""
+    admission = gate()
+    assert asyncio.run(_contend_for_the_lane(admission)) == ["first", "second"]
+    assert asyncio.run(_contend_for_the_lane(admission)) == ["first", "second"]
+    assert admission.statistics().decoding == 0 and admission.queued == 0
+
+
+async def test_a_decode_cancelled_in_the_lane_or_waiting_for_it_passes_the_lane_on() -> None:
+    admission = Admission("m", 8, 1000, 1 << 30, clock=FakeClock(), lane_slice_s=0.0)
+    release = asyncio.Event()
+    decoded: list[str] = []
+
+    async def decode(name: str) -> None:
+        with admission.enter() as ticket:
+            async with admission.decoding(ticket):
+                decoded.append(name)
+                await release.wait()
+
+    loop = asyncio.get_running_loop()
+    holder = loop.create_task(decode("holder"))
+    await _until(lambda: decoded == ["holder"])
+    waiting = loop.create_task(decode("waiting"))
+    last = loop.create_task(decode("last"))
+    await _until(lambda: admission.statistics().decoding == 3)
+    waiting.cancel()  # gives up its place in the queue
+    holder.cancel()  # cancelled inside the lane: passes it on
+    await asyncio.gather(holder, waiting, return_exceptions=True)
+    await _until(lambda: decoded == ["holder", "last"])
+    release.set()
+    await last
+    assert admission.statistics().decoding == 0 and admission.queued == 0
+    assert decoded == ["holder", "last"]

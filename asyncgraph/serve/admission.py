@@ -166,7 +166,8 @@ class Admission:
         self.refused = dict.fromkeys(REASONS, 0)
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.lane_slice_s = lane_slice_s
-        self._lane = asyncio.Lock()
+        self._lane_busy = False
+        self._lane_waiters: deque[asyncio.Future[None]] = deque()
         self._slice_end = 0.0  # perf_counter time the current run of decodes yields at
 
     # -- the estimate -----------------------------------------------------------------------
@@ -341,9 +342,9 @@ class Admission:
         `lane_slice_s`, then the next one starts a loop turn of its own (see the module
         docstring). A decode that finishes counts in the mean decode time."""
         self.in_lane += 1
-        waited = self._lane.locked()  # then it gets the lane in a later loop turn
         try:
-            async with self._lane:
+            waited = await self._enter_lane()  # then it runs in a later loop turn
+            try:
                 now = time.perf_counter()
                 if not waited and now >= self._slice_end:
                     await asyncio.sleep(0)  # the rest of this loop turn runs first
@@ -357,8 +358,38 @@ class Admission:
                 if waited and self._lane_free_at is not None:
                     self.mean_turn_s = _ewma(self.mean_turn_s, ended - self._lane_free_at)
                 self._lane_free_at = ended
+            finally:
+                self._leave_lane()
         finally:
             self.in_lane -= 1
+
+    async def _enter_lane(self) -> bool:
+        """Take the decode lane, waiting FIFO while it is held; True when it waited.
+
+        Futures of the running loop, not an asyncio.Lock: a lock binds to the first loop
+        that waits on it, and an app may outlive its loop."""
+        if not self._lane_busy and not self._lane_waiters:
+            self._lane_busy = True
+            return False
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._lane_waiters.append(waiter)
+        try:
+            await waiter  # the leaver handed the lane over
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self._leave_lane()  # handed the lane, then cancelled: pass it on
+            elif waiter in self._lane_waiters:
+                self._lane_waiters.remove(waiter)
+            raise
+        return True
+
+    def _leave_lane(self) -> None:
+        while self._lane_waiters:
+            waiter = self._lane_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._lane_busy = False
 
     @contextmanager
     def encoding(self) -> Iterator[None]:
