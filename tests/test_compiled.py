@@ -22,7 +22,7 @@ from torch.export import Dim
 import asyncgraph
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.compiled import CompileReport, compile_program, find_segments
-from asyncgraph.errors import ProgramLoadError
+from asyncgraph.errors import ProgramLoadError, WeightsError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
 from asyncgraph.graph.importers import Node, load_pt2
 from asyncgraph.graph.ir import Graph
@@ -338,6 +338,38 @@ async def test_a_swap_loads_the_spare_buffer_before_executions(
             plain.swap_weights(new)
             torch.testing.assert_close(await ex.execute(x), await plain.execute(x), **TOL)
             assert segment.statistics()["loads"] == version  # nothing loaded by the call
+    finally:
+        await ex.aclose()
+        await plain.aclose()
+
+
+@pytest.mark.timeout(600)
+async def test_frozen_weights_refuse_a_swap(
+    compiled: Compiled, tmp_path: Path, leak_check: Any
+) -> None:
+    """frozen_weights=True (max-autotune packs the weights into the kernels): results match,
+    a swap of those weights is refused before anything changes (the error names the segment
+    and the way out), and a swap to equal values in new tensors is accepted."""
+    report = compile_program(compiled.source, tmp_path / "frozen.pt2", "auto",
+                             frozen_weights=True)
+    assert [s.frozen for s in report.segments] == [True]
+    ex = asyncgraph.load(report.path, trust_compiled=True)
+    plain = Executor(compiled.source)
+    try:
+        x = torch.randn(4, 8)
+        before = await ex.execute(x)
+        torch.testing.assert_close(before, await plain.execute(x), **TOL)
+        new = perturbed_weights(ex.weights.tensors, 5)
+        for swap in (ex.swap_weights, ex.aswap_weights):
+            with pytest.raises(WeightsError, match=r"aoti_segment_0 was compiled with "
+                               r"frozen_weights=True.*l1\.weight.*without frozen_weights"):
+                result = swap(new)
+                if asyncio.iscoroutine(result):
+                    await result
+            assert ex.weights.version == 0
+            torch.testing.assert_close(await ex.execute(x), before, **TOL)
+        assert ex.swap_weights({k: v.clone() for k, v in ex.weights.tensors.items()}) == 1
+        torch.testing.assert_close(await ex.execute(x), before, **TOL)
     finally:
         await ex.aclose()
         await plain.aclose()

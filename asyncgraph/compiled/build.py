@@ -57,6 +57,12 @@ SWAPPABLE_CONSTANTS: dict[str, Any] = {
     "always_keep_tensor_constants": True,
     "aot_inductor.use_runtime_constant_folding": True,
 }
+# compile_program(frozen_weights=True): inductor's C++ micro-GEMM with weights packed at
+# compile time (MLP of benchmarks/nativert_compare.py: half the time of the default kernels).
+FROZEN_WEIGHTS: dict[str, Any] = {
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+}
 
 
 @dataclass(frozen=True)
@@ -92,11 +98,15 @@ def compile_program(
     example_inputs: Sequence[Any] | None = None,
     progress: Progress | None = None,
     inductor_configs: dict[str, Any] | None = None,
+    frozen_weights: bool = False,
 ) -> CompileReport:
     """Compile `source` (an ExportedProgram or a .pt2 path) into the package `output`.
 
     `example_inputs` are flat user inputs to trace the segments with; by default the inputs
-    saved with the program, else random ones of its exported shapes.
+    saved with the program, else random ones of its exported shapes. `frozen_weights` compiles
+    with FROZEN_WEIGHTS (max-autotune packs the weights into the kernels' own layouts: faster
+    matmuls, but the constant-buffer update no longer reaches them, so the loaded program
+    refuses `swap_weights` of those weights).
     """
     say = progress or (lambda _message: None)
     started = time.perf_counter()
@@ -119,7 +129,9 @@ def compile_program(
             t0 = time.perf_counter()
             try:
                 aoti = _compile_segment(graph, segment, values, frozen,
-                                        Path(tmp) / f"{name}.pt2", inductor_configs)
+                                        Path(tmp) / f"{name}.pt2",
+                                        {**(FROZEN_WEIGHTS if frozen_weights
+                                            else SWAPPABLE_CONSTANTS), **(inductor_configs or {})})
             except Exception as exc:  # export or inductor refused it: keep it interpreted
                 reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}" \
                     if str(exc).strip() else type(exc).__name__
@@ -140,6 +152,7 @@ def compile_program(
                     _constant_name(i) if v in frozen and isinstance(values[v], torch.Tensor)
                     else "" for i, v in enumerate(segment.inputs)),
                 compile_s=round(time.perf_counter() - t0, 3),
+                frozen=frozen_weights,
             )
             compiled.append((record, aoti))
         say(f"writing {output}")
@@ -306,7 +319,7 @@ def _compile_segment(
         _check_still_dynamic(exported, dynamic, graph, runtime)
         torch._inductor.aoti_compile_and_package(
             exported, package_path=str(path),
-            inductor_configs={**SWAPPABLE_CONSTANTS, **(inductor_configs or {})},
+            inductor_configs=inductor_configs,
         )
     return path
 

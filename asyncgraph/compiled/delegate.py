@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from asyncgraph.errors import WeightsError
 from asyncgraph.kernels.base import KernelKind
 
 MAX_CONTAINERS = 2  # a version running and the next one: enough for swaps without waiting
@@ -65,7 +66,7 @@ class AOTIDelegate:
         self, name: str, loader: Any, contiguous: Sequence[bool], node_names: Sequence[str],
         cost: int = 0, *, constants: Sequence[str] | None = None,
         baked: Sequence[Any] | None = None, new_loader: Callable[[], Any] | None = None,
-        weight_names: Sequence[str] | None = None,
+        weight_names: Sequence[str] | None = None, frozen: bool = False,
     ) -> None:
         self.__name__ = name
         self.__qualname__ = name
@@ -77,6 +78,7 @@ class AOTIDelegate:
         self._constant = tuple(i for i, c in enumerate(names) if c)
         self._fqns = tuple(names[i] for i in self._constant)
         self._new_loader = new_loader
+        self.frozen = frozen  # weights packed at compile time: no buffer update reaches them
         # the weight name of each constant input: prepare_weights finds its tensor by it
         self._weight_names = (tuple(weight_names[i] for i in self._constant)
                               if weight_names is not None else None)
@@ -134,6 +136,8 @@ class AOTIDelegate:
                             return self._take(container)
                         break  # another call is loading these: wait for it
                 else:
+                    if self.frozen:
+                        return self._take(self._frozen_container(weights))
                     target = self._idle_container()
                     if target is not None:
                         break
@@ -174,6 +178,9 @@ class AOTIDelegate:
         weights = tuple(tensors[name] for name in self._weight_names)
         with self._changed:
             if any(_same(c.weights, weights) for c in self._containers):
+                return
+            if self.frozen:
+                self._frozen_container(weights)
                 return
             target = self._idle_container(keep=self._latest)
             if target is None:
@@ -216,11 +223,32 @@ class AOTIDelegate:
             tensors[fqn] = _compact(value)
         loader.load_constants(tensors, False, False)
 
+    def _frozen_container(self, weights: tuple[Any, ...]) -> _Container:
+        """The one container of a frozen segment, for `weights` equal in value to those it was
+        compiled with (other tensor objects: adopted); other values cannot be loaded."""
+        container = self._containers[0]
+        held = container.weights
+        if len(held) == len(weights) and all(
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(held, weights, strict=True)
+        ):
+            container.weights = weights
+            return container
+        raise WeightsError(self._frozen_message())
+
+    def _frozen_message(self) -> str:
+        names = ", ".join(sorted(set(self._weight_names or ())))
+        return (
+            f"{self.__name__} was compiled with frozen_weights=True: its weights ({names}) are "
+            "packed into the compiled code, and swapping them needs a recompile; compile "
+            "without frozen_weights to swap weights"
+        )
+
     def statistics(self) -> dict[str, Any]:
         """Calls so far, the nodes this segment replaces, its containers and buffer loads."""
         return {"name": self.__name__, "calls": self.calls, "nodes": len(self.node_names),
                 "constants": len(self._constant), "containers": len(self._containers),
-                "loads": self.loads}
+                "loads": self.loads, "frozen": self.frozen}
 
     def __repr__(self) -> str:
         return f"<AOTIDelegate {self.__name__}: {len(self.node_names)} nodes>"

@@ -63,6 +63,7 @@ class SegmentRecord:
     compile_s: float = 0.0
     # per input: its AOTI constant name when the segment bakes it in (a weight), else ""
     constants: tuple[str, ...] = ()
+    frozen: bool = False  # compiled with frozen_weights: its weights cannot be swapped
 
 
 def build_platform() -> dict[str, str]:
@@ -177,6 +178,7 @@ def _record(entry: Mapping[str, Any]) -> SegmentRecord:
         outputs=tuple(entry["outputs"]), contiguous=tuple(bool(c) for c in entry["contiguous"]),
         cost=int(entry.get("cost", 0)), compile_s=float(entry.get("compile_s", 0.0)),
         constants=tuple(str(c) for c in entry.get("constants", ())),
+        frozen=bool(entry.get("frozen", False)),
     )
 
 
@@ -278,7 +280,7 @@ def _delegate_nodes(
     named = [weights.get(v, ("", None)) if c else ("", None)
              for v, c in zip(segment.inputs, constants, strict=True)]
     fqns = set(loader.get_constant_fqns())
-    unknown = [c for c in constants if c and c not in fqns]
+    unknown = [c for c in constants if c and c not in fqns and not record.frozen]
     if unknown:
         raise ProgramLoadError(
             f"{package}: {record.name} lists constants {unknown} that its AOTI model lacks "
@@ -286,7 +288,8 @@ def _delegate_nodes(
         )
     delegate = AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost,
                             constants=constants, baked=[t for _, t in named],
-                            new_loader=new_loader, weight_names=[n for n, _ in named])
+                            new_loader=new_loader, weight_names=[n for n, _ in named],
+                            frozen=record.frozen)
     result = len(values)
     values.append(Value(result, record.name))
     first = segment.nodes(graph)[0]
