@@ -14,15 +14,18 @@ the MLP (12 x Linear+ReLU, 256 wide: 24 nodes), tiny BERT (token and position em
 (run_decompositions(), 142 nodes) and the 1,000-relu chain.
 
 Latency peers: asyncgraph `execute`, asyncgraph with compiled segments
-(`asyncgraph.compiled.compile_program(ep, path, "auto")`, loaded with trust_compiled=True),
+(`asyncgraph.compiled.compile_program(ep, path, "auto")`, loaded with trust_compiled=True;
+weights swappable), on the MLP and tiny BERT also with `frozen_weights=True` (max-autotune
+packs the weights: faster, but swap_weights refused),
 nativert `runner.run(x)`, AOTInductor whole-model (`aoti_compile_and_package`,
 `aoti_load_package`) and eager `model(x)`. Compiled packages are cached under
 build/nativert_compare/torch-<version>/, keyed by graph and a digest of the program and its
 weights, so only the first run pays the compiles (printed with their times).
 
 64 callers (MLP and tiny BERT): asyncgraph `execute` from 64 tasks, each request its own
-execution and with dynamic batching (`BatchingConfig(max_batch_size=32)` on the graph exported
-with a dynamic batch dimension), against nativert `runner.run` via `asyncio.to_thread` from 64
+execution (plain graph, compiled segments, frozen compiled segments) and with dynamic
+batching (`BatchingConfig(max_batch_size=32)` on the graph exported with a dynamic batch
+dimension), against nativert `runner.run` via `asyncio.to_thread` from 64
 tasks; requests per second.
 
 The harness of the main suite (benchmarks/harness.py) does the measuring: outputs compared with
@@ -72,7 +75,8 @@ TOLERANCE = {"rtol": 1e-3, "atol": 1e-3}  # eager's fused encoder path and induc
 GRAPHS = ("mlp", "bert", "encoder", "chain")
 MAX_BATCH = 32
 COMPILED = "asyncgraph (compiled)"
-SEGMENTS_FORMAT = "w2"  # in the cache key: packages with weights as constants (not inputs)
+FROZEN = "asyncgraph (compiled, frozen)"
+SEGMENTS_FORMAT = "w3"  # in the cache key: packages with weights as constants (not inputs)
 BATCHED = "asyncgraph (batched)"
 NATIVERT = "nativert"
 NATIVERT_THREAD = "nativert via to_thread"
@@ -205,6 +209,7 @@ class Built:
     notes: dict[str, Any] = field(default_factory=dict)
     aoti: Any = None
     segments: Path | None = None
+    frozen: Path | None = None  # compiled segments with frozen_weights=True (no swaps)
 
 
 def digest(ep: ExportedProgram) -> str:
@@ -241,7 +246,20 @@ def build_compiled(work: Workload, options: Options) -> Built:
         built.segments = segments_path
     except Exception as exc:
         built.notes["segments_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    for what in ("aoti", "segments"):
+    kinds = ["aoti", "segments"]
+    if work.targets:  # max-autotune compiles take half a minute: the target graphs only
+        kinds.append("frozen")
+        frozen_path = folder / f"{key}.segments-auto-frozen-{SEGMENTS_FORMAT}.pt2"
+        try:
+            from asyncgraph.compiled import compile_program
+
+            built.notes["frozen_compile_s"], built.notes["frozen_cached"] = _cached(
+                frozen_path, lambda: compile_program(work.ep, frozen_path, "auto",
+                                                     frozen_weights=True))
+            built.frozen = frozen_path
+        except Exception as exc:
+            built.notes["frozen_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    for what in kinds:
         if f"{what}_error" in built.notes:
             print(f"  {work.key}: {what}: {built.notes[what + '_error']}", file=sys.stderr)
         else:
@@ -302,10 +320,14 @@ async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any)
     x = work.x
     executors = [Executor(work.ep, ExecutorConfig())]
     peers = [asyncgraph_peer("asyncgraph", executors[0], [x], "plain graph, default config")]
-    compiled = _load_compiled(built)
+    compiled = _load_compiled(built, built.segments)
     if compiled is not None:
         executors.append(compiled)
         peers.append(asyncgraph_peer(COMPILED, compiled, [x], "compile_program(ep, path, 'auto')"))
+    frozen = _load_compiled(built, built.frozen)
+    if frozen is not None:
+        executors.append(frozen)
+        peers.append(asyncgraph_peer(FROZEN, frozen, [x], "frozen_weights=True: no swaps"))
     if runner is not None:
         peers.append(sync_peer(NATIVERT, lambda: runner.run(x), "PyModelRunner.run(x)"))
     if built.aoti is not None:
@@ -322,7 +344,7 @@ async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any)
     case = CaseResult(NAME, f"{work.key} latency", f"{work.title}; one caller",
                       {"nodes": call_nodes(work.ep), **built.notes}, results)
     names = {p.name for p in results}
-    for peer in ("asyncgraph", COMPILED, "AOTInductor", "eager model(x)"):
+    for peer in ("asyncgraph", COMPILED, FROZEN, "AOTInductor", "eager model(x)"):
         if peer in names and NATIVERT in names:
             case.metrics[f"{peer} / nativert"] = case.ratio(peer, NATIVERT)
     if work.targets and NATIVERT in names:
@@ -331,19 +353,23 @@ async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any)
         ratio = case.ratio(COMPILED, NATIVERT) if COMPILED in names else None
         case.targets.append(Target(2, f"{work.key}: latency, asyncgraph compiled / nativert",
                                    ratio, "<=", 0.6))
+        if FROZEN in names:
+            case.targets.append(Target(
+                2, f"{work.key}: latency, asyncgraph compiled frozen (no swaps) / nativert",
+                case.ratio(FROZEN, NATIVERT), "<=", 0.6))
     return case
 
 
-def _load_compiled(built: Built) -> Executor | None:
-    """The compiled-segments Executor, or None with the load error kept in the notes (a
-    package asyncgraph refuses is a finding to report, not a reason to lose the run)."""
-    if built.segments is None:
+def _load_compiled(built: Built, path: Path | None) -> Executor | None:
+    """The Executor of a compiled-segments package, or None with the load error kept in the
+    notes (a package asyncgraph refuses is a finding to report, not a reason to lose the run)."""
+    if path is None:
         return None
     try:
-        return asyncgraph.load(built.segments, trust_compiled=True)
+        return asyncgraph.load(path, trust_compiled=True)
     except Exception as exc:
-        built.notes["segments_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        print(f"  {built.segments.name}: not loaded: {built.notes['segments_error']}",
+        built.notes[f"{path.name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"  {path.name}: not loaded: {built.notes[f'{path.name}_error']}",
               file=sys.stderr)
         return None
 
@@ -363,10 +389,11 @@ async def _concurrent_case(
         asyncgraph_peer(BATCHED, batched, [x], f"dynamic batching, up to {MAX_BATCH} rows"),
     ]
     executors = [unbatched, batched]
-    compiled = _load_compiled(built)
-    if compiled is not None:
-        executors.append(compiled)
-        peers.append(asyncgraph_peer(COMPILED, compiled, [x], "compiled segments, unbatched"))
+    for name, path in ((COMPILED, built.segments), (FROZEN, built.frozen)):
+        loaded = _load_compiled(built, path)
+        if loaded is not None:
+            executors.append(loaded)
+            peers.append(asyncgraph_peer(name, loaded, [x], f"{name}, unbatched"))
     if runner is not None:
         run_native = runner.run
 
@@ -391,7 +418,8 @@ async def _concurrent_case(
         case.params["mean_batch_rows"] = round(stats.mean_rows, 1)
     if runner is not None:
         base = results[NATIVERT_THREAD].extra.get("throughput")
-        for number, peer, limit in ((3, "asyncgraph", 1.5), (3, COMPILED, 1.5), (4, BATCHED, 4.0)):
+        for number, peer, limit in ((3, "asyncgraph", 1.5), (3, COMPILED, 1.5), (3, FROZEN, 1.5),
+                                    (4, BATCHED, 4.0)):
             if peer not in results:
                 continue
             mine = results[peer].extra.get("throughput")
