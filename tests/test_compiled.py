@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import operator
 import re
 import threading
 import warnings
@@ -118,6 +119,20 @@ def test_dropout_and_attention_without_randomness_do_not_split() -> None:
     assert {"aten.dropout.default", "aten.scaled_dot_product_attention.default"} <= names
     assert [(s.start, s.stop) for s in find_segments(graph, "whole")] == [(0, len(graph.nodes))]
     assert find_segments(training, "whole") == []
+
+
+def test_size_arithmetic_of_a_dynamic_export_does_not_split() -> None:
+    """The dynamic-length encoder block of the conformance corpus multiplies a sym_size in
+    Python (`operator.mul`) for its attention views: that arithmetic is compiled with its
+    segment, so the block is one segment (it was 9, split at each view reading the size)."""
+    from tests.conformance.models import CASES, export_case
+
+    case = next(c for c in CASES if c.name == "transformer_encoder")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's tracing warnings; tests run with -W error
+        graph = asyncgraph.to_program(export_case(case, decomposed=False)).graph
+    assert any(n.target is operator.mul for n in graph.nodes)
+    assert [(s.start, s.stop) for s in find_segments(graph, "whole")] == [(0, len(graph.nodes))]
 
 
 # -- the compiled packages ------------------------------------------------------------------------

@@ -9,7 +9,8 @@ CUDA nor random: a compiled random op would draw other numbers than the plain gr
 op whose arguments turn its randomness off, such as eval-mode dropout and attention without
 dropout, draws nothing and is compilable), or an
 `operator.getitem` of a value made inside the same segment. Higher-order ops (cond, while_loop,
-map), Python callables, coroutines and CUDA nodes stay interpreted, and split the runs.
+map), Python callables, coroutines and CUDA nodes stay interpreted, and split the runs; the
+Python arithmetic of sizes (SIZE_ARITHMETIC) is compiled with its segment.
 
 `whole` keeps every run; `auto` keeps the runs long enough (or costly enough) for fusion to
 pay for the call into compiled code: a lone matmul runs the same kernel either way.
@@ -57,6 +58,9 @@ def uncompilable_reason(node: Node, graph: Graph) -> str | None:
     target = node.target
     if target is operator.getitem:
         return None  # inside a segment only when what it indexes is (checked by find_segments)
+    if target in SIZE_ARITHMETIC:
+        return None  # size arithmetic (export traces it); a SymInt never crosses a boundary
+
     if not isinstance(target, torch._ops.OpOverload):
         return f"{node.target_name()} is not an aten operator"
     if torch.Tag.nondeterministic_seeded in target.tags and not _draws_nothing(node, target):
@@ -70,6 +74,13 @@ def uncompilable_reason(node: Node, graph: Graph) -> str | None:
             return f"{target} has a tensor constant argument"
     return None
 
+
+# Python arithmetic that dynamic-shape exports put between sym_size and the views reading it
+# (`mul_78 = sym_size_int * 4`): compiled with its segment, so that the size stays inside it
+# (a segment's boundary carries tensors only, and a SymInt crossing it would split the run).
+SIZE_ARITHMETIC = frozenset({
+    operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+})
 
 # Arguments that switch a random op's randomness off: dropout(train=False) or with p=0, and
 # scaled_dot_product_attention with dropout_p=0 (its default). Eval-mode models are full of them.
