@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -48,7 +50,7 @@ from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
 from asyncgraph.runtime.schedule import ScheduleCache, ScheduleStatistics
 from asyncgraph.runtime.scheduler import Scheduler
-from asyncgraph.runtime.validation import InputValidator
+from asyncgraph.runtime.validation import InputValidator, Signature
 from asyncgraph.runtime.weights import Weights
 from asyncgraph.runtime.workers import WorkerPool, WorkerPoolStatistics
 from asyncgraph.tools.trace import TraceRecorder
@@ -158,6 +160,18 @@ class Executor:
         )
         sig = self.graph.signature
         self._user_outputs = [o.arg for o in sig.outputs if o.kind is OutputKind.USER_OUTPUT]
+        # The outputs' frame slots when all are values (not constants): read without a test.
+        self._output_slots = (
+            [a.id for a in self._user_outputs]
+            if all(isinstance(a, Ref) for a in self._user_outputs)
+            else None
+        )
+        # A program returning one tensor: its single output is the result, no pytree needed.
+        self._single_output = (
+            sig.out_spec is not None and sig.out_spec.is_leaf() and len(self._user_outputs) == 1
+        )
+        self._validate = self.config.validate_inputs
+        self._move_inputs = self.config.move_inputs_to_device
         self._buffer_mutations = [
             (o.arg, o.target) for o in sig.outputs if o.kind is OutputKind.BUFFER_MUTATION
         ]
@@ -186,56 +200,76 @@ class Executor:
 
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
         """Run the program on `(args, kwargs)`; returns what `ep.module()(*args, **kwargs)` does."""
-        try:
-            caller = asyncio.current_task()
-        except RuntimeError:  # no asyncio loop: trio (backend.py), which has no such task
-            caller = None
+        caller = self._calling_task()
         if _cancel_pending(caller):  # a call made while cancelled takes no frame
             await anyio.lowlevel.checkpoint()  # delivers the cancellation
         self._check_open()
         flat = self._validator.flatten(args, kwargs)
-        outputs = await self._submit(flat, caller)
+        inputs, signature = self._accept(flat)
+        if self._batcher is not None:
+            outputs = await self._batcher.submit(inputs)
+        else:
+            outputs = await self._execute(inputs, flat, caller, signature)
+        if self._single_output:
+            return outputs[0]
         out_spec = self.graph.signature.out_spec
         return pytree.tree_unflatten(outputs, out_spec) if out_spec is not None else outputs
 
     async def execute_flat(self, inputs: Sequence[Any]) -> list[Any]:
         """Run the program on flat user inputs; returns the flat user outputs (nativert's path)."""
-        try:
-            caller = asyncio.current_task()
-        except RuntimeError:  # trio
-            caller = None
+        caller = self._calling_task()
         if _cancel_pending(caller):
             await anyio.lowlevel.checkpoint()
         self._check_open()
-        return await self._submit(list(inputs), caller)
-
-    async def _submit(self, flat: list[Any], caller: asyncio.Task[Any] | None) -> list[Any]:
-        """Validate one request, then run it alone or in a batch with others."""
-        caller_inputs = flat  # user-input mutations are copied back into the caller's tensors
-        if self.config.move_inputs_to_device and len(flat) == self._validator.count:
-            flat = move_inputs_to_device(flat, self._validator.specs)  # before the device check
-        if self.config.validate_inputs:
-            self._validator.check(flat)
-        elif len(flat) != self._validator.count:
-            self._validator.check(flat)  # the count is always checked
-        self._bind_loop()
+        flat = list(inputs)
+        accepted, signature = self._accept(flat)
         if self._batcher is not None:
-            return await self._batcher.submit(flat)
-        return await self._execute(flat, caller_inputs, caller)
+            return await self._batcher.submit(accepted)
+        return await self._execute(accepted, flat, caller, signature)
+
+    def _calling_task(self) -> asyncio.Task[Any] | None:
+        """The calling asyncio task; None without an asyncio loop (trio, backend.py)."""
+        native = self._native_loop
+        if native is not None and getattr(native, "_thread_id", None) == threading.get_ident():
+            return _task_of(native)  # the bound loop runs on this thread: it is the running one
+        try:
+            return asyncio.current_task()
+        except RuntimeError:  # no asyncio loop: trio, which has no such task
+            return None
+
+    def _accept(self, flat: list[Any]) -> tuple[list[Any], Signature | None]:
+        """Validate one request before it takes a frame or joins a batch; bind the loop.
+
+        Returns the inputs to run on (moved to their devices first when the config says so;
+        the caller's own list gets user-input mutations) and their signature when validation
+        computed one: adaptive placement finds its entry by it without a key of its own.
+        """
+        validator = self._validator
+        if self._move_inputs and len(flat) == validator.count:
+            flat = move_inputs_to_device(flat, validator.specs)  # before the device check
+        signature = None
+        if self._validate:
+            signature = validator.check(flat)
+        elif len(flat) != validator.count:
+            validator.check(flat)  # the count is always checked
+        self._bind_loop()
+        return flat, signature
 
     async def _execute(
         self,
         flat: list[Any],
         caller_inputs: list[Any] | None = None,
         caller: Caller | None = None,
+        signature: Signature | None = None,
     ) -> list[Any]:
         """One execution of validated inputs: take a frame, run, take the outputs. `caller`:
-        the calling task, when the caller already asked for it."""
+        the calling task, when the caller already asked for it; `signature`: the inputs'
+        (InputValidator.check), when validation computed it."""
         if caller is None and self._loop is not None:
             if self._loop.name != "asyncio":  # trio: no task to cancel, a scope (ScopeCaller)
                 caller = ScopeCaller()
                 with caller.scope:
-                    return await self._execute(flat, caller_inputs, caller)
+                    return await self._execute(flat, caller_inputs, caller, signature)
                 raise ExecutorClosedError(  # the scope caught its own cancellation
                     f"{self.program.name}: the execution was cancelled by aclose(cancel=True)"
                 )
@@ -253,17 +287,19 @@ class Executor:
         try:  # from here on the frame goes back to the pool on every path
             if self.recorder is not None:
                 self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
-            placement, times = (
-                self._adaptive.choose(flat, self._scheduler.loaded)
-                if self._adaptive is not None
-                else (self.plan.placement, None)
-            )
+            scheduler = self._scheduler
+            adaptive = self._adaptive
+            if adaptive is not None:
+                placement, times = adaptive.choose(flat, scheduler.loaded, signature)
+            else:
+                placement, times = self.plan.placement, None
             fused = self._fuse and times is None
             schedule = self._schedules.cached(placement, fused)
             if schedule is None:  # compiled on a thread: milliseconds on large graphs
                 schedule = await self._schedules.aget(placement, fused)
             frame.load(self._weights_template(), flat, execution, schedule, times)
-            await self._scheduler.run(frame)
+            if not scheduler.run_straight(frame):  # ran at once, or it takes the dataflow
+                await scheduler.run_dataflow(frame)
             outputs = self._take_outputs(frame, flat if caller_inputs is None else caller_inputs)
             if times is not None and self._adaptive is not None:
                 self._adaptive.finished(flat, times)
@@ -281,7 +317,11 @@ class Executor:
 
     def _take_outputs(self, frame: ExecutionFrame, flat: list[Any]) -> list[Any]:
         values = frame.values
-        outputs = [values[a.id] if isinstance(a, Ref) else a for a in self._user_outputs]
+        slots = self._output_slots
+        if slots is not None:
+            outputs = [values[slots[0]]] if len(slots) == 1 else [values[i] for i in slots]
+        else:
+            outputs = [values[a.id] if isinstance(a, Ref) else a for a in self._user_outputs]
         if frame.gpu is not None:  # the caller's stream will use them: see protect_outputs
             frame.gpu.protect_outputs(outputs)
         if self._buffer_mutations:
@@ -453,8 +493,11 @@ class Executor:
     def _bind_loop(self) -> None:
         """Bind the Executor to the running event loop on first use, through its seam
         (backend.py: asyncio's own methods, or trio's); later calls check it is the same."""
+        native = self._native_loop
+        if native is not None and getattr(native, "_thread_id", None) == threading.get_ident():
+            return  # the bound asyncio loop runs on this thread: it is the running one
         try:
-            native: object = asyncio.get_running_loop()
+            native = asyncio.get_running_loop()
         except RuntimeError:
             native = None  # trio, or no loop: current_loop() tells
         if native is not None and native is self._native_loop:
@@ -473,6 +516,18 @@ class Executor:
 
     def _in_flight_tasks(self) -> list[Caller]:
         return [t for t in self._callers if not t.done()]
+
+
+# An asyncio loop in run_forever() sets `_thread_id` to its thread, and a thread runs one loop
+# at a time, so a bound loop whose `_thread_id` is this thread is the running loop. That test
+# costs ~50 ns; asyncio.get_running_loop() costs ~150 on Python 3.11 (a getpid() system call
+# per call), and execute would pay it twice. Loops without the attribute (uvloop, trio) take
+# the ordinary path.
+_task_of: Callable[[Any], asyncio.Task[Any] | None] = (
+    getattr(asyncio.tasks, "_current_tasks", {}).get
+    if sys.version_info < (3, 12)
+    else asyncio.current_task
+)
 
 
 def _cancel_pending(task: asyncio.Task[Any] | None) -> bool:

@@ -41,9 +41,9 @@ class ExecutionFrame:
     """The per-execution storage of one graph's values and counters."""
 
     __slots__ = (
-        "_gpu_tables", "calls", "counts", "errors", "execution_id", "finished", "gpu", "id",
-        "last_used", "lock", "pending", "plan", "reads", "rng", "schedule", "stopped", "tasks",
-        "times", "values", "waiter", "where",
+        "_gpu_tables", "_nothing", "calls", "counts", "errors", "execution_id", "finished",
+        "gpu", "id", "last_used", "lock", "pending", "plan", "reads", "rng", "schedule",
+        "stopped", "tasks", "times", "values", "waiter", "where",
     )
 
     def __init__(
@@ -53,6 +53,7 @@ class ExecutionFrame:
         self.plan = plan
         self.gpu = gpu
         self.values: list[Any] = [None] * plan.num_values
+        self._nothing = (None,) * plan.num_values  # what `clear` leaves in `values`
         self.counts: list[int] = []  # per unit of the loaded schedule
         self.reads: list[int] = list(plan.read_counts)
         self.lock = threading.Lock()
@@ -81,8 +82,9 @@ class ExecutionFrame:
         schedule: Schedule,
         times: NodeTimes | None = None,
     ) -> None:
-        """Start an execution: weights from `template`, the user inputs, the units it runs
-        and their fresh counters (`times` collects node times while placement is profiled)."""
+        """Start an execution: weights from `template`, the user inputs and the units it runs
+        (`times` collects node times while placement is profiled). The dataflow's counters
+        are loaded by `load_counters`: the straight line (straight.py) runs without them."""
         plan = self.plan
         values = self.values
         values[:] = template
@@ -90,8 +92,6 @@ class ExecutionFrame:
             values[slot] = value
         for slot in plan.token_slots:
             values[slot] = torch.empty(0)  # a fresh effect token per execution
-        self.counts[:] = schedule.producer_counts
-        self.reads[:] = plan.read_counts
         self.pending = 0
         self.stopped = False
         self.finished = False
@@ -103,6 +103,13 @@ class ExecutionFrame:
             self.calls, self.where = schedule.calls, schedule.where
         else:
             self.calls, self.where = self._gpu_units(schedule, self.gpu)
+
+    def load_counters(self) -> None:
+        """Fresh producer and read counts for the loaded schedule (the dataflow's)."""
+        schedule = self.schedule
+        assert schedule is not None, "the frame was not loaded"
+        self.counts[:] = schedule.producer_counts
+        self.reads[:] = self.plan.read_counts
 
     def _gpu_units(self, schedule: Schedule, gpu: FrameStreams) -> tuple[Calls, tuple[int, ...]]:
         """The unit tables of `schedule` on this frame's GPU state, built on first use.
@@ -146,7 +153,7 @@ class ExecutionFrame:
 
     def clear(self) -> None:
         """Drop every value and error so nothing of this execution reaches the next."""
-        self.values[:] = [None] * len(self.values)
+        self.values[:] = self._nothing
         self.errors.clear()
         self.waiter = None
         self.times = None

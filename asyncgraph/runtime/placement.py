@@ -46,6 +46,7 @@ from asyncgraph.kernels import KernelKind, OpKernel
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 
 ShapeKey = tuple[Any, ...]
+_MAX_BY_SIGNATURE = 256  # signatures remembered (scalar inputs make one per value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,25 +129,34 @@ class AdaptivePlacement:
             for n, k in zip(graph.nodes, kernels, strict=True)
         )
         self._entries: OrderedDict[ShapeKey, _Entry] = OrderedDict()
+        # An input Signature (validation.py) -> its entry: `key` is a function of the
+        # signature, so a call with a signature seen before skips computing its key.
+        self._by_signature: dict[tuple[Any, ...], _Entry] = {}
         # id(decided placement) -> what decided it: see decision()
         self._decided: dict[int, Decision] = {}
         self._last: tuple[Placement, ...] = plan.placement
         self._profiling_runs = 0
 
     def choose(
-        self, inputs: Sequence[Any], loaded: bool = False
+        self,
+        inputs: Sequence[Any],
+        loaded: bool = False,
+        signature: tuple[Any, ...] | None = None,
     ) -> tuple[tuple[Placement, ...], NodeTimes | None]:
         """The placement for an execution on `inputs`, and where to record its node times
         (None once the placement for this shape signature is decided). `loaded`: other
-        executions are in flight and the loop is busy (Scheduler.loaded)."""
-        key = self.key(inputs)
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._entries[key] = _Entry(len(self.base))
-            if len(self._entries) > self.max_signatures:
-                _, evicted = self._entries.popitem(last=False)
-                for placement in (evicted.placement, evicted.loaded):
-                    self._decided.pop(id(placement), None)
+        executions are in flight and the loop is busy (Scheduler.loaded). `signature`: the
+        inputs' Signature (InputValidator.check), when known: the entry is then found by
+        it, the same entry `key` finds."""
+        if signature is None:
+            entry = self._entry(self.key(inputs))
+        else:
+            hit = self._by_signature.get(signature)
+            if hit is None:
+                if len(self._by_signature) >= _MAX_BY_SIGNATURE:
+                    self._by_signature.clear()
+                hit = self._by_signature[signature] = self._entry(self.key(inputs))
+            entry = hit
         if entry.placement is not None and entry.loaded is not None:
             chosen = entry.loaded if loaded else entry.placement
             self._last = chosen
@@ -156,6 +166,19 @@ class AdaptivePlacement:
             return self.base, None  # a warm-up: first calls pay one-off costs per op and thread
         self._profiling_runs += 1
         return self.base, entry.times
+
+    def _entry(self, key: ShapeKey) -> _Entry:
+        """The entry of a shape key, made on first sight (the oldest evicted past
+        `max_signatures`)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(len(self.base))
+            if len(self._entries) > self.max_signatures:
+                _, evicted = self._entries.popitem(last=False)
+                for placement in (evicted.placement, evicted.loaded):
+                    self._decided.pop(id(placement), None)
+                self._by_signature.clear()  # some of its signatures led to the evicted one
+        return entry
 
     def finished(self, inputs: Sequence[Any], times: NodeTimes) -> None:
         """Account a profiled execution; decide the placement after enough of them."""

@@ -83,8 +83,10 @@ class FramePool:
         if self._closed:
             raise ExecutorClosedError("the executor is closed")
         if not self._waiters:
-            if self._idle:
-                return self._take(self._idle.pop())
+            idle = self._idle
+            if idle:
+                self._in_use += 1  # never above the high water: a frame was in use before
+                return idle.pop()
             if self.total < self._max:
                 self._created += 1
                 return self._take(self._factory(self._created))
@@ -129,7 +131,8 @@ class FramePool:
         else:
             frame.last_used = time.monotonic()
             self._idle.append(frame)
-            self._schedule_cleanup()
+            if self._timer is None:
+                self._schedule_cleanup()
         if self._in_use == 0 and self._drained is not None:
             self._drained.set()
 

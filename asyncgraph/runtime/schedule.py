@@ -140,6 +140,8 @@ class ScheduleCache:
         )
         self._built = 0
         self._building: dict[tuple[int, bool], anyio.Event] = {}
+        # The most recently used entry (the last of `_cache`): placement, fused, schedule.
+        self._hot: tuple[tuple[Placement, ...], bool, Schedule] | None = None
 
     def get(self, placement: tuple[Placement, ...], fused: bool) -> Schedule:
         """The schedule for `placement`, built here on a miss (`aget` builds off the loop)."""
@@ -152,8 +154,15 @@ class ScheduleCache:
         return schedule
 
     def cached(self, placement: tuple[Placement, ...], fused: bool) -> Schedule | None:
-        """The schedule for `placement` if it is built, else None (then `aget` builds it)."""
-        return self._lookup(placement, fused and self.max_fused > 1)
+        """The schedule for `placement` if it is built, else None (then `aget` builds it).
+
+        Executions of one signature ask for one entry again and again: the most recently
+        used one is found by two identity tests (it is the last in LRU order already)."""
+        fused = fused and self.max_fused > 1
+        hot = self._hot
+        if hot is not None and hot[0] is placement and hot[1] is fused:
+            return hot[2]
+        return self._lookup(placement, fused)
 
     def builds_inline(self) -> bool:
         """Whether a miss is built on the loop: a graph of at most INLINE_BUILD_NODES nodes
@@ -191,6 +200,7 @@ class ScheduleCache:
         hit = self._cache.get(key)
         if hit is not None and hit[0] is placement:
             self._cache.move_to_end(key)
+            self._hot = (placement, fused, hit[1])
             return hit[1]
         return None
 
@@ -218,9 +228,12 @@ class ScheduleCache:
         key = (id(placement), fused)
         self._cache[key] = (placement, schedule)
         self._cache.move_to_end(key)
+        self._hot = (placement, fused, schedule)
         self._built += 1
         if len(self._cache) > self.max_schedules:
-            self._cache.popitem(last=False)
+            _, (_, evicted) = self._cache.popitem(last=False)
+            if evicted is schedule:  # a cache of no entries: nothing is hot either
+                self._hot = None
 
     def statistics(self) -> ScheduleStatistics:
         schedules = [s for _, s in self._cache.values()]

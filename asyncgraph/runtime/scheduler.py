@@ -53,8 +53,9 @@ from asyncgraph.runtime.workers import WorkerPool
 from asyncgraph.tools.trace import TraceRecorder, runtime_shape
 
 # torch.inference_mode() is a Python context manager costing ~3 us per entry; the C++ guard
-# behind it costs ~1 us, and the loop enters it on every slice.
-_inference_mode = getattr(torch._C, "_InferenceMode", torch.inference_mode)
+# behind it (~0.4 us with `with`) enables the mode when made and restores it when freed, and
+# its __enter__ and __exit__ do nothing: the straight line makes and frees it without them.
+_inference_mode = torch._C._InferenceMode
 
 _START = (0, 0)
 _MAX_STRAIGHT = 256  # straight-line forms kept, one per schedule in use
@@ -94,8 +95,13 @@ class Scheduler:
         self._budget: LoopBudget | None = None  # the loop's, once the loop is known
         self._window_start = 0.0
         self._window_busy = 0.0
-        # id(schedule) -> (schedule, its straight-line form or None): see _straight_line
+        # id(schedule) -> (schedule, its straight-line form or None): see _straight_form
         self._straight: dict[int, tuple[Schedule, StraightLine | None]] = {}
+        self._hot_schedule: Schedule | None = None  # the last schedule looked up there
+        self._hot_straight: StraightLine | None = None  # and its form
+        # Seeded orders, profiling and traces go through the dataflow (straight.py).
+        self._may_straight = self._seed is None and recorder is None
+        self._inference_mode = config.inference_mode
 
     # -- one execution, seen from the caller --------------------------------------------------
 
@@ -106,25 +112,70 @@ class Scheduler:
         GPU work is (its kernels may still write the frame's tensors), so the caller may
         release the frame. A cancellation while the GPU finishes is absorbed, then re-raised.
         """
+        if not self.run_straight(frame):
+            await self.run_dataflow(frame)
+
+    def run_straight(self, frame: ExecutionFrame) -> bool:
+        """`run` without a coroutine when the execution may take the straight line
+        (straight.py): True once it ran (its error raised here, as `run` raises it); False
+        when it may not, and the caller awaits `run_dataflow(frame)` instead.
+
+        On a one-node graph the coroutine `run` would create and await is a tenth of the
+        execution's fixed cost; the Executor calls this first.
+        """
+        budget = self._budget
+        if budget is None:
+            budget = self._bind(frame)
+        if frame.times is not None or not self._may_straight or frame.gpu is not None:
+            return False
+        schedule = frame.schedule
+        if schedule is self._hot_schedule:  # the schedule of the last straight execution
+            straight = self._hot_straight
+        else:
+            straight = self._straight_form(_schedule(frame))
+        if straight is None:
+            return False
+        deadline = budget.deadline()
+        if deadline is None:
+            return False  # the slice is spent: the dataflow path defers the execution
+        start = time.perf_counter()
+        if start + straight.seconds > deadline:
+            return False  # the dataflow path splits it over loop iterations
+        self._run_straight(frame, straight, start)
+        if frame.errors:
+            self._raise_errors(frame)
+        return True
+
+    async def run_dataflow(self, frame: ExecutionFrame) -> None:
+        """`run` through the WorkUnits (the path of every execution `run_straight` refuses)."""
+        loop = self.loop
+        if loop is None or self._budget is None:
+            self._bind(frame)
+            loop = self.loop
+            assert loop is not None
+        if self._seed is not None:
+            frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
+        frame.load_counters()
+        await self._run_dataflow(frame, loop)
+        if frame.errors:
+            self._raise_errors(frame)
+
+    def _bind(self, frame: ExecutionFrame) -> LoopBudget:
+        """Bind the running loop (when the Executor has not) and its shared budget."""
         loop = self.loop
         if loop is None:
             loop = self.loop = current_loop()
         if self._budget is None:
             self._budget = loop_budget(loop.native, self.config.loop_slice_s)
-        if self._seed is not None:
-            frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
-        gpu = frame.gpu
-        straight = self._straight_line(frame) if gpu is None else None
-        if straight is not None:
-            self._run_straight(frame, straight)  # nothing to await: no unit leaves the loop
-        else:
-            await self._run_dataflow(frame, loop)
-        if frame.errors:
-            errors = list(frame.errors)
-            frame.errors.clear()
-            if len(errors) == 1:
-                raise errors[0]
-            raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
+        return self._budget
+
+    @staticmethod
+    def _raise_errors(frame: ExecutionFrame) -> None:
+        errors = list(frame.errors)
+        frame.errors.clear()
+        if len(errors) == 1:
+            raise errors[0]
+        raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
 
     async def _run_dataflow(self, frame: ExecutionFrame, loop: Loop) -> None:
         """The WorkUnits of the execution, across the loop, workers, tasks and streams.
@@ -156,34 +207,27 @@ class Scheduler:
         if cancelled is not None:
             raise cancelled
 
-    def _straight_line(self, frame: ExecutionFrame) -> StraightLine | None:
-        """The straight-line form of the frame's schedule when this execution may take it
-        (asyncgraph/runtime/straight.py says when), else None."""
-        if self._seed is not None or frame.times is not None or self.recorder is not None:
-            return None
-        schedule = _schedule(frame)
+    def _straight_form(self, schedule: Schedule) -> StraightLine | None:
+        """The straight-line form of `schedule` (None when it has none), kept per schedule
+        and remembered as the hot one: executions of one signature reuse it at the cost of
+        one identity test."""
         hit = self._straight.get(id(schedule))
         if hit is None or hit[0] is not schedule:
             if len(self._straight) >= _MAX_STRAIGHT:
                 self._straight.clear()  # schedules come and go with shape signatures
             hit = self._straight[id(schedule)] = (schedule, straight_line(schedule))
-        straight = hit[1]
-        if straight is None:
-            return None
-        assert self._budget is not None
-        deadline = self._budget.deadline()
-        if deadline is None or time.perf_counter() + straight.seconds > deadline:
-            return None  # the dataflow path splits it over loop iterations
-        return straight
+        self._hot_schedule, self._hot_straight = hit
+        return hit[1]
 
-    def _run_straight(self, frame: ExecutionFrame, straight: StraightLine) -> None:
+    def _run_straight(self, frame: ExecutionFrame, straight: StraightLine, start: float) -> None:
         """Run every unit in order on the loop; a kernel error stops the execution as in the
-        dataflow path (the error, with its node's note, is raised by `run`)."""
+        dataflow path (the error, with its node's note, is raised by `run_straight`).
+        `start`: the clock read that found the units fit the slice (the loop time from it)."""
         schedule = _schedule(frame)
         calls, stores, drops = frame.calls, schedule.stores, straight.drops
         values = frame.values
-        start = time.perf_counter()
-        with _inference_mode(self.config.inference_mode):
+        guard = _inference_mode(self._inference_mode)  # on while it lives: no `with` needed
+        try:
             for unit, call in enumerate(calls):
                 try:
                     result = call(values)
@@ -196,6 +240,8 @@ class Scheduler:
                 del result
                 for value in drops[unit]:
                     values[value] = None
+        finally:
+            del guard
         self._account_loop_time(start, time.perf_counter())
         frame.finish()
 
@@ -286,7 +332,7 @@ class Scheduler:
             budget.defer(self._run_on_loop, frame, stack, waited)
             return True
         start = time.perf_counter()
-        with _inference_mode(self.config.inference_mode):
+        with _inference_mode(self._inference_mode):
             overrun = self._run_units(
                 frame, stack, False, deadline or 0.0, waited or first_of_slice
             )

@@ -21,8 +21,13 @@ from asyncgraph.graph.ir import Graph, InputKind, ScalarSpec, TensorSpec, ValueS
 _MAX_PASSED = 256
 _PLAIN_SCALARS = (int, float, bool, str, type(None))
 
+Signature = tuple[Any, ...]
+"""What validation depends on, per input: (type, shape, dtype, device) of a tensor, (type,
+value) of a plain scalar. Equal signatures pass or fail alike; the Executor also hands it to
+adaptive placement, whose shape key is a function of it."""
 
-def _signature(flat: Sequence[Any]) -> tuple[Any, ...] | None:
+
+def _signature(flat: Sequence[Any]) -> Signature | None:
     """What validation depends on, hashable; None when an input is neither a tensor nor a
     plain scalar (such calls are checked in full every time)."""
     parts: list[Any] = []
@@ -144,23 +149,24 @@ class InputValidator:
 
     # -- leaves ------------------------------------------------------------------------------
 
-    def check(self, flat: Sequence[Any]) -> None:
-        """Check count, type, dtype, device and every dimension of the flat inputs.
+    def check(self, flat: Sequence[Any]) -> Signature | None:
+        """Check count, type, dtype, device and every dimension of the flat inputs; return
+        their Signature (None when an input is neither a tensor nor a plain scalar).
 
-        The outcome depends on nothing but the types, dtypes, devices and shapes of the
-        tensors and the values of the scalars, so inputs like ones that passed before pass
-        at once (a few hundred nanoseconds instead of a few microseconds).
+        The outcome depends on nothing but the signature, so inputs like ones that passed
+        before pass at once (a few hundred nanoseconds instead of a few microseconds).
         """
         if len(flat) != self.count:
             raise InputValidationError(f"expected {self.count} input(s), got {len(flat)}")
         key = _signature(flat)
         if key is not None and key in self._passed:
-            return
+            return key
         self._check(flat)
         if key is not None:
             if len(self._passed) >= _MAX_PASSED:
                 self._passed.clear()
             self._passed[key] = None
+        return key
 
     def _check(self, flat: Sequence[Any]) -> None:
         bound: dict[sympy.Expr, tuple[int, str]] = {}
