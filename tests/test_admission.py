@@ -222,13 +222,31 @@ async def test_before_the_first_measurement_only_what_the_slots_hold_is_admitted
     first = admission.enter(0, 1.0)
     second = admission.enter(0, 1.0)
     error = refused(DEADLINE, admission, 0, 1.0)
-    assert "nothing measured yet" in str(error) and "2 request(s) in flight" in str(error)
+    assert "nothing measured yet and 2 request(s) in flight fill its first 2 place(s)" in str(
+        error
+    )
     patient = [admission.enter(0, None) for _ in range(5)]
     assert admission.queued == 7 and admission.refused[DEADLINE] == 1
     for ticket in (first, second, *patient):
         ticket.close()
     await measure(admission, 0.01)
     tickets = [admission.enter(0, 1.0) for _ in range(10)]  # measured: 10 x 5 ms fit in 1 s
+    for ticket in tickets:
+        ticket.close()
+
+
+async def test_with_batching_the_first_burst_is_bounded_by_the_frames_not_the_batches() -> None:
+    """A batching gate lets frames x max_batch_size requests in (8 x 32 = 256 by default):
+    far more than a decode-bound first burst can decode in time. Before anything is measured
+    it admits one request per frame, as an unbatched gate does."""
+    admission = Admission("m", 256, 4096, 1 << 30, clock=FakeClock(), first_burst=8)
+    tickets = [admission.enter(0, 1.0) for _ in range(8)]
+    error = refused(DEADLINE, admission, 0, 1.0)
+    assert "8 request(s) in flight fill its first 8 place(s)" in str(error)
+    for ticket in tickets:
+        ticket.close()
+    await measure(admission, 0.01)
+    tickets = [admission.enter(0, 1.0) for _ in range(100)]  # measured: 100 x 40 us fit in 1 s
     for ticket in tickets:
         ticket.close()
 

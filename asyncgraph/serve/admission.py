@@ -31,15 +31,16 @@ the two, then to execute one mean slot time. It is refused (503, reason `deadlin
 passes the time left to its deadline: it could not make it, and a 503 now lets the client
 retry elsewhere instead of learning so at its deadline. A request with no deadline is never
 refused for time, nor one with nothing ahead of it (it waits for nothing).
-Before the first completion nothing is measured, and a fresh server has no basis to promise
-any wait: a request with a deadline is then admitted only while the requests in flight
-(admitted, not finished) fit the slots, so none of them queues for a slot and the lane holds
-at most one decode per slot; the rest of a first burst gets 503 at once (Retry-After) rather
-than being admitted blindly to miss its deadline together, which is what a decode-bound first
-burst did (every request of it 504). The first completion comes within one request's time,
-so this costs only the very first burst, and only requests that set a deadline. Estimating
-the decode from the body size instead would need a bytes-per-second figure for this machine
-and codec that nothing has measured either.
+Before the first completion nothing is measured, and a fresh server has no basis to promise any
+wait: a request with a deadline is then admitted only while the requests in flight (admitted,
+not finished) fit the slots (`first_burst`; with batching, one per frame, not the frames x
+max_batch_size the batcher takes), so none of them queues for a slot and the lane holds at most
+one decode per slot; the rest of a first burst gets 503 at once (Retry-After) rather than being
+admitted blindly to miss its deadline together, which is what a decode-bound first burst did
+(every request of it 504). The first completion comes within one request's time, so this costs
+only the very first burst, and only requests that set a deadline. Estimating the decode from the
+body size instead would need a bytes-per-second figure for this machine and codec that nothing
+has measured either.
 
 **Memory.** Hard caps bound what waiting requests hold: `max_queue` requests waiting beyond
 the free slots (reason `max_queue`) and `max_queue_bytes` bytes of request bodies not yet
@@ -85,9 +86,9 @@ SERVICE_EWMA_WEIGHT = 0.1
 #: time, not the gate's clock): small bodies decode together, as they arrived together (so a
 #: batcher sees them together), while behind large JSON bodies (3.5-12 ms each) anything that
 #: arrives, a request to refuse or a completion, waits at most this plus one decode. Shorter
-#: costs throughput: every loop turn reads every busy socket again, in smaller pieces (300 x
-#: 253 KB at no deadline took 2.4-3.4 s at 2 ms, 1.4-2.7 s at 20 ms, 1.7-2.5 s without the
-#: lane), while the transport alone already delays a 503 by ~100 ms in such a burst.
+#: cost throughput in a burst (300 x 253 KB at no deadline took 2.4-3.4 s at 2 ms, 1.4-2.7 s at
+#: 20 ms, 1.7-2.5 s without the lane; more loop turns, each reading every busy socket), while
+#: the transport alone already delays a 503 by ~100 ms in such a burst.
 LANE_SLICE_S = 0.02
 
 #: Refusal reasons (the `reason` label of asyncgraph_admission_refusals_total).
@@ -143,6 +144,7 @@ class Admission:
         *,
         clock: Callable[[], float] = time.monotonic,
         lane_slice_s: float = LANE_SLICE_S,
+        first_burst: int | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -150,8 +152,11 @@ class Admission:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if max_queue_bytes < 0:
             raise ValueError(f"max_queue_bytes must be >= 0, got {max_queue_bytes}")
+        if first_burst is not None and first_burst < 1:
+            raise ValueError(f"first_burst must be >= 1, got {first_burst}")
         self.model = model
         self.capacity = capacity
+        self.first_burst = capacity if first_burst is None else min(first_burst, capacity)
         self.max_queue = max_queue
         self.max_queue_bytes = max_queue_bytes
         self.clock = clock
@@ -286,14 +291,15 @@ class Admission:
             )
 
     def _check_unmeasured(self, ahead: int) -> None:
-        """Before a completion: admit while the requests in flight fit the slots."""
+        """Before a completion: admit while the requests in flight fit the first burst (the
+        slots, or one request per frame with batching)."""
         in_flight = ahead + self.running
-        if in_flight >= self.capacity:
+        if in_flight >= self.first_burst:
             self._refuse(
                 DEADLINE,
-                f"nothing measured yet and {in_flight} request(s) in flight fill its "
-                f"{self.capacity} slot(s): a request that would queue cannot be promised its "
-                f"deadline until the first completes",
+                f"nothing measured yet and {in_flight} request(s) in flight fill its first "
+                f"{self.first_burst} place(s): a request that would queue cannot be promised "
+                f"its deadline until the first completes",
             )
 
     def _bytes_message(self, nbytes: int) -> str:
