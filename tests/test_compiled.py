@@ -8,8 +8,10 @@ import asyncio
 import copy
 import json
 import operator
+import random
 import re
 import threading
+import time
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -133,6 +135,70 @@ def test_size_arithmetic_of_a_dynamic_export_does_not_split() -> None:
         graph = asyncgraph.to_program(export_case(case, decomposed=False)).graph
     assert any(n.target is operator.mul for n in graph.nodes)
     assert [(s.start, s.stop) for s in find_segments(graph, "whole")] == [(0, len(graph.nodes))]
+
+
+class FakeContainer:
+    """An AOTI container stand-in: `run` returns the constant its buffer holds, and a buffer
+    update while a call runs on it is an error (what the delegate must never do)."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        FakeContainer.made += 1
+        self.held = torch.tensor(0.0)
+        self.running = 0
+        self.lock = threading.Lock()
+
+    def load_constants(self, tensors: dict[str, torch.Tensor], *flags: bool) -> None:
+        assert self.running == 0, "constant buffer updated under a running call"
+        time.sleep(0.001)
+        self.held = tensors["weight_1"].clone()
+
+    def run(self, args: list[torch.Tensor]) -> list[torch.Tensor]:
+        with self.lock:
+            self.running += 1
+        try:
+            time.sleep(0.0005)
+            return [args[0] + self.held]
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+@pytest.mark.timeout(60)
+def test_delegate_runs_every_call_on_its_own_weights_version() -> None:
+    """Threads call one delegate with three weights versions interleaved: every call computes
+    with its own version, at most two containers exist, and no buffer changes under a call."""
+    from asyncgraph.compiled.delegate import AOTIDelegate
+
+    FakeContainer.made = 0
+    versions = [torch.tensor(float(v)) for v in range(3)]
+    delegate = AOTIDelegate(
+        "aoti_segment_0", FakeContainer(), (True, True), ("a", "b"), constants=("", "weight_1"),
+        baked=(None, versions[0]), new_loader=FakeContainer, weight_names=("", "w"),
+    )
+    errors: list[BaseException] = []
+
+    def caller(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(60):
+                v = rng.randrange(3)
+                x = torch.tensor(100.0 * seed)
+                assert delegate(x, versions[v])[0].item() == 100.0 * seed + v
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[0]
+    stats = delegate.statistics()
+    assert FakeContainer.made == stats["containers"] == 2
+    assert stats["calls"] == 360 and stats["loads"] >= 2
+    delegate.prepare_weights({"w": versions[0]})  # held already or loaded: never waits
 
 
 # -- the compiled packages ------------------------------------------------------------------------
