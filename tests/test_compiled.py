@@ -698,3 +698,27 @@ def test_an_in_memory_program_is_segmented_as_its_package_will_load_it() -> None
     reloaded = from_exported_program(torch.export.load(buffer)).graph
     compiled_from = from_exported_program(_exported(ep)).graph
     assert [n.name for n in compiled_from.nodes] == [n.name for n in reloaded.nodes]
+
+
+def test_cli_compile_passes_frozen_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--frozen-weights` reaches compile_program (the compile itself: test_cli_compile)."""
+    from typer.testing import CliRunner
+
+    import asyncgraph.compiled as compiled_pkg
+    from asyncgraph.cli.main import app
+    from asyncgraph.compiled.build import CompileReport
+
+    seen: list[bool] = []
+
+    def fake_compile(source: Any, output: Any, mode: str, **kwargs: Any) -> CompileReport:
+        seen.append(kwargs["frozen_weights"])
+        return CompileReport(Path(output), mode, nodes_total=1)
+
+    monkeypatch.setattr(compiled_pkg, "compile_program", fake_compile)
+    model = tmp_path / "m.pt2"
+    model.write_bytes(b"")
+    for flags, expected in (([], False), (["--frozen-weights"], True)):
+        result = CliRunner().invoke(app, ["compile", str(model), "-o", str(tmp_path / "o.pt2"),
+                                          *flags])
+        assert result.exit_code == 0, result.output
+        assert seen.pop() is expected

@@ -1,4 +1,4 @@
-"""`asyncgraph compile MODEL.pt2 -o MODEL.aoti.pt2 [--segments auto|whole]`.
+"""`asyncgraph compile MODEL.pt2 -o MODEL.aoti.pt2 [--segments auto|whole] [--frozen-weights]`.
 
 Compiles the program's runs of CPU aten nodes with AOTInductor (asyncgraph/compiled) and prints
 what it did: segments, nodes compiled of all, segments left interpreted and why, compile time
@@ -28,6 +28,14 @@ def compile_command(
     model: Annotated[Path, typer.Argument(help="The .pt2 written by torch.export.save.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="The package to write.")],
     segments: SegmentsOpt = "auto",
+    frozen_weights: Annotated[
+        bool,
+        typer.Option(
+            "--frozen-weights",
+            help="Pack the weights into the compiled kernels (max-autotune: faster matmuls). "
+                 "The loaded program then refuses swap_weights of those weights.",
+        ),
+    ] = False,
 ) -> None:
     """Compile a program's hot runs of nodes with AOTInductor into MODEL.aoti.pt2."""
     from asyncgraph.compiled import compile_program
@@ -37,7 +45,7 @@ def compile_command(
         raise typer.BadParameter(f"expected one of {', '.join(MODES)}, got {segments!r}",
                                  param_hint="--segments")
     console = Console()
-    report = compile_program(model, output, segments,
+    report = compile_program(model, output, segments, frozen_weights=frozen_weights,
                              progress=lambda message: console.print(message, markup=False))
     table = Table(title=f"asyncgraph compile: {model.name} -> {output.name}")
     for column in ("segments", "nodes compiled", "left interpreted", "compile s", "package MB"):
