@@ -17,13 +17,22 @@ Per node (chain of 1,000 relu, everything inline):
   lock         one `with frame.lock:` alone
   clock        one time.perf_counter() (the run loop reads it every node for the slice)
   execute      `await ex.execute(x)` divided by the nodes: everything
-Per execution (a graph of one relu node):
+Per execution (a graph of one relu node), the steps `execute` takes, in order:
   execute      `await ex.execute(x)`
-  direct       the kernel alone
-  flatten, check (validation), acquire+release, load, run, outputs, clear:
-               the phases of Executor._execute
-  checkpoint   the `await asyncio.sleep(0)` execute starts with (one loop iteration)
-  unflatten    pytree.tree_unflatten of the outputs
+  direct       the kernel alone; execute - direct is the fixed cost
+  caller       the calling task and its pending cancellation (Executor._calling_task)
+  flatten      the call's inputs, flat (InputValidator.flatten)
+  check        validation, which also gives the inputs' signature (InputValidator.check)
+  bind         the bound-loop check (Executor._bind_loop)
+  acquire+release  a free frame and its return (FramePool.try_acquire, release; with clear)
+  choose       adaptive placement, found by the signature (AdaptivePlacement.choose)
+  schedule     the placement's schedule (ScheduleCache.cached)
+  load         weights, inputs and schedule into the frame (ExecutionFrame.load)
+  run          the straight line, kernel included (Scheduler.run_straight)
+  outputs      the outputs out of the frame (Executor._take_outputs)
+  clear        the frame's values dropped (ExecutionFrame.clear, part of release)
+  coroutines   creating and awaiting execute's two coroutines (execute, _execute), empty
+  steps        the sum of the steps above (clear counted once), for comparison with execute
 """
 
 from __future__ import annotations
@@ -38,9 +47,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from asyncgraph import Executor, ExecutorConfig
+from asyncgraph.runtime.executor import _cancel_pending
 from benchmarks.models import exported_chain, exported_encoder
 
 
@@ -60,6 +69,19 @@ async def amedian_us(fn: Callable[[], Awaitable[Any]], repeat: int = 15, number:
         start = time.perf_counter()
         for _ in range(number):
             await fn()
+        samples.append((time.perf_counter() - start) / number)
+    return min(samples) * 1e6
+
+
+async def sliced_us(fn: Callable[[], Any], repeat: int = 15, number: int = 100) -> float:
+    """median_us for steps that use the loop's slice: each repetition starts a new iteration
+    (and so a new slice), which the straight line needs to run."""
+    samples = []
+    for _ in range(repeat):
+        await asyncio.sleep(0)
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
         samples.append((time.perf_counter() - start) / number)
     return min(samples) * 1e6
 
@@ -95,6 +117,7 @@ async def per_node(n: int = 1000) -> dict[str, float]:
 
         def complete() -> None:
             frame.load(ex._weights_template(), [x], 0, per_node)
+            frame.load_counters()
             stack: list[int] = []
             for i in range(n):
                 sched._complete(frame, i, stack, False)
@@ -130,36 +153,60 @@ async def per_execution() -> dict[str, float]:
     x = torch.randn(8, 64)
     ex = Executor(ep, ExecutorConfig())
     try:
-        await ex.execute(x)
+        for _ in range(10):  # past adaptive placement's profiling: the decided placement
+            await ex.execute(x)
         fn = ex.kernels[0].fn
         flat = [x]
-        out_spec = ex.graph.signature.out_spec
+        signature = ex._validator.check(flat)
+        assert ex._adaptive is not None
+        sched = ex._scheduler
+        placement, times = ex._adaptive.choose(flat, sched.loaded, signature)
+        assert times is None, "placement not decided yet"
+        schedule = ex._schedules.cached(placement, True)
+        assert schedule is not None
+        pool = ex._pool
 
-        async def acquire_release() -> None:
-            ex._pool.release(await ex._pool.acquire())
+        def acquire_release() -> None:
+            frame = pool.try_acquire()
+            assert frame is not None
+            pool.release(frame)
 
-        frame = await ex._pool.acquire()
+        async def nothing() -> None:
+            pass
+
+        async def two_coroutines() -> None:
+            await nothing()
+
+        execute = await amedian_us(lambda: ex.execute(x), number=200)
+        frame = pool.try_acquire()
+        assert frame is not None
         template = ex._weights_template()
-        schedule = ex._schedules.get(ex.plan.placement, fused=True)
 
-        async def run() -> None:
+        def run() -> None:
             frame.load(template, flat, 1, schedule)
-            await ex._scheduler.run(frame)
+            if not sched.run_straight(frame):
+                raise RuntimeError("the one-node graph did not take the straight line")
 
+        load = median_us(lambda: frame.load(template, flat, 1, schedule))
         r = {
-            "execute": await amedian_us(lambda: ex.execute(x), number=200),
+            "execute": execute,
             "direct": median_us(lambda: fn(x)),
+            "caller": median_us(lambda: _cancel_pending(ex._calling_task())),
             "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
             "check": median_us(lambda: ex._validator.check(flat)),
-            "load": median_us(lambda: frame.load(template, flat, 1, schedule)),
-            "run": await amedian_us(run, number=200),
+            "bind": median_us(ex._bind_loop),
+            "choose": median_us(lambda: ex._adaptive.choose(flat, sched.loaded, signature)),
+            "schedule": median_us(lambda: ex._schedules.cached(placement, True)),
+            "load": load,
+            "run": await sliced_us(run) - load,
             "outputs": median_us(lambda: ex._take_outputs(frame, flat)),
             "clear": median_us(frame.clear),
-            "checkpoint": await amedian_us(lambda: asyncio.sleep(0), number=200),
-            "unflatten": median_us(lambda: pytree.tree_unflatten([x], out_spec)),
         }
-        ex._pool.release(frame)
-        r["acquire+release"] = await amedian_us(acquire_release, number=200)
+        pool.release(frame)
+        r["acquire+release"] = median_us(acquire_release)
+        r["coroutines"] = await amedian_us(two_coroutines, number=200)
+        skip = {"execute", "direct", "clear"}  # clear is part of acquire+release
+        r["steps"] = sum(v for k, v in r.items() if k not in skip)
         return r
     finally:
         await ex.aclose()

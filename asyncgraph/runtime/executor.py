@@ -201,9 +201,10 @@ class Executor:
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
         """Run the program on `(args, kwargs)`; returns what `ep.module()(*args, **kwargs)` does."""
         caller = self._calling_task()
-        if _cancel_pending(caller):  # a call made while cancelled takes no frame
-            await anyio.lowlevel.checkpoint()  # delivers the cancellation
-        self._check_open()
+        if caller is None or getattr(caller, "_must_cancel", True):  # _cancel_pending, inline
+            await anyio.lowlevel.checkpoint()  # delivers a pending cancellation: no frame taken
+        if self._closed:
+            self._check_open()
         flat = self._validator.flatten(args, kwargs)
         inputs, signature = self._accept(flat)
         if self._batcher is not None:

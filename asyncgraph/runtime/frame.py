@@ -41,9 +41,9 @@ class ExecutionFrame:
     """The per-execution storage of one graph's values and counters."""
 
     __slots__ = (
-        "_gpu_tables", "_nothing", "calls", "counts", "errors", "execution_id", "finished",
-        "gpu", "id", "last_used", "lock", "pending", "plan", "reads", "rng", "schedule",
-        "stopped", "tasks", "times", "values", "waiter", "where",
+        "_gpu_tables", "_nothing", "_one_input", "calls", "counts", "errors", "execution_id",
+        "finished", "gpu", "id", "last_used", "lock", "pending", "plan", "reads", "rng",
+        "schedule", "stopped", "tasks", "times", "values", "waiter", "where",
     )
 
     def __init__(
@@ -54,6 +54,8 @@ class ExecutionFrame:
         self.gpu = gpu
         self.values: list[Any] = [None] * plan.num_values
         self._nothing = (None,) * plan.num_values  # what `clear` leaves in `values`
+        # The slot of a program's only input (-1 otherwise): `load` stores it without a zip.
+        self._one_input = plan.user_input_slots[0] if len(plan.user_input_slots) == 1 else -1
         self.counts: list[int] = []  # per unit of the loaded schedule
         self.reads: list[int] = list(plan.read_counts)
         self.lock = threading.Lock()
@@ -88,8 +90,11 @@ class ExecutionFrame:
         plan = self.plan
         values = self.values
         values[:] = template
-        for slot, value in zip(plan.user_input_slots, inputs, strict=True):
-            values[slot] = value
+        if self._one_input >= 0 and len(inputs) == 1:
+            values[self._one_input] = inputs[0]
+        else:
+            for slot, value in zip(plan.user_input_slots, inputs, strict=True):
+                values[slot] = value
         for slot in plan.token_slots:
             values[slot] = torch.empty(0)  # a fresh effect token per execution
         self.pending = 0

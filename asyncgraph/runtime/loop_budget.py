@@ -74,13 +74,28 @@ class LoopBudget:
         when the slice is spent (the caller hands its work to `defer`)."""
         now = time.perf_counter()
         if not self._open:
-            self._open = True
-            self._deadline = now + self.slice_s
-            self._slices += 1
-            self._call_soon(self._close)
-            return self._deadline
+            return self._open_slice(now)
         if now >= self._deadline:
             return None
+        return self._deadline
+
+    def start(self, seconds: float) -> float | None:
+        """The perf_counter time now when `seconds` of inline work fit in what is left of the
+        slice (opening one if none is open), else None: the caller then defers or splits its
+        work. One clock read, where `deadline()` and a read for the fit take two."""
+        now = time.perf_counter()
+        if not self._open:
+            self._open_slice(now)
+        elif now >= self._deadline:
+            return None
+        return now if now + seconds <= self._deadline else None
+
+    def _open_slice(self, now: float) -> float:
+        """Open this iteration's slice at `now`; it closes at the next iteration's start."""
+        self._open = True
+        self._deadline = now + self.slice_s
+        self._slices += 1
+        self._call_soon(self._close)
         return self._deadline
 
     def defer(self, fn: Callable[..., None], *args: Any) -> None:

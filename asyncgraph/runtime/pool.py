@@ -131,8 +131,8 @@ class FramePool:
         else:
             frame.last_used = time.monotonic()
             self._idle.append(frame)
-            if self._timer is None:
-                self._schedule_cleanup()
+            if self._timer is None and len(self._idle) + self._in_use > self._min:
+                self._schedule_cleanup()  # one frame above min_frames at least
         if self._in_use == 0 and self._drained is not None:
             self._drained.set()
 

@@ -128,20 +128,17 @@ class Scheduler:
             budget = self._bind(frame)
         if frame.times is not None or not self._may_straight or frame.gpu is not None:
             return False
-        schedule = frame.schedule
+        schedule = _schedule(frame)
         if schedule is self._hot_schedule:  # the schedule of the last straight execution
             straight = self._hot_straight
         else:
-            straight = self._straight_form(_schedule(frame))
+            straight = self._straight_form(schedule)
         if straight is None:
             return False
-        deadline = budget.deadline()
-        if deadline is None:
-            return False  # the slice is spent: the dataflow path defers the execution
-        start = time.perf_counter()
-        if start + straight.seconds > deadline:
-            return False  # the dataflow path splits it over loop iterations
-        self._run_straight(frame, straight, start)
+        start = budget.start(straight.seconds)
+        if start is None:  # the slice is spent, or left too short for it
+            return False  # the dataflow path defers it, or splits it over loop iterations
+        self._run_straight(frame, schedule, straight, start)
         if frame.errors:
             self._raise_errors(frame)
         return True
@@ -219,11 +216,12 @@ class Scheduler:
         self._hot_schedule, self._hot_straight = hit
         return hit[1]
 
-    def _run_straight(self, frame: ExecutionFrame, straight: StraightLine, start: float) -> None:
-        """Run every unit in order on the loop; a kernel error stops the execution as in the
-        dataflow path (the error, with its node's note, is raised by `run_straight`).
-        `start`: the clock read that found the units fit the slice (the loop time from it)."""
-        schedule = _schedule(frame)
+    def _run_straight(
+        self, frame: ExecutionFrame, schedule: Schedule, straight: StraightLine, start: float
+    ) -> None:
+        """Run every unit of the frame's `schedule` in order on the loop; a kernel error stops
+        the execution as in the dataflow path (the error, with its node's note, is raised by
+        `run_straight`). `start`: the clock read that found the units fit the slice."""
         calls, stores, drops = frame.calls, schedule.stores, straight.drops
         values = frame.values
         guard = _inference_mode(self._inference_mode)  # on while it lives: no `with` needed
