@@ -20,12 +20,15 @@ What it does, and why:
   only when the stream differs from the current one, never `torch.cuda.stream(...)` or
   `torch.cuda.current_stream()`, whose Python device-index helpers cost more than the launch.
 - `wait_events`: the host's wait. It polls `event.query()` from the event loop with a short
-  spin of `asyncio.sleep(0)` and then a backoff, so the loop never blocks on the GPU; once
-  every event has completed it calls `event.synchronize()`, which then returns at once but
-  tells tools such as TORCH_CUDA_SANITIZER that the host is ordered after the event.
+  spin of `sleep(0)` and then a backoff, so the loop never blocks on the GPU; once every
+  event has completed it calls `event.synchronize()`, which then returns at once but tells
+  tools such as TORCH_CUDA_SANITIZER that the host is ordered after the event. The sleeps are
+  anyio's, so the same wait runs on asyncio, uvloop and trio: no thread, callback or
+  `call_soon_threadsafe` is involved (the GPU is polled, never waited for on a thread).
 - `finish` awaits the end of every stream the execution used, absorbing cancellation the way
   the scheduler waits for its threads, and only then returns the stream set: a frame is never
-  reused while its GPU work is in flight.
+  reused while its GPU work is in flight. On trio, which cancels every later checkpoint of a
+  cancelled scope, the rest of that wait is shielded.
 
 torch.cuda is imported lazily (only `TorchCudaBackend` touches it), so this module imports and
 type-checks on machines without CUDA. The backend is injectable, which is how the tests drive
@@ -35,10 +38,13 @@ all of this logic on the CPU with fake streams and events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import anyio
 
 from asyncgraph.cuda.streams import StreamKey, StreamPlan
 from asyncgraph.graph.ir import TensorSpec, ValueSpec
@@ -239,7 +245,7 @@ class PollPolicy:
 
 
 async def wait_events(events: Sequence[CudaEvent], policy: PollPolicy = PollPolicy()) -> None:
-    """Await CUDA events from the event loop without ever blocking it.
+    """Await CUDA events from the event loop without ever blocking it (asyncio or trio).
 
     Cancellable at every sleep. After all have completed, `synchronize()` (immediate by then)
     records the host-side happens-before for the CUDA sanitizer.
@@ -250,7 +256,7 @@ async def wait_events(events: Sequence[CudaEvent], policy: PollPolicy = PollPoli
         while pending:
             elapsed = time.perf_counter() - start
             delay = 0.0 if elapsed < policy.spin_s else min(policy.max_delay_s, elapsed / 8)
-            await asyncio.sleep(delay)
+            await anyio.sleep(delay)
             pending = [e for e in pending if not e.query()]
     for e in events:
         e.synchronize()
@@ -527,13 +533,18 @@ class FrameStreams:
         """Await the end of all GPU work of this execution, then return the stream set.
 
         Absorbs cancellation until the GPU is done (the frame must not be reused while
-        kernels may still write its memory) and returns True if it was cancelled meanwhile,
-        so the caller re-raises. A no-op without `begin()`.
+        kernels may still write its memory), then re-raises the first one it absorbed, once
+        the stream set is back. The original exception, not a new CancelledError: anyio's
+        cancel scopes on asyncio catch only their own (a fresh one escaped the caller's
+        scope and cancelled its task group), and trio's Cancelled cannot be made at all. On
+        trio, which cancels every later checkpoint of a cancelled scope, the rest of the wait
+        is shielded. Returns False: nothing is left for the caller to re-raise (the result
+        is kept for callers written when it said so). A no-op without `begin()`.
         """
         stream_set = self._set
         if stream_set is None:
             return False
-        cancelled = False
+        absorbed: BaseException | None = None
         try:
             ends = []
             for key, stream in stream_set.streams.items():
@@ -542,14 +553,19 @@ class FrameStreams:
                 ends.append(event)
             while True:
                 try:
-                    await wait_events(ends, self.runtime.poll)
+                    with _shielded_after(absorbed):
+                        await wait_events(ends, self.runtime.poll)
                     break
-                except asyncio.CancelledError:
-                    cancelled = True
+                except BaseException as exc:
+                    if not _is_cancellation(exc):
+                        raise
+                    absorbed = exc
         finally:
             self._set = None
             self.runtime.pool.release(stream_set)
-        return cancelled
+        if absorbed is not None:
+            raise absorbed
+        return False
 
     def protect_outputs(self, outputs: Sequence[Any]) -> None:
         """Record the caller's current stream on output tensors made on our streams.
@@ -566,6 +582,21 @@ class FrameStreams:
                 if caller is None:
                     caller = callers[index] = backend.host_streams(index)[0]
                 backend.record_stream(tensor, caller)
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """Whether `exc` is the running backend's cancellation (asyncio's, or trio's Cancelled).
+    Asked only once something was raised, so the wait itself costs no backend lookup."""
+    return isinstance(exc, (asyncio.CancelledError, anyio.get_cancelled_exc_class()))
+
+
+def _shielded_after(absorbed: BaseException | None) -> contextlib.AbstractContextManager[Any]:
+    """The context of a wait that goes on after a cancellation was absorbed: trio would raise
+    its Cancelled again at every checkpoint, so it is shielded there; asyncio delivers a
+    cancellation once (a second `task.cancel()` is absorbed the same way)."""
+    if absorbed is None or isinstance(absorbed, asyncio.CancelledError):
+        return contextlib.nullcontext()
+    return anyio.CancelScope(shield=True)
 
 
 def _bind_run(
@@ -627,6 +658,4 @@ async def run_in_order(gpu: FrameStreams, values: list[Any]) -> None:
                 result = await result
             values[ids[node]] = result
     finally:
-        cancelled = await gpu.finish()
-    if cancelled:
-        raise asyncio.CancelledError
+        await gpu.finish()  # re-raises a cancellation it absorbed
