@@ -8,8 +8,11 @@ that starts its own run is unambiguous. Every body ends with the leak check.
 
 On trio: results (inline, worker and async kernels), kernel errors, cancellation by cancel
 scopes (`CancelScope.cancel`, `move_on_after`, `fail_after`) while a worker blocks or an async
-kernel awaits, the frame pool under contention with cancelled waiters, batching, the loop
-slice's fairness, the leak check itself, and one soak at ASYNCGRAPH_SOAK_SCALE.
+kernel awaits, `aclose(cancel=True)` cancelling running executions, frame waiters and batched
+requests (asyncio: CancelledError; trio: ExecutorClosedError, never
+concurrent.futures.CancelledError; the caller's own cancel scope wins), the frame pool under
+contention with cancelled waiters, batching, the loop slice's fairness, the leak check itself,
+and one soak at ASYNCGRAPH_SOAK_SCALE. Programs with CUDA nodes: tests/test_trio_gpu.py.
 """
 
 from __future__ import annotations
