@@ -278,3 +278,22 @@ async def test_a_small_graph_builds_its_schedule_in_the_call_that_needs_it(
     async with Executor(b.build(), ExecutorConfig(adaptive_placement=False)) as ex:
         assert await ex.execute(1) == 2
     assert threads == [threading.get_ident()]
+
+
+async def test_start_says_whether_work_fits_what_is_left_of_the_slice() -> None:
+    """`start(seconds)`: the clock read at which work of that length may start, opening the
+    slice if none is open; None once it would end after the slice or the slice is spent."""
+    budget = LoopBudget(asyncio.get_running_loop(), slice_s=0.01)
+    before = time.perf_counter()
+    start = budget.start(0.001)
+    assert start is not None and start >= before
+    assert budget.is_open and budget.statistics().slices == 1
+    assert budget.start(0.02) is None  # longer than what is left of the slice
+    deadline = budget.deadline()
+    assert deadline is not None
+    while time.perf_counter() < deadline:
+        pass
+    assert budget.start(0.0) is None  # spent
+    await asyncio.sleep(0)  # the close runs: the next call opens a new slice
+    assert budget.start(0.001) is not None
+    assert budget.statistics().slices == 2

@@ -165,3 +165,30 @@ async def test_a_heavy_inline_node_runs_as_a_unit_of_its_own() -> None:
     # without the heavy marks the same chain is one fused unit
     fused = ex._schedules.get(tuple(list(placement)), fused=True)  # a new tuple object
     assert len(fused.nodes) == 1
+
+
+def test_a_signature_finds_the_entry_its_shape_key_finds_until_that_entry_is_evicted() -> None:
+    """The Executor passes validation's input signature to `choose`, which then finds the
+    entry without computing its shape key; an entry evicted meanwhile is not found again
+    through a signature remembered before (it starts afresh, with a warm-up)."""
+    ep = torch.export.export(
+        Mixed(), (torch.randn(8, 8), torch.randn(4)),
+        dynamic_shapes=({0: torch.export.Dim("n"), 1: torch.export.Dim("n")}, None),
+    )
+    ex = asyncgraph.Executor(ep)
+    adaptive = AdaptivePlacement(
+        ex.graph, ex.plan, ex.kernels, profile_executions=1, max_signatures=1
+    )
+    first = [torch.randn(8, 8), torch.randn(4)]
+    signature = ex._validator.check(first)
+    assert signature is not None
+    assert adaptive.choose(first, signature=signature)[1] is None  # warm-up
+    _, times = adaptive.choose(first)  # without the signature: the same entry, profiled
+    assert times is not None
+    adaptive.finished(first, times)
+    decided, times = adaptive.choose(first, signature=signature)
+    assert times is None and decided is adaptive.choose(first)[0]
+    second = [torch.randn(16, 16), torch.randn(4)]
+    adaptive.choose(second, signature=ex._validator.check(second))  # evicts the first entry
+    assert adaptive.choose(first, signature=signature)[1] is None  # a new entry's warm-up
+    assert adaptive.choose(first, signature=signature)[1] is not None  # profiled afresh

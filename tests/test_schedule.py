@@ -253,3 +253,21 @@ def test_the_schedule_cache_keeps_the_most_recently_used() -> None:
     assert (stats.schedules, stats.built) == (2, 3)
     cache.get(placements[1], fused=True)  # built again
     assert cache.statistics().built == 4
+
+
+def test_the_most_recent_schedule_is_found_again_only_while_the_cache_holds_it() -> None:
+    """`cached` answers the most recently used entry by identity; once that entry is evicted
+    it answers None, as the cache does."""
+    ex = Executor(chain(3))
+    placements = [tuple(list(ex.plan.placement)) for _ in range(2)]  # equal, distinct objects
+    cache = ScheduleCache(ex.graph, ex.plan, ex.kernels, max_fused=8, max_schedules=1)
+    first = cache.get(placements[0], fused=True)
+    assert cache.cached(placements[0], fused=True) is first
+    assert cache.cached(placements[1], fused=True) is None  # equal is not identical
+    assert cache.cached(placements[0], fused=False) is None  # nor is the unfused one
+    cache.get(placements[1], fused=True)  # evicts the first
+    assert cache.cached(placements[0], fused=True) is None
+    empty = ScheduleCache(ex.graph, ex.plan, ex.kernels, max_fused=8, max_schedules=0)
+    empty.get(placements[0], fused=True)  # built, and evicted at once
+    assert empty.cached(placements[0], fused=True) is None
+    assert empty.statistics().schedules == 0

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
+from asyncgraph.runtime.loop_budget import LoopBudget
 from asyncgraph.runtime.scheduler import Scheduler
 from asyncgraph.runtime.straight import straight_line
 
@@ -146,3 +147,51 @@ async def test_a_tight_loop_of_inline_executions_still_lets_the_loop_run() -> No
             await ex.execute(1)
             calls += 1
             assert calls < 1_000_000, "the loop never got a turn"
+
+
+async def test_a_call_on_a_bound_executor_made_while_cancelled_takes_no_frame() -> None:
+    """Once bound, execute reads the calling task from its bound loop (without
+    asyncio.current_task()): it must be the caller's own task, whose cancellation is due."""
+    b = GraphBuilder()
+    b.output(b.call(lambda x: x + 1, b.input("x"), name="inc", placement="inline"))
+    async with Executor(b.build()) as ex:
+        assert await ex.execute(1) == 2  # binds the loop
+
+        async def caller() -> Any:
+            assert ex._calling_task() is asyncio.current_task()
+            asyncio.current_task().cancel()  # type: ignore[union-attr]
+            return await ex.execute(1)  # cancelled before it could take a frame
+
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.create_task(caller())
+        assert ex.statistics().started == 1
+
+
+async def test_dataflow_executions_after_straight_ones_get_fresh_counters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The straight line leaves the frame's producer and read counts alone; a later
+    execution on the same frame through the dataflow loads them (run_dataflow)."""
+    counts = _count_paths(monkeypatch)
+    ep = torch.export.export(Chain(), (torch.randn(4, 8),))
+    async with Executor(ep, ExecutorConfig(profile_executions=1)) as ex:
+        for _ in range(4):  # warm-up, profiled, then straight
+            await ex.execute(torch.randn(4, 8))
+        assert counts["straight"] >= 1
+        start = LoopBudget.start
+        calls = 0
+
+        def every_other(self: LoopBudget, seconds: float) -> float | None:
+            nonlocal calls
+            calls += 1
+            return start(self, seconds) if calls % 2 else None  # None: the dataflow path
+
+        monkeypatch.setattr(LoopBudget, "start", every_other)
+        before = dict(counts)
+        for _ in range(6):
+            await asyncio.sleep(0)  # a new slice: the real `start` lets the execution in
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(await ex.execute(x), Chain()(x))
+        assert counts["straight"] - before["straight"] >= 1
+        assert counts["dataflow"] - before["dataflow"] >= 3
+        assert ex.statistics().frames.total == 1  # one frame took both paths

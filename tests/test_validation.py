@@ -169,3 +169,20 @@ async def test_nested_positional_arguments_are_named_by_path() -> None:
         assert str(info.value) == (
             "expected 1 positional argument(s), got 0; the program takes (args[0])"
         )
+
+
+def test_check_returns_the_signature_that_inputs_alike_share() -> None:
+    """The signature validation keys its passed checks by, handed on to adaptive placement:
+    equal for inputs alike, different when a shape, dtype or scalar differs, None for an
+    input that is neither a tensor nor a plain scalar (checked in full each time)."""
+    ep = torch.export.export(
+        Single(), (torch.randn(2, 3),), dynamic_shapes=({0: Dim("n")},)
+    )
+    validator = asyncgraph.Executor(ep)._validator
+    signature = validator.check([torch.randn(2, 3)])
+    assert signature is not None
+    assert validator.check([torch.randn(2, 3)]) == signature  # from the passed checks
+    assert validator.check([torch.randn(4, 3)]) != signature
+    wrong = r"args\[0\]\.dtype: expected torch.float32, got torch.int64"
+    with pytest.raises(InputValidationError, match=wrong):
+        validator.check([torch.zeros(2, 3, dtype=torch.int64)])
