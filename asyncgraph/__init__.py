@@ -6,6 +6,7 @@
 
 from asyncgraph.errors import (
     AsyncGraphError,
+    BatchCancelledError,
     ExecutorClosedError,
     GraphValidationError,
     InputValidationError,
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncGraphError",
+    "BatchCancelledError",
     "BatchingConfig",
     "ExecutionFrame",
     "ExecutionPlan",
