@@ -1,8 +1,10 @@
 """Executor: the public face. `out = await executor.execute(x)`.
 
 One execution, as data flowing through (see ARCHITECTURE.md):
-checkpoint -> validate and flatten -> take a frame -> load weights and inputs -> run the
-WorkUnits -> take the outputs, apply mutations -> clear and return the frame -> unflatten.
+cancellation check -> flatten and validate (the inputs' signature) -> take a frame ->
+placement and schedule (found by the signature) -> load weights and inputs -> run the
+WorkUnits (a measured all-inline schedule as a straight line, without a coroutine) -> take
+the outputs, apply mutations -> clear and return the frame -> unflatten.
 
 The Executor holds only what all executions share (plan, weights, pools); everything of one
 execution lives in its frame.
