@@ -529,7 +529,7 @@ class FrameStreams:
         """
         await wait_events(self._outputs, self.runtime.poll)
 
-    async def finish(self) -> bool:
+    async def finish(self) -> None:
         """Await the end of all GPU work of this execution, then return the stream set.
 
         Absorbs cancellation until the GPU is done (the frame must not be reused while
@@ -538,12 +538,11 @@ class FrameStreams:
         cancel scopes on asyncio catch only their own (a fresh one escaped the caller's
         scope and cancelled its task group), and trio's Cancelled cannot be made at all. On
         trio, which cancels every later checkpoint of a cancelled scope, the rest of the wait
-        is shielded. Returns False: nothing is left for the caller to re-raise (the result
-        is kept for callers written when it said so). A no-op without `begin()`.
+        is shielded. A no-op without `begin()`.
         """
         stream_set = self._set
         if stream_set is None:
-            return False
+            return
         absorbed: BaseException | None = None
         try:
             ends = []
@@ -565,7 +564,6 @@ class FrameStreams:
             self.runtime.pool.release(stream_set)
         if absorbed is not None:
             raise absorbed
-        return False
 
     def protect_outputs(self, outputs: Sequence[Any]) -> None:
         """Record the caller's current stream on output tensors made on our streams.

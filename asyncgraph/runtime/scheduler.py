@@ -199,8 +199,8 @@ class Scheduler:
                     absorbed = await self._wait_finished(frame, loop)
                 cancelled = cancelled or absorbed
             self._running -= 1
-            if gpu is not None and await gpu.finish() and cancelled is None:
-                cancelled = asyncio.CancelledError()
+            if gpu is not None:
+                await gpu.finish()  # re-raises a cancellation it absorbed while the GPU ran
         if cancelled is not None:
             raise cancelled
 
