@@ -25,7 +25,8 @@ weights, so only the first run pays the compiles (printed with their times).
 64 callers (MLP and tiny BERT): asyncgraph `execute` from 64 tasks, each request its own
 execution (plain graph, compiled segments, frozen compiled segments) and with dynamic
 batching (`BatchingConfig(max_batch_size=32)` on the graph exported with a dynamic batch
-dimension), against nativert `runner.run` via `asyncio.to_thread` from 64
+dimension; also with that graph's compiled segments, `compiled, batched`), against nativert
+`runner.run` via `asyncio.to_thread` from 64
 tasks; requests per second.
 
 The harness of the main suite (benchmarks/harness.py) does the measuring: outputs compared with
@@ -78,6 +79,7 @@ COMPILED = "asyncgraph (compiled)"
 FROZEN = "asyncgraph (compiled, frozen)"
 SEGMENTS_FORMAT = "w3"  # in the cache key: packages with weights as constants (not inputs)
 BATCHED = "asyncgraph (batched)"
+COMPILED_BATCHED = "asyncgraph (compiled, batched)"
 NATIVERT = "nativert"
 NATIVERT_THREAD = "nativert via to_thread"
 
@@ -210,6 +212,7 @@ class Built:
     aoti: Any = None
     segments: Path | None = None
     frozen: Path | None = None  # compiled segments with frozen_weights=True (no swaps)
+    batched: Path | None = None  # compiled segments of the dynamic-batch export
 
 
 def digest(ep: ExportedProgram) -> str:
@@ -259,6 +262,19 @@ def build_compiled(work: Workload, options: Options) -> Built:
             built.frozen = frozen_path
         except Exception as exc:
             built.notes["frozen_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if work.targets and work.dynamic is not None:  # the batched rows' own compile
+        kinds.append("batched")
+        dynamic = work.dynamic()
+        batched_path = (folder / f"{work.key}-{digest(dynamic)}"
+                        f".segments-auto-batch-{SEGMENTS_FORMAT}.pt2")
+        try:
+            from asyncgraph.compiled import compile_program
+
+            built.notes["batched_compile_s"], built.notes["batched_cached"] = _cached(
+                batched_path, lambda: compile_program(dynamic, batched_path, "auto"))
+            built.batched = batched_path
+        except Exception as exc:
+            built.notes["batched_error"] = f"{type(exc).__name__}: {exc}"[:300]
     for what in kinds:
         if f"{what}_error" in built.notes:
             print(f"  {work.key}: {what}: {built.notes[what + '_error']}", file=sys.stderr)
@@ -360,13 +376,15 @@ async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any)
     return case
 
 
-def _load_compiled(built: Built, path: Path | None) -> Executor | None:
+def _load_compiled(
+    built: Built, path: Path | None, config: ExecutorConfig | None = None
+) -> Executor | None:
     """The Executor of a compiled-segments package, or None with the load error kept in the
     notes (a package asyncgraph refuses is a finding to report, not a reason to lose the run)."""
     if path is None:
         return None
     try:
-        return asyncgraph.load(path, trust_compiled=True)
+        return asyncgraph.load(path, config, trust_compiled=True)
     except Exception as exc:
         built.notes[f"{path.name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(f"  {path.name}: not loaded: {built.notes[f'{path.name}_error']}",
@@ -382,8 +400,8 @@ async def _concurrent_case(
     assert work.dynamic is not None
     x = work.x
     unbatched = Executor(work.ep, ExecutorConfig())
-    batched = Executor(work.dynamic(), ExecutorConfig(
-        batching=BatchingConfig(max_batch_size=MAX_BATCH)))
+    batching = ExecutorConfig(batching=BatchingConfig(max_batch_size=MAX_BATCH))
+    batched = Executor(work.dynamic(), batching)
     peers = [
         asyncgraph_peer("asyncgraph", unbatched, [x], "each request its own execution"),
         asyncgraph_peer(BATCHED, batched, [x], f"dynamic batching, up to {MAX_BATCH} rows"),
@@ -394,6 +412,11 @@ async def _concurrent_case(
         if loaded is not None:
             executors.append(loaded)
             peers.append(asyncgraph_peer(name, loaded, [x], f"{name}, unbatched"))
+    compiled_batched = _load_compiled(built, built.batched, batching)
+    if compiled_batched is not None:
+        executors.append(compiled_batched)
+        peers.append(asyncgraph_peer(COMPILED_BATCHED, compiled_batched, [x],
+                                     f"compiled segments, dynamic batching, up to {MAX_BATCH}"))
     if runner is not None:
         run_native = runner.run
 
@@ -419,7 +442,7 @@ async def _concurrent_case(
     if runner is not None:
         base = results[NATIVERT_THREAD].extra.get("throughput")
         for number, peer, limit in ((3, "asyncgraph", 1.5), (3, COMPILED, 1.5), (3, FROZEN, 1.5),
-                                    (4, BATCHED, 4.0)):
+                                    (4, BATCHED, 4.0), (4, COMPILED_BATCHED, 4.0)):
             if peer not in results:
                 continue
             mine = results[peer].extra.get("throughput")
