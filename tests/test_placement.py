@@ -129,21 +129,6 @@ def test_a_loaded_loop_keeps_nodes_below_its_own_bar_inline() -> None:
     assert adaptive.decide([100.0, 1.0, 300.0, 1.0, 1.0], loaded=True) == (i, i, w, i, i)
 
 
-def test_a_loaded_loop_sends_a_compiled_segment_over_the_quiet_bar_to_a_worker() -> None:
-    """A compiled segment runs without the GIL from start to end: under a busy loop it keeps
-    the quiet bar (heavy_node_us), while a CPU node of the same time stays inline."""
-    ex = _diamond_of_heavy_nodes()
-    adaptive = AdaptivePlacement(
-        ex.graph, ex.plan, ex.kernels, heavy_node_us=80, loaded_heavy_node_us=250
-    )
-    adaptive.movable = (True,) * 5
-    adaptive.gil_free = (True, False, False, False, False)
-    w, i = Placement.WORKER, Placement.INLINE
-    best = [100.0, 1.0, 100.0, 1.0, 1.0]
-    assert adaptive.decide(best, loaded=True) == (w, i, i, i, i)
-    assert adaptive.decide([60.0, 1.0, 100.0, 1.0, 1.0], loaded=True) == (i, i, i, i, i)
-
-
 def test_the_loaded_bar_comes_from_the_config() -> None:
     with pytest.raises(ValueError, match="loaded_heavy_node_us"):
         ExecutorConfig(loaded_heavy_node_us=-1)

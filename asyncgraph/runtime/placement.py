@@ -17,10 +17,7 @@ worker but the hop's latency (a transformer's feed-forward matmuls, one after an
 executions overlap on a busy loop, a second placement applies, with every node of at least
 `loaded_heavy_node_us` on a worker: there the spine of one execution overlaps the others'. The
 bar is higher there because a worker needs the GIL, held by the busy loop, to start and finish
-each node; ~60 us matmuls lost more waiting than they gained. A compiled segment (DELEGATE) keeps
-the lower `heavy_node_us` bar when loaded: it runs native code without the GIL from start to
-end, so the same two GIL hand-offs free the loop for its whole time (tiny BERT's 220 us segment,
-64 callers: 3.3k req/s on workers against 2.4k inline). Light nodes always stay on the
+each node; ~60 us matmuls lost more waiting than they gained. Light nodes always stay on the
 loop: they are mostly Python dispatch, which holds the GIL wherever it runs, and moving them to
 threads only adds contention. A new input-shape
 signature is profiled afresh. Only CPU kernels without an explicit placement hint move; async,
@@ -131,7 +128,6 @@ class AdaptivePlacement:
             k.kind in (KernelKind.CPU, KernelKind.DELEGATE) and n.placement_hint is None
             for n, k in zip(graph.nodes, kernels, strict=True)
         )
-        self.gil_free = tuple(k.kind is KernelKind.DELEGATE for k in kernels)
         self._entries: OrderedDict[ShapeKey, _Entry] = OrderedDict()
         # An input Signature (validation.py) -> its entry: `key` is a function of the
         # signature, so a call with a signature seen before skips computing its key.
@@ -210,10 +206,8 @@ class AdaptivePlacement:
         loop's slice; inline for the rest (see the module docstring). `loaded`: for a loop
         shared by overlapping executions, where every heavy node overlaps something."""
         placement = list(self.base)
-        heavy = [
-            us >= (self.loaded_heavy_node_us if loaded and not free else self.heavy_node_us)
-            for us, free in zip(best_us, self.gil_free, strict=True)
-        ]
+        bar = self.loaded_heavy_node_us if loaded else self.heavy_node_us
+        heavy = [us >= bar for us in best_us]
         alone = [False] * len(heavy) if loaded else self._without_heavy_peer(heavy)
         for node, us in enumerate(best_us):
             if self.movable[node]:
