@@ -18,6 +18,7 @@ from asyncgraph.serve.admission import (
     MAX_QUEUE_BYTES,
     SERVICE_EWMA_WEIGHT,
     Admission,
+    Calibration,
     Ticket,
 )
 from asyncgraph.serve.errors import ProtocolError
@@ -43,13 +44,14 @@ def clock_of(admission: Admission) -> FakeClock:
 
 async def measure(
     admission: Admission, *service_s: float, decode_s: float | None = None,
-    encode_s: float | None = None,
+    encode_s: float | None = None, nbytes: int = 0,
 ) -> None:
     """Run requests one after another that each hold a slot for `service_s` fake seconds,
-    after `decode_s` in the decode lane and before `encode_s` encoding (when given)."""
+    after `decode_s` in the decode lane and before `encode_s` encoding (when given), with
+    bodies of `nbytes`."""
     clock = clock_of(admission)
     for seconds in service_s:
-        with admission.enter() as ticket:
+        with admission.enter(nbytes) as ticket:
             if decode_s is not None:
                 async with admission.decoding(ticket):
                     clock.now += decode_s
@@ -213,11 +215,60 @@ async def test_expected_wait_counts_the_requests_ahead_beyond_the_free_slots() -
     admission.running = 0
 
 
-async def test_before_the_first_measurement_only_what_the_slots_hold_is_admitted() -> None:
-    """Nothing measured, nothing can be promised: a request with a deadline is admitted while
-    the requests in flight fit the slots (none of them queues); the rest of a first burst is
-    refused at once, not admitted blindly to miss its deadline. Without a deadline a request
-    is never refused for time."""
+#: Calibrated at start-up: a 1000-byte body decodes in 10 ms, executes in 5 ms, encodes in 0.
+CALIBRATED = Calibration(body_bytes=1000, decode_s=0.01, execute_s=0.005, encode_s=0.0, rounds=3)
+
+
+def admit_until_refused(admission: Admission, nbytes: int, remaining_s: float) -> list[Ticket]:
+    """Admit requests of a burst until one is refused; the admitted tickets."""
+    admitted: list[Ticket] = []
+    while True:
+        try:
+            admitted.append(admission.enter(nbytes, remaining_s))
+        except ProtocolError as exc:
+            assert exc.status == 503
+            return admitted
+
+
+async def test_a_calibrated_gate_admits_a_first_burst_as_far_as_its_deadline_allows() -> None:
+    """Calibrated at start-up, the gate predicts before any request completes: with 2 slots
+    and 10 ms of decode per request, a first burst with a 100 ms deadline is admitted while
+    the decodes ahead fit (the k-th expects (k + 1) x 10 ms + 5 ms of execution: 9 of them),
+    not only what the slots hold; the rest is refused at once."""
+    admission = gate(capacity=2)
+    admission.calibrate(CALIBRATED)
+    assert admission.measured and admission.completed == 0
+    admitted = admit_until_refused(admission, 1000, 0.1)
+    assert len(admitted) == 9 and admission.refused[DEADLINE] == 1
+    error = refused(DEADLINE, admission, 1000, 0.1)
+    assert "9 to decode at 10.0 ms each" in str(error)
+    assert "expected to finish in 105 ms" in str(error)
+    stats = admission.statistics()
+    assert stats.calibration == CALIBRATED and stats.completed == 0
+    assert stats.expected_wait_s == pytest.approx(0.09)
+    for ticket in admitted:
+        ticket.close()
+
+
+async def test_with_batching_a_calibrated_first_burst_is_bounded_by_its_estimate() -> None:
+    """A batching gate lets frames x max_batch_size requests in (8 x 32 = 256 by default),
+    far more than a decode-bound first burst can decode in time; calibrated, it admits as
+    many as the decodes ahead allow (1 s / 10 ms: 99 with 5 ms of execution), neither the
+    256 it holds nor only the 8 frames."""
+    admission = Admission("m", 256, 4096, 1 << 30, clock=FakeClock(), first_burst=8)
+    admission.calibrate(CALIBRATED)
+    admitted = admit_until_refused(admission, 1000, 1.0)
+    assert len(admitted) == 99
+    for ticket in admitted:
+        ticket.close()
+
+
+async def test_an_uncalibrated_gate_admits_only_what_the_slots_hold_until_it_measures() -> None:
+    """Calibration failed (or never ran: a mounted app), so nothing is measured and nothing
+    can be promised: a request with a deadline is admitted while the requests in flight fit
+    the slots (with batching, one per frame); the rest of a first burst is refused at once,
+    not admitted blindly to miss its deadline. Without a deadline a request is never refused
+    for time. Once a request has completed, the gate predicts from it."""
     admission = gate(capacity=2)
     first = admission.enter(0, 1.0)
     second = admission.enter(0, 1.0)
@@ -233,22 +284,45 @@ async def test_before_the_first_measurement_only_what_the_slots_hold_is_admitted
     tickets = [admission.enter(0, 1.0) for _ in range(10)]  # measured: 10 x 5 ms fit in 1 s
     for ticket in tickets:
         ticket.close()
-
-
-async def test_with_batching_the_first_burst_is_bounded_by_the_frames_not_the_batches() -> None:
-    """A batching gate lets frames x max_batch_size requests in (8 x 32 = 256 by default):
-    far more than a decode-bound first burst can decode in time. Before anything is measured
-    it admits one request per frame, as an unbatched gate does."""
-    admission = Admission("m", 256, 4096, 1 << 30, clock=FakeClock(), first_burst=8)
-    tickets = [admission.enter(0, 1.0) for _ in range(8)]
-    error = refused(DEADLINE, admission, 0, 1.0)
-    assert "8 request(s) in flight fill its first 8 place(s)" in str(error)
+    batching = Admission("m", 256, 4096, 1 << 30, clock=FakeClock(), first_burst=8)
+    tickets = [batching.enter(0, 1.0) for _ in range(8)]
+    assert "8 request(s) in flight fill its first 8 place(s)" in str(
+        refused(DEADLINE, batching, 0, 1.0)
+    )
     for ticket in tickets:
         ticket.close()
-    await measure(admission, 0.01)
-    tickets = [admission.enter(0, 1.0) for _ in range(100)]  # measured: 100 x 40 us fit in 1 s
-    for ticket in tickets:
+
+
+async def test_a_decode_is_priced_by_its_body_size() -> None:
+    """Calibrated at 10 ms for 1000 bytes: a body 10 times larger expects 100 ms of decode,
+    and each request ahead costs the loop at the mean size of the bodies ahead."""
+    admission = gate(capacity=8)
+    admission.calibrate(CALIBRATED)
+    assert admission.decode_s(1000) == pytest.approx(0.01)
+    assert admission.decode_s(50_000) == pytest.approx(0.5)
+    ahead = admission.enter(1000, 1.0)  # nothing ahead of it
+    # 10 ms for the one ahead + 500 ms for its own 50 KB + 5 ms of execution
+    assert "expected to finish in 515 ms" in str(refused(DEADLINE, admission, 50_000, 0.3))
+    large = admission.enter(10_000, 0.3)  # 10 + 100 + 5 ms
+    # ahead: 2 bodies of 5500 bytes on average, 55 ms each; its own 1000 bytes 10 ms
+    assert "expected to finish in 125 ms" in str(refused(DEADLINE, admission, 1000, 0.12))
+    small = admission.enter(1000, 0.13)
+    for ticket in (ahead, large, small):
         ticket.close()
+
+
+async def test_live_measurements_take_over_from_the_calibration() -> None:
+    """The calibration seeds the running means; every request measured after it moves them
+    like any other sample (decode per byte of its body, slot time, encode)."""
+    admission = gate(capacity=2)
+    admission.calibrate(CALIBRATED)
+    await measure(admission, 0.105, decode_s=0.03, encode_s=0.001, nbytes=1000)
+    w = SERVICE_EWMA_WEIGHT
+    assert admission.mean_decode_s_per_byte == pytest.approx(1e-5 + w * (3e-5 - 1e-5))
+    assert admission.mean_decode_s == pytest.approx(0.01 + w * 0.02)
+    assert admission.mean_service_s == pytest.approx(0.005 + w * 0.1)
+    assert admission.mean_encode_s == pytest.approx(w * 0.001)
+    assert admission.completed == 1 and admission.calibration == CALIBRATED
 
 
 async def test_a_request_that_cannot_make_its_deadline_is_refused_at_once() -> None:

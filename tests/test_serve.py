@@ -57,9 +57,20 @@ def linear() -> tuple[torch.nn.Module, torch.export.ExportedProgram]:
 
 @asynccontextmanager
 async def serving(
-    models: dict[str, asyncgraph.Executor], **options: Any
+    models: dict[str, asyncgraph.Executor],
+    *,
+    clock: Callable[[], float] | None = None,
+    **options: Any,
 ) -> AsyncIterator[tuple[InferenceServer, httpx.AsyncClient, str]]:
+    """A running server for `models`; `clock` becomes every admission gate's clock before the
+    server starts (so start-up calibration is timed on it too). The app calibrates its gates
+    at start-up only where a test asks (`calibrate=True`): calibration executes the model,
+    which counts in the executor's statistics and would block a gated kernel."""
+    options.setdefault("calibrate", False)
     app = create_app(models, **options)
+    if clock is not None:
+        for name in models:
+            app.state.asyncgraph.served(name).admission.clock = clock
     limits = httpx.Limits(max_connections=256)
     async with (
         running_server(app) as url,
@@ -521,17 +532,160 @@ async def test_a_deadline_that_passes_while_queued_answers_504_without_running()
     assert ex.statistics().completed == 2
 
 
+def charge_decodes(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, s_per_byte: float
+) -> None:
+    """Every request body decode (start-up calibration's included) costs `s_per_byte` fake
+    seconds per body byte on the gate's clock: deterministic decode times, priced by size."""
+    decode = app_module.decode_request
+
+    def costly_decode(body: bytes, *args: Any) -> Any:
+        clock.now += s_per_byte * len(body)
+        return decode(body, *args)
+
+    monkeypatch.setattr(app_module, "decode_request", costly_decode)
+
+
+async def send_all_but_the_body(
+    url: str, body: bytes, admission: Any, count: int
+) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """Open `count` requests that send their headers and a few bytes of `body`, one after
+    another, each answered at the gate (admitted, or refused) before the next: admitted,
+    they stay in flight (reading their bodies) until the test sends the rest."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (b"POST /v2/models/lin/infer HTTP/1.1\r\nHost: test\r\nContent-Type: "
+            b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    opened = []
+    for k in range(count):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + body[:10])
+        opened.append((reader, writer))
+        await eventually(
+            lambda k=k: admission.admitted + sum(admission.refused.values()) == k + 1,
+            f"request {k} at the gate",
+        )
+    return opened
+
+
+async def finish_bodies(
+    opened: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]], body: bytes
+) -> list[tuple[int, bytes]]:
+    """Send the rest of each body; the responses, in order."""
+    for _reader, writer in opened:
+        writer.write(body[10:])
+    answers = [await _read_response(reader) for reader, _writer in opened]
+    for _reader, writer in opened:
+        writer.close()
+        await writer.wait_closed()
+    return answers
+
+
 @pytest.mark.timeout(60)
-async def test_a_first_burst_before_any_measurement_is_refused_beyond_the_slots() -> None:
-    """A fresh server has measured nothing, so it cannot promise a deadline to a request that
-    would queue: with its one slot held, a burst with a 2 s timeout is refused (503) at once
-    instead of being admitted blindly to miss its deadline (504 after 2 s). Once a request
-    has completed, the gate judges by what it measured."""
-    gate = Gate()
+async def test_a_calibrated_server_answers_a_first_burst_that_fits_its_deadline(
+    linear: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server times a representative request when it starts, so it predicts from the very
+    first request. Here a decode costs 10 us per body byte (about 1.6 ms a request) and
+    execution nothing, on the gate's clock, with one slot and a 1 s timeout: a first burst of
+    20 requests, all in flight at once (still sending their bodies, so none has completed),
+    expects at most 20 decodes (~32 ms) and is admitted in full, and every request is answered
+    200. Uncalibrated, everything beyond the one slot got 503 ("nothing measured yet")."""
+    model, ep = linear
+    clock = FakeClock()
+    charge_decodes(monkeypatch, clock, 1e-5)
+    x = torch.randn(2, 4)
+    body = json.dumps(infer_body(x)).encode()
     config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
+    async with asyncgraph.Executor(ep, config) as ex, serving(
+        {"lin": ex}, timeout_ms=1000, clock=clock, calibrate=True
+    ) as (server, client, url):
+        admission = server.served("lin").admission
+        calibration = admission.calibration
+        assert calibration is not None and admission.completed == 0
+        assert calibration.decode_s_per_byte == pytest.approx(1e-5)
+        assert calibration.execute_s == 0.0 and 1 <= calibration.rounds <= 5
+        opened = await send_all_but_the_body(url, body, admission, 20)
+        assert admission.queued == 20 and admission.refused["deadline"] == 0
+        answers = await finish_bodies(opened, body)
+        text = (await client.get("/metrics")).text
+    with torch.no_grad():
+        want = model(x)
+    for status, answer in answers:
+        assert status == 200, answer
+        got = torch.tensor(json.loads(answer)["outputs"][0]["data"]).reshape(2, 3)
+        torch.testing.assert_close(got, want)
+    assert metric(text, "asyncgraph_calibrated", model="lin") == 1
+    assert metric(text, "asyncgraph_decode_bytes_per_second", model="lin") == pytest.approx(1e5)
+    assert metric(text, "asyncgraph_admission_refusals_total", model="lin", reason="deadline") == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_first_burst_beyond_the_calibrated_estimate_is_refused_at_once(
+    linear: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calibrated at 150 ms of decode per request (and no execution time), with a 1 s timeout:
+    6 requests of a first burst in flight (still sending their bodies) will hold the loop for
+    0.9 s, so the next ones are refused (503) on arrival, while the 6 admitted have not even
+    been read, nothing having completed; the admitted ones then succeed. Uncalibrated, the
+    gate let in one request per slot (8) whatever they cost."""
+    model, ep = linear
+    clock = FakeClock()
+    x = torch.randn(1, 4)
+    body = json.dumps(infer_body(x)).encode()
+    charge_decodes(monkeypatch, clock, 0.15 / len(body))
+    async with asyncgraph.Executor(ep) as ex, serving(
+        {"lin": ex}, timeout_ms=1000, clock=clock, calibrate=True
+    ) as (server, client, url):
+        admission = server.served("lin").admission
+        assert admission.calibration is not None
+        opened = await send_all_but_the_body(url, body, admission, 6)
+        refused = await asyncio.gather(
+            *(client.post("/v2/models/lin/infer", content=body) for _ in range(5))
+        )
+        still_reading = admission.queued
+        assert admission.completed == 0
+        answers = await finish_bodies(opened, body)
+        text = (await client.get("/metrics")).text
+    for r in refused:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "6 to decode at 150.0 ms each" in r.json()["error"], r.text
+    assert still_reading == 6  # the refusals came first
+    with torch.no_grad():
+        want = model(x)
+    for status, answer in answers:
+        assert status == 200, answer
+        got = torch.tensor(json.loads(answer)["outputs"][0]["data"]).reshape(1, 3)
+        torch.testing.assert_close(got, want)
+    assert metric(text, "asyncgraph_admission_refusals_total", model="lin", reason="deadline") == 5
+
+
+class FailsFirst(Gate):
+    """A Gate whose first call raises: the model fails start-up calibration."""
+
+    async def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls == 0:
+            self.calls += 1
+            raise RuntimeError("not on random inputs")
+        return await super().__call__(x)
+
+
+@pytest.mark.timeout(60)
+async def test_a_server_whose_calibration_fails_refuses_a_first_burst_beyond_the_slots(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model that fails on the calibration's random inputs is left uncalibrated, and the
+    server says why, once: with nothing measured it cannot promise a deadline to a request
+    that would queue, so with its one slot held a burst with a 2 s timeout is refused (503) at
+    once instead of being admitted blindly to miss its deadline (504 after 2 s). Once a
+    request has completed, the gate judges by what it measured."""
+    gate = FailsFirst()
+    config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
+    caplog.set_level("WARNING", logger="asyncgraph.serve")
     async with asyncgraph.Executor(gated_graph(gate), config) as ex, serving(
-        {"g": ex}, timeout_ms=2000
-    ) as (_server, client, _url):
+        {"g": ex}, timeout_ms=2000, calibrate=True
+    ) as (server, client, _url):
+        admission = server.served("g").admission
+        assert admission.calibration is None and not admission.measured
         body = infer_body(torch.ones(2))
         held = asyncio.create_task(client.post("/v2/models/g/infer", json=body))
         async with asyncio.timeout(WAIT_S):
@@ -544,11 +698,15 @@ async def test_a_first_burst_before_any_measurement_is_refused_beyond_the_slots(
         assert (await held).status_code == 200
         after = await client.post("/v2/models/g/infer", json=body)
         text = (await client.get("/metrics")).text
-    assert calls == 1  # no refused request ran
+    warnings = [r.getMessage() for r in caplog.records if "not calibrated" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "model 'g'" in warnings[0] and "RuntimeError: not on random inputs" in warnings[0]
+    assert calls == 2  # calibration's and the held one: no refused request ran
     for r in burst:
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert "nothing measured yet" in r.json()["error"], r.text
     assert after.status_code == 200
+    assert metric(text, "asyncgraph_calibrated", model="g") == 0
     assert metric(text, "asyncgraph_admission_refusals_total", model="g", reason="deadline") == 5
     assert ex.statistics().completed == 2
 
@@ -586,9 +744,9 @@ async def test_a_decode_bound_overload_is_refused_before_the_admitted_requests_f
     body = json.dumps(infer_body(x)).encode()
     head = (b"POST /v2/models/lin/infer HTTP/1.1\r\nHost: test\r\nContent-Type: "
             b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
-    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}, timeout_ms=1000) as (
-        server, client, url
-    ):
+    async with asyncgraph.Executor(ep) as ex, serving(
+        {"lin": ex}, timeout_ms=1000
+    ) as (server, client, url):
         admission = server.served("lin").admission
         admission.clock = clock
         assert (await client.post("/v2/models/lin/infer", content=body)).status_code == 200

@@ -31,16 +31,23 @@ the two, then to execute one mean slot time. It is refused (503, reason `deadlin
 passes the time left to its deadline: it could not make it, and a 503 now lets the client
 retry elsewhere instead of learning so at its deadline. A request with no deadline is never
 refused for time, nor one with nothing ahead of it (it waits for nothing).
-Before the first completion nothing is measured, and a fresh server has no basis to promise any
-wait: a request with a deadline is then admitted only while the requests in flight (admitted,
-not finished) fit the slots (`first_burst`; with batching, one per frame, not the frames x
-max_batch_size the batcher takes), so none of them queues for a slot and the lane holds at most
-one decode per slot; the rest of a first burst gets 503 at once (Retry-After) rather than being
-admitted blindly to miss its deadline together, which is what a decode-bound first burst did
-(every request of it 504). The first completion comes within one request's time, so this costs
-only the very first burst, and only requests that set a deadline. Estimating the decode from the
-body size instead would need a bytes-per-second figure for this machine and codec that nothing
-has measured either.
+
+**Calibration.** When the app starts, before it takes traffic, it times a representative
+request of each model (calibration.py: random inputs of the example shapes as a JSON body;
+decode, one execution, encode) and seeds the means with it (`calibrate`): the gate predicts
+from the first request on, and live measurements take over through the running means. A decode
+is priced by the body's size (`decode_s`: the mean decode time per byte, calibrated and then
+measured on every decode of a known size, times its Content-Length; the requests ahead at the
+mean size of the bodies admitted and not yet running), so a larger body of the same model
+costs in proportion.
+Uncalibrated (the model failed on synthesised inputs, or a mounted app whose lifespan never
+ran), the gate has no basis to promise any wait before the first completion: a request with a
+deadline is then admitted only while the requests in flight (admitted, not finished) fit the
+slots (`first_burst`; with batching, one per frame, not the frames x max_batch_size the
+batcher takes), so none of them queues for a slot and the lane holds at most one decode per
+slot; the rest of a first burst gets 503 at once (Retry-After) rather than being admitted
+blindly to miss its deadline together, which is what a decode-bound first burst did (every
+request of it 504).
 
 **Memory.** Hard caps bound what waiting requests hold: `max_queue` requests waiting beyond
 the free slots (reason `max_queue`) and `max_queue_bytes` bytes of request bodies not yet
@@ -107,6 +114,23 @@ def capacity_for(config: ExecutorConfig) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Calibration:
+    """What one representative request cost when the server started (see the module
+    docstring): its body's size, and the seconds its decode, its execution and its response's
+    encode took (the median of `rounds` timed rounds)."""
+
+    body_bytes: int
+    decode_s: float
+    execute_s: float
+    encode_s: float
+    rounds: int
+
+    @property
+    def decode_s_per_byte(self) -> float:
+        return self.decode_s / max(self.body_bytes, 1)
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionStatistics:
     """A snapshot of one gate, for metrics and tests."""
 
@@ -121,9 +145,11 @@ class AdmissionStatistics:
     mean_decode_s: float | None
     mean_encode_s: float | None
     mean_turn_s: float | None
+    decode_s_per_byte: float | None
     loop_s: float
     service_rate: float | None
     expected_wait_s: float
+    calibration: Calibration | None = None
     refused: dict[str, int] = field(default_factory=dict)
 
 
@@ -170,6 +196,8 @@ class Admission:
         self.mean_decode_s: float | None = None
         self.mean_encode_s: float | None = None
         self.mean_turn_s: float | None = None  # decode end to decode end, when they queue
+        self.mean_decode_s_per_byte: float | None = None  # decodes of a known body size
+        self.calibration: Calibration | None = None
         self._lane_free_at: float | None = None
         self.refused = dict.fromkeys(REASONS, 0)
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -187,17 +215,46 @@ class Admission:
 
     @property
     def measured(self) -> bool:
-        """A request has completed: the gate has a service time to predict with."""
+        """The gate has a service time to predict with: it was calibrated at start-up, or a
+        request has completed."""
         return self.mean_service_s is not None
+
+    def calibrate(self, calibration: Calibration) -> None:
+        """Seed the means with what a representative request cost at start-up, so the gate
+        predicts from the first request on; live measurements take over through the running
+        means."""
+        self.calibration = calibration
+        self.mean_decode_s = calibration.decode_s
+        self.mean_decode_s_per_byte = calibration.decode_s_per_byte
+        self.mean_encode_s = calibration.encode_s
+        self.mean_service_s = calibration.execute_s
+
+    def decode_s(self, nbytes: int) -> float:
+        """Seconds a body of `nbytes` is expected to take to decode: priced by its size once a
+        decode of a known size was measured (or calibrated), else the mean decode."""
+        per_byte = self.mean_decode_s_per_byte
+        if per_byte is not None and nbytes > 0:
+            return per_byte * nbytes
+        return self.mean_decode_s or 0.0
+
+    def loop_s_for(self, nbytes: int) -> float:
+        """Seconds of event loop a request with a body of `nbytes` costs outside its slot:
+        its decode + encode, or, once decodes have queued for the lane, the interval from one
+        decode's end to the next one's (which also counts the body reads, refusals and
+        completions in between), whichever is longer."""
+        own = self.decode_s(nbytes) + (self.mean_encode_s or 0.0)
+        return max(own, self.mean_turn_s or 0.0)
 
     @property
     def loop_s(self) -> float:
-        """Mean seconds of event loop a request costs outside its slot: its decode + encode,
-        or, once decodes have queued for the lane, the interval from one decode's end to the
-        next one's (which also counts the body reads, refusals and completions in between),
-        whichever is longer."""
-        own = (self.mean_decode_s or 0.0) + (self.mean_encode_s or 0.0)
-        return max(own, self.mean_turn_s or 0.0)
+        """Mean seconds of event loop a request costs outside its slot (`loop_s_for` of the
+        mean decode, whatever its size)."""
+        return self.loop_s_for(0)
+
+    def _loop_s_ahead(self) -> float:
+        """The loop time of each request ahead: priced at the mean size of the bodies
+        admitted and not yet running."""
+        return self.loop_s_for(self.pending_bytes // self.pending if self.pending else 0)
 
     @property
     def slot_rate(self) -> float | None:
@@ -223,10 +280,11 @@ class Admission:
             return 0.0
         return (behind_free + 1) / rate
 
-    def lane_wait_s(self, to_decode: int) -> float:
-        """Seconds of loop a request expects before its own decode and encode are done,
-        behind `to_decode` requests not yet decoded (each one mean decode + encode)."""
-        return (to_decode + 1) * self.loop_s
+    def lane_wait_s(self, to_decode: int, nbytes: int = 0) -> float:
+        """Seconds of loop a request of `nbytes` expects before its own decode and encode are
+        done, behind `to_decode` requests not yet decoded (each one loop time at the mean
+        size of the bodies ahead)."""
+        return to_decode * self._loop_s_ahead() + self.loop_s_for(nbytes)
 
     def _to_decode(self) -> int:
         """Admitted requests that have not been decoded: all pending but the slot waiters."""
@@ -236,7 +294,7 @@ class Admission:
         """The expected wait of a request arriving now: decodes ahead or slot, the longer."""
         if not self.measured:
             return 0.0
-        lane = self._to_decode() * self.loop_s
+        lane = self._to_decode() * self._loop_s_ahead()
         return max(lane, self.expected_wait_s(self.pending))
 
     def observe_service(self, seconds: float) -> None:
@@ -257,17 +315,17 @@ class Admission:
                                     f"(max queue {self.max_queue}, --max-queue)")
         if ahead and self.pending_bytes + nbytes > self.max_queue_bytes:
             self._refuse(MAX_QUEUE_BYTES, self._bytes_message(nbytes))
-        self._check_deadline(ahead, remaining_s, to_decode=self._to_decode())
+        self._check_deadline(ahead, remaining_s, to_decode=self._to_decode(), nbytes=nbytes)
         self.pending += 1
         self.pending_bytes += nbytes
         self.admitted += 1
         return Ticket(self, nbytes)
 
     def _check_deadline(
-        self, ahead: int, remaining_s: float | None, to_decode: int = 0
+        self, ahead: int, remaining_s: float | None, to_decode: int = 0, nbytes: int = 0
     ) -> None:
-        """Refuse (503) a request that would wait behind `ahead` others for a slot and
-        behind `to_decode` for the loop when it cannot finish by `remaining_s`."""
+        """Refuse (503) a request of `nbytes` that would wait behind `ahead` others for a
+        slot and behind `to_decode` for the loop when it cannot finish by `remaining_s`."""
         if remaining_s is None:
             return
         free = self.capacity - self.running
@@ -277,14 +335,14 @@ class Admission:
         if mean is None:
             self._check_unmeasured(ahead)
             return
-        lane = self.lane_wait_s(to_decode) if to_decode else 0.0
+        lane = self.lane_wait_s(to_decode, nbytes) if to_decode else 0.0
         wait = max(lane, self.expected_wait_s(ahead))
         finish = wait + mean
         if finish > remaining_s:
             self._refuse(
                 DEADLINE,
                 f"{ahead} request(s) ahead ({to_decode} to decode at "
-                f"{self.loop_s * 1e3:.1f} ms each; {self.capacity - free} running in "
+                f"{self._loop_s_ahead() * 1e3:.1f} ms each; {self.capacity - free} running in "
                 f"{self.capacity} slots at {self.slot_rate:.1f} req/s): expected to finish in "
                 f"{finish * 1e3:.0f} ms (wait {wait * 1e3:.0f} ms + service {mean * 1e3:.0f} "
                 f"ms), past its deadline in {max(remaining_s, 0.0) * 1e3:.0f} ms",
@@ -364,6 +422,10 @@ class Admission:
                 yield
                 ended = self.clock()
                 self.mean_decode_s = _ewma(self.mean_decode_s, ended - started)
+                if ticket.nbytes > 0:
+                    self.mean_decode_s_per_byte = _ewma(
+                        self.mean_decode_s_per_byte, (ended - started) / ticket.nbytes
+                    )
                 if waited and self._lane_free_at is not None:
                     self.mean_turn_s = _ewma(self.mean_turn_s, ended - self._lane_free_at)
                 self._lane_free_at = ended
@@ -428,9 +490,11 @@ class Admission:
             mean_decode_s=self.mean_decode_s,
             mean_encode_s=self.mean_encode_s,
             mean_turn_s=self.mean_turn_s,
+            decode_s_per_byte=self.mean_decode_s_per_byte,
             loop_s=self.loop_s,
             service_rate=self.service_rate,
             expected_wait_s=self._arrival_wait_s(),
+            calibration=self.calibration,
             refused=dict(self.refused),
         )
 

@@ -16,6 +16,10 @@ the client going away -> encode JSON or binary outputs (timed: the gate counts d
 encode as the loop time a request costs).
 A request's deadline is its arrival plus the smaller of `timeout_ms` and its own
 `parameters.timeout` (Triton's, in microseconds).
+
+When the app's lifespan starts, before it takes traffic, each model's gate is calibrated with
+a representative request (calibration.py), so the deadline check predicts from the first
+request on.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from asyncgraph.errors import ExecutorClosedError, InputValidationError, Overloa
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve import metrics as m
 from asyncgraph.serve.admission import Admission, Ticket, capacity_for
+from asyncgraph.serve.calibration import calibrate as calibrate_model
 from asyncgraph.serve.codec import HEADER, InferRequest, decode_request, encode_response
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
@@ -172,6 +177,33 @@ class InferenceServer:
             )
             self._served[name] = served
         return served
+
+    async def calibrate(self) -> None:
+        """Calibrate every model's admission gate (calibration.py) before traffic comes; a
+        model that cannot be calibrated is logged, once, and predicts nothing until its first
+        request completes."""
+        for name in list(self.models):
+            served = self.served(name)
+            try:
+                calibration = await calibrate_model(
+                    served.executor, served.interface, decode_request, encode_response,
+                    clock=served.admission.clock,
+                )
+            except Exception as exc:  # any failure leaves the gate as it was: uncalibrated
+                logger.warning(
+                    "model %r: admission not calibrated at start-up (%s); until its first "
+                    "request completes, requests with a deadline are admitted only while "
+                    "its slots hold them", name, _describe(exc) if str(exc) else
+                    type(exc).__name__,
+                )
+                continue
+            served.admission.calibrate(calibration)
+            logger.info(
+                "model %r: admission calibrated in %d round(s): decode %.3f ms (%d-byte "
+                "body), execution %.3f ms, encode %.3f ms", name, calibration.rounds,
+                calibration.decode_s * 1e3, calibration.body_bytes,
+                calibration.execute_s * 1e3, calibration.encode_s * 1e3,
+            )
 
     def _admission(self, name: str) -> Admission | None:
         served = self._served.get(name)
@@ -333,6 +365,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     close_executors: bool = False,
     version: str = "1",
+    calibrate: bool = True,
 ) -> Starlette:
     """A Starlette app serving `models` (name -> Executor) over the Open Inference Protocol.
 
@@ -349,6 +382,10 @@ def create_app(
         close_executors: close every executor when the app's lifespan ends (the app owns
             them, as under `asyncgraph serve`).
         version: the single model version the app reports and accepts in URLs.
+        calibrate: time a representative request of each model when the app's lifespan
+            starts, so admission predicts waits from the first request (calibration.py).
+            A mounted app's lifespan does not run: call `app.state.asyncgraph.calibrate()`
+            from the parent's lifespan for the same.
     """
     server = InferenceServer(
         models, max_queue=max_queue, max_queue_bytes=max_queue_bytes, timeout_ms=timeout_ms,
@@ -357,6 +394,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if calibrate:
+            await server.calibrate()
         try:
             yield
         finally:

@@ -379,6 +379,13 @@ def encode_response(
     return b"".join([header, *blobs]), headers
 
 
+def json_request_body(inputs: Mapping[str, Any]) -> bytes:
+    """A JSON inference request body carrying these named values (tensors or scalars), as a
+    client sends it: what the server's start-up calibration decodes (calibration.py)."""
+    entries = [_encode_output(name, value, binary=False)[0] for name, value in inputs.items()]
+    return json.dumps({"inputs": entries}, separators=(",", ":")).encode()
+
+
 def _encode_output(name: str, value: Any, binary: bool) -> tuple[dict[str, Any], bytes | None]:
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu().contiguous()

@@ -14,9 +14,9 @@ apps in one process (tests, a parent app mounting two) never collide in the glob
   asyncgraph_queued_requests, asyncgraph_running_requests: read from the executors at scrape
   time, so they are never stale;
 - the admission policy's view (admission.py): asyncgraph_expected_wait_seconds,
-  asyncgraph_service_rate, asyncgraph_decode_seconds, asyncgraph_loop_seconds,
-  asyncgraph_queued_bytes and asyncgraph_admission_refusals_total{model,reason}, read from the
-  gates at scrape time.
+  asyncgraph_service_rate, asyncgraph_decode_seconds, asyncgraph_decode_bytes_per_second,
+  asyncgraph_loop_seconds, asyncgraph_calibrated, asyncgraph_queued_bytes and
+  asyncgraph_admission_refusals_total{model,reason}, read from the gates at scrape time.
 """
 
 from __future__ import annotations
@@ -158,13 +158,18 @@ class _LiveCollector(Collector):
                                                 "the decodes ahead or a slot (0 until "
                                                 "measured).",
             "asyncgraph_service_rate": "Measured requests per second at full load: the slower "
-                                       "of the slots and the event loop (0 until the first "
-                                       "completion).",
+                                       "of the slots and the event loop (0 until calibrated "
+                                       "or the first completion).",
             "asyncgraph_decode_seconds": "Mean time a request body takes to decode (0 until "
                                          "measured).",
             "asyncgraph_loop_seconds": "Mean event-loop time a request costs outside its "
                                        "slot, as the admission estimate counts it (0 until "
                                        "measured).",
+            "asyncgraph_decode_bytes_per_second": "Request body bytes decoded per second, "
+                                                  "which prices a body's decode by its size "
+                                                  "(0 until measured).",
+            "asyncgraph_calibrated": "1 when the admission estimate was calibrated at "
+                                     "start-up, else 0.",
         }
         refusals = CounterMetricFamily(
             "asyncgraph_admission_refusals",
@@ -220,6 +225,10 @@ class _LiveCollector(Collector):
                 ("asyncgraph_service_rate", (admitted.service_rate or 0) if admitted else 0),
                 ("asyncgraph_decode_seconds", (admitted.mean_decode_s or 0) if admitted else 0),
                 ("asyncgraph_loop_seconds", admitted.loop_s if admitted else 0),
+                ("asyncgraph_decode_bytes_per_second", _per_second(
+                    admitted.decode_s_per_byte if admitted else None)),
+                ("asyncgraph_calibrated", int(admitted is not None
+                                              and admitted.calibration is not None)),
             ):
                 live[name].add_metric([model], value)
             if batches is not None:
@@ -230,3 +239,8 @@ class _LiveCollector(Collector):
         yield from live.values()
         yield from totals.values()
         yield refusals
+
+
+def _per_second(seconds_per_unit: float | None) -> float:
+    """A rate from a mean time per unit; 0 until measured."""
+    return 1.0 / seconds_per_unit if seconds_per_unit else 0.0
