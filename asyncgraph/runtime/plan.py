@@ -71,12 +71,6 @@ def choose_placement(node: Node, kernel: OpKernel, config: ExecutorConfig) -> Pl
         return Placement.INLINE
     if kernel.kind is KernelKind.CUDA:
         return Placement.STREAM
-    if kernel.kind is KernelKind.DELEGATE:
-        # A compiled segment's cost is estimated at its example's shapes: with a dynamic
-        # dimension (a batch of 32 rows) it may take milliseconds, which inline would stall the
-        # loop for. It runs without the GIL, so a worker costs only the hop; adaptive placement
-        # brings a short one back inline once measured.
-        return Placement.WORKER
     if not isinstance(node.target, torch._ops.OpOverload) and kernel.cost == 0:
         return Placement.WORKER  # a Python callable of unknown cost: keep it off the loop
     return Placement.WORKER if kernel.cost >= config.heavy_op_flops else Placement.INLINE
