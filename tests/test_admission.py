@@ -175,6 +175,40 @@ async def test_a_request_costs_the_loop_the_interval_between_decodes_when_they_q
     assert admission.statistics().mean_turn_s == pytest.approx(0.03)
 
 
+async def test_the_interval_between_decodes_is_shared_by_the_requests_that_arrived_in_it(
+) -> None:
+    """A burst's requests are read in a few long loop turns, each request once, while each
+    lane hand-off takes a turn of its own: the interval before a queued decode is shared by
+    the requests that arrived in it, not charged in full to each request ahead."""
+    admission = Admission("m", 8, 1000, 1 << 30, clock=FakeClock(), lane_slice_s=0.0)
+    clock = clock_of(admission)
+    loop = asyncio.get_running_loop()
+    first_in = asyncio.Event()
+    others_done = asyncio.Event()
+    burst: list[Ticket] = []
+
+    async def decode(first: bool) -> None:
+        with admission.enter() as ticket:
+            async with admission.decoding(ticket):
+                if first:
+                    first_in.set()
+                    await others_done.wait()
+                clock.now += 0.001
+        if first:  # the loop reads a burst of 9 arrivals before the next decode: 90 ms
+            burst.extend(admission.enter() for _ in range(9))
+            clock.now += 0.09
+
+    first = loop.create_task(decode(True))
+    await first_in.wait()
+    second = loop.create_task(decode(False))
+    await _until(lambda: admission.statistics().decoding == 2)
+    others_done.set()
+    await asyncio.gather(first, second)
+    assert admission.mean_turn_s == pytest.approx(0.091 / 9)  # not 91 ms per request ahead
+    for ticket in burst:
+        ticket.close()
+
+
 async def test_short_decodes_run_together_within_the_slice() -> None:
     """Decodes that together hold the loop less than the slice run back to back in the loop
     turn they became ready in, as they would without the lane (a batcher sees them together)."""

@@ -17,9 +17,13 @@ A request passes two stages after admission, and both are measured:
   run of decodes, so the slot time measures the execution. Small bodies still decode together in
   one turn, as they arrived, and reach a batcher together. The gate keeps exponentially weighted
   means (`SERVICE_EWMA_WEIGHT`) of a request's decode and encode time and, when decodes queue
-  for the lane, of the interval from one decode's end to the next one's: the loop time each
-  request ahead really costs the ones behind it, body reads, refusals and completions in between
-  included (decode + encode alone counted 70-80% of it under overload with 253 KB JSON bodies).
+  for the lane, of the interval from one decode's end to the next one's, shared by the requests
+  that arrived in it: the loop time each request ahead really costs the ones behind it, body
+  reads, refusals and completions in between included (decode + encode alone counted 70-80% of
+  it under overload with 253 KB JSON bodies). Shared, because a burst's arrivals are read in
+  a few long loop turns (each request once), while a lane hand-off takes a loop turn of its
+  own: unshared, the first hand-offs of a burst of small requests counted 11 ms each and
+  refused requests that the server answered in under 100 ms.
   The longer of the two is the loop time per request.
 - **The slots.** At most `capacity` requests execute; the gate keeps the mean time a request
   holds a slot. Its rate is capacity / that mean (Little's law with every slot busy).
@@ -199,6 +203,8 @@ class Admission:
         self.mean_decode_s_per_byte: float | None = None  # decodes of a known body size
         self.calibration: Calibration | None = None
         self._lane_free_at: float | None = None
+        self.arrived = 0  # requests that reached the gate (admitted or refused)
+        self._arrived_at_lane_free = 0
         self.refused = dict.fromkeys(REASONS, 0)
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.lane_slice_s = lane_slice_s
@@ -308,6 +314,7 @@ class Admission:
     def enter(self, nbytes: int = 0, remaining_s: float | None = None) -> Ticket:
         """Admit a request holding `nbytes` of body with `remaining_s` to its deadline (None:
         no deadline), or refuse it now with 503 naming the reason."""
+        self.arrived += 1
         ahead = self.pending
         free = self.capacity - self.running
         if ahead - free >= self.max_queue:
@@ -427,12 +434,21 @@ class Admission:
                         self.mean_decode_s_per_byte, (ended - started) / ticket.nbytes
                     )
                 if waited and self._lane_free_at is not None:
-                    self.mean_turn_s = _ewma(self.mean_turn_s, ended - self._lane_free_at)
+                    self.mean_turn_s = _ewma(self.mean_turn_s, self._turn_sample(ended))
                 self._lane_free_at = ended
+                self._arrived_at_lane_free = self.arrived
             finally:
                 self._leave_lane()
         finally:
             self.in_lane -= 1
+
+    def _turn_sample(self, ended: float) -> float:
+        """The loop time one request cost between the previous decode's end and this one's:
+        the interval, shared by the requests that arrived in it (a burst's arrivals are
+        read in a few long loop turns, each request once, not once per decode)."""
+        assert self._lane_free_at is not None
+        arrivals = self.arrived - self._arrived_at_lane_free
+        return (ended - self._lane_free_at) / max(arrivals, 1)
 
     async def _enter_lane(self) -> bool:
         """Take the decode lane, waiting FIFO while it is held; True when it waited.
