@@ -15,7 +15,8 @@ dimension is dynamic):
 
 The Executor is created when the app starts and closed when it stops: in-flight executions
 finish, worker threads are joined. A mounted app's lifespan is not run by its parent, so the
-KServe app reads the `models` dict that this lifespan fills and empties.
+KServe app reads the `models` dict that this lifespan fills and empties, and this lifespan
+calibrates its admission (what the KServe app's own start-up would do).
 """
 
 from __future__ import annotations
@@ -69,14 +70,16 @@ models: dict[str, asyncgraph.Executor] = {}
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     async with load_executor() as executor:  # closed, after in-flight work, on shutdown
         models[MODEL_NAME] = executor
+        await kserve.state.asyncgraph.calibrate()  # a mounted app's own lifespan would do it
         try:
             yield
         finally:
             models.pop(MODEL_NAME, None)
 
 
+kserve = create_app(models, max_queue=128, timeout_ms=5000)
 app = FastAPI(title="asyncgraph example service", lifespan=lifespan)
-app.mount("/kserve", create_app(models, max_queue=128, timeout_ms=5000))
+app.mount("/kserve", kserve)
 
 
 class PredictRequest(BaseModel):
