@@ -581,6 +581,21 @@ async def finish_bodies(
 
 
 @pytest.mark.timeout(60)
+def assert_refused_then_served(
+    refused: list[Any], answers: list[tuple[int, bytes]], metrics: str, want: torch.Tensor
+) -> None:
+    """Five requests refused for their deadline behind six 150 ms decodes; the six served."""
+    for r in refused:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "6 to decode at 150.0 ms each" in r.json()["error"], r.text
+    for status, answer in answers:
+        assert status == 200, answer
+        got = torch.tensor(json.loads(answer)["outputs"][0]["data"]).reshape(1, 3)
+        torch.testing.assert_close(got, want)
+    assert metric(metrics, "asyncgraph_admission_refusals_total", model="lin",
+                  reason="deadline") == 5
+
+
 async def test_a_calibrated_server_answers_a_first_burst_that_fits_its_deadline(
     linear: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -646,17 +661,8 @@ async def test_a_first_burst_beyond_the_calibrated_estimate_is_refused_at_once(
         assert admission.completed == 0
         answers = await finish_bodies(opened, body)
         text = (await client.get("/metrics")).text
-    for r in refused:
-        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-        assert "6 to decode at 150.0 ms each" in r.json()["error"], r.text
     assert still_reading == 6  # the refusals came first
-    with torch.no_grad():
-        want = model(x)
-    for status, answer in answers:
-        assert status == 200, answer
-        got = torch.tensor(json.loads(answer)["outputs"][0]["data"]).reshape(1, 3)
-        torch.testing.assert_close(got, want)
-    assert metric(text, "asyncgraph_admission_refusals_total", model="lin", reason="deadline") == 5
+    assert_refused_then_served(refused, answers, text, model(x).detach())
 
 
 class FailsFirst(Gate):
@@ -769,17 +775,8 @@ async def test_a_decode_bound_overload_is_refused_before_the_admitted_requests_f
             writer.close()
             await writer.wait_closed()
         text = (await client.get("/metrics")).text
-    for r in refused:
-        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-        assert "6 to decode at 150.0 ms each" in r.json()["error"], r.text
     assert still_reading == 6  # the refusals came first
-    with torch.no_grad():
-        want = model(x)
-    for status, answer in answers:
-        assert status == 200, answer
-        got = torch.tensor(json.loads(answer)["outputs"][0]["data"]).reshape(1, 3)
-        torch.testing.assert_close(got, want)
-    assert metric(text, "asyncgraph_admission_refusals_total", model="lin", reason="deadline") == 5
+    assert_refused_then_served(refused, answers, text, model(x).detach())
     assert ex.statistics().completed == 7
 
 
