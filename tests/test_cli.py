@@ -177,6 +177,31 @@ def test_serve_rejects_a_bad_model_list_in_one_line(tmp_path: Path) -> None:
     assert one_error_line(invoke("serve")).startswith("error: no model to serve")
 
 
+def test_serve_loop_option_reaches_uvicorn(
+    model_file: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--loop asyncio` runs the server on asyncio (uvloop by default); a bad name or --loop
+    with --ray is refused in one line, before anything is loaded."""
+    import asyncgraph.serve
+
+    _, path = model_file
+    loops: list[str] = []
+
+    def fake_run(app: Any, host: str, port: int, **options: Any) -> None:
+        loops.append(options["loop"])
+
+    monkeypatch.setattr(asyncgraph.serve, "run", fake_run)
+    for flags, expected in (([], "uvloop"), (["--loop", "asyncio"], "asyncio")):
+        result = invoke("serve", path, *flags)
+        assert result.exit_code == 0, result.output
+        assert loops.pop() == expected
+    result = invoke("serve", path, "--loop", "trio")
+    assert result.exit_code != 0 and "expected one of uvloop, asyncio" in result.output
+    line = one_error_line(invoke("serve", path, "--ray", "--loop", "asyncio"))
+    assert line == "error: --loop applies to the local server; Ray Serve runs its own"
+    assert loops == []
+
+
 def _read_lines(stream: Any, into: queue.Queue[str]) -> None:
     for line in iter(stream.readline, ""):
         into.put(line)

@@ -100,6 +100,10 @@ def serve(
     trust_compiled: TrustCompiledOpt = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    loop: Annotated[
+        str, typer.Option(help="Event loop: uvloop, or asyncio (refuses a sustained overload "
+                          "of new connections sooner: docs/serving.md).")
+    ] = "uvloop",
     ray: Annotated[
         bool, typer.Option("--ray", help="Serve on Ray Serve (needs asyncgraph[ray]): "
                            "replicas behind Serve's HTTP proxy, docs/scale-out.md.")
@@ -122,7 +126,11 @@ def serve(
     from asyncgraph.runtime.config import BatchingConfig
     from asyncgraph.runtime.executor import Executor
     from asyncgraph.serve import create_app, run
+    from asyncgraph.serve.runner import LOOPS
 
+    if loop not in LOOPS:
+        raise typer.BadParameter(f"expected one of {', '.join(LOOPS)}, got {loop!r}",
+                                 param_hint="--loop")
     specs = model_specs(model, name, models)
     config: dict[str, Any] = {"max_concurrent_executions": frames}
     if parallel_ops is not None:
@@ -132,6 +140,8 @@ def serve(
     if max_batch_size:
         config["batching"] = BatchingConfig(max_batch_size, batch_delay_ms / 1000)
     if ray:
+        if loop != "uvloop":
+            raise ServeConfigError("--loop applies to the local server; Ray Serve runs its own")
         _serve_on_ray(
             specs, executor_config(threads, **config), address=address, replicas=replicas,
             host=host, port=port, trust_compiled=trust_compiled,
@@ -170,7 +180,7 @@ def serve(
     # uvicorn shuts down gracefully on SIGINT, then re-raises it for the caller to see; the
     # shutdown is complete by then, so Ctrl+C is a normal end, not an error
     with contextlib.suppress(KeyboardInterrupt):
-        run(app, host, port, log_level=log_level, access_log=access_log)
+        run(app, host, port, log_level=log_level, access_log=access_log, loop=loop)
     console.print("server stopped")
 
 

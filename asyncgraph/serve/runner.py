@@ -19,6 +19,7 @@ from starlette.types import ASGIApp
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+LOOPS = ("uvloop", "asyncio")
 
 
 def run(
@@ -29,10 +30,15 @@ def run(
     log_level: str = "info",
     access_log: bool = False,
     graceful_shutdown_s: float = 10.0,
+    loop: str = "uvloop",
 ) -> None:
-    """Serve `app` on uvicorn with uvloop until interrupted (blocks)."""
+    """Serve `app` on uvicorn until interrupted (blocks). `loop`: "uvloop" (the default: the
+    faster loop) or "asyncio" (see docs/serving.md on overload from a new connection per
+    request)."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop: expected one of {', '.join(LOOPS)}, got {loop!r}")
     config = uvicorn.Config(
-        app, host=host, port=port, loop="uvloop", http="h11", ws="none", lifespan="on",
+        app, host=host, port=port, loop=loop, http="h11", ws="none", lifespan="on",
         log_level=log_level, access_log=access_log,
         timeout_graceful_shutdown=int(graceful_shutdown_s),
     )
