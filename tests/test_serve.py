@@ -717,6 +717,39 @@ async def test_a_server_whose_calibration_fails_refuses_a_first_burst_beyond_the
     assert ex.statistics().completed == 2
 
 
+class Counter(torch.nn.Module):
+    """Counts its calls in a buffer: state that calibration must not touch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x + self.calls
+
+
+@pytest.mark.timeout(60)
+async def test_a_program_that_mutates_its_buffers_is_not_executed_to_calibrate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Calibration would run the program on made-up inputs: a stateful one (here a call
+    counter) is left uncalibrated, with the reason logged, and its first request sees the
+    state it was loaded with."""
+    ep = torch.export.export(Counter(), (torch.zeros(2),))
+    caplog.set_level("WARNING", logger="asyncgraph.serve")
+    async with asyncgraph.Executor(ep) as ex, serving(
+        {"c": ex}, timeout_ms=2000, calibrate=True
+    ) as (server, client, _url):
+        assert server.served("c").admission.calibration is None
+        first = await client.post("/v2/models/c/infer", json=infer_body(torch.zeros(2)))
+    assert first.status_code == 200, first.text
+    assert first.json()["outputs"][0]["data"] == [1.0, 1.0]  # the first call, not the seventh
+    warnings = [r.getMessage() for r in caplog.records if "not calibrated" in r.getMessage()]
+    assert len(warnings) == 1 and "mutates its buffers (calls)" in warnings[0], warnings
+    assert ex.statistics().completed == 1
+
+
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     """One HTTP/1.1 response with a Content-Length: its status and body."""
     status = int((await reader.readline()).split()[1])

@@ -19,6 +19,8 @@ small model: a few ms in all; a model whose execution takes longer than the budg
 executions). A model whose inputs cannot be synthesised, which fails on random inputs or
 takes more than `TIMEOUT_S` is not calibrated: the app logs why, once, and its gate predicts
 nothing until the first request completes (admitting, meanwhile, only what its slots hold).
+Nor is a program that mutates its buffers (a counter, running statistics): executing it on
+made-up inputs would change the state its first real request sees.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from asyncgraph.graph.ir import OutputKind
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve.admission import Calibration
 from asyncgraph.serve.codec import InferRequest, json_request_body
@@ -64,7 +67,15 @@ async def calibrate(
     timeout_s: float = TIMEOUT_S,
 ) -> Calibration:
     """Time decode, execution and encode of a representative request (module docstring);
-    raises what the model raised, or TimeoutError past `timeout_s`."""
+    raises what the model raised, or TimeoutError past `timeout_s`; refuses (ValueError) a
+    program that mutates its buffers."""
+    mutated = [str(o.target) for o in executor.graph.signature.outputs
+               if o.kind is OutputKind.BUFFER_MUTATION]
+    if mutated:
+        raise ValueError(
+            f"the program mutates its buffers ({', '.join(mutated)}): calibrating would run "
+            "it on made-up inputs and change the state its first request sees"
+        )
     body = representative_body(executor, iface)
     async with asyncio.timeout(timeout_s):
         await _round(executor, iface, body, decode, encode, clock)  # warm-up
