@@ -130,6 +130,9 @@ def test_size_arithmetic_of_a_dynamic_export_does_not_split() -> None:
     from tests.conformance.models import CASES, export_case
 
     case = next(c for c in CASES if c.name == "transformer_encoder")
+    if case.export_limit is not None and case.export_limit.applies():  # torch 2.11: export fails
+        case.export_limit.assert_export_fails(case.name, lambda: export_case(case, False))
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's tracing warnings; tests run with -W error
         graph = asyncgraph.to_program(export_case(case, decomposed=False)).graph
