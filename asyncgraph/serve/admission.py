@@ -157,6 +157,33 @@ class AdmissionStatistics:
     refused: dict[str, int] = field(default_factory=dict)
 
 
+async def _wait_turn(waiters: deque[asyncio.Future[None]], pass_on: Callable[[], None]) -> None:
+    """Wait, first come first served in `waiters`, until a releaser hands over its place
+    (`_hand_over`: a slot, the decode lane). A waiter cancelled after it was handed the place
+    passes it on (`pass_on`), so a cancellation never loses it. Futures of the running loop,
+    not asyncio primitives, which bind to the first loop that waits on them."""
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiters.append(waiter)
+    try:
+        await waiter
+    except BaseException:
+        if waiter.done() and not waiter.cancelled():
+            pass_on()
+        elif waiter in waiters:
+            waiters.remove(waiter)
+        raise
+
+
+def _hand_over(waiters: deque[asyncio.Future[None]]) -> bool:
+    """Wake the oldest waiter still waiting; False when there was none."""
+    while waiters:
+        waiter = waiters.popleft()
+        if not waiter.done():
+            waiter.set_result(None)
+            return True
+    return False
+
+
 def _ewma(mean: float | None, sample: float) -> float:
     return sample if mean is None else mean + SERVICE_EWMA_WEIGHT * (sample - mean)
 
@@ -389,16 +416,7 @@ class Admission:
             self.running += 1
         else:
             self._check_deadline(len(self._waiters), remaining_s)
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter  # the releaser counted us in `running`
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._release()  # handed a slot, then cancelled: pass it on
-                elif waiter in self._waiters:
-                    self._waiters.remove(waiter)
-                raise
+            await _wait_turn(self._waiters, self._release)  # the releaser counted us in `running`
         ticket.close()
         started = self.clock()
         try:
@@ -458,25 +476,12 @@ class Admission:
         if not self._lane_busy and not self._lane_waiters:
             self._lane_busy = True
             return False
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._lane_waiters.append(waiter)
-        try:
-            await waiter  # the leaver handed the lane over
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self._leave_lane()  # handed the lane, then cancelled: pass it on
-            elif waiter in self._lane_waiters:
-                self._lane_waiters.remove(waiter)
-            raise
+        await _wait_turn(self._lane_waiters, self._leave_lane)  # the leaver handed it over
         return True
 
     def _leave_lane(self) -> None:
-        while self._lane_waiters:
-            waiter = self._lane_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self._lane_busy = False
+        if not _hand_over(self._lane_waiters):
+            self._lane_busy = False
 
     @contextmanager
     def encoding(self) -> Iterator[None]:
@@ -486,12 +491,8 @@ class Admission:
         self.mean_encode_s = _ewma(self.mean_encode_s, self.clock() - started)
 
     def _release(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self.running -= 1
+        if not _hand_over(self._waiters):
+            self.running -= 1
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
