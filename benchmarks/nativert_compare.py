@@ -241,40 +241,19 @@ def build_compiled(work: Workload, options: Options) -> Built:
         built.aoti = torch._inductor.aoti_load_package(str(aoti_path))
     except Exception as exc:
         built.notes["aoti_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    try:
-        from asyncgraph.compiled import compile_program
-
-        built.notes["segments_compile_s"], built.notes["segments_cached"] = _cached(
-            segments_path, lambda: compile_program(work.ep, segments_path, "auto"))
-        built.segments = segments_path
-    except Exception as exc:
-        built.notes["segments_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    built.segments = _compile_segments(built.notes, "segments", work.ep, segments_path)
     kinds = ["aoti", "segments"]
     if work.targets:  # max-autotune compiles take half a minute: the target graphs only
         kinds.append("frozen")
         frozen_path = folder / f"{key}.segments-auto-frozen-{SEGMENTS_FORMAT}.pt2"
-        try:
-            from asyncgraph.compiled import compile_program
-
-            built.notes["frozen_compile_s"], built.notes["frozen_cached"] = _cached(
-                frozen_path, lambda: compile_program(work.ep, frozen_path, "auto",
-                                                     frozen_weights=True))
-            built.frozen = frozen_path
-        except Exception as exc:
-            built.notes["frozen_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        built.frozen = _compile_segments(built.notes, "frozen", work.ep, frozen_path,
+                                         frozen_weights=True)
     if work.targets and work.dynamic is not None:  # the batched rows' own compile
         kinds.append("batched")
         dynamic = work.dynamic()
         batched_path = (folder / f"{work.key}-{digest(dynamic)}"
                         f".segments-auto-batch-{SEGMENTS_FORMAT}.pt2")
-        try:
-            from asyncgraph.compiled import compile_program
-
-            built.notes["batched_compile_s"], built.notes["batched_cached"] = _cached(
-                batched_path, lambda: compile_program(dynamic, batched_path, "auto"))
-            built.batched = batched_path
-        except Exception as exc:
-            built.notes["batched_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        built.batched = _compile_segments(built.notes, "batched", dynamic, batched_path)
     for what in kinds:
         if f"{what}_error" in built.notes:
             print(f"  {work.key}: {what}: {built.notes[what + '_error']}", file=sys.stderr)
@@ -283,6 +262,22 @@ def build_compiled(work: Workload, options: Options) -> Built:
             print(f"  {work.key}: {what} compiled in {built.notes[what + '_compile_s']} s{cached}",
                   file=sys.stderr)
     return built
+
+
+def _compile_segments(
+    notes: dict[str, Any], what: str, ep: ExportedProgram, path: Path, **options: Any
+) -> Path | None:
+    """`compile_program(ep, path, "auto", **options)`, from the cache when there: the path, or
+    None with the error in `notes` (as `<what>_error`; times as `<what>_compile_s`)."""
+    try:
+        from asyncgraph.compiled import compile_program
+
+        notes[f"{what}_compile_s"], notes[f"{what}_cached"] = _cached(
+            path, lambda: compile_program(ep, path, "auto", **options))
+    except Exception as exc:
+        notes[f"{what}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return None
+    return path
 
 
 def _cached(path: Path, compile_now: Callable[[], Any]) -> tuple[float, bool]:
