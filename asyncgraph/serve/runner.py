@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -39,10 +40,24 @@ def run(
         raise ValueError(f"loop: expected one of {', '.join(LOOPS)}, got {loop!r}")
     config = uvicorn.Config(
         app, host=host, port=port, loop=loop, http="h11", ws="none", lifespan="on",
-        log_level=log_level, access_log=access_log,
+        log_level=log_level, access_log=access_log, log_config=log_config(log_level),
         timeout_graceful_shutdown=int(graceful_shutdown_s),
     )
     uvicorn.Server(config).run()
+
+
+def log_config(log_level: str) -> dict[str, Any]:
+    """uvicorn's logging set-up with asyncgraph's loggers on its console handler.
+
+    Without it, `asyncgraph serve` showed only warnings from asyncgraph (Python's last-resort
+    handler): the start-up calibration's INFO line and the like were lost. `log_level` applies
+    to both, as a user setting `--log-level` expects.
+    """
+    config: dict[str, Any] = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["asyncgraph"] = {
+        "handlers": ["default"], "level": log_level.upper(), "propagate": False,
+    }
+    return config
 
 
 class _EmbeddedServer(uvicorn.Server):
