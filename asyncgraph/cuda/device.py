@@ -68,6 +68,18 @@ class CudaEvent(Protocol):
     def synchronize(self) -> None: ...
 
 
+class CudaGraph(Protocol):
+    """The part of torch.cuda.CUDAGraph captured executions use (asyncgraph/cuda/graphs.py)."""
+
+    def replay(self) -> None:
+        """Launch the captured work on the calling thread's current stream."""
+        ...
+
+    def reset(self) -> None:
+        """Free the graph (and, once no graph uses it, its pool's memory)."""
+        ...
+
+
 class Backend(Protocol):
     """What the layer needs from CUDA; `TorchCudaBackend` is the real one.
 
@@ -98,6 +110,24 @@ class Backend(Protocol):
 
     def record_stream(self, value: Any, stream: Any) -> None:
         """Mark every CUDA tensor in `value` as used on `stream`."""
+        ...
+
+    # CUDA graphs (asyncgraph/cuda/graphs.py)
+
+    def new_graph(self) -> CudaGraph: ...
+
+    def graph_pool(self) -> Any:
+        """A private memory pool for one capture (`torch.cuda.graph_pool_handle()`)."""
+        ...
+
+    def capture(
+        self, graph: CudaGraph, pool: Any, handle: Any
+    ) -> contextlib.AbstractContextManager[None]:
+        """While the block runs: the stream of `handle` is current and captured into `graph`
+        (thread-local capture mode), its allocations come from `pool`. Work on other streams
+        joins the capture by waiting on an event recorded on it inside the block, and must
+        be joined back before the block ends. No event query, synchronize or host read of a
+        GPU value may happen inside it."""
         ...
 
 
@@ -216,6 +246,37 @@ class TorchCudaBackend:
     def record_stream(self, value: Any, stream: Any) -> None:
         for tensor in _cuda_tensors(value):
             tensor.record_stream(stream)
+
+    def new_graph(self) -> CudaGraph:
+        import torch.cuda
+
+        graph: CudaGraph = torch.cuda.CUDAGraph()
+        return graph
+
+    def graph_pool(self) -> Any:
+        import torch.cuda
+
+        return torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def capture(self, graph: CudaGraph, pool: Any, handle: StreamId) -> Iterator[None]:
+        """`CUDAGraph.capture_begin/capture_end` on the stream of `handle`, not
+        `torch.cuda.graph(...)`, whose `__enter__` synchronizes the whole device (blocking
+        the loop on every execution's GPU work) and empties the allocator's cache."""
+        token = self.enter_stream(handle)
+        try:
+            graph.capture_begin(  # type: ignore[attr-defined]
+                pool=pool, capture_error_mode="thread_local"
+            )
+            try:
+                yield
+            except BaseException:
+                with contextlib.suppress(Exception):  # ends the invalidated capture
+                    graph.capture_end()  # type: ignore[attr-defined]
+                raise
+            graph.capture_end()  # type: ignore[attr-defined]
+        finally:
+            self.leave_stream(token)
 
 
 def _cuda_tensors(value: Any) -> Iterator[Any]:

@@ -148,6 +148,13 @@ class ExecutorConfig:
             1 runs every CUDA node of an execution in order on one stream. Concurrent
             executions get stream sets of their own, up to `max_concurrent_executions` sets.
             Unused by programs without CUDA nodes.
+        cuda_graphs: capture whole executions of a GPU program as CUDA graphs and replay them
+            (docs/gpu.md, asyncgraph/cuda/graphs.py): acts only on programs whose nodes can
+            all be captured (CUDA aten ops without host syncs; `Executor.cuda_graph_plan` says
+            why not otherwise). Per frame and input signature, after `cuda_graph_warmup`
+            executions. Outputs are copies, never the graph's static memory.
+        cuda_graph_warmup: executions of an input signature on a frame, on the stream path,
+            before the next one is captured (lazy initialisation, cuBLAS workspaces).
         move_inputs_to_device: move a tensor input that is on another device than the program
             was exported for (a CPU tensor for a CUDA program, say) instead of rejecting it;
             copies to a GPU are enqueued without a host wait. Off by default, because a silent
@@ -182,6 +189,8 @@ class ExecutorConfig:
     fold_constants: bool = True
     max_fused_nodes: int = 32
     cuda_streams: int = 4
+    cuda_graphs: bool = True
+    cuda_graph_warmup: int = 2
     move_inputs_to_device: bool = False
     batching: BatchingConfig | None = None
     trace: bool = False
@@ -227,6 +236,11 @@ class ExecutorConfig:
             raise ValueError(
                 f"cuda_streams must be >= 1 (streams per device for one execution), "
                 f"got {self.cuda_streams}"
+            )
+        if self.cuda_graph_warmup < 0:
+            raise ValueError(
+                "cuda_graph_warmup must be >= 0 (executions of a signature before its "
+                f"capture), got {self.cuda_graph_warmup}"
             )
         if self.heavy_op_flops < 0:
             raise ValueError(f"heavy_op_flops must be >= 0, got {self.heavy_op_flops}")

@@ -35,6 +35,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from asyncgraph.cuda.device import Backend, CudaRuntime, move_inputs_to_device
+from asyncgraph.cuda.graphs import CapturePlan, CudaGraphs, CudaGraphStatistics, plan_capture
 from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
 from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.importers import Program, ProgramLike, to_program
@@ -110,6 +111,9 @@ class Executor:
         self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
         self.stream_plan: StreamPlan | None = None
         self.cuda_runtime: CudaRuntime | None = None
+        # Whether executions are captured as CUDA graphs, and why not (cuda/graphs.py).
+        self.cuda_graph_plan: CapturePlan | None = None
+        self._cuda_graphs: CudaGraphs | None = None
         if Placement.STREAM in self.plan.placement:  # exactly when the program has CUDA nodes
             self.stream_plan = stream_plan_for(
                 self.graph, self.plan, self.config.cuda_streams,
@@ -119,6 +123,12 @@ class Executor:
                 self.stream_plan, self.plan.outputs,
                 max_stream_sets=self.config.max_concurrent_executions,
                 backend=_cuda_backend,
+            )
+            self.cuda_graph_plan = plan_capture(
+                self.graph, self.plan, self.stream_plan, self.kernels, self.config
+            )
+            self._cuda_graphs = CudaGraphs(
+                self.cuda_graph_plan, self.cuda_runtime, self.graph, self.plan, self.config
             )
         self._adaptive = (
             AdaptivePlacement(
@@ -302,7 +312,11 @@ class Executor:
                 schedule = await self._schedules.aget(placement, fused)
             frame.load(self._weights_template(), flat, execution, schedule, times)
             if not scheduler.run_straight(frame):  # ran at once, or it takes the dataflow
-                await scheduler.run_dataflow(frame)
+                graphs = frame.graphs  # a CUDA-graph capture or replay (None: not captured)
+                if graphs is None or not await graphs.run(
+                    frame, flat, signature, self._weights.version
+                ):
+                    await scheduler.run_dataflow(frame)
             outputs = self._take_outputs(frame, flat if caller_inputs is None else caller_inputs)
             if times is not None and self._adaptive is not None:
                 self._adaptive.finished(flat, times)
@@ -338,8 +352,11 @@ class Executor:
     def _new_frame(self, frame_id: int) -> ExecutionFrame:
         """A frame, with its GPU state (events made once, reused by its executions)."""
         runtime = self.cuda_runtime
-        gpu = runtime.frame_state(self.plan.calls) if runtime is not None else None
-        return ExecutionFrame(self.plan, frame_id, gpu)
+        if runtime is None:
+            return ExecutionFrame(self.plan, frame_id)
+        gpu = runtime.frame_state(self.plan.calls)
+        assert self._cuda_graphs is not None
+        return ExecutionFrame(self.plan, frame_id, gpu, self._cuda_graphs.frame_state(gpu))
 
     def _weights_template(self) -> list[Any]:
         return self._weights.template(self.plan.weight_slots, self.plan.num_values)
@@ -426,6 +443,8 @@ class Executor:
         if self._batcher is not None:  # queued requests were accepted: they still run
             await self._batcher.aclose(cancel=cancel)
         await self._pool.wait_idle()
+        if self._cuda_graphs is not None:  # every frame is idle: free their graphs and pools
+            self._cuda_graphs.close()
         self._pool.close()
         for kernel in self.kernels:  # subgraph kernels own executors of their own
             close = getattr(kernel.fn, "aclose", None)
@@ -476,6 +495,10 @@ class Executor:
         """Where each node runs (after adaptive placement, the latest choice), by node name."""
         current = self._adaptive.current if self._adaptive is not None else self.plan.placement
         return {n.name: current[n.index] for n in self.graph.nodes}
+
+    def cuda_graph_statistics(self) -> CudaGraphStatistics | None:
+        """Captures, replays and fallbacks of CUDA graphs (None without CUDA nodes)."""
+        return self._cuda_graphs.statistics() if self._cuda_graphs is not None else None
 
     def placement_statistics(self) -> PlacementStatistics | None:
         """What adaptive placement has profiled and decided (None when it is off)."""

@@ -12,7 +12,8 @@ A frame of a program with CUDA nodes also owns its GPU state (`gpu`, a FrameStre
 and the leased stream set), created once with the frame, and per-unit call and placement
 tables for the loaded schedule in which CUDA units enqueue on their streams and CPU units that
 read GPU values are marked HOST_WAIT. The tables are built once per schedule and kept, so the
-scheduler's run loop is the same for CPU and GPU programs and tests nothing per unit.
+scheduler's run loop is the same for CPU and GPU programs and tests nothing per unit. A frame
+of a program captured as CUDA graphs also owns its captures (`graphs`, cuda/graphs.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from asyncgraph.cuda.device import FrameStreams
+from asyncgraph.cuda.graphs import FrameGraphs
 from asyncgraph.runtime.backend import FutureLike, TaskLike
 from asyncgraph.runtime.placement import NodeTimes
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
@@ -42,16 +44,21 @@ class ExecutionFrame:
 
     __slots__ = (
         "_gpu_tables", "_nothing", "_one_input", "calls", "counts", "errors", "execution_id",
-        "finished", "gpu", "id", "last_used", "lock", "pending", "plan", "reads", "rng",
+        "finished", "gpu", "graphs", "id", "last_used", "lock", "pending", "plan", "reads", "rng",
         "schedule", "stopped", "tasks", "times", "values", "waiter", "where",
     )
 
     def __init__(
-        self, plan: ExecutionPlan, frame_id: int, gpu: FrameStreams | None = None
+        self,
+        plan: ExecutionPlan,
+        frame_id: int,
+        gpu: FrameStreams | None = None,
+        graphs: FrameGraphs | None = None,
     ) -> None:
         self.id = frame_id
         self.plan = plan
         self.gpu = gpu
+        self.graphs = graphs  # its CUDA-graph captures (cuda/graphs.py), when captured
         self.values: list[Any] = [None] * plan.num_values
         self._nothing = (None,) * plan.num_values  # what `clear` leaves in `values`
         # The slot of a program's only input (-1 otherwise): `load` stores it without a zip.

@@ -1,0 +1,591 @@
+"""Captured executions: a whole execution of a GPU program replayed as one CUDA graph.
+
+Why: an execution of a small GPU program is launch-bound: the host spends more time
+enqueueing its kernels (tens of microseconds per node through Python) than the GPU spends
+running them. A CUDA graph records the kernels of one execution once and replays them with a
+single launch.
+
+What is captured (decided once per Executor, `plan_capture`, pure and tested on the CPU): a
+program whose every node is CUDA, ALIAS or META (asyncgraph/cuda/streams.py), whose CUDA nodes
+are aten ops that neither sync the host nor have data-dependent shapes (`DENIED`), on one
+device, and which mutates no user input and no buffer. Otherwise `CapturePlan.reason` names the
+first node (or input, or setting) that prevents it. Whole executions only: the segments of
+CUDA nodes between host nodes are not captured.
+
+How (`FrameGraphs`, one per frame, per input signature, at most `MAX_CAPTURES` kept, least
+recently used evicted):
+
+- The first `cuda_graph_warmup` executions of a signature on a frame take the normal stream
+  path (lazy initialisation, cuBLAS workspaces on the frame's streams). The next one captures:
+  static input buffers (made outside the graph's pool, the caller's inputs copied in), a
+  private memory pool per capture, and an in-order run of the frame's node calls on its stream
+  set between a fork (every other stream waits on an event recorded on the origin stream inside
+  the capture) and a join (the origin waits on every other stream's event). Capture only
+  records, so it is replayed once for that execution's result.
+- Later executions of the signature: copy the inputs into the static buffers on the origin
+  stream, replay, and *clone* the outputs out of the graph's static memory on the same stream.
+  A replay writes the same static output tensors every time, so without the clone a caller
+  holding an earlier output would see it overwritten by the frame's next replay; the clone
+  costs one device copy per output and leaves ownership with the caller, as the stream path
+  does. Non-tensor outputs (sizes from META nodes) are the capture's values, static per
+  signature.
+- Ordering and waiting are the stream path's: `FrameStreams.begin` orders the execution's
+  streams after the caller's, `finish` awaits the end of every stream by polling events from
+  the loop (never blocking it), absorbing cancellation until the GPU is done, and only then is
+  the frame returned.
+- Weights are captured by address: each capture remembers the Weights version it read, and an
+  execution that loaded another version drops the frame's stale capture (the frame is leased
+  and its earlier GPU work finished) and captures again at once (no second warm-up: the
+  kernels are warm). A graph holding old weights is never replayed for newer ones.
+- A capture that raises (an op that syncs the host, say) marks its signature uncapturable for
+  the Executor: the reason is kept, logged once at WARNING, and that execution runs again on
+  the stream path.
+
+`torch.cuda.graph(...)` is not used: its `__enter__` calls `torch.cuda.synchronize()` (the
+whole device: the loop thread would block on every other execution's GPU work) and empties the
+allocator's cache. The backend calls `CUDAGraph.capture_begin/capture_end` on the origin
+stream instead, with `capture_error_mode="thread_local"`: other threads keep enqueueing their
+executions' work while one thread captures.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncgraph.cuda.device import CudaGraph, CudaRuntime, FrameStreams
+from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan, _aten_names
+from asyncgraph.graph.ir import Graph, OutputKind, TensorSpec, iter_refs
+from asyncgraph.kernels import KernelKind, OpKernel
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.plan import ExecutionPlan
+from asyncgraph.runtime.validation import Signature, _signature
+
+if TYPE_CHECKING:
+    from asyncgraph.runtime.frame import ExecutionFrame
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURES = 8
+"""Signatures one frame keeps state for (warm-up counts and captures); the least recently used
+is evicted, its graph freed, when a ninth arrives."""
+
+_MAX_FAILED = 256  # uncapturable signatures remembered per Executor
+
+_SYNCS = "syncs the host (a data-dependent output shape)"
+_HOST_READ = "reads a GPU value on the host"
+_RANDOM = "draws random numbers (not captured: replays of random ops are not tested here)"
+
+DENIED: dict[str, str] = {
+    "aten::nonzero": _SYNCS,
+    "aten::argwhere": _SYNCS,
+    "aten::masked_select": _SYNCS,
+    "aten::masked_scatter": _SYNCS,
+    "aten::unique": _SYNCS,
+    "aten::_unique": _SYNCS,
+    "aten::_unique2": _SYNCS,
+    "aten::unique_dim": _SYNCS,
+    "aten::unique_consecutive": _SYNCS,
+    "aten::unique_dim_consecutive": _SYNCS,
+    "aten::where": _SYNCS,  # the one-argument overload is nonzero (where.self is listed apart)
+    "aten::bincount": _SYNCS,
+    "aten::repeat_interleave.Tensor": _SYNCS,
+    "aten::repeat_interleave.self_Tensor": _SYNCS,
+    "aten::_local_scalar_dense": _HOST_READ,
+    "aten::item": _HOST_READ,
+    "aten::is_nonzero": _HOST_READ,
+    "aten::equal": _HOST_READ,
+    "aten::allclose": _HOST_READ,
+    "aten::_assert_async": _HOST_READ,
+    "aten::_assert_async.msg": _HOST_READ,
+    "aten::bernoulli": _RANDOM,
+    "aten::native_dropout": _RANDOM,
+    "aten::rand": _RANDOM,
+    "aten::rand_like": _RANDOM,
+    "aten::randn": _RANDOM,
+    "aten::randn_like": _RANDOM,
+    "aten::randint": _RANDOM,
+    "aten::randint_like": _RANDOM,
+    "aten::randperm": _RANDOM,
+    "aten::normal": _RANDOM,
+    "aten::uniform": _RANDOM,
+    "aten::exponential": _RANDOM,
+    "aten::multinomial": _RANDOM,
+}
+"""aten ops (by name, or name.overload) never captured, and why."""
+
+_BOOL_INDEXED = frozenset({"aten::index.Tensor", "aten::index_put", "aten::_index_put_impl"})
+
+
+# -- the decision (pure) --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CapturePlan:
+    """Whether an Executor's executions are captured, and what capture needs.
+
+    Attributes:
+        capturable: every execution may be captured (after warm-up, per input signature).
+        reason: why not, naming the first offending node, input or setting; None when it is.
+        origin: the (device, stream) the graph is captured and replayed on.
+        drops: per node, the frame slots no later node reads (freed during the capture, so
+            the graph's pool can reuse their memory).
+        produced_outputs: the frame slots of user outputs made by nodes: cloned per replay.
+    """
+
+    capturable: bool
+    reason: str | None
+    origin: StreamKey | None = None
+    drops: tuple[tuple[int, ...], ...] = ()
+    produced_outputs: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        """One line for `asyncgraph profile` and logs."""
+        if self.capturable:
+            return "captured as CUDA graphs (per input signature, after warm-up)"
+        return f"not captured: {self.reason}"
+
+
+def plan_capture(
+    graph: Graph,
+    plan: ExecutionPlan,
+    stream_plan: StreamPlan,
+    kernels: Sequence[OpKernel],
+    config: ExecutorConfig,
+) -> CapturePlan:
+    """The CapturePlan of an Executor's graph (the graph that runs: after folding)."""
+    reason = _blocker(graph, stream_plan, kernels, config)
+    if reason is not None:
+        return CapturePlan(False, reason)
+    return CapturePlan(
+        True, None, stream_plan.streams_used[0], _drops(graph), _produced_outputs(graph)
+    )
+
+
+def _blocker(
+    graph: Graph, stream_plan: StreamPlan, kernels: Sequence[OpKernel], config: ExecutorConfig
+) -> str | None:
+    """The first reason the program cannot be captured, or None."""
+    if not config.cuda_graphs:
+        return "cuda_graphs=False"
+    if config.trace:
+        return "trace=True records a span per node, which a replay does not have"
+    sig = graph.signature
+    for out in sig.outputs:
+        if out.kind is OutputKind.BUFFER_MUTATION:
+            return f"the program mutates buffer {out.target!r}: a replay would not update it"
+        if out.kind is OutputKind.USER_INPUT_MUTATION:
+            return f"the program mutates input {out.target!r}: a replay writes its static copy"
+    for spec in sig.user_inputs:
+        vspec = graph.values[spec.value].spec
+        if isinstance(vspec, TensorSpec) and vspec.device.type != "cuda":
+            return (
+                f"input {spec.target!r} is a {vspec.device.type} tensor: a graph would keep "
+                "the value it had when captured"
+            )
+    for node, role, kernel in zip(graph.nodes, stream_plan.roles, kernels, strict=True):
+        reason = _node_blocker(graph, node.index, role, kernel, stream_plan)
+        if reason is not None:
+            return f"node {node.name!r} ({node.target_name()}) {reason}"
+    devices = stream_plan.devices
+    if len(devices) > 1:
+        return f"CUDA nodes on devices {list(devices)}: one graph captures one device"
+    return None
+
+
+def _node_blocker(
+    graph: Graph, index: int, role: Role, kernel: OpKernel, stream_plan: StreamPlan
+) -> str | None:
+    if role in (Role.SCALAR, Role.HOST):
+        if stream_plan.host_waits[index] or any(
+            stream_plan.roles[p] is Role.CUDA for p in _producers(graph, index)
+        ):
+            return _HOST_READ
+        return f"runs on the host (role {role.value})"
+    if role is not Role.CUDA:
+        return None  # ALIAS and META nodes run on the host, reading no GPU data
+    node = graph.nodes[index]
+    if kernel.kind is not KernelKind.CUDA:
+        return f"is a {kernel.kind.value} kernel"
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return "is a Python kernel, not an aten op"
+    names = _aten_names(target)
+    assert names is not None
+    for name in (names[1], names[0]):
+        if name in DENIED:
+            return DENIED[name]
+    if target._schema.is_mutable:
+        return "mutates its arguments"
+    if (names[1] in _BOOL_INDEXED or names[0] in _BOOL_INDEXED) and _reads_bool_tensor(
+        graph, index
+    ):
+        return "indexes with a boolean mask " + _SYNCS.removeprefix("syncs the host ")
+    return None
+
+
+def _producers(graph: Graph, index: int) -> list[int]:
+    out = []
+    for v in graph.nodes[index].inputs():
+        producer = graph.values[v].producer
+        if producer is not None:
+            out.append(producer)
+    return out
+
+
+def _reads_bool_tensor(graph: Graph, index: int) -> bool:
+    for v in graph.nodes[index].inputs()[1:]:
+        spec = graph.values[v].spec
+        if isinstance(spec, TensorSpec) and spec.dtype is torch.bool:
+            return True
+    return False
+
+
+def _output_values(graph: Graph) -> set[int]:
+    return {ref.id for out in graph.signature.outputs for ref in iter_refs(out.arg)}
+
+
+def _drops(graph: Graph) -> tuple[tuple[int, ...], ...]:
+    """Per node, the node-made values whose last reader it is (or that nobody reads), outputs
+    excepted: dropped during the capture as the scheduler drops them."""
+    outputs = _output_values(graph)
+    last: dict[int, int] = {}
+    for node in graph.nodes:
+        last.setdefault(node.output, node.index)  # unread: dropped right after its node
+        for v in node.inputs():
+            last[v] = node.index
+    drops: list[list[int]] = [[] for _ in graph.nodes]
+    for value, reader in last.items():
+        if graph.values[value].producer is not None and value not in outputs:
+            drops[reader].append(value)
+    return tuple(tuple(sorted(d)) for d in drops)
+
+
+def _produced_outputs(graph: Graph) -> tuple[int, ...]:
+    return tuple(
+        sorted(v for v in _output_values(graph) if graph.values[v].producer is not None)
+    )
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CudaGraphStatistics:
+    """What CUDA-graph capture did for one Executor.
+
+    `warmups`: executions of a capturable program run on the stream path before their
+    signature's capture; `fallbacks`: executions that could have been captured but ran on the
+    stream path (an uncapturable signature, inputs without a signature, profiled executions);
+    `recaptures`: captures dropped because the weights changed; `failures`: captures that
+    raised (`failed` lists the reasons, one per signature).
+    """
+
+    capturable: bool
+    reason: str | None
+    captures: int
+    replays: int
+    warmups: int
+    fallbacks: int
+    recaptures: int
+    evictions: int
+    failures: int
+    live_graphs: int
+    failed: tuple[str, ...]
+
+
+class CudaGraphs:
+    """The CUDA-graph state an Executor shares across its frames: the plan, counters, the
+    signatures whose capture failed, and the frames' states (to free them on close)."""
+
+    def __init__(
+        self, capture_plan: CapturePlan, runtime: CudaRuntime, graph: Graph, plan: ExecutionPlan,
+        config: ExecutorConfig,
+    ) -> None:
+        self.capture_plan = capture_plan
+        self.runtime = runtime
+        self.graph = graph
+        self.value_ids = plan.outputs
+        self.input_slots = plan.user_input_slots
+        self.warmup = config.cuda_graph_warmup
+        self.inference_mode = config.inference_mode
+        self.failed: dict[Signature, str] = {}
+        self.frames: weakref.WeakSet[FrameGraphs] = weakref.WeakSet()
+        self.captures = self.replays = self.warmups = self.fallbacks = 0
+        self.recaptures = self.evictions = self.failures = 0
+
+    def frame_state(self, gpu: FrameStreams) -> FrameGraphs | None:
+        """A frame's state, or None when the program is not captured (its frames never look)."""
+        if not self.capture_plan.capturable:
+            return None
+        state = FrameGraphs(self, gpu)
+        self.frames.add(state)
+        return state
+
+    def mark_failed(self, key: Signature, reason: str) -> None:
+        if len(self.failed) >= _MAX_FAILED:
+            self.failed.clear()
+        self.failed[key] = reason
+        self.failures += 1
+        logger.warning("CUDA graph capture failed; running uncaptured for %s: %s", key, reason)
+
+    def close(self) -> None:
+        """Free every frame's graphs and pools (the Executor is closing; frames are idle)."""
+        for state in list(self.frames):
+            state.close()
+
+    def statistics(self) -> CudaGraphStatistics:
+        return CudaGraphStatistics(
+            capturable=self.capture_plan.capturable,
+            reason=self.capture_plan.reason,
+            captures=self.captures,
+            replays=self.replays,
+            warmups=self.warmups,
+            fallbacks=self.fallbacks,
+            recaptures=self.recaptures,
+            evictions=self.evictions,
+            failures=self.failures,
+            live_graphs=sum(s.live for s in list(self.frames)),
+            failed=tuple(dict.fromkeys(self.failed.values())),
+        )
+
+
+# -- per frame ----------------------------------------------------------------------------------
+
+
+class Capture:
+    """One captured execution: the graph, its pool, its static inputs and outputs."""
+
+    __slots__ = ("graph", "outputs", "pool", "static_inputs", "version")
+
+    def __init__(
+        self, graph: CudaGraph, pool: Any, static_inputs: list[Any], outputs: dict[int, Any],
+        version: int,
+    ) -> None:
+        self.graph = graph
+        self.pool = pool
+        self.static_inputs = static_inputs  # per flat input: its static buffer, or None
+        self.outputs = outputs  # frame slot -> the static value a replay writes
+        self.version = version  # the Weights version whose tensors it reads
+
+    def free(self) -> None:
+        self.graph.reset()
+        self.static_inputs = []
+        self.outputs = {}
+
+
+class _SignatureState:
+    __slots__ = ("capture", "runs")
+
+    def __init__(self) -> None:
+        self.runs = 0  # executions on the stream path so far (warm-up)
+        self.capture: Capture | None = None
+
+
+class FrameGraphs:
+    """The captures of one frame, by input signature (one execution at a time: the frame's).
+
+    `run` is the Executor's one branch: it returns False when this execution takes the stream
+    path (warming up, an uncapturable signature, a failed capture), and True once the frame's
+    output slots hold this execution's outputs, the GPU work done.
+    """
+
+    __slots__ = ("__weakref__", "_fork", "_gpu", "_joins", "_owner", "_states")
+
+    def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
+        self._owner = owner
+        self._gpu = gpu
+        self._states: OrderedDict[Signature, _SignatureState] = OrderedDict()
+        backend = owner.runtime.backend
+        self._fork = backend.new_event()
+        others = len(owner.runtime.plan.streams_used) - 1
+        self._joins = [backend.new_event() for _ in range(others)]
+
+    @property
+    def live(self) -> int:
+        """Graphs this frame holds."""
+        return sum(1 for s in self._states.values() if s.capture is not None)
+
+    async def run(
+        self, frame: ExecutionFrame, flat: list[Any], signature: Signature | None, version: int
+    ) -> bool:
+        """Run the loaded frame as a capture or a replay when its signature is ready."""
+        owner = self._owner
+        key = signature if signature is not None else _signature(flat)
+        if key is None or frame.times is not None or key in owner.failed:
+            owner.fallbacks += 1
+            return False
+        state = self._state(key)
+        capture = state.capture
+        if capture is not None:
+            if capture.version == version:
+                owner.replays += 1  # launched, whatever happens while it is awaited
+                await self._replay(frame, flat, capture)
+                return True
+            capture.free()  # weights changed: capture again at once (the kernels are warm)
+            state.capture = None
+            owner.recaptures += 1
+        elif state.runs < owner.warmup:
+            state.runs += 1
+            owner.warmups += 1
+            return False
+        state.capture = await self._capture(frame, flat, key, version)
+        return state.capture is not None
+
+    def close(self) -> None:
+        for state in self._states.values():
+            if state.capture is not None:
+                state.capture.free()
+        self._states.clear()
+
+    def _state(self, key: Signature) -> _SignatureState:
+        states = self._states
+        state = states.get(key)
+        if state is not None:
+            states.move_to_end(key)
+            return state
+        if len(states) >= MAX_CAPTURES:
+            _, evicted = states.popitem(last=False)
+            if evicted.capture is not None:
+                evicted.capture.free()
+                self._owner.evictions += 1
+        state = states[key] = _SignatureState()
+        return state
+
+    # -- capture ------------------------------------------------------------------------------
+
+    async def _capture(
+        self, frame: ExecutionFrame, flat: list[Any], key: Signature, version: int
+    ) -> Capture | None:
+        """Capture this execution, replay it once for its result; None when capture raised
+        (the frame is loaded again as it was, for the stream path)."""
+        owner = self._owner
+        backend = owner.runtime.backend
+        gpu = self._gpu
+        values = frame.values
+        loaded = list(values)
+        gpu.begin()
+        try:
+            handle = self._origin_handle()
+            token = backend.enter_stream(handle)
+            try:  # static inputs: made and filled on the origin stream, outside the graph pool
+                static = [_empty_like(x) for x in flat]
+                for buffer, x in zip(static, flat, strict=True):
+                    if buffer is not None:
+                        buffer.copy_(x)
+            finally:
+                backend.leave_stream(token)
+            for slot, buffer, x in zip(owner.input_slots, static, flat, strict=True):
+                values[slot] = buffer if buffer is not None else x
+            graph, pool = backend.new_graph(), backend.graph_pool()
+            try:
+                with backend.capture(graph, pool, handle):
+                    self._record(values)
+            except Exception as exc:
+                values[:] = loaded
+                graph.reset()
+                owner.mark_failed(key, _failure(exc))
+                return None
+            outputs = {slot: values[slot] for slot in owner.capture_plan.produced_outputs}
+            capture = Capture(graph, pool, static, outputs, version)
+            owner.captures += 1
+            token = backend.enter_stream(handle)
+            try:
+                graph.replay()
+                _clone_outputs(values, outputs)
+            finally:
+                backend.leave_stream(token)
+            return capture
+        finally:
+            await gpu.finish()  # absorbs cancellation until the GPU is done, then re-raises
+
+    def _record(self, values: list[Any]) -> None:
+        """Every node in order, inside the capture: fork the stream set from the origin
+        stream, run the frame's node calls (CUDA nodes enqueue on their planned streams, with
+        their events), join every stream back. Never queries or waits on an event."""
+        owner = self._owner
+        stream_set = self._gpu.stream_set
+        assert stream_set is not None
+        origin_key = owner.capture_plan.origin
+        origin = stream_set.streams[origin_key]  # type: ignore[index]
+        others = [s for k, s in stream_set.streams.items() if k != origin_key]
+        self._fork.record(origin)
+        for stream in others:
+            stream.wait_event(self._fork)
+        ids, drops = owner.value_ids, owner.capture_plan.drops
+        names = owner.graph.nodes
+        guard = torch._C._InferenceMode(owner.inference_mode)
+        try:
+            for node, call in enumerate(self._gpu.calls):
+                try:
+                    values[ids[node]] = call(values)
+                except Exception as exc:
+                    exc.add_note(
+                        f"while capturing node {names[node].name!r} ({names[node].target_name()})"
+                    )
+                    raise
+                for value in drops[node]:
+                    values[value] = None
+        finally:
+            del guard
+        for stream, event in zip(others, self._joins, strict=True):
+            event.record(stream)
+            origin.wait_event(event)
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    async def _replay(self, frame: ExecutionFrame, flat: list[Any], capture: Capture) -> None:
+        """Inputs into the static buffers, one replay, outputs cloned out, all on the origin
+        stream after the caller's; then await the GPU (cancellation absorbed until done)."""
+        backend = self._owner.runtime.backend
+        gpu = self._gpu
+        gpu.begin()
+        try:
+            token = backend.enter_stream(self._origin_handle())
+            try:
+                for buffer, x in zip(capture.static_inputs, flat, strict=True):
+                    if buffer is not None:
+                        buffer.copy_(x)
+                capture.graph.replay()
+                _clone_outputs(frame.values, capture.outputs)
+            finally:
+                backend.leave_stream(token)
+        finally:
+            await gpu.finish()
+
+    def _origin_handle(self) -> Any:
+        stream_set = self._gpu.stream_set
+        assert stream_set is not None
+        origin = stream_set.streams[self._owner.capture_plan.origin]  # type: ignore[index]
+        return self._owner.runtime.backend.stream_handle(origin)
+
+
+def _empty_like(x: Any) -> Any:
+    return torch.empty_like(x) if isinstance(x, torch.Tensor) else None
+
+
+def _clone_outputs(values: list[Any], outputs: dict[int, Any]) -> None:
+    """The frame's output slots get copies of the graph's static outputs (on the current
+    stream): the caller owns them, and the frame's next replay cannot overwrite them."""
+    for slot, value in outputs.items():
+        values[slot] = _clone(value)
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _failure(exc: BaseException) -> str:
+    notes = "; ".join(getattr(exc, "__notes__", ()))
+    text = f"{type(exc).__name__}: {exc}"
+    return f"{text} ({notes})" if notes else text

@@ -1,0 +1,279 @@
+"""A simulated GPU that can capture CUDA graphs, for tests/test_cuda_graphs.py.
+
+It extends the simulated GPU of test_gpu_executor.py (fake in-order streams and events, a
+current stream per thread) with what capture requires of the host, as CUDA enforces it:
+
+- While a capture is open on a thread, an event query or synchronize and a host read of a GPU
+  value from that thread raise ("operation not permitted when stream is capturing"); so does
+  querying, later, an event whose last record was inside a capture.
+- Work enqueued on a capturing stream is recorded into the graph instead of run. A stream joins
+  the capture only by waiting on an event recorded inside it; a kernel launched from the
+  capturing thread on a stream that has not joined raises; a captured stream waiting on an
+  event recorded outside the capture raises (capture isolation); a stream with work after its
+  last join when the capture ends raises (unjoined).
+- Values are real CPU tensors computed on the host. A captured kernel does not compute: it
+  returns a static output tensor, filled with NaN (or -999 for integer dtypes) until a replay,
+  allocated in the capture's pool (`FakePool.allocations`), and records the work that writes
+  it. `FakeGraph.replay` re-runs that work in order, reading the tensors it captured (static
+  inputs and weights, by address) and writing the SAME static output tensors, and enqueues one
+  marker kernel on the current stream that the simulated GPU must run before the replay counts
+  as done. A caller handed a static output would see it overwritten by the next replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from test_gpu_executor import ThreadGpu
+from test_streams import FakeBackend, FakeEvent, FakeStream
+
+from asyncgraph.graph.importers import Program
+from asyncgraph.graph.ir import Graph, InputKind, Node, Signature
+from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
+
+NOT_PERMITTED = "operation not permitted when stream is capturing"
+
+
+class FakePool:
+    """A capture's private memory pool: what was allocated while its capture was open."""
+
+    def __init__(self) -> None:
+        self.allocations: list[torch.Tensor] = []
+
+
+class FakeGraph:
+    """A captured graph: the recorded work, replayed in order on the host."""
+
+    def __init__(self, gpu: CaptureGpu) -> None:
+        self.gpu = gpu
+        self.work: list[Callable[[], None]] = []
+        self.captured = False
+        self.freed = False
+        self.replays = 0
+
+    def replay(self) -> None:
+        gpu = self.gpu
+        if not self.captured or self.freed:
+            raise RuntimeError("replay of a graph that is not captured (or was reset)")
+        if gpu.capturing() is not None:
+            raise RuntimeError(NOT_PERMITTED)
+        stream = gpu.current
+        if stream is None:
+            raise RuntimeError("replay outside a stream")
+        with torch.inference_mode():  # GPU work: no autograd, static outputs of any mode
+            for work in self.work:
+                work()
+        self.replays += 1
+        gpu.launch(("replay", id(self), self.replays), set(), stream)
+
+    def reset(self) -> None:
+        self.freed = True
+        self.work = []
+
+
+@dataclasses.dataclass
+class FakeCapture:
+    graph: FakeGraph
+    pool: FakePool
+    origin: FakeStream
+    thread: int
+    streams: set[FakeStream]
+    clock: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
+    last_work: dict[FakeStream, int] = dataclasses.field(default_factory=dict)
+    joined: dict[FakeStream, int] = dataclasses.field(default_factory=dict)
+
+    def touch(self, stream: FakeStream) -> int:
+        tick = next(self.clock)
+        self.last_work[stream] = tick
+        return tick
+
+
+class CaptureGpu(ThreadGpu):
+    """ThreadGpu with one capture open at a time, on the thread that opened it."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.capture: FakeCapture | None = None
+        self.captures = 0
+
+    def capturing(self) -> FakeCapture | None:
+        """The capture open on the calling thread, if any."""
+        capture = self.capture
+        if capture is not None and capture.thread == threading.get_ident():
+            return capture
+        return None
+
+    def host_read(self, what: str) -> None:
+        """A host read of a GPU value (`.item()`, a sync inside an op)."""
+        if self.capturing() is not None:
+            raise RuntimeError(f"{what}: {NOT_PERMITTED}")
+
+
+class CaptureEvent(FakeEvent):
+    def __init__(self, gpu: CaptureGpu) -> None:
+        super().__init__(gpu)
+        self.captured: tuple[FakeCapture, FakeStream, int] | None = None
+
+    def record(self, stream: FakeStream) -> None:
+        gpu = self.gpu
+        assert isinstance(gpu, CaptureGpu)
+        capture = gpu.capturing()
+        if capture is not None and stream in capture.streams:
+            self.captured = (capture, stream, capture.touch(stream))
+            self.token = None
+            return
+        self.captured = None
+        super().record(stream)
+
+    def _check(self) -> None:
+        gpu = self.gpu
+        assert isinstance(gpu, CaptureGpu)
+        if gpu.capturing() is not None:
+            raise RuntimeError(NOT_PERMITTED)
+        if self.captured is not None:
+            raise RuntimeError("query of an event recorded inside a capture")
+
+    def query(self) -> bool:
+        self._check()
+        return super().query()
+
+    def synchronize(self) -> None:
+        self._check()
+        super().synchronize()
+
+
+class CaptureStream(FakeStream):
+    def wait_event(self, event: FakeEvent) -> None:
+        gpu = self.gpu
+        assert isinstance(gpu, CaptureGpu)
+        capture = gpu.capturing()
+        captured = getattr(event, "captured", None)
+        if capture is not None and captured is not None and captured[0] is capture:
+            capture.streams.add(self)  # joins the capture (a fork, or a join on the origin)
+            if self is capture.origin:
+                _, stream, tick = captured
+                capture.joined[stream] = tick
+            capture.touch(self)
+            return
+        if capture is not None and self in capture.streams:
+            raise RuntimeError("a capturing stream waited on an event from outside the capture")
+        super().wait_event(event)
+
+
+class CaptureBackend(FakeBackend):
+    """FakeBackend with capture (streams and events above; graphs, pools, capture)."""
+
+    def __init__(self, gpu: CaptureGpu) -> None:
+        super().__init__(gpu)
+        self.graphs: list[FakeGraph] = []
+        self.pools: list[FakePool] = []
+
+    def new_stream(self, device: int) -> FakeStream:
+        stream = CaptureStream(self.gpu, f"d{device}#{len(self.gpu.streams)}")
+        self.gpu.streams.append(stream)
+        return stream
+
+    def new_event(self) -> CaptureEvent:
+        assert isinstance(self.gpu, CaptureGpu)
+        return CaptureEvent(self.gpu)
+
+    def new_graph(self) -> FakeGraph:
+        assert isinstance(self.gpu, CaptureGpu)
+        graph = FakeGraph(self.gpu)
+        self.graphs.append(graph)
+        return graph
+
+    def graph_pool(self) -> FakePool:
+        pool = FakePool()
+        self.pools.append(pool)
+        return pool
+
+    @contextlib.contextmanager
+    def capture(self, graph: FakeGraph, pool: FakePool, handle: FakeStream) -> Iterator[None]:
+        gpu = self.gpu
+        assert isinstance(gpu, CaptureGpu)
+        if gpu.capture is not None:
+            raise RuntimeError("a capture is already open")
+        token = self.enter_stream(handle)
+        gpu.capture = capture = FakeCapture(
+            graph, pool, handle, threading.get_ident(), {handle}
+        )
+        try:
+            yield
+            unjoined = [
+                s for s, tick in capture.last_work.items()
+                if s is not handle and capture.joined.get(s, -1) < tick
+            ]
+            if unjoined:
+                raise RuntimeError(f"capture ended with unjoined streams {unjoined}")
+            graph.captured = True
+            gpu.captures += 1
+        finally:
+            gpu.capture = None
+            self.leave_stream(token)
+
+
+def fake_kernel(
+    gpu: CaptureGpu, fn: Callable[..., Any], name: str, syncs: bool = False
+) -> Callable[..., Any]:
+    """A CUDA node's kernel on the simulated GPU: run at once (a marker kernel on the current
+    stream), or recorded into the open capture, returning a static output."""
+    ids = itertools.count()
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        stream = gpu.current
+        if stream is None:
+            raise RuntimeError(f"{name} ran outside its stream")
+        if syncs:
+            gpu.host_read(name)
+        capture = gpu.capturing()
+        if capture is None:
+            gpu.launch(("k", name, next(ids)), set())
+            return fn(*args, **kwargs)
+        if stream not in capture.streams:
+            raise RuntimeError(f"{name} launched on {stream!r}, which did not join the capture")
+        capture.touch(stream)
+        shape = fn(*args, **kwargs)  # for the output's shape and dtype only
+        static = torch.full_like(shape, float("nan") if shape.is_floating_point() else -999)
+        capture.pool.allocations.append(static)
+
+        def work() -> None:
+            static.copy_(fn(*args, **kwargs))
+
+        capture.graph.work.append(work)
+        return static
+
+    return kernel
+
+
+class FakeCudaOps(KernelFactory):
+    """aten nodes named `gpu*` are CUDA kernels of the simulated GPU; `gpu_sync*` ones read a
+    GPU value on the host inside (an op that syncs, which capture refuses)."""
+
+    def __init__(self, gpu: CaptureGpu) -> None:
+        super().__init__()
+        self.gpu = gpu
+
+    def kernel_for(self, node: Node, graph: Graph) -> OpKernel | None:
+        kernel = super().kernel_for(node, graph)
+        if kernel is not None and node.name.startswith("gpu"):
+            fn = fake_kernel(self.gpu, kernel.fn, node.name, node.name.startswith("gpu_sync"))
+            return OpKernel(fn, KernelKind.CUDA, kernel.name, cost=1000)
+        return kernel
+
+
+def with_parameters(graph: Graph, weights: dict[str, torch.Tensor]) -> Program:
+    """`graph` with the user inputs named like `weights`' keys turned into parameters."""
+    inputs = tuple(
+        dataclasses.replace(spec, kind=InputKind.PARAMETER, target=graph.values[spec.value].name)
+        if graph.values[spec.value].name in weights else spec
+        for spec in graph.signature.inputs
+    )
+    signature = Signature(inputs, graph.signature.outputs, None, graph.signature.out_spec)
+    return Program(Graph(list(graph.values), list(graph.nodes), signature), dict(weights))

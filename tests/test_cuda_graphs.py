@@ -1,0 +1,583 @@
+"""CUDA graphs (asyncgraph/cuda/graphs.py): what is captured, and captured executions.
+
+1. `plan_capture` on builder graphs (pure): capturable programs, and the reason naming the
+   first offending node, input or setting otherwise.
+2. The Executor on the simulated GPU of tests/cuda_graph_fake.py, which enforces what capture
+   requires (no event query, synchronize or host read while capturing, forked and joined
+   streams, replays writing the same static outputs), on asyncio and trio: warm-up, capture and
+   replay counts, results equal to the uncaptured path, outputs that later replays do not
+   overwrite, concurrent frames, weights swaps, failed captures, cancellation during a replay,
+   eviction and close.
+3. Real-GPU tests, skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+from cuda_graph_fake import (
+    CaptureBackend,
+    CaptureEvent,
+    CaptureGpu,
+    FakeCudaOps,
+    fake_kernel,
+    with_parameters,
+)
+from test_streams import CUDA, needs_gpu
+from test_trio import BACKENDS, run, settle, until
+from test_trio_gpu import gpu_running
+
+from asyncgraph import Executor, ExecutorConfig, GraphBuilder
+from asyncgraph.cuda import graphs as cuda_graphs
+from asyncgraph.cuda.graphs import CapturePlan
+from asyncgraph.graph.importers import Program
+from asyncgraph.graph.ir import Graph, OutputKind, OutputSpec, Signature, TensorSpec
+from asyncgraph.testing import LeakChecker
+
+aten = torch.ops.aten
+backends = pytest.mark.parametrize("backend", BACKENDS)
+
+
+# -- programs -------------------------------------------------------------------------------------
+
+
+def diamond_graph() -> Graph:
+    """x * w, then relu and sigmoid on two streams, joined: a fork and a join in the capture."""
+    b = GraphBuilder()
+    x, w = b.input("x"), b.input("w")
+    scaled = b.call(aten.mul.Tensor, x, w, name="gpu_scale")
+    left = b.call(aten.relu.default, scaled, name="gpu_left")
+    right = b.call(aten.sigmoid.default, scaled, name="gpu_right")
+    b.output(b.call(aten.add.Tensor, left, right, name="gpu_join"))
+    return b.build()
+
+
+def diamond_program(w: torch.Tensor | None = None) -> Program:
+    return with_parameters(diamond_graph(), {"w": torch.full((4,), 2.0) if w is None else w})
+
+
+def expected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    scaled = x * w
+    return torch.relu(scaled) + torch.sigmoid(scaled)
+
+
+def make_executor(
+    program: Program | Graph, gpu: CaptureGpu, backend: CaptureBackend | None = None,
+    **config: Any,
+) -> Executor:
+    return Executor(
+        program,
+        ExecutorConfig(**{"adaptive_placement": False, **config}),
+        kernel_factory=FakeCudaOps(gpu),
+        _cuda_backend=backend or CaptureBackend(gpu),
+    )
+
+
+@contextlib.asynccontextmanager
+async def running(ex: Executor, gpu: CaptureGpu) -> AsyncIterator[Executor]:
+    """The GPU running for the block; the Executor closed with the GPU running."""
+    try:
+        async with gpu_running(gpu):
+            yield ex
+    finally:
+        async with gpu_running(gpu):
+            await ex.aclose()
+
+
+def stats(ex: Executor) -> cuda_graphs.CudaGraphStatistics:
+    s = ex.cuda_graph_statistics()
+    assert s is not None
+    return s
+
+
+def inputs(k: int, n: int = 4) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, n) * (k + 1)
+
+
+# =============================================================================================
+# 1. What is captured (pure)
+# =============================================================================================
+
+
+def plan_of(graph: Graph | Program, **config: Any) -> CapturePlan | None:
+    gpu = CaptureGpu()
+    ex = make_executor(graph, gpu, **config)
+    registry_out(ex)
+    return ex.cuda_graph_plan
+
+
+def registry_out(ex: Executor) -> None:
+    """An Executor built only to read its plan: closed at once (nothing started)."""
+    ex._closed = True
+    ex._pool.close()
+
+
+def test_a_program_of_cuda_aten_ops_is_capturable() -> None:
+    plan = plan_of(diamond_program())
+    assert plan is not None and plan.capturable and plan.reason is None
+    assert plan.origin == (0, 0)
+    # the scaled value is freed after its last reader, inside the capture; the output is not
+    graph = diamond_graph()
+    by_name = {v.name: v.id for v in graph.values}
+    right = graph.node("gpu_right").index
+    assert by_name["gpu_scale"] in plan.drops[right]
+    assert plan.produced_outputs == (by_name["gpu_join"],)
+    assert not any(by_name["gpu_join"] in d for d in plan.drops)
+    assert "captured" in plan.describe()
+
+
+def test_a_host_read_is_named_with_its_node_and_target() -> None:
+    b = GraphBuilder()
+    g = b.call(aten.relu.default, b.input("x"), name="gpu_relu")
+    b.output(b.call(aten._local_scalar_dense.default, g, name="item_1"))
+    plan = plan_of(b.build())
+    assert plan is not None and not plan.capturable
+    assert plan.reason == (
+        "node 'item_1' (aten._local_scalar_dense.default) reads a GPU value on the host"
+    )
+    assert plan.describe() == f"not captured: {plan.reason}"
+
+
+def python_kernel(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [
+        (aten.nonzero.default, "node 'gpu_op' (aten.nonzero.default) syncs the host "
+                               "(a data-dependent output shape)"),
+        (aten.masked_select.default, "node 'gpu_op' (aten.masked_select.default) syncs"),
+        (aten.relu_.default, "node 'gpu_op' (aten.relu_.default) mutates its arguments"),
+        (python_kernel, "node 'gpu_op' (test_cuda_graphs.python_kernel) is a Python kernel"),
+    ],
+)
+def test_uncapturable_cuda_nodes_are_named(target: Any, reason: str) -> None:
+    b = GraphBuilder()
+    x = b.input("x")
+    first = b.call(aten.relu.default, x, name="gpu_first")
+    args = (first, x) if target is aten.masked_select.default else (first,)
+    b.output(b.call(target, *args, name="gpu_op"))
+    plan = plan_of(b.build())
+    assert plan is not None and not plan.capturable
+    assert plan.reason is not None and plan.reason.startswith(reason)
+
+
+def test_a_boolean_mask_index_is_not_captured_but_an_integer_index_is() -> None:
+    def graph(dtype: torch.dtype) -> Graph:
+        b = GraphBuilder()
+        x, idx = b.input("x"), b.input("idx")
+        b.output(b.call(aten.index.Tensor, x, [idx], name="gpu_index"))
+        g = b.build()
+        values = list(g.values)
+        spec = TensorSpec(dtype, torch.device("cuda"), (4,), (4,))
+        values[1] = dataclasses.replace(values[1], spec=spec)
+        return Graph(values, list(g.nodes), g.signature)
+
+    masked = plan_of(graph(torch.bool))
+    assert masked is not None and masked.reason == (
+        "node 'gpu_index' (aten.index.Tensor) indexes with a boolean mask "
+        "(a data-dependent output shape)"
+    )
+    indexed = plan_of(graph(torch.int64))
+    assert indexed is not None and indexed.capturable
+
+
+def test_settings_and_mutated_inputs_are_reasons() -> None:
+    assert (plan := plan_of(diamond_program(), cuda_graphs=False)) is not None
+    assert plan.reason == "cuda_graphs=False"
+    assert (plan := plan_of(diamond_program(), trace=True)) is not None
+    assert plan.reason is not None and plan.reason.startswith("trace=True")
+    g = diamond_graph()
+    join = g.signature.outputs[0].arg
+    mutation = OutputSpec(OutputKind.USER_INPUT_MUTATION, join, "args[0]")
+    mutating = Graph(list(g.values), list(g.nodes), Signature(
+        g.signature.inputs, (*g.signature.outputs, mutation), None, g.signature.out_spec
+    ))
+    assert (plan := plan_of(mutating)) is not None
+    assert plan.reason == "the program mutates input 'args[0]': a replay writes its static copy"
+
+
+async def test_a_cpu_program_has_no_capture_state(
+    leak_check: LeakChecker,
+) -> None:
+    b = GraphBuilder()
+    b.output(b.call(aten.relu.default, b.input("x"), name="relu"))
+    async with Executor(b.build()) as ex:
+        assert await ex.execute(torch.ones(2)) is not None
+        assert ex.cuda_graph_plan is None and ex.cuda_graph_statistics() is None
+        (frame,) = ex._pool._idle
+        assert frame.graphs is None
+
+
+def test_cuda_graph_warmup_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="cuda_graph_warmup must be >= 0"):
+        ExecutorConfig(cuda_graph_warmup=-1)
+
+
+# =============================================================================================
+# 2. Captured executions on the simulated GPU
+# =============================================================================================
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_warm_up_then_capture_then_replays_equal_the_uncaptured_path(backend: str) -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=1)
+        cuda = CaptureBackend(gpu)
+        w = torch.tensor([2.0, -1.0, 0.5, 3.0])
+        ex = make_executor(diamond_program(w), gpu, cuda, cuda_graph_warmup=2)
+        plain = make_executor(diamond_program(w), gpu, cuda_graphs=False)
+        async with running(ex, gpu), running(plain, gpu):
+            seen = []
+            for k in range(6):
+                out = await ex.execute(inputs(k))
+                torch.testing.assert_close(out, expected(inputs(k), w))
+                torch.testing.assert_close(out, await plain.execute(inputs(k)))
+                s = stats(ex)
+                seen.append((s.warmups, s.captures, s.replays))
+            assert seen == [(1, 0, 0), (2, 0, 0), (2, 1, 0), (2, 1, 1), (2, 1, 2), (2, 1, 3)]
+            (graph,) = cuda.graphs
+            assert graph.replays == 4  # the capture's own replay, then one per execution
+            (pool,) = cuda.pools
+            assert len(pool.allocations) == 4  # the static output of each CUDA node
+            assert gpu.captures == 1
+            assert stats(plain).captures == 0 and stats(plain).reason == "cuda_graphs=False"
+        assert gpu.errors == []
+        assert all(g.freed for g in cuda.graphs)  # aclose freed the graphs
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_each_input_signature_warms_up_and_captures_on_its_own(backend: str) -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=2)
+        w = torch.tensor(1.5)
+        ex = make_executor(diamond_program(w), gpu, cuda_graph_warmup=1)
+        async with running(ex, gpu):
+            for k in range(3):
+                for n in (4, 8):
+                    out = await ex.execute(inputs(k, n))
+                    torch.testing.assert_close(out, expected(inputs(k, n), w))
+            s = stats(ex)
+            assert (s.warmups, s.captures, s.replays, s.live_graphs) == (2, 2, 2, 2)
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_a_held_output_is_not_overwritten_by_later_replays(backend: str) -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=3)
+        w = torch.full((4,), 2.0)
+        ex = make_executor(diamond_program(w), gpu, cuda_graph_warmup=0)
+        async with running(ex, gpu):
+            held = await ex.execute(inputs(0))  # the capture's result
+            for k in range(1, 4):
+                await ex.execute(inputs(k))  # replays of the same frame's graph
+            torch.testing.assert_close(held, expected(inputs(0), w))
+            assert stats(ex).replays == 3
+
+    run(body, backend)
+
+
+@pytest.mark.timeout(60)
+def test_without_the_clone_a_later_replay_overwrites_a_held_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fake's replays write the same static outputs: handing them out uncloned is caught."""
+    monkeypatch.setattr(cuda_graphs, "_clone", lambda value: value)
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=3)
+        w = torch.full((4,), 2.0)
+        ex = make_executor(diamond_program(w), gpu, cuda_graph_warmup=0)
+        async with running(ex, gpu):
+            held = await ex.execute(inputs(0))
+            await ex.execute(inputs(1))
+            assert torch.equal(held, expected(inputs(1), w))  # overwritten
+
+    run(body, "asyncio")
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_concurrent_executions_on_different_frames_each_capture_their_own(backend: str) -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=4)
+        cuda = CaptureBackend(gpu)
+        w = torch.full((4,), 0.5)
+        ex = make_executor(
+            diamond_program(w), gpu, cuda, cuda_graph_warmup=1, max_concurrent_executions=2
+        )
+        results: dict[int, torch.Tensor] = {}
+
+        async def call(k: int) -> None:
+            results[k] = await ex.execute(inputs(k))
+
+        try:
+            for rnd in range(3):  # the GPU paused while both enqueue: two frames in use
+                async with anyio.create_task_group() as group:
+                    for k in (2 * rnd, 2 * rnd + 1):
+                        group.start_soon(call, k)
+                    await until(lambda: ex.statistics().frames.in_use == 2, "two frames")
+                    async with gpu_running(gpu):
+                        await until(lambda: ex.statistics().frames.in_use == 0, "done")
+        finally:
+            async with gpu_running(gpu):
+                await ex.aclose()
+        for k, out in results.items():
+            torch.testing.assert_close(out, expected(inputs(k), w))
+        s = stats(ex)
+        assert (s.warmups, s.captures, s.replays) == (2, 2, 2)
+        assert len(cuda.graphs) == len(cuda.pools) == 2  # a graph and a pool per frame
+        assert {id(p.allocations[0]) for p in cuda.pools} != 1
+        assert gpu.errors == []
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_swap_weights_recaptures_and_results_use_the_new_weights(backend: str) -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=5)
+        cuda = CaptureBackend(gpu)
+        old, new = torch.full((4,), 2.0), torch.tensor([-1.0, 0.0, 1.0, 4.0])
+        ex = make_executor(diamond_program(old), gpu, cuda, cuda_graph_warmup=1)
+        async with running(ex, gpu):
+            for k in range(3):
+                await ex.execute(inputs(k))
+            assert stats(ex).captures == 1
+            ex.swap_weights({"w": new})
+            for k in range(3):  # at once: a capture for the new version, then replays
+                torch.testing.assert_close(await ex.execute(inputs(k)), expected(inputs(k), new))
+            s = stats(ex)
+            assert (s.captures, s.recaptures, s.replays, s.live_graphs) == (2, 1, 3, 1)
+            assert cuda.graphs[0].freed and not cuda.graphs[1].freed
+
+    run(body, backend)
+
+
+def syncing_graph() -> Graph:
+    b = GraphBuilder()
+    x = b.input("x")
+    y = b.call(aten.relu.default, x, name="gpu_relu")
+    b.output(b.call(aten.clone.default, y, name="gpu_sync_check"))  # reads a GPU value inside
+    return b.build()
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_a_capture_that_fails_falls_back_with_the_reason(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=6)
+        cuda = CaptureBackend(gpu)
+        ex = make_executor(syncing_graph(), gpu, cuda, cuda_graph_warmup=1)
+        assert ex.cuda_graph_plan is not None and ex.cuda_graph_plan.capturable
+        async with running(ex, gpu):
+            for k in range(4):
+                torch.testing.assert_close(await ex.execute(inputs(k)), torch.relu(inputs(k)))
+            s = stats(ex)
+            assert (s.warmups, s.captures, s.failures, s.fallbacks, s.replays) == (1, 0, 1, 2, 0)
+            (reason,) = s.failed
+            assert "operation not permitted when stream is capturing" in reason
+            assert "gpu_sync_check" in reason and "aten.clone.default" in reason
+            (graph,) = cuda.graphs  # one attempt only: the signature is now uncapturable
+            assert graph.freed and not graph.captured
+            assert gpu.capture is None  # the capture was closed
+        assert gpu.errors == []
+
+    with caplog.at_level(logging.WARNING, logger="asyncgraph.cuda.graphs"):
+        run(body, backend)
+    warnings = [r for r in caplog.records if "capture failed" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_cancellation_during_a_replay_returns_the_frame_only_after_the_gpu(backend: str) -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=7)
+        w = torch.full((4,), 2.0)
+        ex = make_executor(diamond_program(w), gpu, cuda_graph_warmup=0,
+                           max_concurrent_executions=1)
+        cancelled: list[bool] = []
+        second: list[torch.Tensor] = []
+        try:
+            async with gpu_running(gpu):
+                await ex.execute(inputs(0))  # captured
+            async with anyio.create_task_group() as group:
+                scope = anyio.CancelScope()
+
+                async def first() -> None:
+                    with scope:
+                        await ex.execute(inputs(1))
+                    cancelled.append(scope.cancelled_caught)
+
+                async def later() -> None:
+                    second.append(await ex.execute(inputs(2)))
+
+                group.start_soon(first)
+                await until(lambda: ex.statistics().frames.in_use == 1, "replay enqueued")
+                await settle()
+                assert any(op[0] == "kernel" and op[1][0] == "replay"
+                           for s in gpu.streams for op in s.queue)
+                scope.cancel()
+                await settle()
+                assert not cancelled  # finish() absorbs it until the GPU is done
+                group.start_soon(later)
+                await settle()
+                assert ex.statistics().frames.waiters == 1  # the frame is not handed on
+                async with gpu_running(gpu):
+                    await until(lambda: bool(second), "the second execution")
+        finally:
+            async with gpu_running(gpu):
+                await ex.aclose()
+        assert cancelled == [True]
+        torch.testing.assert_close(second[0], expected(inputs(2), w))
+        assert ex.statistics().cancelled == 1 and stats(ex).replays == 2
+        assert ex.cuda_runtime is not None and ex.cuda_runtime.pool.in_use == 0
+        assert gpu.errors == []
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_the_least_recently_used_signature_is_evicted_past_the_cap(backend: str) -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=8)
+        cuda = CaptureBackend(gpu)
+        ex = make_executor(diamond_program(torch.tensor(2.0)), gpu, cuda, cuda_graph_warmup=0)
+        async with running(ex, gpu):
+            for n in range(1, cuda_graphs.MAX_CAPTURES + 2):
+                await ex.execute(inputs(0, n))
+            s = stats(ex)
+            assert (s.captures, s.evictions, s.live_graphs) == (9, 1, 8)
+            assert cuda.graphs[0].freed and not any(g.freed for g in cuda.graphs[1:])
+            await ex.execute(inputs(0, 1))  # evicted: captured again (warm-up 0)
+            assert stats(ex).captures == 10
+        assert all(g.freed for g in cuda.graphs)
+
+    run(body, backend)
+
+
+# -- the fake's own rules -------------------------------------------------------------------------
+
+
+def test_the_fake_refuses_what_cuda_refuses_while_capturing() -> None:
+    gpu = CaptureGpu()
+    cuda = CaptureBackend(gpu)
+    origin, side = cuda.new_stream(0), cuda.new_stream(0)
+    outside = cuda.new_event()
+    outside.record(side)
+    kernel = fake_kernel(gpu, torch.relu, "gpu_relu")
+    x = torch.ones(2)
+
+    def attempt(body: Callable[[CaptureEvent], None]) -> None:
+        with cuda.capture(cuda.new_graph(), cuda.graph_pool(), origin):
+            fork = cuda.new_event()
+            fork.record(origin)
+            body(fork)
+
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        attempt(lambda fork: outside.query())
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        attempt(lambda fork: gpu.host_read("item"))
+
+    def unforked(fork: CaptureEvent) -> None:
+        token = cuda.enter_stream(side)
+        try:
+            kernel(x)
+        finally:
+            cuda.leave_stream(token)
+
+    with pytest.raises(RuntimeError, match="did not join the capture"):
+        attempt(unforked)
+
+    def unjoined(fork: CaptureEvent) -> None:
+        side.wait_event(fork)
+        unforked(fork)
+
+    with pytest.raises(RuntimeError, match="unjoined"):
+        attempt(unjoined)
+    with pytest.raises(RuntimeError, match="from outside the capture"):
+        attempt(lambda fork: origin.wait_event(outside))
+    assert gpu.capture is None and gpu.current is None
+
+
+# =============================================================================================
+# 3. Real GPU
+# =============================================================================================
+
+
+class SmallModel(torch.nn.Module):
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.left = torch.nn.Linear(dim, dim)
+        self.right = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.left(x)) + torch.sigmoid(self.right(x))
+
+
+@needs_gpu
+@pytest.mark.timeout(300)
+async def test_gpu_captured_exported_model_matches_eager(
+    leak_check: LeakChecker,
+) -> None:
+    torch.manual_seed(0)
+    model = SmallModel().cuda().eval()
+    ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
+    async with Executor(ep, ExecutorConfig(cuda_graph_warmup=2)) as ex:
+        assert ex.cuda_graph_plan is not None and ex.cuda_graph_plan.capturable, (
+            ex.cuda_graph_plan
+        )
+        xs = [torch.randn(16, 64, device="cuda") for _ in range(6)]
+        outs = [await ex.execute(x) for x in xs]
+        with torch.no_grad():
+            for out, x in zip(outs, xs, strict=True):
+                torch.testing.assert_close(out, model(x))
+        s = stats(ex)
+        assert (s.warmups, s.captures, s.replays) == (2, 1, 3)
+
+
+@needs_gpu
+@pytest.mark.timeout(300)
+async def test_gpu_a_held_output_survives_later_replays(
+    leak_check: LeakChecker,
+) -> None:
+    torch.manual_seed(0)
+    model = SmallModel().cuda().eval()
+    ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
+    async with Executor(ep, ExecutorConfig(cuda_graph_warmup=0)) as ex:
+        x0 = torch.randn(16, 64, device="cuda")
+        held = await ex.execute(x0)
+        snapshot = held.clone()
+        for _ in range(5):
+            await ex.execute(torch.randn(16, 64, device="cuda"))
+        torch.cuda.synchronize()
+        assert torch.equal(held, snapshot)
+        assert stats(ex).replays == 5
+
+
+def test_real_gpu_tests_skip_without_cuda_with_a_reason() -> None:
+    marker = needs_gpu.mark
+    assert marker.name == "skipif" and marker.args[0] is (not CUDA)
+    assert "CUDA" in marker.kwargs["reason"]
+
