@@ -67,6 +67,7 @@ class AOTIDelegate:
         cost: int = 0, *, constants: Sequence[str] | None = None,
         baked: Sequence[Any] | None = None, new_loader: Callable[[], Any] | None = None,
         weight_names: Sequence[str] | None = None, frozen: bool = False,
+        call: str = "binding",
     ) -> None:
         self.__name__ = name
         self.__qualname__ = name
@@ -79,6 +80,7 @@ class AOTIDelegate:
         self._fqns = tuple(names[i] for i in self._constant)
         self._new_loader = new_loader
         self.frozen = frozen  # weights packed at compile time: no buffer update reaches them
+        self._call = call  # how the containers are called, as loading decided (statistics)
         # the weight name of each constant input: prepare_weights finds its tensor by it
         self._weight_names = (tuple(weight_names[i] for i in self._constant)
                               if weight_names is not None else None)
@@ -248,7 +250,14 @@ class AOTIDelegate:
         """Calls so far, the nodes this segment replaces, its containers and buffer loads."""
         return {"name": self.__name__, "calls": self.calls, "nodes": len(self.node_names),
                 "constants": len(self._constant), "containers": len(self._containers),
-                "loads": self.loads, "frozen": self.frozen}
+                "loads": self.loads, "frozen": self.frozen, "call": self.call}
+
+    @property
+    def call(self) -> str:
+        """How the segment is called: "native" (its C entry point, GIL released), "native
+        (unchecked)" before the first call has been compared with the binding, or "binding
+        (why)" (torch's AOTIModelPackageLoader, which holds the GIL)."""
+        return str(getattr(self._containers[0].loader, "kind", self._call))
 
     def __repr__(self) -> str:
         return f"<AOTIDelegate {self.__name__}: {len(self.node_names)} nodes>"

@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import warnings
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -40,6 +40,13 @@ import torch
 from torch.export import ExportedProgram
 
 from asyncgraph.compiled.delegate import AOTIDelegate
+from asyncgraph.compiled.native_call import (
+    CALL_ENV,
+    CheckedContainer,
+    NativeModel,
+    NativeUnavailable,
+    native_calls_enabled,
+)
 from asyncgraph.compiled.segments import Segment, _segment
 from asyncgraph.errors import ProgramLoadError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
@@ -269,11 +276,8 @@ def _delegate_nodes(
     graph: Graph, record: SegmentRecord, segment: Segment, values: list[Value], package: str,
     runners: int, weights: Mapping[int, tuple[str, Any]],
 ) -> list[Node]:
-    def new_loader() -> Any:
-        return torch._C._aoti.AOTIModelPackageLoader(package, record.name, False, runners, -1)
-
     try:
-        loader = new_loader()
+        loader, new_loader, call = segment_containers(package, record.name, runners)
     except Exception as exc:
         raise ProgramLoadError(f"{package}: cannot load {record.name}: {exc}") from exc
     constants = record.constants or ("",) * len(record.inputs)
@@ -289,7 +293,7 @@ def _delegate_nodes(
     delegate = AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost,
                             constants=constants, baked=[t for _, t in named],
                             new_loader=new_loader, weight_names=[n for n, _ in named],
-                            frozen=record.frozen)
+                            frozen=record.frozen, call=call)
     result = len(values)
     values.append(Value(result, record.name))
     first = segment.nodes(graph)[0]
@@ -300,3 +304,34 @@ def _delegate_nodes(
         nodes.append(Node(producer.index, producer.name, operator.getitem, (Ref(result), k), {},
                           vid))
     return nodes
+
+
+def segment_containers(
+    package: str, segment: str, runners: int
+) -> tuple[Any, Callable[[], Any], str]:
+    """The first container of a segment, a maker of more, and how they are called: through
+    the model's C entry points with the GIL released (native_call.py), the first call checked
+    against torch's binding; or through the binding (AOTIModelPackageLoader, which holds the
+    GIL while the model runs) where the C path is unavailable or ASYNCGRAPH_AOTI_CALL=binding."""
+
+    def binding() -> Any:
+        return torch._C._aoti.AOTIModelPackageLoader(package, segment, False, runners, -1)
+
+    if not native_calls_enabled():
+        return binding(), binding, f"binding ({CALL_ENV}=binding)"
+    try:
+        model = NativeModel.load(package, segment)
+        native = model.container(runners)
+    except NativeUnavailable as exc:
+        return binding(), binding, f"binding ({exc})"
+    mismatched: list[str] = []
+
+    def container() -> Any:
+        if mismatched:
+            return binding()
+        if first.kind == "native":
+            return model.container(runners)
+        return CheckedContainer(model.container(runners), binding(), mismatched.append)
+
+    first = CheckedContainer(native, binding(), mismatched.append)
+    return first, container, "native"

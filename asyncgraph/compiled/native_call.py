@@ -1,0 +1,409 @@
+"""A GIL-free call into a compiled segment: the AOTInductor model's C entry points via ctypes.
+
+torch's binding (`torch._C._aoti.AOTIModelPackageLoader.run`, torch 2.11-2.13) holds the GIL
+for the whole run of the model, so a segment on a worker thread stalls the event loop and
+every other worker. The model's .so exports a C ABI (torch/csrc/inductor/aoti_runtime/
+interface.h) that the binding itself calls: `AOTInductorModelContainerCreateWithDevice`,
+`...Run`, `...Delete`, the constant-buffer updates and `...RunConstantFolding`. A ctypes call
+releases the GIL for its duration, so calling `...Run` through ctypes runs the segment beside
+the loop and the other workers.
+
+What this layer does, and why each step is safe:
+
+* `NativeModel.load` extracts the segment's .so from the package and dlopens it (RTLD_LOCAL,
+  as torch's runner does). It refuses (NativeUnavailable: the caller falls back to the
+  binding) when a C entry point is missing, when the model is not a CPU model, or when the
+  segment has an extern-kernel .json (it would need torch's proxy executor, which has no C
+  constructor). The constants are inside the .so (our packages never store them apart).
+* `NativeContainer.run` turns the input tensors into new AtenTensorHandles
+  (`torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors`; `...Run` steals them) and the
+  output handles back into tensors (`alloc_tensors_by_stealing_from_void_ptrs`). The input
+  and output counts are checked here first: the C function checks them *outside* its
+  exception guard, so a wrong count would abort the process instead of returning an error.
+  A non-zero AOTIRuntimeError becomes SegmentCallError naming the segment (with
+  `AOTInductorGetLastError`'s message where the model has it, torch 2.13; torch 2.11 models
+  print the cause to stderr only).
+* `load_constants` (swap_weights) mirrors the binding's: a copy into the container's own
+  buffer with `...UpdateConstantBufferPairs` (torch 2.13 models). Models built by torch 2.11
+  have only the `std::unordered_map` form of that call, which ctypes cannot build, and the
+  user-managed form `...UpdateUserManagedConstantBufferPairs`, which references the caller's
+  tensors and never frees the handle it makes of each: so the container gets staging tensors
+  of its own once (one user-managed update per container lifetime), later swaps copy into
+  them, and when the container is deleted their bytes are freed (the leaked handles keep an
+  empty storage). Either way `...RunConstantFolding` then refolds what inductor derives from
+  the weights, inside the load (on the swapping thread), not in the next call. The AOTI
+  container takes its exclusive lock for that; the delegate never loads a container a call
+  runs on.
+
+`CheckedContainer` is the first container of a segment: its first call also runs torch's
+binding on the same inputs and compares the outputs exactly (the same code and constants must
+give the same bits); a mismatch switches the segment to the binding for good, and says why in
+the delegate's statistics. The check uses real inputs because only those are known to be
+valid for the segment (token ids in range, sizes in the compiled range).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import tempfile
+import threading
+import weakref
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncgraph.errors import AsyncGraphError
+
+# Set to "binding" to call every compiled segment through torch's binding (read at load).
+CALL_ENV = "ASYNCGRAPH_AOTI_CALL"
+
+_VOID_P = ctypes.c_void_p
+_SIZE_T = ctypes.c_size_t
+_ERR = ctypes.c_int32  # AOTIRuntimeError
+_SUCCESS = 0
+_ALIGNMENT = 64  # AOTI_CONST_ALIGNMENT: constants' data sizes are padded to it
+
+_REQUIRED: dict[str, list[Any]] = {
+    "AOTInductorModelContainerCreateWithDevice":
+        [ctypes.POINTER(_VOID_P), _SIZE_T, ctypes.c_char_p, ctypes.c_char_p],
+    "AOTInductorModelContainerDelete": [_VOID_P],
+    "AOTInductorModelContainerRun":
+        [_VOID_P, ctypes.POINTER(_VOID_P), _SIZE_T, ctypes.POINTER(_VOID_P), _SIZE_T, _VOID_P,
+         _VOID_P],
+    "AOTInductorModelContainerGetNumInputs": [_VOID_P, ctypes.POINTER(_SIZE_T)],
+    "AOTInductorModelContainerGetNumOutputs": [_VOID_P, ctypes.POINTER(_SIZE_T)],
+    "AOTInductorModelContainerGetNumConstants": [_VOID_P, ctypes.POINTER(_SIZE_T)],
+    "AOTInductorModelContainerGetConstantName":
+        [_VOID_P, _SIZE_T, ctypes.POINTER(ctypes.c_char_p)],
+    "AOTInductorModelContainerGetConstantOriginalFQN":
+        [_VOID_P, _SIZE_T, ctypes.POINTER(ctypes.c_char_p)],
+    "AOTInductorModelContainerGetConstantFromFolded":
+        [_VOID_P, _SIZE_T, ctypes.POINTER(ctypes.c_bool)],
+    "AOTInductorModelContainerGetConstantDataSize": [_VOID_P, _SIZE_T, ctypes.POINTER(_SIZE_T)],
+    "AOTInductorModelContainerRunConstantFolding": [_VOID_P, ctypes.c_bool, _VOID_P, _VOID_P],
+}
+_PAIRS = [_VOID_P, _VOID_P, _SIZE_T, ctypes.c_bool, ctypes.c_bool]  # entries passed as a pointer
+_COPY_UPDATE = "AOTInductorModelContainerUpdateConstantBufferPairs"  # torch 2.13 models
+_USER_MANAGED_UPDATE = "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs"
+_LAST_ERROR = "AOTInductorGetLastError"  # torch 2.13 models
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = _VOID_P
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_new_capsule = ctypes.pythonapi.PyCapsule_New
+_new_capsule.restype = ctypes.py_object
+_new_capsule.argtypes = [_VOID_P, ctypes.c_char_p, _VOID_P]
+
+
+class SegmentCallError(AsyncGraphError, RuntimeError):
+    """A compiled segment's C entry point returned an error code."""
+
+
+class NativeUnavailable(Exception):
+    """The segment's C entry points cannot be used here; the message says why."""
+
+
+class _Entry(ctypes.Structure):
+    """AOTInductorConstantMapEntry: a constant's name and an AtenTensorHandle."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("handle", _VOID_P)]
+
+
+def native_calls_enabled() -> bool:
+    """False when ASYNCGRAPH_AOTI_CALL=binding asks for torch's binding everywhere."""
+    return os.environ.get(CALL_ENV, "native").strip().lower() != "binding"
+
+
+def _handles(tensors: Sequence[Any]) -> list[int]:
+    """New AtenTensorHandles of `tensors` (each an owned at::Tensor*: steal or free it)."""
+    capsules = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(tensors))
+    return [_capsule_pointer(c, None) for c in capsules]
+
+
+def _steal(handles: Sequence[int]) -> list[torch.Tensor]:
+    """The tensors of owned AtenTensorHandles, which are freed."""
+    return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(
+        [_new_capsule(h, None, None) for h in handles])
+
+
+class NativeModel:
+    """One segment's AOTI model .so, dlopened once; it makes the containers."""
+
+    def __init__(self, name: str, library: ctypes.CDLL) -> None:
+        self.name = name
+        self._lib = library
+        for symbol, argtypes in _REQUIRED.items():
+            function = getattr(library, symbol)
+            function.argtypes, function.restype = argtypes, _ERR
+        self.copy_update = self._optional(_COPY_UPDATE, _PAIRS)
+        self.user_managed_update = self._optional(_USER_MANAGED_UPDATE, _PAIRS)
+        self._last_error = self._optional(_LAST_ERROR, [ctypes.POINTER(ctypes.c_char_p)])
+        if self.copy_update is None and self.user_managed_update is None:
+            raise NativeUnavailable(f"{name}: the model exports no constant-buffer update "
+                                    "that takes (name, tensor) pairs")
+
+    def _optional(self, symbol: str, argtypes: list[Any]) -> Any:
+        function = getattr(self._lib, symbol, None)
+        if function is not None:
+            function.argtypes, function.restype = argtypes, _ERR
+        return function
+
+    @classmethod
+    def load(cls, package: str | os.PathLike[str], segment: str) -> NativeModel:
+        """The model of `segment` in a compiled package, or NativeUnavailable."""
+        with zipfile.ZipFile(package) as archive:
+            members = [n for n in archive.namelist()
+                       if f"/data/aotinductor/{segment}/" in n and not n.endswith("/")]
+            libraries = [n for n in members if n.endswith(".so")]
+            if len(libraries) != 1:
+                raise NativeUnavailable(f"{segment}: {len(libraries)} .so files in the package")
+            for member in members:
+                if member.endswith("_metadata.json"):
+                    device = json.loads(archive.read(member)).get("AOTI_DEVICE_KEY", "cpu")
+                    if device != "cpu":
+                        raise NativeUnavailable(f"{segment}: a {device} model")
+                elif member.endswith(".json"):  # extern kernels: torch's proxy executor
+                    raise NativeUnavailable(f"{segment}: calls extern kernels ({member}), "
+                                            "which need torch's proxy executor")
+            with tempfile.TemporaryDirectory(prefix="asyncgraph-native-") as tmp:
+                path = Path(tmp) / f"{segment}.so"
+                path.write_bytes(archive.read(libraries[0]))
+                # mapped once opened: the file can go. A fresh path per load gives each load
+                # its own copy of the model's static state, as torch's loader does.
+                try:
+                    library = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+                except OSError as exc:
+                    raise NativeUnavailable(f"{segment}: cannot open its model: {exc}") from None
+        try:
+            return cls(segment, library)
+        except AttributeError as exc:  # a required symbol is missing
+            raise NativeUnavailable(f"{segment}: {exc}") from None
+
+    def container(self, runners: int = 1, *, update: str | None = None) -> NativeContainer:
+        """A new container that can run `runners` calls at once. `update` ("copy" or
+        "staging") picks how load_constants reaches it; by default copy where the model has
+        it (torch 2.13 models), else staging."""
+        return NativeContainer(self, runners, update or ("copy" if self.copy_update else
+                                                          "staging"))
+
+    def check(self, code: int, what: str) -> None:
+        """Raise SegmentCallError naming the segment for a non-zero AOTIRuntimeError."""
+        if code == _SUCCESS:
+            return
+        detail = "the model printed the cause to stderr"
+        if self._last_error is not None:
+            message = ctypes.c_char_p()
+            if self._last_error(ctypes.byref(message)) == _SUCCESS and message.value:
+                detail = message.value.decode(errors="replace")
+        raise SegmentCallError(f"{self.name}: {what} failed (AOTIRuntimeError {code}): {detail}")
+
+    def function(self, symbol: str) -> Any:
+        return getattr(self._lib, symbol)
+
+
+class NativeContainer:
+    """One AOTInductorModelContainer, called through ctypes with the GIL released.
+
+    It has the AOTIModelPackageLoader methods the delegate uses: run, load_constants,
+    get_constant_fqns. Deleted (its staging bytes freed) when it is garbage collected."""
+
+    kind = "native"
+
+    def __init__(self, model: NativeModel, runners: int, update: str) -> None:
+        if update not in ("copy", "staging"):
+            raise ValueError(f"update {update!r}: expected 'copy' or 'staging'")
+        if update == "copy" and model.copy_update is None:
+            raise NativeUnavailable(f"{model.name}: the model has no {_COPY_UPDATE}")
+        if update == "staging" and model.user_managed_update is None:
+            raise NativeUnavailable(f"{model.name}: the model has no {_USER_MANAGED_UPDATE}")
+        self.model = model
+        self.update = update
+        handle = _VOID_P()
+        model.check(model.function("AOTInductorModelContainerCreateWithDevice")(
+            ctypes.byref(handle), max(1, runners), b"cpu", None), "creating a container")
+        if not handle.value:
+            raise SegmentCallError(f"{model.name}: creating a container gave no container")
+        self._handle: int = handle.value
+        self._staging: dict[str, torch.Tensor] = {}
+        weakref.finalize(self, _delete, model, self._handle, self._staging)
+        self._run = model.function("AOTInductorModelContainerRun")
+        self.num_inputs = self._count("AOTInductorModelContainerGetNumInputs")
+        self.num_outputs = self._count("AOTInductorModelContainerGetNumOutputs")
+        self._constants = self._read_constants()  # fqn -> (name, data size in bytes)
+
+    def _count(self, symbol: str) -> int:
+        value = _SIZE_T()
+        self.model.check(self.model.function(symbol)(self._handle, ctypes.byref(value)), symbol)
+        return value.value
+
+    def _read_constants(self) -> dict[str, tuple[bytes, int]]:
+        found = {}
+        for i in range(self._count("AOTInductorModelContainerGetNumConstants")):
+            name, fqn = ctypes.c_char_p(), ctypes.c_char_p()
+            folded, size = ctypes.c_bool(), _SIZE_T()
+            for symbol, out in (("GetConstantName", name), ("GetConstantOriginalFQN", fqn),
+                                ("GetConstantFromFolded", folded),
+                                ("GetConstantDataSize", size)):
+                self.model.check(self.model.function("AOTInductorModelContainer" + symbol)(
+                    self._handle, i, ctypes.byref(out)), symbol)
+            if not folded.value and name.value is not None and fqn.value is not None:
+                found[fqn.value.decode()] = (name.value, size.value)
+        return found
+
+    def get_constant_fqns(self) -> list[str]:
+        """The weights the model takes as constants (what load_constants accepts)."""
+        return list(self._constants)
+
+    def run(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The model's outputs on `args`; the GIL is released while the model runs."""
+        if len(args) != self.num_inputs:  # checked by the C side outside its error guard
+            raise SegmentCallError(f"{self.model.name}: expected {self.num_inputs} inputs, got "
+                                   f"{len(args)}")
+        inputs = (_VOID_P * self.num_inputs)(*_handles(args))  # stolen by the call
+        outputs = (_VOID_P * self.num_outputs)()
+        code = self._run(self._handle, inputs, self.num_inputs, outputs, self.num_outputs,
+                         None, None)
+        made = [h for h in outputs if h]
+        if code != _SUCCESS:
+            _steal(made)  # none are made on failure; free any that were
+            self.model.check(code, "running the model")
+        return _steal(made)
+
+    def load_constants(self, tensors: Mapping[str, torch.Tensor], use_inactive: bool = False,
+                       check_full_update: bool = False) -> None:
+        """Load `tensors` (fqn -> CPU tensor) into the active constant buffer and refold; the
+        binding's load_constants(tensors, False, False). No call may run on the container."""
+        if use_inactive or check_full_update:
+            raise ValueError("the native container loads the active buffer only")
+        for fqn, value in tensors.items():
+            self._check_constant(fqn, value)
+        if self.update == "copy":
+            self._update(self.model.copy_update, tensors)
+        else:
+            self._load_staging(tensors)
+        self.model.check(self.model.function("AOTInductorModelContainerRunConstantFolding")(
+            self._handle, False, None, None), "folding the constants")
+
+    def _check_constant(self, fqn: str, value: torch.Tensor) -> None:
+        known = self._constants.get(fqn)
+        if known is None:
+            raise KeyError(f"{self.model.name}: no constant {fqn!r} (it has "
+                           f"{sorted(self._constants)})")
+        nbytes = value.numel() * value.element_size()
+        # the model's size is padded to its blob's alignment (AOTI_CONST_ALIGNMENT, 64 bytes)
+        if not 0 <= known[1] - nbytes < _ALIGNMENT or value.device.type != "cpu":
+            raise ValueError(f"{self.model.name}: constant {fqn} takes {known[1]} bytes "
+                             f"(padded to {_ALIGNMENT}) on the CPU, got {nbytes} on "
+                             f"{value.device} (shape {tuple(value.shape)}, {value.dtype})")
+
+    def _update(self, function: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+        """One (name, tensor) pairs update; the handles made for it are freed after."""
+        names = [self._constants[fqn][0] for fqn in tensors]
+        handles = _handles(list(tensors.values()))
+        try:
+            entries = (_Entry * len(names))(*(_Entry(n, h) for n, h in zip(names, handles,
+                                                                           strict=True)))
+            self.model.check(function(self._handle, ctypes.addressof(entries), len(names),
+                                      False, False), "updating the constants")
+        finally:
+            _steal(handles)
+
+    def _load_staging(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy into this container's staging tensors; a constant not staged yet gets its
+        tensor (a contiguous copy) and one user-managed update pointing the model at it."""
+        new = {}
+        for fqn, value in tensors.items():
+            staged = self._staging.get(fqn)
+            if staged is None:
+                new[fqn] = value.detach().clone(memory_format=torch.contiguous_format)
+            elif staged.shape != value.shape or staged.dtype != value.dtype:
+                raise ValueError(f"{self.model.name}: constant {fqn} is {tuple(staged.shape)} "
+                                 f"{staged.dtype}, got {tuple(value.shape)} {value.dtype}")
+            else:
+                staged.copy_(value)
+        if new:
+            self._update(self.model.user_managed_update, new)
+            self._staging.update(new)
+
+    def statistics(self) -> dict[str, Any]:
+        return {"kind": self.kind, "update": self.update, "inputs": self.num_inputs,
+                "outputs": self.num_outputs, "constants": len(self._constants),
+                "staged": len(self._staging)}
+
+
+def _delete(model: NativeModel, handle: int, staging: dict[str, torch.Tensor]) -> None:
+    """Delete a container; then free its staging bytes (the model leaks a handle of each)."""
+    model.function("AOTInductorModelContainerDelete")(handle)
+    for tensor in staging.values():
+        tensor.untyped_storage().resize_(0)
+    staging.clear()
+
+
+class CheckedContainer:
+    """A segment's first native container: its first call is compared with torch's binding
+    on the same inputs. `on_mismatch(reason)` is told when they differ; the calls then go to
+    the binding. Until the check, a swap loads both."""
+
+    def __init__(self, native: NativeContainer, reference: Any,
+                 on_mismatch: Callable[[str], None]) -> None:
+        self.native = native
+        self._reference: Any = reference
+        self._on_mismatch = on_mismatch
+        self._lock = threading.Lock()
+        self._checked = False
+        self.kind = "native (unchecked)"
+        # rebound to the chosen container's own methods once checked: no layer per call
+        self.run: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] = self._first_run
+        self.load_constants: Callable[..., None] = self._load_both
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.native.get_constant_fqns()
+
+    def _first_run(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with self._lock:
+            if not self._checked:
+                return self._check(args)
+        return self.run(args)
+
+    def _check(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        mine = self.native.run(args)
+        theirs: list[torch.Tensor] = self._reference.run(list(args))
+        reason = _difference(mine, theirs)
+        chosen: Any = self.native if reason is None else self._reference
+        self.run, self.load_constants = chosen.run, chosen.load_constants
+        self._checked = True
+        if reason is None:
+            self.kind = "native"
+            self._reference = None  # its container and copy of the model go
+            return mine
+        self.kind = f"binding ({reason})"
+        self._on_mismatch(reason)
+        return theirs
+
+    def _load_both(self, tensors: Mapping[str, torch.Tensor], *flags: bool) -> None:
+        with self._lock:
+            if not self._checked:
+                self._reference.load_constants(tensors, *flags)
+                self.native.load_constants(tensors, *flags)
+                return
+        self.load_constants(tensors, *flags)
+
+
+def _difference(mine: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor]) -> str | None:
+    """Why the native outputs differ from the binding's, or None when they are equal."""
+    if len(mine) != len(theirs):
+        return f"{len(mine)} outputs against the binding's {len(theirs)}"
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        if a.shape != b.shape or a.dtype != b.dtype or a.stride() != b.stride():
+            return (f"output {i} is {tuple(a.shape)} {a.dtype} strides {a.stride()}, the "
+                    f"binding's {tuple(b.shape)} {b.dtype} strides {b.stride()}")
+        if not torch.equal(a, b) and not (a.is_floating_point()
+                                          and torch.equal(a.isnan(), b.isnan())
+                                          and torch.equal(a.nan_to_num(), b.nan_to_num())):
+            return f"output {i} differs from the binding's"
+    return None
