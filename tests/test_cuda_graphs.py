@@ -276,6 +276,24 @@ def test_each_input_signature_warms_up_and_captures_on_its_own(backend: str) -> 
     run(body, backend)
 
 
+@pytest.mark.timeout(60)
+def test_executions_profiled_by_adaptive_placement_count_as_warm_up() -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=2)
+        w = torch.tensor(1.5)
+        ex = make_executor(
+            diamond_program(w), gpu, adaptive_placement=True, profile_executions=2,
+            cuda_graph_warmup=3,
+        )
+        async with running(ex, gpu):
+            for k in range(8):
+                torch.testing.assert_close(await ex.execute(inputs(k)), expected(inputs(k), w))
+            s = stats(ex)
+            assert (s.warmups, s.captures, s.replays, s.fallbacks) == (3, 1, 4, 0)
+
+    run(body, "asyncio")
+
+
 @backends
 @pytest.mark.timeout(60)
 def test_a_held_output_is_not_overwritten_by_later_replays(backend: str) -> None:
@@ -544,7 +562,7 @@ async def test_gpu_captured_exported_model_matches_eager(
     torch.manual_seed(0)
     model = SmallModel().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
-    async with Executor(ep, ExecutorConfig(cuda_graph_warmup=2)) as ex:
+    async with Executor(ep, ExecutorConfig(cuda_graph_warmup=2, adaptive_placement=False)) as ex:
         assert ex.cuda_graph_plan is not None and ex.cuda_graph_plan.capturable, (
             ex.cuda_graph_plan
         )
@@ -565,7 +583,7 @@ async def test_gpu_a_held_output_survives_later_replays(
     torch.manual_seed(0)
     model = SmallModel().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
-    async with Executor(ep, ExecutorConfig(cuda_graph_warmup=0)) as ex:
+    async with Executor(ep, ExecutorConfig(cuda_graph_warmup=0, adaptive_placement=False)) as ex:
         x0 = torch.randn(16, 64, device="cuda")
         held = await ex.execute(x0)
         snapshot = held.clone()
@@ -581,3 +599,44 @@ def test_real_gpu_tests_skip_without_cuda_with_a_reason() -> None:
     assert marker.name == "skipif" and marker.args[0] is (not CUDA)
     assert "CUDA" in marker.kwargs["reason"]
 
+
+
+# -- asyncgraph profile -------------------------------------------------------------------------
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_profile_says_whether_the_program_is_captured_and_why_not(backend: str) -> None:
+    import io
+
+    from rich.console import Console
+
+    from asyncgraph.cli.profile import render
+    from asyncgraph.tools.profile import collect
+
+    def host_reading_graph() -> Graph:
+        b = GraphBuilder()
+        g = b.call(aten.relu.default, b.input("x"), name="gpu_relu")
+        b.output(b.call(aten._local_scalar_dense.default, g, name="item_1"))
+        return b.build()
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=9)
+        lines = {}
+        for name, program in (("diamond", diamond_program()), ("item", host_reading_graph())):
+            ex = make_executor(program, gpu, trace=True)
+            async with running(ex, gpu):
+                metrics = await collect(ex, [inputs(0)], runs=2, warmup=1)
+            assert stats(ex).captures == 0  # traced executions run node by node
+            console = Console(file=io.StringIO(), width=200)
+            render(metrics, console, top=3)
+            lines[name] = metrics.cuda_graphs, console.file.getvalue()  # type: ignore[attr-defined]
+        assert lines["diamond"][0] == (
+            "captured as CUDA graphs (per input signature, after warm-up)"
+        )
+        assert "CUDA graphs: captured as CUDA graphs" in lines["diamond"][1]
+        reason = "node 'item_1' (aten._local_scalar_dense.default) reads a GPU value on the host"
+        assert lines["item"][0] == f"not captured: {reason}"
+        assert f"CUDA graphs: not captured: {reason}" in lines["item"][1]
+
+    run(body, backend)

@@ -50,6 +50,8 @@ def render(metrics: ProfileMetrics, console: Console, top: int) -> None:
         f"execution; wall - node time = {overhead:.1f} us "
         f"({overhead / max(1, metrics.total_nodes_count):.2f} us per node, tracing included)"
     )
+    if metrics.cuda_graphs is not None:
+        console.print(f"CUDA graphs: {metrics.cuda_graphs} (profiled executions run node by node)")
 
 
 def profile(

@@ -281,8 +281,9 @@ class CudaGraphStatistics:
     """What CUDA-graph capture did for one Executor.
 
     `warmups`: executions of a capturable program run on the stream path before their
-    signature's capture; `fallbacks`: executions that could have been captured but ran on the
-    stream path (an uncapturable signature, inputs without a signature, profiled executions);
+    signature's capture (and those adaptive placement profiles); `fallbacks`: executions that
+    could have been captured but ran on the stream path (a signature whose capture failed,
+    inputs without a signature);
     `recaptures`: captures dropped because the weights changed; `failures`: captures that
     raised (`failed` lists the reasons, one per signature).
     """
@@ -418,10 +419,14 @@ class FrameGraphs:
         """Run the loaded frame as a capture or a replay when its signature is ready."""
         owner = self._owner
         key = signature if signature is not None else _signature(flat)
-        if key is None or frame.times is not None or key in owner.failed:
+        if key is None or key in owner.failed:
             owner.fallbacks += 1
             return False
         state = self._state(key)
+        if frame.times is not None:  # profiled by adaptive placement: timed node by node
+            state.runs += 1  # on this frame's streams, it warms up as well
+            owner.warmups += 1
+            return False
         capture = state.capture
         if capture is not None:
             if capture.version == version:

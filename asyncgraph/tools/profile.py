@@ -12,6 +12,7 @@ Recording a span costs about a microsecond per node, which the wall time include
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections import defaultdict
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from asyncgraph.cuda.graphs import plan_capture
 from asyncgraph.kernels import KernelKind
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.tools.compare import random_flat_inputs
@@ -59,6 +61,10 @@ class ProfileMetrics:
     total_time_us: float  # summed node time per execution
     wall_time_us: float  # median time of `await execute_flat(...)`
     folded_nodes_count: int = 0  # run once per weights version, not per execution
+    # GPU programs: whether executions are captured as CUDA graphs, and if not, why (None
+    # without CUDA nodes). Decided for the program as configured without tracing: profiled
+    # (traced) executions themselves always run node by node.
+    cuda_graphs: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,4 +142,14 @@ def _metrics(ex: Executor, mean_us: list[float], runs: int, wall_s: float) -> Pr
         total_time_us=total,
         wall_time_us=wall_s * 1e6,
         folded_nodes_count=ex.statistics().folded_nodes,
+        cuda_graphs=cuda_graph_decision(ex),
     )
+
+
+def cuda_graph_decision(ex: Executor) -> str | None:
+    """Whether `ex`'s program is captured as CUDA graphs when not traced, and if not, why
+    (CapturePlan.describe); None for a program without CUDA nodes."""
+    if ex.stream_plan is None:
+        return None
+    untraced = dataclasses.replace(ex.config, trace=False)
+    return plan_capture(ex.graph, ex.plan, ex.stream_plan, ex.kernels, untraced).describe()
