@@ -7,14 +7,16 @@ warm-up, and every comparison a ratio of medians (peer / asyncgraph: above 1 mea
 asyncgraph is faster):
 
 1. One caller, per model (a small transformer encoder, a CNN, a wide MLP): asyncgraph
-   (`Executor.execute`, which returns once the GPU is done) vs eager (`model(x)` then a
-   stream synchronize) vs a CUDA-graph replay of eager (`torch.cuda.CUDAGraph`, input copied
-   into the static buffer) vs `torch.compile(mode="reduce-overhead")` (its compile time
-   printed).
+   (`Executor.execute`, which returns once the GPU is done) with its executions captured as
+   CUDA graphs (`cuda_graphs=True`, the default: replays after warm-up; the capture decision
+   is printed, with the reason when a model is not captured) and without them
+   (`cuda_graphs=False`: the stream path) vs eager (`model(x)` then a stream synchronize) vs a
+   CUDA-graph replay of eager (`torch.cuda.CUDAGraph`, input copied into the static buffer)
+   vs `torch.compile(mode="reduce-overhead")` (its compile time printed).
 2. `--callers` concurrent callers: asyncgraph (`asyncio.gather` of executes) vs eager on
    `asyncio.to_thread` (each call synchronizing its stream), as calls per second, and the
    event loop's lag p99 meanwhile (a 1 ms ticker's lateness).
-3. The wide MLP on 1 vs 4 CUDA streams (`ExecutorConfig.cuda_streams`).
+3. The wide MLP on 1 vs 4 CUDA streams (`ExecutorConfig.cuda_streams`), captured and not.
 
 Without CUDA it says it cannot run and exits 0: nothing was measured. docs/gpu.md says what
 has and has not been run on a GPU.
@@ -195,21 +197,36 @@ class LoopLag:
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
 
 
+def graphs_line(ex: Executor) -> str:
+    """The capture decision and what capture did (Executor.cuda_graph_statistics)."""
+    plan, stats = ex.cuda_graph_plan, ex.cuda_graph_statistics()
+    if plan is None or stats is None:
+        return "no CUDA nodes"
+    return (f"{plan.describe()}; captures {stats.captures}, replays {stats.replays}, "
+            f"failures {stats.failures} {list(stats.failed)}")
+
+
 async def one_caller(args: argparse.Namespace) -> None:
-    print("\n1. one caller: median ms (ratio = peer / asyncgraph)")
+    print("\n1. one caller: median ms (ratio = peer / asyncgraph captured)")
     for name, (model, x_cpu) in models().items():
         model = model.cuda().eval()
         x = x_cpu.cuda()
         ep = torch.export.export(model, (x,))
         async with Executor(ep, ExecutorConfig(cuda_streams=4)) as ex:
             ours = await timed(lambda ex=ex, x=x: ex.execute(x), args.iterations)
-        rows = [("asyncgraph", ours), ("eager", await timed(eager_call(model, x), args.iterations))]
+            captured = graphs_line(ex)
+        uncaptured_config = ExecutorConfig(cuda_streams=4, cuda_graphs=False)
+        async with Executor(ep, uncaptured_config) as ex:
+            uncaptured = await timed(lambda ex=ex, x=x: ex.execute(x), args.iterations)
+        rows = [("asyncgraph, CUDA graphs (default)", ours),
+                ("asyncgraph, cuda_graphs=False", uncaptured),
+                ("eager", await timed(eager_call(model, x), args.iterations))]
         rows.append(("cuda graph of eager", await timed(graph_call(model, x), args.iterations)))
         if not args.quick:
             call, compile_s = compiled_call(model, x)
             rows.append((f"torch.compile reduce-overhead (compile {compile_s:.1f} s)",
                          await timed(call, args.iterations)))
-        print(f"  {name}")
+        print(f"  {name}: {captured}")
         for label, ms in rows:
             print(f"    {label:<48} {ms:8.3f} ms   x{ms / ours:5.2f}")
 
@@ -250,17 +267,24 @@ async def many_callers(args: argparse.Namespace) -> None:
 
 
 async def streams(args: argparse.Namespace) -> None:
-    print("\n3. wide MLP, one caller: 1 vs 4 streams")
+    print("\n3. wide MLP, one caller: 1 vs 4 streams, captured and not")
     model, x_cpu = models()["wide-mlp"]
     model = model.cuda().eval()
     x = x_cpu.cuda()
     ep = torch.export.export(model, (x,))
     results = {}
-    for count in (1, 4):
-        async with Executor(ep, ExecutorConfig(cuda_streams=count)) as ex:
-            results[count] = await timed(lambda ex=ex: ex.execute(x), args.iterations)
-        print(f"  {count} stream(s): {results[count]:8.3f} ms")
-    print(f"  1 stream / 4 streams: x{results[1] / results[4]:5.2f}")
+    for graphs in (True, False):
+        for count in (1, 4):
+            config = ExecutorConfig(cuda_streams=count, cuda_graphs=graphs)
+            async with Executor(ep, config) as ex:
+                results[graphs, count] = await timed(lambda ex=ex: ex.execute(x), args.iterations)
+                line = graphs_line(ex)
+            label = "captured" if graphs else "cuda_graphs=False"
+            print(f"  {label:<18} {count} stream(s): {results[graphs, count]:8.3f} ms  ({line})")
+    for graphs in (True, False):
+        label = "captured" if graphs else "cuda_graphs=False"
+        print(f"  {label}: 1 stream / 4 streams: "
+              f"x{results[graphs, 1] / results[graphs, 4]:5.2f}")
 
 
 async def run(args: argparse.Namespace) -> None:

@@ -2,9 +2,11 @@
 
     python examples/gpu_check.py [--streams 4] [--iterations 50] [--concurrency 4]
 
-Two timings of the same exported model, each on 1 stream and on `--streams` streams:
+Three timings of the same exported model, each on 1 stream and on `--streams` streams:
 
-- the Executor (`ExecutorConfig(cuda_streams=...)`): what a caller gets, scheduler included;
+- the Executor (`ExecutorConfig(cuda_streams=...)`): what a caller gets, scheduler included,
+  with executions captured as CUDA graphs (the default; the capture decision is printed);
+- the Executor with `cuda_graphs=False`: the stream path, node by node;
 - the cuda layer alone (`asyncgraph.cuda.device.run_in_order`: the same begin / enqueue /
   host-wait / finish calls the scheduler makes, one node after another on the loop), which
   isolates what the streams buy from the scheduler's own overhead.
@@ -90,10 +92,13 @@ async def time_layer(
 
 
 async def time_executor(
-    ep: Any, x: torch.Tensor, streams: int, iterations: int, concurrency: int
+    ep: Any, x: torch.Tensor, streams: int, iterations: int, concurrency: int,
+    graphs: bool = True,
 ) -> tuple[float, float]:
     """The same two numbers as `time_layer`, through `Executor.execute`."""
-    config = ExecutorConfig(cuda_streams=streams, max_concurrent_executions=concurrency)
+    config = ExecutorConfig(
+        cuda_streams=streams, max_concurrent_executions=concurrency, cuda_graphs=graphs
+    )
     async with Executor(ep, config) as ex:
         for _ in range(5):
             await ex.execute(x)
@@ -105,7 +110,19 @@ async def time_executor(
         start = time.perf_counter()
         await asyncio.gather(*(ex.execute(x) for _ in range(concurrency * iterations)))
         throughput = concurrency * iterations / (time.perf_counter() - start)
+        if graphs and streams == 1:
+            plan, stats = ex.cuda_graph_plan, ex.cuda_graph_statistics()
+            if plan is not None and stats is not None:
+                print(f"CUDA graphs: {plan.describe()}; captures {stats.captures}, "
+                      f"replays {stats.replays}, failures {list(stats.failed)}")
     return statistics.median(latencies) * 1e3, throughput
+
+
+async def time_uncaptured(
+    ep: Any, x: torch.Tensor, streams: int, iterations: int, concurrency: int
+) -> tuple[float, float]:
+    """`time_executor` with `cuda_graphs=False`."""
+    return await time_executor(ep, x, streams, iterations, concurrency, graphs=False)
 
 
 async def timing(args: argparse.Namespace) -> None:
@@ -117,13 +134,15 @@ async def timing(args: argparse.Namespace) -> None:
         f"\nmodel: {args.width} branches x {args.depth} Linear({args.dim}) on "
         f"{torch.cuda.get_device_name()}, batch {args.batch}"
     )
-    print(f"{'path':>10} {'streams':>8} {'latency ms':>11} {f'exec/s x{args.concurrency}':>14}")
-    for name, timer in (("Executor", time_executor), ("cuda layer", time_layer)):
+    print(f"{'path':>20} {'streams':>8} {'latency ms':>11} {f'exec/s x{args.concurrency}':>14}")
+    timers = (("Executor", time_executor), ("Executor, no graphs", time_uncaptured),
+              ("cuda layer", time_layer))
+    for name, timer in timers:
         results = {}
         for streams in sorted({1, args.streams}):
             latency, throughput = await timer(ep, x, streams, args.iterations, args.concurrency)
             results[streams] = latency
-            print(f"{name:>10} {streams:>8} {latency:>11.3f} {throughput:>14.1f}")
+            print(f"{name:>20} {streams:>8} {latency:>11.3f} {throughput:>14.1f}")
         if args.streams != 1:
             ratio = results[1] / results[args.streams]
             print(f"{name}: latency on 1 stream / on {args.streams} streams: {ratio:.2f}x")
@@ -166,7 +185,7 @@ def gpu_tests_command(*extra: str) -> list[str]:
     return [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark",
         "--rootdir", str(ROOT), "tests/test_streams.py", "tests/test_gpu_executor.py",
-        "-rs", *extra,
+        "tests/test_cuda_graphs.py", "-rs", *extra,
     ]
 
 
