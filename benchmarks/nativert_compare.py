@@ -29,6 +29,11 @@ dimension; also with that graph's compiled segments, `compiled, batched`), again
 `runner.run` via `asyncio.to_thread` from 64
 tasks; requests per second.
 
+`--compare-binding` adds the compiled peers once more with their segments called through
+torch's binding (`AOTIModelPackageLoader.run`, which holds the GIL while the model runs)
+instead of their C entry points (asyncgraph/compiled/native_call.py), in the same rounds:
+the peers named `... via binding`.
+
 The harness of the main suite (benchmarks/harness.py) does the measuring: outputs compared with
 asyncgraph's first (a peer that disagrees is marked MISMATCH), rounds alternating in a new
 seeded random order each round, medians after warm-up, ratios of medians of the same run.
@@ -39,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import sys
 import time
 import warnings
@@ -80,6 +86,7 @@ FROZEN = "asyncgraph (compiled, frozen)"
 SEGMENTS_FORMAT = "w3"  # in the cache key: packages with weights as constants (not inputs)
 BATCHED = "asyncgraph (batched)"
 COMPILED_BATCHED = "asyncgraph (compiled, batched)"
+BINDING = " via binding"  # suffix of the --compare-binding peers: segments through torch's binding
 NATIVERT = "nativert"
 NATIVERT_THREAD = "nativert via to_thread"
 
@@ -202,6 +209,7 @@ class Options:
     compiled: bool = True
     nativert: bool = True
     cache: Path = CACHE
+    compare_binding: bool = False  # also the compiled peers called through torch's binding
 
 
 @dataclass
@@ -321,20 +329,24 @@ async def run(ctx: Context, options: Options | None = None) -> list[CaseResult]:
         built = build_compiled(work, options) if options.compiled else Built()
         runner = (nativert_runner(work.ep, options.cache / "nativert", work.key)
                   if options.nativert else None)
-        cases.append(await _latency_case(ctx, work, built, runner))
+        cases.append(await _latency_case(ctx, work, built, runner, options))
         if work.dynamic is not None:
-            cases.append(await _concurrent_case(ctx, work, built, runner))
+            cases.append(await _concurrent_case(ctx, work, built, runner, options))
     return cases
 
 
-async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any) -> CaseResult:
+async def _latency_case(
+    ctx: Context, work: Workload, built: Built, runner: Any, options: Options
+) -> CaseResult:
     x = work.x
     executors = [Executor(work.ep, ExecutorConfig())]
     peers = [asyncgraph_peer("asyncgraph", executors[0], [x], "plain graph, default config")]
-    compiled = _load_compiled(built, built.segments)
-    if compiled is not None:
-        executors.append(compiled)
-        peers.append(asyncgraph_peer(COMPILED, compiled, [x], "compile_program(ep, path, 'auto')"))
+    for binding in (False, True) if options.compare_binding else (False,):
+        compiled = _load_compiled(built, built.segments, binding=binding)
+        if compiled is not None:
+            executors.append(compiled)
+            peers.append(asyncgraph_peer(COMPILED + (BINDING if binding else ""), compiled, [x],
+                                         "compile_program(ep, path, 'auto')"))
     frozen = _load_compiled(built, built.frozen)
     if frozen is not None:
         executors.append(frozen)
@@ -355,7 +367,8 @@ async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any)
     case = CaseResult(NAME, f"{work.key} latency", f"{work.title}; one caller",
                       {"nodes": call_nodes(work.ep), **built.notes}, results)
     names = {p.name for p in results}
-    for peer in ("asyncgraph", COMPILED, FROZEN, "AOTInductor", "eager model(x)"):
+    for peer in ("asyncgraph", COMPILED, COMPILED + BINDING, FROZEN, "AOTInductor",
+                 "eager model(x)"):
         if peer in names and NATIVERT in names:
             case.metrics[f"{peer} / nativert"] = case.ratio(peer, NATIVERT)
     if work.targets and NATIVERT in names:
@@ -372,23 +385,36 @@ async def _latency_case(ctx: Context, work: Workload, built: Built, runner: Any)
 
 
 def _load_compiled(
-    built: Built, path: Path | None, config: ExecutorConfig | None = None
+    built: Built, path: Path | None, config: ExecutorConfig | None = None, *,
+    binding: bool = False,
 ) -> Executor | None:
     """The Executor of a compiled-segments package, or None with the load error kept in the
-    notes (a package asyncgraph refuses is a finding to report, not a reason to lose the run)."""
+    notes (a package asyncgraph refuses is a finding to report, not a reason to lose the run).
+    `binding`: its segments called through torch's binding (which holds the GIL) rather than
+    their C entry points."""
     if path is None:
         return None
+    from asyncgraph.compiled.native_call import CALL_ENV
+
+    before = os.environ.get(CALL_ENV)
     try:
+        if binding:
+            os.environ[CALL_ENV] = "binding"
         return asyncgraph.load(path, config, trust_compiled=True)
     except Exception as exc:
         built.notes[f"{path.name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(f"  {path.name}: not loaded: {built.notes[f'{path.name}_error']}",
               file=sys.stderr)
         return None
+    finally:
+        if before is None:
+            os.environ.pop(CALL_ENV, None)
+        else:
+            os.environ[CALL_ENV] = before
 
 
 async def _concurrent_case(
-    ctx: Context, work: Workload, built: Built, runner: Any
+    ctx: Context, work: Workload, built: Built, runner: Any, options: Options
 ) -> CaseResult:
     s = ctx.settings
     callers, per_caller = s.pick(64, 64, 4), s.pick(8, 4, 1)
@@ -402,16 +428,19 @@ async def _concurrent_case(
         asyncgraph_peer(BATCHED, batched, [x], f"dynamic batching, up to {MAX_BATCH} rows"),
     ]
     executors = [unbatched, batched]
-    for name, path in ((COMPILED, built.segments), (FROZEN, built.frozen)):
-        loaded = _load_compiled(built, path)
+    bindings = (False, True) if options.compare_binding else (False,)
+    for name, path, config, binding in (
+        *((COMPILED, built.segments, None, b) for b in bindings),
+        (FROZEN, built.frozen, None, False),
+        *((COMPILED_BATCHED, built.batched, batching, b) for b in bindings),
+    ):
+        loaded = _load_compiled(built, path, config, binding=binding)
         if loaded is not None:
             executors.append(loaded)
-            peers.append(asyncgraph_peer(name, loaded, [x], f"{name}, unbatched"))
-    compiled_batched = _load_compiled(built, built.batched, batching)
-    if compiled_batched is not None:
-        executors.append(compiled_batched)
-        peers.append(asyncgraph_peer(COMPILED_BATCHED, compiled_batched, [x],
-                                     f"compiled segments, dynamic batching, up to {MAX_BATCH}"))
+            what = (f"compiled segments, dynamic batching, up to {MAX_BATCH}"
+                    if config is batching else f"{name}, unbatched")
+            peers.append(asyncgraph_peer(name + (BINDING if binding else ""), loaded, [x],
+                                         what + (", torch's binding" if binding else "")))
     if runner is not None:
         run_native = runner.run
 
@@ -460,6 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true",
                         help="leave out AOTInductor and compiled segments")
     parser.add_argument("--cache", type=Path, default=CACHE, help="compiled packages' folder")
+    parser.add_argument("--compare-binding", action="store_true",
+                        help="also the compiled peers with their segments called through "
+                        "torch's binding (holds the GIL), in the same rounds")
     parser.add_argument("--json", action="store_true", help="JSON on stdout, progress on stderr")
     parser.add_argument("-o", "--output", type=Path, help="also write the JSON report here")
     args = parser.parse_args(argv)
@@ -476,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(size="quick" if args.quick else "full", rounds=args.rounds,
                         warmup=args.warmup)
     options = Options(graphs=tuple(args.graph or GRAPHS), compiled=not args.no_compile,
-                      cache=args.cache)
+                      cache=args.cache, compare_binding=args.compare_binding)
 
     def start_task(description: str, total: int) -> Callable[[], None]:
         print(f"{description}: {total} rounds", file=sys.stderr, flush=True)
