@@ -50,6 +50,7 @@ executions' work while one thread captures.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections import OrderedDict
@@ -494,7 +495,8 @@ class FrameGraphs:
                     self._record(values)
             except Exception as exc:
                 values[:] = loaded
-                graph.reset()
+                with contextlib.suppress(Exception):  # an invalidated capture has little to free
+                    graph.reset()
                 owner.mark_failed(key, _failure(exc))
                 return None
             outputs = {slot: values[slot] for slot in owner.capture_plan.produced_outputs}

@@ -13,6 +13,9 @@ A program with CUDA nodes (placement STREAM) also gets a StreamPlan and a CudaRu
 stream sets of all its executions); each frame owns the GPU state of its executions, and the
 scheduler enqueues CUDA nodes on their streams (docs/gpu.md). A program without CUDA nodes
 builds none of that and never touches torch.cuda, so CPU-only machines never initialise CUDA.
+A GPU program whose nodes can all be captured (`cuda_graph_plan`, asyncgraph/cuda/graphs.py)
+also gets capture state per frame: after warm-up, an execution is one CUDA-graph replay, the
+one branch before the dataflow in `_execute`.
 """
 
 from __future__ import annotations
