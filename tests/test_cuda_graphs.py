@@ -31,12 +31,13 @@ from cuda_graph_fake import (
     fake_kernel,
     with_parameters,
 )
-from test_streams import CUDA, needs_gpu
+from test_streams import CUDA, RecordingCuda, needs_gpu
 from test_trio import BACKENDS, run, settle, until
 from test_trio_gpu import gpu_running
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.cuda import graphs as cuda_graphs
+from asyncgraph.cuda.device import TorchCudaBackend
 from asyncgraph.cuda.graphs import CapturePlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, OutputKind, OutputSpec, Signature, TensorSpec
@@ -531,6 +532,55 @@ def test_the_fake_refuses_what_cuda_refuses_while_capturing() -> None:
     with pytest.raises(RuntimeError, match="from outside the capture"):
         attempt(lambda fork: origin.wait_event(outside))
     assert gpu.capture is None and gpu.current is None
+
+
+# -- the torch backend's capture, on a fake C layer ------------------------------------------------
+
+
+class RecordingGraph:
+    """torch.cuda.CUDAGraph's capture calls, logged with the stream current at each."""
+
+    def __init__(self, cuda: RecordingCuda, fail_end: bool = False) -> None:
+        self.cuda = cuda
+        self.fail_end = fail_end
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        self.cuda.log.append(("capture_begin", pool, capture_error_mode, self.cuda.current[0]))
+
+    def capture_end(self) -> None:
+        self.cuda.log.append(("capture_end", self.cuda.current[0]))
+        if self.fail_end:
+            raise RuntimeError("capture invalidated")
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_torch_backend_captures_on_the_stream_thread_locally_without_synchronizing(
+    fails: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """capture_begin/capture_end on the entered stream, thread-local mode, the stream restored;
+    never torch.cuda.graph (whose __enter__ synchronizes the device) or synchronize. A body
+    that raises still ends the capture, and its error (not capture_end's) propagates."""
+    for name in ("synchronize", "graph", "empty_cache"):
+        monkeypatch.setattr(
+            torch.cuda, name, lambda *a, _n=name, **k: pytest.fail(f"torch.cuda.{_n} called")
+        )
+    cuda = RecordingCuda()
+    backend = TorchCudaBackend(cuda.functions())
+    graph = RecordingGraph(cuda, fail_end=fails)
+    with contextlib.ExitStack() as stack:
+        if fails:
+            stack.enter_context(pytest.raises(ValueError, match="a sync inside"))
+        with backend.capture(graph, "pool-1", (7, 0, 1)):  # type: ignore[arg-type]
+            cuda.log.append(("body", cuda.current[0]))
+            if fails:
+                raise ValueError("a sync inside")
+    captured = [c for c in cuda.log if c[0] in ("capture_begin", "body", "capture_end")]
+    assert captured == [
+        ("capture_begin", "pool-1", "thread_local", (7, 0, 1)),
+        ("body", (7, 0, 1)),
+        ("capture_end", (7, 0, 1)),
+    ]
+    assert cuda.current[0] == (0, 0, 1)  # the previous stream is current again
 
 
 # =============================================================================================
