@@ -271,6 +271,31 @@ def test_each_input_signature_warms_up_and_captures_on_its_own(backend: str) -> 
     run(body, backend)
 
 
+@backends
+@pytest.mark.timeout(60)
+def test_a_size_read_by_a_meta_node_is_a_static_output_of_its_signature(backend: str) -> None:
+    """A META node (sym_size) runs on the host during the capture; its int is the capture's
+    value, right for every execution of the signature (the shape is part of it)."""
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=10)
+        b = GraphBuilder()
+        x = b.input("x")
+        size = b.call(aten.sym_size.int, x, 0, name="size")
+        b.output((b.call(aten.mul.Tensor, x, size, name="gpu_scale"), size))
+        ex = make_executor(b.build(), gpu, cuda_graph_warmup=0)
+        assert ex.stream_plan is not None and ex.stream_plan.roles[0].value == "meta"
+        async with running(ex, gpu):
+            for k in range(3):
+                for n in (2, 5):
+                    scaled, got = await ex.execute(inputs(k, n))
+                    assert got == n
+                    torch.testing.assert_close(scaled, inputs(k, n) * n)
+            assert (stats(ex).captures, stats(ex).replays) == (2, 4)
+
+    run(body, backend)
+
+
 @pytest.mark.timeout(60)
 def test_executions_profiled_by_adaptive_placement_count_as_warm_up() -> None:
     async def body() -> None:
