@@ -253,6 +253,29 @@ def test_warm_up_then_capture_then_replays_equal_the_uncaptured_path(backend: st
     run(body, backend)
 
 
+@pytest.mark.timeout(60)
+def test_an_input_that_requires_grad_leaves_the_static_buffers_out_of_autograd() -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=11)
+        cuda = CaptureBackend(gpu)
+        w = torch.full((4,), 2.0)
+        ex = make_executor(diamond_program(w), gpu, cuda, cuda_graph_warmup=0)
+        async with running(ex, gpu):
+            for k in range(3):
+                x = inputs(k).requires_grad_()
+                torch.testing.assert_close(await ex.execute(x), expected(inputs(k), w))
+            (frame,) = ex._pool._idle
+            assert frame.graphs is not None
+            (state,) = frame.graphs._states.values()
+            assert state.capture is not None
+            (static,) = state.capture.static_inputs  # no autograd node per copy
+            assert not static.requires_grad and static.grad_fn is None
+        (graph,) = cuda.graphs
+        assert stats(ex).replays == 2 and graph.replays == 3
+
+    run(body, "asyncio")
+
+
 @backends
 @pytest.mark.timeout(60)
 def test_each_input_signature_warms_up_and_captures_on_its_own(backend: str) -> None:

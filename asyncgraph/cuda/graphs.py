@@ -482,9 +482,7 @@ class FrameGraphs:
             token = backend.enter_stream(handle)
             try:  # static inputs: made and filled on the origin stream, outside the graph pool
                 static = [_empty_like(x) for x in flat]
-                for buffer, x in zip(static, flat, strict=True):
-                    if buffer is not None:
-                        buffer.copy_(x)
+                _copy_inputs(static, flat)
             finally:
                 backend.leave_stream(token)
             for slot, buffer, x in zip(owner.input_slots, static, flat, strict=True):
@@ -556,9 +554,7 @@ class FrameGraphs:
         try:
             token = backend.enter_stream(self._origin_handle())
             try:
-                for buffer, x in zip(capture.static_inputs, flat, strict=True):
-                    if buffer is not None:
-                        buffer.copy_(x)
+                _copy_inputs(capture.static_inputs, flat)
                 capture.graph.replay()
                 _clone_outputs(frame.values, capture.outputs)
             finally:
@@ -575,6 +571,15 @@ class FrameGraphs:
 
 def _empty_like(x: Any) -> Any:
     return torch.empty_like(x) if isinstance(x, torch.Tensor) else None
+
+
+def _copy_inputs(static: list[Any], flat: list[Any]) -> None:
+    """The caller's tensors into the static buffers (on the current stream), without autograd:
+    a copy from a tensor that requires grad must not make the buffer part of a graph."""
+    with torch.no_grad():
+        for buffer, x in zip(static, flat, strict=True):
+            if buffer is not None:
+                buffer.copy_(x)
 
 
 def _clone_outputs(values: list[Any], outputs: dict[int, Any]) -> None:
