@@ -180,29 +180,31 @@ async def per_execution() -> dict[str, float]:
         execute = await amedian_us(lambda: ex.execute(x), number=200)
         frame = pool.try_acquire()
         assert frame is not None
-        template = ex._weights_template()
+        try:  # released on every path: aclose waits for idle frames, so a leak would hang it
+            template = ex._weights_template()
 
-        def run() -> None:
-            frame.load(template, flat, 1, schedule)
-            if not sched.run_straight(frame):
-                raise RuntimeError("the one-node graph did not take the straight line")
+            def run() -> None:
+                frame.load(template, flat, 1, schedule)
+                if not sched.run_straight(frame):
+                    raise RuntimeError("the one-node graph did not take the straight line")
 
-        load = median_us(lambda: frame.load(template, flat, 1, schedule))
-        r = {
-            "execute": execute,
-            "direct": median_us(lambda: fn(x)),
-            "caller": median_us(lambda: _cancel_pending(ex._calling_task())),
-            "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
-            "check": median_us(lambda: ex._validator.check(flat)),
-            "bind": median_us(ex._bind_loop),
-            "choose": median_us(lambda: ex._adaptive.choose(flat, sched.loaded, signature)),
-            "schedule": median_us(lambda: ex._schedules.cached(placement, True)),
-            "load": load,
-            "run": await sliced_us(run) - load,
-            "outputs": median_us(lambda: ex._take_outputs(frame, flat)),
-            "clear": median_us(frame.clear),
-        }
-        pool.release(frame)
+            load = median_us(lambda: frame.load(template, flat, 1, schedule))
+            r = {
+                "execute": execute,
+                "direct": median_us(lambda: fn(x)),
+                "caller": median_us(lambda: _cancel_pending(ex._calling_task())),
+                "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
+                "check": median_us(lambda: ex._validator.check(flat)),
+                "bind": median_us(ex._bind_loop),
+                "choose": median_us(lambda: ex._adaptive.choose(flat, sched.loaded, signature)),
+                "schedule": median_us(lambda: ex._schedules.cached(placement, True)),
+                "load": load,
+                "run": await sliced_us(run) - load,
+                "outputs": median_us(lambda: ex._take_outputs(frame, flat)),
+                "clear": median_us(frame.clear),
+            }
+        finally:
+            pool.release(frame)
         r["acquire+release"] = median_us(acquire_release)
         r["coroutines"] = await amedian_us(two_coroutines, number=200)
         skip = {"execute", "direct", "clear"}  # clear is part of acquire+release
