@@ -888,6 +888,11 @@ def test_native_error_code_names_the_segment(compiled: Compiled) -> None:
     fqn = next(f for f in native.get_constant_fqns() if f.startswith("weight_"))
     with pytest.raises(ValueError, match=rf"aoti_segment_0: constant {fqn} takes \d+ bytes"):
         native.load_constants({fqn: torch.zeros(1000)}, False, False)
+    same_bytes = torch.zeros(_compiled_in(compiled.path("whole"))[fqn].numel() // 2,
+                             dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"aoti_segment_0: constant {fqn} has dtype code 6 "
+                                         r"\(c10::ScalarType\), got torch.float64"):
+        native.load_constants({fqn: same_bytes}, False, False)
     x = torch.randn(3, 8)
     assert len(native.run([x])) == native.num_outputs == 2  # still usable after the errors
 

@@ -85,6 +85,8 @@ _REQUIRED: dict[str, list[Any]] = {
     "AOTInductorModelContainerGetConstantFromFolded":
         [_VOID_P, _SIZE_T, ctypes.POINTER(ctypes.c_bool)],
     "AOTInductorModelContainerGetConstantDataSize": [_VOID_P, _SIZE_T, ctypes.POINTER(_SIZE_T)],
+    "AOTInductorModelContainerGetConstantDtype":
+        [_VOID_P, _SIZE_T, ctypes.POINTER(ctypes.c_int32)],
     "AOTInductorModelContainerRunConstantFolding": [_VOID_P, ctypes.c_bool, _VOID_P, _VOID_P],
 }
 _PAIRS = [_VOID_P, _VOID_P, _SIZE_T, ctypes.c_bool, ctypes.c_bool]  # entries passed as a pointer
@@ -119,20 +121,24 @@ def native_calls_enabled() -> bool:
     return os.environ.get(CALL_ENV, "native").strip().lower() != "binding"
 
 
+_new_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors  # capsules of at::Tensor*
+_steal_outputs = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+
+
 def _handles(tensors: Sequence[Any]) -> list[int]:
     """New AtenTensorHandles of `tensors` (each an owned at::Tensor*: steal or free it)."""
-    capsules = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(tensors))
-    return [_capsule_pointer(c, None) for c in capsules]
-
-
-_new_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
-_steal_outputs = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+    return [_capsule_pointer(c, None) for c in _new_handles(list(tensors))]
 
 
 def _steal(handles: Sequence[int]) -> list[torch.Tensor]:
     """The tensors of owned AtenTensorHandles, which are freed."""
-    return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(
-        [_new_capsule(h, None, None) for h in handles])
+    return _steal_outputs([_new_capsule(h, None, None) for h in handles])
+
+
+# c10::ScalarType codes, as GetConstantDtype gives them (aoti_torch_dtype_*)
+_DTYPE_CODES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+                torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.complex64: 9,
+                torch.complex128: 10, torch.bool: 11, torch.bfloat16: 15}
 
 
 class NativeModel:
@@ -252,25 +258,27 @@ class NativeContainer:
                            _SIZE_T(self.num_outputs))
         self._inputs = _VOID_P * self.num_inputs
         self._outputs = _VOID_P * self.num_outputs
-        self._constants = self._read_constants()  # fqn -> (name, data size in bytes)
+        self._constants = self._read_constants()
 
     def _count(self, symbol: str) -> int:
         value = _SIZE_T()
         self.model.check(self.model.function(symbol)(self._handle, ctypes.byref(value)), symbol)
         return value.value
 
-    def _read_constants(self) -> dict[str, tuple[bytes, int]]:
+    def _read_constants(self) -> dict[str, tuple[bytes, int, int]]:
+        """fqn -> (constant name, data size in bytes, dtype code) of the constants the model
+        takes (not those it folds from them)."""
         found = {}
         for i in range(self._count("AOTInductorModelContainerGetNumConstants")):
             name, fqn = ctypes.c_char_p(), ctypes.c_char_p()
-            folded, size = ctypes.c_bool(), _SIZE_T()
+            folded, size, dtype = ctypes.c_bool(), _SIZE_T(), ctypes.c_int32()
             for symbol, out in (("GetConstantName", name), ("GetConstantOriginalFQN", fqn),
                                 ("GetConstantFromFolded", folded),
-                                ("GetConstantDataSize", size)):
+                                ("GetConstantDataSize", size), ("GetConstantDtype", dtype)):
                 self.model.check(self.model.function("AOTInductorModelContainer" + symbol)(
                     self._handle, i, ctypes.byref(out)), symbol)
             if not folded.value and name.value is not None and fqn.value is not None:
-                found[fqn.value.decode()] = (name.value, size.value)
+                found[fqn.value.decode()] = (name.value, size.value, dtype.value)
         return found
 
     def get_constant_fqns(self) -> list[str]:
@@ -312,6 +320,10 @@ class NativeContainer:
             raise KeyError(f"{self.model.name}: no constant {fqn!r} (it has "
                            f"{sorted(self._constants)})")
         nbytes = value.numel() * value.element_size()
+        code = _DTYPE_CODES.get(value.dtype)
+        if code is not None and code != known[2]:
+            raise ValueError(f"{self.model.name}: constant {fqn} has dtype code {known[2]} "
+                             f"(c10::ScalarType), got {value.dtype} (code {code})")
         # the model's size is padded to its blob's alignment (AOTI_CONST_ALIGNMENT, 64 bytes)
         if not 0 <= known[1] - nbytes < _ALIGNMENT or value.device.type != "cpu":
             raise ValueError(f"{self.model.name}: constant {fqn} takes {known[1]} bytes "
