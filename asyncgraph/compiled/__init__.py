@@ -6,7 +6,9 @@ torch._inductor.aoti_compile_and_package and writes them, with the original prog
 .pt2 (package.py). `asyncgraph.load(path, trust_compiled=True)` imports the program as usual
 and replaces each run by one delegate node (delegate.py) that the scheduler runs like any
 kernel: on a worker thread, cancellable between segments, profiled and traced under its name
-(`aoti_segment_0`). The nodes outside the segments stay interpreted.
+(`aoti_segment_0`). The nodes outside the segments stay interpreted. A segment is called
+through its AOTI model's C entry point with the GIL released (native_call.py), so on a worker it
+runs beside the event loop; torch's binding, which holds the GIL, is the fallback.
 
 Weights are constants of the compiled segments, so inductor folds them (transposed weights
 are folded once, not transposed per call), and `swap_weights` reaches them with AOTInductor's

@@ -20,6 +20,10 @@ is never changed under a running call. With both busy on two other versions (a t
 arriving while two are still running) a call waits until one is free. Loading costs one copy
 of the segment's weights, once per swap per container, paid by the first call on the new
 version (on its worker thread).
+
+A container is a native one (native_call.NativeContainer: the model's C entry point, GIL
+released) or torch's AOTIModelPackageLoader; both have run, load_constants and
+get_constant_fqns, and package.py picks which.
 """
 
 from __future__ import annotations
