@@ -672,13 +672,18 @@ async def _conformance_row(case: Any, tmp_path: Path) -> str:
             torch.testing.assert_close(
                 actual, list(torch.utils._pytree.tree_leaves(expected)), rtol=1e-4, atol=1e-4
             )
+        # how each segment was called: the native call, or the binding and why; a native
+        # call that disagreed with the binding on its first call is a defect, not a fallback
+        calls = sorted({n.target.statistics()["call"] for n in ex.graph.nodes
+                        if n.name.startswith("aoti_segment_")})
+        assert not any("binding's" in c for c in calls), calls
     finally:
         await ex.aclose()
     left = f"; {len(report.failed)} segment(s) left interpreted" if report.failed else ""
     return (
         f"| {case.name} | yes: {report.nodes_compiled}/{report.nodes_total} nodes, "
-        f"{len(report.segments)} segment(s){left} | {seconds:.1f} s, "
-        f"{report.package_bytes / 1e6:.2f} MB |"
+        f"{len(report.segments)} segment(s){left}, called: {', '.join(calls)} | "
+        f"{seconds:.1f} s, {report.package_bytes / 1e6:.2f} MB |"
     )
 
 
@@ -1020,3 +1025,28 @@ async def test_the_binding_is_used_where_asked_or_where_the_c_path_is_missing(
                      "binding (aoti_segment_0: no C entry points)"]
     for result in results[1:]:
         assert torch.equal(result, results[0])
+
+
+def test_the_c_path_is_refused_where_it_cannot_run(compiled: Compiled, tmp_path: Path) -> None:
+    """Extern kernels (a .json beside the .so: torch's proxy executor, which has no C
+    constructor), a non-CPU model or no .so: NativeUnavailable says why (the loader then uses
+    the binding)."""
+    from asyncgraph.compiled.native_call import NativeModel, NativeUnavailable
+
+    source = compiled.path("auto")
+    folder = "model/data/aotinductor/aoti_segment_0/"
+    extern = _rewrite(source, tmp_path / "extern.pt2", lambda n, d: d,
+                      {folder + "wrapper.json": b"{}"})
+    with pytest.raises(NativeUnavailable, match=r"aoti_segment_0: calls extern kernels "
+                                                r"\(wrapper\.json\), which need torch's proxy"):
+        NativeModel.load(extern, "aoti_segment_0")
+
+    def on_cuda(name: str, data: bytes) -> bytes:
+        return b'{"AOTI_DEVICE_KEY": "cuda"}' if name.endswith("wrapper_metadata.json") else data
+
+    with pytest.raises(NativeUnavailable, match="aoti_segment_0: a cuda model"):
+        NativeModel.load(_rewrite(source, tmp_path / "cuda.pt2", on_cuda), "aoti_segment_0")
+    without = _rewrite(source, tmp_path / "noso.pt2",
+                       lambda n, d: None if n.endswith(".so") else d)
+    with pytest.raises(NativeUnavailable, match=r"aoti_segment_0: 0 \.so files"):
+        NativeModel.load(without, "aoti_segment_0")

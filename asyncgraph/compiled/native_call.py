@@ -178,8 +178,9 @@ class NativeModel:
                     if device != "cpu":
                         raise NativeUnavailable(f"{segment}: a {device} model")
                 elif member.endswith(".json"):  # extern kernels: torch's proxy executor
-                    raise NativeUnavailable(f"{segment}: calls extern kernels ({member}), "
-                                            "which need torch's proxy executor")
+                    raise NativeUnavailable(f"{segment}: calls extern kernels "
+                                            f"({Path(member).name}), which need torch's proxy "
+                                            "executor")
             with tempfile.TemporaryDirectory(prefix="asyncgraph-native-") as tmp:
                 path = Path(tmp) / f"{segment}.so"
                 path.write_bytes(archive.read(libraries[0]))
