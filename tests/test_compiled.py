@@ -650,9 +650,13 @@ async def _conformance_row(case: Any, tmp_path: Path) -> str:
     from tests.conformance.harness import flat_user_inputs
     from tests.conformance.models import export_case
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ep = export_case(case, decomposed=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = export_case(case, decomposed=False)
+    except Exception as exc:  # this torch's export refuses the model (torch 2.11: encoder)
+        first_line = str(exc).splitlines()[0][:160]
+        return f"| {case.name} | no | export: {type(exc).__name__}: {first_line} |"
     path = tmp_path / f"{case.name}.aoti.pt2"
     started = time.perf_counter()
     try:
