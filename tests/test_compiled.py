@@ -1054,3 +1054,32 @@ def test_the_c_path_is_refused_where_it_cannot_run(compiled: Compiled, tmp_path:
                        lambda n, d: None if n.endswith(".so") else d)
     with pytest.raises(NativeUnavailable, match=r"aoti_segment_0: 0 \.so files"):
         NativeModel.load(without, "aoti_segment_0")
+
+
+@pytest.mark.timeout(120)
+def test_native_calls_from_several_threads_at_once(compiled: Compiled) -> None:
+    """Four threads call one native container (two model instances: AOTI's own pool) at once
+    with the GIL released: every call gets the binding's result for its own input."""
+    from asyncgraph.compiled.native_call import NativeModel
+
+    path = compiled.path("auto")
+    native = NativeModel.load(path, "aoti_segment_0").container(runners=2)
+    binding = torch._C._aoti.AOTIModelPackageLoader(str(path), "aoti_segment_0", False, 1, -1)
+    inputs = [torch.randn(50 + i, 8) for i in range(8)]
+    expected = [binding.run([x]) for x in inputs]
+    wrong: list[int] = []
+
+    def caller(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(25):
+            i = rng.randrange(len(inputs))
+            if not all(torch.equal(a, b) for a, b in zip(native.run([inputs[i]]), expected[i],
+                                                         strict=True)):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=caller, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and wrong == []
