@@ -18,6 +18,10 @@ current stream per thread) with what capture requires of the host, as CUDA enfor
   inputs and weights, by address) and writing the SAME static output tensors, and enqueues one
   marker kernel on the current stream that the simulated GPU must run before the replay counts
   as done. A caller handed a static output would see it overwritten by the next replay.
+- With `track_writers=True`, kernels also check GPU order: each kernel needs the kernels that
+  wrote the tensors it reads (the last kernel, or replay, that wrote each one) to have run
+  before it; a violation is one of `gpu.errors`. Host-side copies (static inputs, clones) are
+  not kernels of the fake: `adopt` attributes a copy to the writer of its source.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import dataclasses
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,6 +58,7 @@ class FakeGraph:
     def __init__(self, gpu: CaptureGpu) -> None:
         self.gpu = gpu
         self.work: list[Callable[[], None]] = []
+        self.statics: list[torch.Tensor] = []  # the static outputs its work writes
         self.captured = False
         self.freed = False
         self.replays = 0
@@ -70,7 +76,10 @@ class FakeGraph:
             for work in self.work:
                 work()
         self.replays += 1
-        gpu.launch(("replay", id(self), self.replays), set(), stream)
+        marker = ("replay", id(self), self.replays)
+        gpu.launch(marker, set(), stream)
+        for static in self.statics:
+            gpu.wrote(static, marker)
 
     def reset(self) -> None:
         self.freed = True
@@ -97,10 +106,49 @@ class FakeCapture:
 class CaptureGpu(ThreadGpu):
     """ThreadGpu with one capture open at a time, on the thread that opened it."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, track_writers: bool = False) -> None:
         super().__init__(seed)
         self.capture: FakeCapture | None = None
         self.captures = 0
+        self.track_writers = track_writers
+        self._writers: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+
+    def wrote(self, value: Any, kernel: Any) -> None:
+        """`kernel` (a launched kernel's name) is the last writer of the tensors in `value`."""
+        if not self.track_writers:
+            return
+        if isinstance(value, torch.Tensor):
+            self._writers[id(value)] = (weakref.ref(value), kernel)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                self.wrote(item, kernel)
+
+    def writer(self, tensor: Any) -> Any:
+        """The last kernel that wrote `tensor`, or None (an input, a weight, untracked)."""
+        entry = self._writers.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        return entry[1]
+
+    def adopt(self, copy: Any, source: Any) -> None:
+        """A copy made on the stream right after `source`'s writer: the same writer."""
+        kernel = self.writer(source)
+        if kernel is not None and isinstance(copy, torch.Tensor):
+            self.wrote(copy, kernel)
+
+    def needs(self, args: Any) -> set[Any]:
+        """The writers of the tensors in `args` (nested lists and tuples)."""
+        if not self.track_writers:
+            return set()
+        out: set[Any] = set()
+        stack = list(args)
+        while stack:
+            item = stack.pop()
+            if isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, torch.Tensor) and (kernel := self.writer(item)) is not None:
+                out.add(kernel)
+        return out
 
     def capturing(self) -> FakeCapture | None:
         """The capture open on the calling thread, if any."""
@@ -234,14 +282,18 @@ def fake_kernel(
             gpu.host_read(name)
         capture = gpu.capturing()
         if capture is None:
-            gpu.launch(("k", name, next(ids)), set())
-            return fn(*args, **kwargs)
+            launched = ("k", name, next(ids))
+            gpu.launch(launched, gpu.needs((*args, *kwargs.values())))
+            result = fn(*args, **kwargs)
+            gpu.wrote(result, launched)
+            return result
         if stream not in capture.streams:
             raise RuntimeError(f"{name} launched on {stream!r}, which did not join the capture")
         capture.touch(stream)
         shape = fn(*args, **kwargs)  # for the output's shape and dtype only
         static = torch.full_like(shape, float("nan") if shape.is_floating_point() else -999)
         capture.pool.allocations.append(static)
+        capture.graph.statics.append(static)
 
         def work() -> None:
             static.copy_(fn(*args, **kwargs))

@@ -52,6 +52,8 @@ def render(metrics: ProfileMetrics, console: Console, top: int) -> None:
     )
     if metrics.cuda_graphs is not None:
         console.print(f"CUDA graphs: {metrics.cuda_graphs} (profiled executions run node by node)")
+    for line in metrics.cuda_graph_segments:
+        console.print(f"  {line}", markup=False)
 
 
 def profile(

@@ -9,8 +9,9 @@ What is captured (decided once per Executor, `plan_capture`, pure and tested on 
 program whose every node is CUDA, ALIAS or META (asyncgraph/cuda/streams.py), whose CUDA nodes
 are aten ops that neither sync the host nor have data-dependent shapes (`DENIED`), on one
 device, and which mutates no user input and no buffer. Otherwise `CapturePlan.reason` names the
-first node (or input, or setting) that prevents it. Whole executions only: the segments of
-CUDA nodes between host nodes are not captured.
+first node (or input, or setting) that prevents it. Such a program's runs of capturable nodes
+between host nodes are captured as *segments* instead (asyncgraph/cuda/segments.py,
+`FrameSegments` below).
 
 How (`FrameGraphs`, one per frame, per input signature, at most `MAX_CAPTURES` kept, least
 recently used evicted):
@@ -52,15 +53,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncgraph.cuda.device import CudaGraph, CudaRuntime, FrameStreams
+from asyncgraph.cuda.segments import Segment, SegmentPlan, plan_segments
 from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan, _aten_names
 from asyncgraph.graph.ir import Graph, OutputKind, TensorSpec, iter_refs
 from asyncgraph.kernels import KernelKind, OpKernel
@@ -167,6 +170,20 @@ def plan_capture(
     return CapturePlan(
         True, None, stream_plan.streams_used[0], _drops(graph), _produced_outputs(graph)
     )
+
+
+def segment_plan_for(
+    capture_plan: CapturePlan,
+    graph: Graph,
+    stream_plan: StreamPlan,
+    kernels: Sequence[OpKernel],
+    config: ExecutorConfig,
+) -> SegmentPlan:
+    """The segments of a program that is not wholly capturable (asyncgraph/cuda/segments.py);
+    none when it is: whole-execution capture stays its path."""
+    if capture_plan.capturable:
+        return SegmentPlan((), (), (), "the whole execution is captured")
+    return plan_segments(graph, stream_plan, kernels, config)
 
 
 def _blocker(
@@ -287,6 +304,13 @@ class CudaGraphStatistics:
     inputs without a signature);
     `recaptures`: captures dropped because the weights changed; `failures`: captures that
     raised (`failed` lists the reasons, one per signature).
+
+    Segments (programs that are not wholly captured, asyncgraph/cuda/segments.py):
+    `segments` planned; `segment_captures`, `segment_replays`, `segment_warmups` (segment
+    runs on the stream path before their signature's capture) and `segment_fallbacks`
+    (segment runs on the stream path after a failed capture, or while another segment of
+    the frame was capturing) count segment runs, not executions. `recaptures`, `evictions`,
+    `failures`, `live_graphs` and `failed` count both kinds.
     """
 
     capturable: bool
@@ -300,6 +324,11 @@ class CudaGraphStatistics:
     failures: int
     live_graphs: int
     failed: tuple[str, ...]
+    segments: int = 0
+    segment_captures: int = 0
+    segment_replays: int = 0
+    segment_warmups: int = 0
+    segment_fallbacks: int = 0
 
 
 class CudaGraphs:
@@ -308,9 +337,12 @@ class CudaGraphs:
 
     def __init__(
         self, capture_plan: CapturePlan, runtime: CudaRuntime, graph: Graph, plan: ExecutionPlan,
-        config: ExecutorConfig,
+        config: ExecutorConfig, segment_plan: SegmentPlan | None = None,
     ) -> None:
         self.capture_plan = capture_plan
+        self.segment_plan = segment_plan if segment_plan is not None else SegmentPlan((), ())
+        self.raw_calls = plan.calls  # node calls without the stream layer (for capture)
+        self.segment_failed: dict[tuple[int, Any], str] = {}
         self.runtime = runtime
         self.graph = graph
         self.value_ids = plan.outputs
@@ -318,15 +350,22 @@ class CudaGraphs:
         self.warmup = config.cuda_graph_warmup
         self.inference_mode = config.inference_mode
         self.failed: dict[Signature, str] = {}
-        self.frames: weakref.WeakSet[FrameGraphs] = weakref.WeakSet()
+        self.frames: weakref.WeakSet[FrameGraphs | FrameSegments] = weakref.WeakSet()
         self.captures = self.replays = self.warmups = self.fallbacks = 0
+        self.segment_captures = self.segment_replays = 0
+        self.segment_warmups = self.segment_fallbacks = 0
         self.recaptures = self.evictions = self.failures = 0
 
-    def frame_state(self, gpu: FrameStreams) -> FrameGraphs | None:
-        """A frame's state, or None when the program is not captured (its frames never look)."""
-        if not self.capture_plan.capturable:
+    def frame_state(self, gpu: FrameStreams) -> FrameGraphs | FrameSegments | None:
+        """A frame's state: its whole-execution captures, or its segments' when the program
+        is not wholly capturable; None when nothing is captured (its frames never look)."""
+        state: FrameGraphs | FrameSegments
+        if self.capture_plan.capturable:
+            state = FrameGraphs(self, gpu)
+        elif self.segment_plan.segments:
+            state = FrameSegments(self, gpu)
+        else:
             return None
-        state = FrameGraphs(self, gpu)
         self.frames.add(state)
         return state
 
@@ -336,6 +375,18 @@ class CudaGraphs:
         self.failed[key] = reason
         self.failures += 1
         logger.warning("CUDA graph capture failed; running uncaptured for %s: %s", key, reason)
+
+    def mark_segment_failed(self, index: int, key: Any, reason: str) -> None:
+        """Segment `index` is not captured again for its input signature `key` (any thread:
+        a dict store and counter increments, each atomic under the GIL)."""
+        if len(self.segment_failed) >= _MAX_FAILED:
+            self.segment_failed.clear()
+        self.segment_failed[(index, key)] = reason
+        self.failures += 1
+        logger.warning(
+            "CUDA graph capture of segment %d failed; running it uncaptured for %s: %s",
+            index, key, reason,
+        )
 
     def close(self) -> None:
         """Free every frame's graphs and pools (the Executor is closing; frames are idle)."""
@@ -354,7 +405,12 @@ class CudaGraphs:
             evictions=self.evictions,
             failures=self.failures,
             live_graphs=sum(s.live for s in list(self.frames)),
-            failed=tuple(dict.fromkeys(self.failed.values())),
+            failed=tuple(dict.fromkeys([*self.failed.values(), *self.segment_failed.values()])),
+            segments=len(self.segment_plan.segments),
+            segment_captures=self.segment_captures,
+            segment_replays=self.segment_replays,
+            segment_warmups=self.segment_warmups,
+            segment_fallbacks=self.segment_fallbacks,
         )
 
 
@@ -567,6 +623,327 @@ class FrameGraphs:
         assert stream_set is not None
         origin = stream_set.streams[self._owner.capture_plan.origin]  # type: ignore[index]
         return self._owner.runtime.backend.stream_handle(origin)
+
+
+# -- segments (issue #15) -------------------------------------------------------------------------
+
+
+class SegmentCapture:
+    """One captured segment: the graph, its pool, static inputs and outputs, weights version."""
+
+    __slots__ = ("graph", "outputs", "pool", "static_inputs", "version")
+
+    def __init__(
+        self, graph: CudaGraph, pool: Any, static_inputs: list[Any], outputs: dict[int, Any],
+        version: int,
+    ) -> None:
+        self.graph = graph
+        self.pool = pool
+        self.static_inputs = static_inputs  # per Segment.inputs: its static buffer, or None
+        self.outputs = outputs  # frame slot -> the static value a replay writes
+        self.version = version
+
+    def free(self) -> None:
+        self.graph.reset()
+        self.static_inputs = []
+        self.outputs = {}
+
+
+class FrameSegments:
+    """The segment captures of one frame (asyncgraph/cuda/segments.py), per segment and per
+    signature of the segment's own inputs.
+
+    A segment is one unit of the schedule; its call (`segment_call`) runs on the thread the
+    scheduler runs CUDA units on, inside the execution (`FrameStreams.begin` has leased the
+    stream set, `finish` awaits it), and never waits on the host:
+
+    - warm-up (the first `cuda_graph_warmup` runs of a signature), an uncapturable signature
+      or a capture already open on this frame: the segment's nodes on the stream path, in
+      order (`FrameStreams.run`: planned streams, waits, events).
+    - capture: the origin stream ordered after every stream of the set (and the host streams
+      when a node is fenced), static buffers for the inputs made and filled there, then the
+      nodes recorded on this frame's *private capture streams* (other units of the execution
+      may be enqueueing on the set's streams from other threads meanwhile: they must not be
+      captured), forked from and joined to the private origin, waiting inside only on events
+      recorded inside. Then one replay for this execution's result, as below.
+    - replay: the origin stream ordered after every stream of the set, inputs copied into the
+      static buffers, `replay()` on the set's origin stream, the outputs that leave the
+      segment cloned into the frame's slots, then every other stream of the set ordered after
+      the replay, the events nodes outside wait on recorded on the origin, and the clones
+      marked used on every other stream (`record_stream`), since a reader there may not be
+      ordered by the allocator otherwise.
+
+    `run` is the Executor's per-execution hook (as `FrameGraphs.run`): it keeps the weights
+    version the execution loaded and returns False (the execution takes the dataflow).
+    """
+
+    __slots__ = (
+        "__weakref__", "_after", "_capturing", "_gpu", "_handles", "_marks", "_owner",
+        "_private", "_states", "version",
+    )
+
+    def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
+        self._owner = owner
+        self._gpu = gpu
+        backend = owner.runtime.backend
+        self._states: list[OrderedDict[Any, _SegmentState]] = [
+            OrderedDict() for _ in owner.segment_plan.segments
+        ]
+        self._marks = {key: backend.new_event() for key in owner.runtime.plan.streams_used}
+        self._after = backend.new_event()
+        self._private: dict[StreamKey, Any] = {}  # capture streams, made on first capture
+        self._handles: dict[StreamKey, Any] = {}
+        self._capturing = threading.Lock()  # one capture at a time on this frame's streams
+        self.version = 0
+
+    @property
+    def live(self) -> int:
+        return sum(1 for states in self._states for s in states.values() if s.capture)
+
+    async def run(
+        self, frame: ExecutionFrame, flat: list[Any], signature: Signature | None, version: int
+    ) -> bool:
+        """Keep the execution's weights version for its segments; it takes the dataflow."""
+        self.version = version
+        return False
+
+    def segment_call(self, index: int) -> Callable[[list[Any]], None]:
+        """The frame's call for the schedule unit of segment `index`."""
+        run = self.run_segment
+
+        def run_captured_segment(values: list[Any]) -> None:
+            run(index, values)
+
+        return run_captured_segment
+
+    def close(self) -> None:
+        for states in self._states:
+            for state in states.values():
+                if state.capture is not None:
+                    state.capture.free()
+            states.clear()
+
+    def run_segment(self, index: int, values: list[Any]) -> None:
+        owner = self._owner
+        seg = owner.segment_plan.segments[index]
+        key = _segment_key(seg, values)
+        if key is None or (index, key) in owner.segment_failed:
+            owner.segment_fallbacks += 1
+            self._stream_path(seg, values)
+            return
+        state = self._state(index, key)
+        capture = state.capture
+        if capture is not None:
+            if capture.version == self.version:
+                owner.segment_replays += 1
+                self._launch(seg, capture, values)
+                return
+            capture.free()  # weights changed: capture again at once
+            state.capture = None
+            owner.recaptures += 1
+        elif state.runs < owner.warmup:
+            state.runs += 1
+            owner.segment_warmups += 1
+            self._stream_path(seg, values)
+            return
+        if not self._capturing.acquire(blocking=False):  # another segment of this execution
+            owner.segment_fallbacks += 1
+            self._stream_path(seg, values)
+            return
+        try:
+            state.capture = self._capture(index, seg, values, key)
+        finally:
+            self._capturing.release()
+        if state.capture is None:
+            self._stream_path(seg, values)
+
+    def _state(self, index: int, key: Any) -> _SegmentState:
+        states = self._states[index]
+        state = states.get(key)
+        if state is not None:
+            states.move_to_end(key)
+            return state
+        if len(states) >= MAX_CAPTURES:
+            _, evicted = states.popitem(last=False)
+            if evicted.capture is not None:
+                evicted.capture.free()
+                self._owner.evictions += 1
+        state = states[key] = _SegmentState()
+        return state
+
+    def _stream_path(self, seg: Segment, values: list[Any]) -> None:
+        """The segment's nodes in order on their planned streams (the uncaptured path)."""
+        ids = self._owner.value_ids
+        calls = self._gpu.calls
+        for position, node in enumerate(seg.nodes):
+            try:
+                values[ids[node]] = calls[node](values)
+            except BaseException as exc:
+                exc.asyncgraph_node = node  # type: ignore[attr-defined]  # Schedule.failed_node
+                raise
+            for value in seg.drops[position]:
+                values[value] = None
+
+    def _capture(
+        self, index: int, seg: Segment, values: list[Any], key: Any
+    ) -> SegmentCapture | None:
+        """Capture segment `seg` and replay it once for this execution; None when capture
+        raised (the signature is then marked uncapturable, the reason logged once)."""
+        owner = self._owner
+        backend = owner.runtime.backend
+        stream_set = self._gpu.stream_set
+        assert stream_set is not None
+        origin = stream_set.streams[seg.origin]
+        self._order_before(seg, origin)
+        token = backend.enter_stream(backend.stream_handle(origin))
+        try:  # static inputs: made and filled on the origin stream, outside the graph pool
+            weights = set(seg.weights)
+            static = [
+                None if v in weights else _empty_like(values[v]) for v in seg.inputs
+            ]
+            _copy_inputs(static, [values[v] for v in seg.inputs])
+        finally:
+            backend.leave_stream(token)
+        private = list(values)  # the frame's slots stay as they are for the other units
+        for slot, buffer in zip(seg.inputs, static, strict=True):
+            if buffer is not None:
+                private[slot] = buffer
+        graph, pool = backend.new_graph(), backend.graph_pool()
+        streams = self._capture_streams(seg)
+        try:
+            with backend.capture(graph, pool, self._handles[seg.origin]):
+                self._record(seg, private, streams)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                graph.reset()
+            owner.mark_segment_failed(index, key, _failure(exc))
+            return None
+        outputs = {slot: private[slot] for slot in seg.outputs}
+        capture = SegmentCapture(graph, pool, static, outputs, self.version)
+        owner.segment_captures += 1
+        self._launch(seg, capture, values)
+        return capture
+
+    def _capture_streams(self, seg: Segment) -> dict[StreamKey, Any]:
+        backend = self._owner.runtime.backend
+        for key in seg.streams:
+            if key not in self._private:
+                stream = self._private[key] = backend.new_stream(key[0])
+                self._handles[key] = backend.stream_handle(stream)
+        return self._private
+
+    def _record(self, seg: Segment, values: list[Any], streams: dict[StreamKey, Any]) -> None:
+        """The segment's nodes inside the capture, on the private streams: fork, nodes with
+        waits only on events recorded inside, join. Never queries or waits on an event."""
+        owner = self._owner
+        backend = owner.runtime.backend
+        plan = owner.runtime.plan
+        raw = owner.raw_calls
+        ids = owner.value_ids
+        origin = streams[seg.origin]
+        others = [streams[k] for k in seg.streams[1:]]
+        fork = backend.new_event()
+        fork.record(origin)
+        for stream in others:
+            stream.wait_event(fork)
+        waited = {s for sources in seg.sources for s in sources}
+        inner: dict[int, Any] = {}
+        names = owner.graph.nodes
+        for position, node in enumerate(seg.nodes):
+            try:
+                if plan.roles[node] is Role.CUDA:
+                    key = plan.key(node)
+                    stream = streams[key]
+                    for source in seg.sources[position]:
+                        stream.wait_event(inner[source])
+                    token = backend.enter_stream(self._handles[key])
+                    try:
+                        result = raw[node](values)
+                    finally:
+                        backend.leave_stream(token)
+                    if node in waited:
+                        event = inner[node] = backend.new_event()
+                        event.record(stream)
+                else:
+                    result = raw[node](values)  # ALIAS / META: on the host, no GPU data
+            except Exception as exc:
+                exc.add_note(
+                    f"while capturing node {names[node].name!r} ({names[node].target_name()})"
+                )
+                raise
+            values[ids[node]] = result
+            for value in seg.drops[position]:
+                values[value] = None
+        for stream in others:
+            join = backend.new_event()
+            join.record(stream)
+            origin.wait_event(join)
+
+    def _order_before(self, seg: Segment, origin: Any) -> None:
+        """The origin stream after everything enqueued on the set's other streams (the
+        segment's producers there), and after the host streams when a node is fenced."""
+        stream_set = self._gpu.stream_set
+        assert stream_set is not None
+        for key, stream in stream_set.streams.items():
+            if key != seg.origin:
+                mark = self._marks[key]
+                mark.record(stream)
+                origin.wait_event(mark)
+        plan = self._owner.runtime.plan
+        fenced = [n for n in seg.nodes if plan.fence[n]]
+        if fenced:
+            self._gpu.fence(fenced[0], origin)
+
+    def _launch(self, seg: Segment, capture: SegmentCapture, values: list[Any]) -> None:
+        """Inputs in, replay, outputs cloned out on the set's origin stream; then the rest of
+        the set and the host ordered after it (the class docstring)."""
+        backend = self._owner.runtime.backend
+        gpu = self._gpu
+        stream_set = gpu.stream_set
+        assert stream_set is not None
+        origin = stream_set.streams[seg.origin]
+        self._order_before(seg, origin)
+        token = backend.enter_stream(backend.stream_handle(origin))
+        try:
+            _copy_inputs(capture.static_inputs, [values[v] for v in seg.inputs])
+            capture.graph.replay()
+            _clone_outputs(values, capture.outputs)
+        finally:
+            backend.leave_stream(token)
+        after = self._after
+        after.record(origin)
+        for key, stream in stream_set.streams.items():
+            if key != seg.origin:
+                stream.wait_event(after)
+                for slot in seg.outputs:
+                    backend.record_stream(values[slot], stream)
+        for node in seg.events:
+            gpu.record_event(node, origin)
+
+
+class _SegmentState:
+    __slots__ = ("capture", "runs")
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.capture: SegmentCapture | None = None
+
+
+def _segment_key(seg: Segment, values: list[Any]) -> Any:
+    """The signature of a segment's inputs: shape, stride, dtype and device of each tensor,
+    the value of each other input (sizes from META nodes); None when one is unhashable."""
+    parts: list[Any] = []
+    for v in seg.inputs:
+        x = values[v]
+        if isinstance(x, torch.Tensor):
+            parts.append((tuple(x.shape), x.stride(), x.dtype, x.device))
+            continue
+        try:
+            hash(x)
+        except TypeError:
+            return None
+        parts.append((type(x), x))
+    return tuple(parts)
 
 
 def _empty_like(x: Any) -> Any:

@@ -38,7 +38,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from asyncgraph.cuda.device import Backend, CudaRuntime, move_inputs_to_device
-from asyncgraph.cuda.graphs import CapturePlan, CudaGraphs, CudaGraphStatistics, plan_capture
+from asyncgraph.cuda.graphs import (
+    CapturePlan,
+    CudaGraphs,
+    CudaGraphStatistics,
+    plan_capture,
+    segment_plan_for,
+)
+from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
 from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.importers import Program, ProgramLike, to_program
@@ -116,6 +123,8 @@ class Executor:
         self.cuda_runtime: CudaRuntime | None = None
         # Whether executions are captured as CUDA graphs, and why not (cuda/graphs.py).
         self.cuda_graph_plan: CapturePlan | None = None
+        # Otherwise, the segments captured and the nodes left out, with why (cuda/segments.py).
+        self.cuda_segment_plan: SegmentPlan | None = None
         self._cuda_graphs: CudaGraphs | None = None
         if Placement.STREAM in self.plan.placement:  # exactly when the program has CUDA nodes
             self.stream_plan = stream_plan_for(
@@ -130,8 +139,12 @@ class Executor:
             self.cuda_graph_plan = plan_capture(
                 self.graph, self.plan, self.stream_plan, self.kernels, self.config
             )
+            self.cuda_segment_plan = segment_plan_for(
+                self.cuda_graph_plan, self.graph, self.stream_plan, self.kernels, self.config
+            )
             self._cuda_graphs = CudaGraphs(
-                self.cuda_graph_plan, self.cuda_runtime, self.graph, self.plan, self.config
+                self.cuda_graph_plan, self.cuda_runtime, self.graph, self.plan, self.config,
+                self.cuda_segment_plan,
             )
         self._adaptive = (
             AdaptivePlacement(
@@ -152,6 +165,7 @@ class Executor:
             unfusable=runtime.needs_host_wait if runtime is not None else None,
             decided=self._adaptive.decision if self._adaptive is not None else None,
             stream_plan=self.stream_plan,  # CUDA nodes on one stream fuse (schedule.py)
+            segments=self.cuda_segment_plan,  # each segment one unit (cuda/segments.py)
         )
         # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
         self._fuse = not self.config.trace and self.config.ready_order_seed is None

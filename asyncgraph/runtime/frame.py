@@ -13,7 +13,9 @@ and the leased stream set), created once with the frame, and per-unit call and p
 tables for the loaded schedule in which CUDA units enqueue on their streams and CPU units that
 read GPU values are marked HOST_WAIT. The tables are built once per schedule and kept, so the
 scheduler's run loop is the same for CPU and GPU programs and tests nothing per unit. A frame
-of a program captured as CUDA graphs also owns its captures (`graphs`, cuda/graphs.py).
+of a program captured as CUDA graphs also owns its captures (`graphs`, cuda/graphs.py): whole
+executions (FrameGraphs), or, for a program that is not wholly capturable, its segments'
+(FrameSegments), whose schedule units the GPU tables map to the segment's call.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from asyncgraph.cuda.device import FrameStreams
-from asyncgraph.cuda.graphs import FrameGraphs
+from asyncgraph.cuda.graphs import FrameGraphs, FrameSegments
 from asyncgraph.runtime.backend import FutureLike, TaskLike
 from asyncgraph.runtime.placement import NodeTimes
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
@@ -53,7 +55,7 @@ class ExecutionFrame:
         plan: ExecutionPlan,
         frame_id: int,
         gpu: FrameStreams | None = None,
-        graphs: FrameGraphs | None = None,
+        graphs: FrameGraphs | FrameSegments | None = None,
     ) -> None:
         self.id = frame_id
         self.plan = plan
@@ -139,8 +141,13 @@ class ExecutionFrame:
         needs_wait = gpu.runtime.needs_host_wait
         calls = list(schedule.calls)
         where: list[int] = list(schedule.where)
+        segments = schedule.segments
         for unit, nodes in enumerate(schedule.nodes):
-            if schedule.where[unit] is Placement.STREAM:
+            if segments and segments[unit] >= 0:  # a segment: warm-up, capture or replay
+                graphs = self.graphs
+                assert isinstance(graphs, FrameSegments), "a segment unit without segment state"
+                calls[unit] = graphs.segment_call(segments[unit])
+            elif schedule.where[unit] is Placement.STREAM:
                 if len(nodes) == 1:
                     calls[unit] = gpu.calls[nodes[0]]
                 else:

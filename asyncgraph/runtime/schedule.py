@@ -18,8 +18,15 @@ inline, so a worker, task or stream node never waits for unrelated inline work, 
 `unfusable` (a CPU node reading GPU values, which the scheduler may have to start only once the
 GPU has written them: docs/gpu.md) is a unit of its own, and runs end before it.
 
+A *segment* (asyncgraph/cuda/segments.py: a convex group of capturable nodes of a GPU program
+that is not wholly capturable) is one unit of fused schedules, placed STREAM: its nodes run
+in the order of `SegmentPlan.order`, a topological order in which each segment is contiguous,
+so units stay consecutive nodes of that order. Its schedule call only refuses to run: the
+frame's GPU tables give it the frame's segment call (warm-up, capture or replay: cuda/graphs.py),
+and `segments[u]` names the segment of unit u (-1 for the others).
+
 Timed executions (adaptive-placement profiling, traces) and seeded ready orders use the
-unfused schedule, where unit i is node i.
+unfused schedule, where unit i is node i (and no segment is formed).
 
 Each unit has a *priority*: the cost of the longest path of units from its start to the end
 of the graph (its own cost included; list scheduling's "upward rank"). Worker threads take the
@@ -40,6 +47,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan
 from asyncgraph.graph.ir import Graph, Ref
 from asyncgraph.kernels import OpKernel
@@ -63,6 +71,7 @@ class Schedule:
     priority: tuple[float, ...]  # per unit: cost of the longest path from it to the end
     seconds: tuple[float, ...] | None  # per unit: measured time, when costs were measured
     fused: bool
+    segments: tuple[int, ...] = ()  # per unit: its segment (cuda/segments.py), -1 if none; or ()
 
     @property
     def num_units(self) -> int:
@@ -73,6 +82,9 @@ class Schedule:
         nodes = self.nodes[unit]
         if len(nodes) == 1:
             return nodes[0]
+        node: int | None = getattr(exc, "asyncgraph_node", None)  # set by a segment's run
+        if node is not None and node in nodes:
+            return node
         code = getattr(self.calls[unit], "__code__", None)
         line = None
         tb = exc.__traceback__
@@ -125,9 +137,11 @@ class ScheduleCache:
         max_schedules: int = 64,
         decided: Callable[[tuple[Placement, ...]], Decision | None] | None = None,
         stream_plan: StreamPlan | None = None,
+        segments: SegmentPlan | None = None,
     ) -> None:
         self.graph = graph
         self.stream_plan = stream_plan  # CUDA nodes on one stream fuse into CUDA runs
+        self.segments = segments if segments is not None and segments.segments else None
         self.max_schedules = max_schedules
         self.plan = plan
         self.kernels = kernels
@@ -222,6 +236,7 @@ class ScheduleCache:
             self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1,
             unfusable, decision.best_us if decision is not None else self.estimated_costs,
             measured=decision is not None, yield_gil=on_thread, stream_plan=self.stream_plan,
+            segments=self.segments if fused else None,
         )
 
     def _add(self, placement: tuple[Placement, ...], fused: bool, schedule: Schedule) -> None:
@@ -256,6 +271,7 @@ def build_schedule(
     measured: bool = False,
     yield_gil: bool = False,
     stream_plan: StreamPlan | None = None,
+    segments: SegmentPlan | None = None,
 ) -> Schedule:
     """Group nodes into units (see the module docstring) and derive the unit graph.
 
@@ -264,10 +280,13 @@ def build_schedule(
     times in microseconds, which also give each unit's expected time (`Schedule.seconds`);
     `yield_gil`: built on a thread beside the event loop, which gets the GIL after each
     compiled unit; `stream_plan`: fuse consecutive CUDA nodes on one stream (CUDA runs,
-    compiled as `unit(v, g, s)` for `FrameStreams.run_unit`).
+    compiled as `unit(v, g, s)` for `FrameStreams.run_unit`); `segments`: each segment one
+    unit (the module docstring; fused schedules only).
     """
     keys = _stream_keys(plan, placement, stream_plan, unfusable)
-    runs = _runs(plan, placement, max_fused, unfusable, keys)
+    segment_of = segments.segment_of if segments is not None and max_fused > 1 else {}
+    order = segments.order if segment_of and segments is not None else range(plan.num_nodes)
+    runs = _runs(plan, placement, max_fused, unfusable, keys, order, segment_of)
     unit_of = [0] * plan.num_nodes
     for u, run in enumerate(runs):
         for node in run:
@@ -279,7 +298,16 @@ def build_schedule(
     users: list[list[int]] = []
     producers: list[set[int]] = []
     for u, run in enumerate(runs):
-        if len(run) == 1:
+        if run[0] in segment_of:
+            calls.append(_segment_placeholder(segment_of[run[0]]))
+            stores.append(-1)
+            members = set(run)
+            local = {
+                plan.outputs[n] for n in run
+                if not plan.retained[n] and all(user in members for user in plan.users[n])
+            }
+            frees.append(tuple(v for n in run for v in plan.frees[n] if v not in local))
+        elif len(run) == 1:
             node = run[0]
             calls.append(plan.calls[node])
             stores.append(plan.outputs[node] if plan.keep_output[node] else -1)
@@ -332,7 +360,9 @@ def build_schedule(
         calls=tuple(calls),
         stores=tuple(stores),
         nodes=tuple(tuple(r) for r in runs),
-        where=tuple(placement[r[0]] for r in runs),
+        where=tuple(
+            Placement.STREAM if r[0] in segment_of else placement[r[0]] for r in runs
+        ),
         users_reversed=tuple(tuple(reversed(us)) for us in users),
         producer_counts=counts,
         roots=tuple(u for u, c in enumerate(counts) if c == 0),
@@ -340,7 +370,20 @@ def build_schedule(
         priority=tuple(priority),
         seconds=tuple(c / 1e6 for c in own) if measured and costs is not None else None,
         fused=max_fused > 1,
+        segments=tuple(segment_of.get(r[0], -1) for r in runs) if segment_of else (),
     )
+
+
+def _segment_placeholder(segment: int) -> Callable[[list[Any]], Any]:
+    """A segment unit's schedule call: the frame's GPU tables replace it (frame.py)."""
+
+    def segment_unit(values: list[Any]) -> Any:
+        raise RuntimeError(
+            f"segment {segment} runs through the frame's GPU tables (cuda/graphs.py), "
+            "but the frame has no GPU state"
+        )
+
+    return segment_unit
 
 
 def _stream_keys(
@@ -376,12 +419,16 @@ def _runs(
     max_fused: int,
     unfusable: Sequence[bool] | None,
     keys: Sequence[StreamKey | None],
+    order: Sequence[int] | None = None,
+    segment_of: dict[int, int] | None = None,
 ) -> list[list[int]]:
     """Consecutive inline nodes, or consecutive CUDA nodes on one stream (`keys`), up to
     `max_fused` each; every other node alone. An inline run ends after a node feeding a node
-    outside inline runs; a CUDA run ends where the next node is not on its stream."""
+    outside inline runs; a CUDA run ends where the next node is not on its stream. The nodes
+    of a segment (`segment_of`, contiguous in `order`) form one run, of any length."""
+    segment_of = segment_of or {}
     alone = [
-        p is not Placement.INLINE or (unfusable is not None and unfusable[i])
+        p is not Placement.INLINE or (unfusable is not None and unfusable[i]) or i in segment_of
         for i, p in enumerate(placement)
     ]
     runs: list[list[int]] = []
@@ -395,7 +442,16 @@ def _runs(
             current = []
         current_key = None
 
-    for node in range(plan.num_nodes):
+    members: dict[int, list[int]] = {}  # per segment: its nodes, in order
+    for node, s in segment_of.items():
+        members.setdefault(s, []).append(node)
+    for node in order if order is not None else range(plan.num_nodes):
+        s = segment_of.get(node, -1)
+        if s >= 0:
+            if node == members[s][0]:  # contiguous in `order`: the whole segment here
+                flush()
+                runs.append(members[s])
+            continue
         key = keys[node]
         if key == ALIAS_KEY:
             if current_key is not None and len(current) < max_fused:

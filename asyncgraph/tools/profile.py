@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from asyncgraph.cuda.graphs import plan_capture
+from asyncgraph.cuda.graphs import plan_capture, segment_plan_for
 from asyncgraph.kernels import KernelKind
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.tools.compare import random_flat_inputs
@@ -65,6 +65,9 @@ class ProfileMetrics:
     # without CUDA nodes). Decided for the program as configured without tracing: profiled
     # (traced) executions themselves always run node by node.
     cuda_graphs: str | None = None
+    # A GPU program that is not wholly captured: its segments (cuda/segments.py), then each
+    # node left out with why; empty otherwise.
+    cuda_graph_segments: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,6 +146,7 @@ def _metrics(ex: Executor, mean_us: list[float], runs: int, wall_s: float) -> Pr
         wall_time_us=wall_s * 1e6,
         folded_nodes_count=ex.statistics().folded_nodes,
         cuda_graphs=cuda_graph_decision(ex),
+        cuda_graph_segments=cuda_graph_segments(ex),
     )
 
 
@@ -153,3 +157,16 @@ def cuda_graph_decision(ex: Executor) -> str | None:
         return None
     untraced = dataclasses.replace(ex.config, trace=False)
     return plan_capture(ex.graph, ex.plan, ex.stream_plan, ex.kernels, untraced).describe()
+
+
+def cuda_graph_segments(ex: Executor) -> tuple[str, ...]:
+    """The segments `ex`'s program is captured in when not traced, and the nodes left out with
+    why (SegmentPlan.describe); empty without CUDA nodes or when whole executions are."""
+    if ex.stream_plan is None:
+        return ()
+    untraced = dataclasses.replace(ex.config, trace=False)
+    capture = plan_capture(ex.graph, ex.plan, ex.stream_plan, ex.kernels, untraced)
+    if capture.capturable:
+        return ()
+    plan = segment_plan_for(capture, ex.graph, ex.stream_plan, ex.kernels, untraced)
+    return tuple(plan.describe(ex.graph))
