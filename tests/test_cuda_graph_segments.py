@@ -220,6 +220,19 @@ def test_both_runs_around_a_host_read_are_captured_and_equal_the_uncaptured_path
             assert stats(plain).segments == 0 and stats(plain).segment_captures == 0
             (frame,) = ex._pool._idle
             assert frame.schedule is not None and frame.schedule.segments.count(-1) == 2
+            # the second segment's input, made by the host kernel, is marked used on its origin
+            # stream by each replay: the frame drops it when the unit ends
+            assert ex.cuda_segment_plan is not None
+            second = ex.cuda_segment_plan.segments[1]
+            assert second.made_inputs == (ex.graph.node("host_scale").output,)
+            assert ex.cuda_runtime is not None
+            (stream_set,) = ex.cuda_runtime.pool.sets
+            origin = stream_set.streams[second.origin]
+            on_origin = [v for v, s in cuda.recorded if s is origin]
+            # three launches of each segment (a capture's own replay, then two): the first
+            # segment's two clones are marked on its side stream (this one), the second's
+            # host-made input on this, its origin
+            assert len(on_origin) == 3 * 2 + 3 * 1
         assert gpu.errors == []
         assert all(g.freed for g in cuda.graphs)  # aclose freed the graphs
 
@@ -359,6 +372,44 @@ def test_cancellation_during_the_host_wait_between_two_replayed_segments(backend
         assert ex.statistics().cancelled == 1
         assert stats(ex).segment_replays == 3  # the cancelled execution's second never ran
         assert ex.cuda_runtime is not None and ex.cuda_runtime.pool.in_use == 0
+        assert gpu.errors == []
+
+    run(body, backend)
+
+
+@backends
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_an_error_in_a_segment_node_fails_the_execution_naming_the_node(
+    backend: str, warmup: int
+) -> None:
+    """On the stream path (warm-up) and in a capture (where it also marks the signature
+    uncapturable), the kernel's error is the execution's, naming its node (not the first of
+    the segment's unit)."""
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=13)
+        b = GraphBuilder()
+        x, y = b.input("x"), b.input("y")
+        a = b.call(aten.relu.default, x, name="gpu_a")
+        total = b.call(aten.sum.default, a, name="gpu_sum")
+        product = b.call(aten.mul.Tensor, a, y, name="gpu_mul")
+        b.output((product, b.call(aten._local_scalar_dense.default, total, name="item_1")))
+        g = b.build()
+        ex = make_executor(g, gpu, cuda_graph_warmup=warmup)
+        assert ex.cuda_segment_plan is not None
+        (segment,) = ex.cuda_segment_plan.segments
+        assert names(g, segment.nodes) == ["gpu_a", "gpu_sum", "gpu_mul"]
+        async with running(ex, gpu):
+            with pytest.raises(RuntimeError, match="must match the size") as caught:
+                await ex.execute(torch.ones(4), torch.ones(3))
+            notes = caught.value.__notes__
+            assert any("%gpu_mul" in note for note in notes), notes
+            assert not any("%gpu_a " in note for note in notes), notes
+            out, total_ = await ex.execute(torch.ones(4), torch.full((4,), 2.0))
+            torch.testing.assert_close(out, torch.full((4,), 2.0))
+            assert total_ == 4.0
+        assert ex.statistics().failed == 1
         assert gpu.errors == []
 
     run(body, backend)

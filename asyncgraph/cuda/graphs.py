@@ -667,11 +667,12 @@ class FrameSegments:
       captured), forked from and joined to the private origin, waiting inside only on events
       recorded inside. Then one replay for this execution's result, as below.
     - replay: the origin stream ordered after every stream of the set, inputs copied into the
-      static buffers, `replay()` on the set's origin stream, the outputs that leave the
-      segment cloned into the frame's slots, then every other stream of the set ordered after
-      the replay, the events nodes outside wait on recorded on the origin, and the clones
-      marked used on every other stream (`record_stream`), since a reader there may not be
-      ordered by the allocator otherwise.
+      static buffers (the node-made inputs marked used on the origin stream: the frame may
+      drop them once the unit ends), `replay()` on the set's origin stream, the outputs that
+      leave the segment cloned into the frame's slots, then every other stream of the set
+      ordered after the replay, the events nodes outside wait on recorded on the origin, and
+      the clones marked used on every other stream (`record_stream`): a reader there may
+      read them after the frame dropped them.
 
     `run` is the Executor's per-execution hook (as `FrameGraphs.run`): it keeps the weights
     version the execution loaded and returns False (the execution takes the dataflow).
@@ -779,7 +780,8 @@ class FrameSegments:
             try:
                 values[ids[node]] = calls[node](values)
             except BaseException as exc:
-                exc.asyncgraph_node = node  # type: ignore[attr-defined]  # Schedule.failed_node
+                with contextlib.suppress(AttributeError):  # names the node: failed_node
+                    exc.asyncgraph_node = node  # type: ignore[attr-defined]
                 raise
             for value in seg.drops[position]:
                 values[value] = None
@@ -906,6 +908,8 @@ class FrameSegments:
         token = backend.enter_stream(backend.stream_handle(origin))
         try:
             _copy_inputs(capture.static_inputs, [values[v] for v in seg.inputs])
+            for slot in seg.made_inputs:  # node-made: freed after this unit, read on origin
+                backend.record_stream(values[slot], origin)
             capture.graph.replay()
             _clone_outputs(values, capture.outputs)
         finally:

@@ -64,6 +64,9 @@ class Segment:
             values made by host nodes); weights are read by address, the others are copied
             into static buffers per replay.
         weights: the subset of `inputs` that are weights (captured by address).
+        made_inputs: the subset of `inputs` made by nodes (host nodes, other segments,
+            uncaptured CUDA nodes): their tensors are `record_stream`ed on the origin stream,
+            which copies them into the static buffers.
         outputs: the slots it makes that something outside reads (another node, the graph's
             outputs): cloned out of the graph's static memory per replay.
         drops: per node of `nodes`, the slots made inside that no later node of it reads
@@ -82,6 +85,7 @@ class Segment:
     nodes: tuple[int, ...]
     inputs: tuple[int, ...]
     weights: tuple[int, ...]
+    made_inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     drops: tuple[tuple[int, ...], ...]
     origin: StreamKey
@@ -314,6 +318,7 @@ def _segment(
         nodes=tuple(group),
         inputs=tuple(inputs),
         weights=tuple(v for v in inputs if v in weight_ids),
+        made_inputs=tuple(v for v in inputs if graph.values[v].producer is not None),
         outputs=outputs,
         drops=tuple(tuple(sorted(d)) for d in drops),
         origin=origin,
