@@ -15,7 +15,8 @@ scheduler enqueues CUDA nodes on their streams (docs/gpu.md). A program without 
 builds none of that and never touches torch.cuda, so CPU-only machines never initialise CUDA.
 A GPU program whose nodes can all be captured (`cuda_graph_plan`, asyncgraph/cuda/graphs.py)
 also gets capture state per frame: after warm-up, an execution is one CUDA-graph replay, the
-one branch before the dataflow in `_execute`.
+one branch before the dataflow in `_execute`. Otherwise its segments (`cuda_segment_plan`,
+asyncgraph/cuda/segments.py) are captured, each one unit of the schedule.
 """
 
 from __future__ import annotations
