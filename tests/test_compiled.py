@@ -750,8 +750,11 @@ def _segment_pair(path: Path, segment: str = "aoti_segment_0") -> tuple[Any, Any
 
 
 def _update_modes() -> list[str]:
-    """The constant updates the models of this torch export: staging always, copy on 2.13."""
-    return ["staging", "copy"] if torch.__version__ >= "2.13" else ["staging"]
+    """How a native container takes a swap: "copy" where the model has the copy update
+    (torch 2.13 models), "binding" (moved to torch's binding: what torch 2.11 models get,
+    forced here on any model)."""
+    has_copy = torch.__version__ >= "2.13"
+    return ["copy", "binding"] if has_copy else ["binding"]
 
 
 def test_native_call_equals_the_binding(compiled: Compiled) -> None:
@@ -828,31 +831,43 @@ def _load_program_only(path: Path) -> Any:
 def test_native_swap_reaches_the_constants_without_recompiling(
     compiled: Compiled, update: str
 ) -> None:
-    """load_constants on a native container (staging: torch 2.11's user-managed buffer;
-    copy: 2.13's copy into the container's buffer) gives the binding's results on the new
-    weights, again on a second swap (the staged tensors are copied into, and the constants
-    refolded), and back on the first weights."""
+    """load_constants on a native container gives the binding's results on the new weights,
+    again on a second swap, and back on the first weights. "copy": the container's own
+    buffer, refolded, still called natively. "binding" (a model without the copy update, as
+    torch 2.11 builds them): the first swap moves the container to torch's binding and
+    deletes the native one."""
     from asyncgraph.compiled.native_call import NativeModel
 
     path = compiled.path("whole")
-    native = NativeModel.load(path, "aoti_segment_0").container(update=update)
-    binding = torch._C._aoti.AOTIModelPackageLoader(str(path), "aoti_segment_0", False, 1, -1)
+
+    def binding() -> Any:
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "aoti_segment_0", False, 1, -1)
+
+    model = NativeModel.load(path, "aoti_segment_0")
+    if update == "binding":
+        model.copy_update = None
+    native = model.container(1, binding)
+    reference = binding()
     compiled_in = _compiled_in(path)
     fqns = [f for f in native.get_constant_fqns() if not f.startswith("_FOLDED")]
     assert sorted(fqns) == sorted(compiled_in)
-    assert set(fqns) <= set(binding.get_constant_fqns())
+    assert set(fqns) <= set(reference.get_constant_fqns())
     x = torch.randn(5, 8)
     first = native.run([x])[0]
     for seed in (1, 2):
         new = {f: t + 0.1 * seed for f, t in compiled_in.items()}
         native.load_constants(new, False, False)
-        binding.load_constants(new, False, False)
+        reference.load_constants(new, False, False)
         after = native.run([x])[0]
-        assert torch.equal(after, binding.run([x])[0])
+        assert torch.equal(after, reference.run([x])[0])
         assert not torch.allclose(after, first)
     native.load_constants(compiled_in, False, False)
     assert torch.equal(native.run([x])[0], first)
-    assert native.statistics()["staged"] == (len(fqns) if update == "staging" else 0)
+    if update == "copy":
+        assert native.kind == "native" and native._delete.alive
+    else:
+        assert native.kind.startswith("binding (swapped on a model without a copy update")
+        assert not native._delete.alive  # the native container is deleted
 
 
 def _compiled_in(path: Path, segment: str = "aoti_segment_0") -> dict[str, torch.Tensor]:
@@ -862,23 +877,6 @@ def _compiled_in(path: Path, segment: str = "aoti_segment_0") -> dict[str, torch
     delegate = program.graph.node(segment).target
     return {fqn: program.weights[name]
             for fqn, name in zip(delegate._fqns, delegate._weight_names, strict=True)}
-
-
-def test_native_staging_bytes_are_freed_with_the_container(compiled: Compiled) -> None:
-    """torch 2.11's user-managed update never frees the handle it makes of each staged
-    tensor; the container's finalizer frees the staged bytes when it is deleted."""
-    import gc
-
-    from asyncgraph.compiled.native_call import NativeModel
-
-    native = NativeModel.load(compiled.path("whole"), "aoti_segment_0").container(
-        update="staging")
-    native.load_constants({f: t + 1 for f, t in _compiled_in(compiled.path("whole")).items()})
-    staged = list(native._staging.values())
-    assert staged and all(t.untyped_storage().nbytes() > 0 for t in staged)
-    del native
-    gc.collect()
-    assert all(t.untyped_storage().nbytes() == 0 for t in staged)
 
 
 def test_native_error_code_names_the_segment(compiled: Compiled) -> None:
@@ -962,6 +960,8 @@ def test_the_gil_is_released_while_a_segment_runs(compiled: Compiled, path: str)
 
 class _Outputs:
     """A container stand-in whose run returns fixed outputs and records its calls."""
+
+    kind = "native"
 
     def __init__(self, *outputs: torch.Tensor) -> None:
         self.outputs = list(outputs)

@@ -24,16 +24,18 @@ What this layer does, and why each step is safe:
   `AOTInductorGetLastError`'s message where the model has it, torch 2.13; torch 2.11 models
   print the cause to stderr only).
 * `load_constants` (swap_weights) mirrors the binding's: a copy into the container's own
-  buffer with `...UpdateConstantBufferPairs` (torch 2.13 models). Models built by torch 2.11
-  have only the `std::unordered_map` form of that call, which ctypes cannot build, and the
-  user-managed form `...UpdateUserManagedConstantBufferPairs`, which references the caller's
-  tensors and never frees the handle it makes of each: so the container gets staging tensors
-  of its own once (one user-managed update per container lifetime), later swaps copy into
-  them, and when the container is deleted their bytes are freed (the leaked handles keep an
-  empty storage). Either way `...RunConstantFolding` then refolds what inductor derives from
-  the weights, inside the load (on the swapping thread), not in the next call. The AOTI
-  container takes its exclusive lock for that; the delegate never loads a container a call
-  runs on.
+  buffer with `...UpdateConstantBufferPairs` (torch 2.13 models), then
+  `...RunConstantFolding` refolds what inductor derives from the weights, inside the load (on
+  the swapping thread), not in the next call. The AOTI container takes its exclusive lock for
+  that; the delegate never loads a container a call runs on. Models built by torch 2.11 have
+  that update only in its `std::unordered_map` form, which ctypes cannot build. Their other
+  update, `...UpdateUserManagedConstantBufferPairs`, points the model at the caller's tensors
+  and never frees the handle it makes of each; a container with staging tensors of its own
+  behind it was built and measured, and its process grew by more than the weights' size per
+  swap (glibc arena free space never reused; the binding's swaps stay flat), so it is not
+  used: on such a model a container's first swap moves it to torch's binding
+  (`make_binding`), which loads the weights and runs every later call, GIL held, and the
+  native container is deleted.
 
 `CheckedContainer` is the first container of a segment: its first call also runs torch's
 binding on the same inputs and compares the outputs exactly (the same code and constants must
@@ -44,6 +46,7 @@ valid for the segment (token ids in range, sizes in the compiled range).
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import json
 import os
@@ -91,7 +94,6 @@ _REQUIRED: dict[str, list[Any]] = {
 }
 _PAIRS = [_VOID_P, _VOID_P, _SIZE_T, ctypes.c_bool, ctypes.c_bool]  # entries passed as a pointer
 _COPY_UPDATE = "AOTInductorModelContainerUpdateConstantBufferPairs"  # torch 2.13 models
-_USER_MANAGED_UPDATE = "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs"
 _LAST_ERROR = "AOTInductorGetLastError"  # torch 2.13 models
 
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -147,15 +149,15 @@ class NativeModel:
     def __init__(self, name: str, library: ctypes.CDLL) -> None:
         self.name = name
         self._lib = library
+        # ctypes never unloads a library: the model is dlclosed when this object goes, after
+        # its containers (each container's finalizer holds the model)
+        weakref.finalize(self, _ctypes.dlclose, library._handle)
         for symbol, argtypes in _REQUIRED.items():
             function = getattr(library, symbol)
             function.argtypes, function.restype = argtypes, _ERR
+        # None on torch 2.11 models: a swap then moves the container to torch's binding
         self.copy_update = self._optional(_COPY_UPDATE, _PAIRS)
-        self.user_managed_update = self._optional(_USER_MANAGED_UPDATE, _PAIRS)
         self._last_error = self._optional(_LAST_ERROR, [ctypes.POINTER(ctypes.c_char_p)])
-        if self.copy_update is None and self.user_managed_update is None:
-            raise NativeUnavailable(f"{name}: the model exports no constant-buffer update "
-                                    "that takes (name, tensor) pairs")
 
     def _optional(self, symbol: str, argtypes: list[Any]) -> Any:
         function = getattr(self._lib, symbol, None)
@@ -195,12 +197,12 @@ class NativeModel:
         except AttributeError as exc:  # a required symbol is missing
             raise NativeUnavailable(f"{segment}: {exc}") from None
 
-    def container(self, runners: int = 1, *, update: str | None = None) -> NativeContainer:
-        """A new container that can run `runners` calls at once. `update` ("copy" or
-        "staging") picks how load_constants reaches it; by default copy where the model has
-        it (torch 2.13 models), else staging."""
-        return NativeContainer(self, runners, update or ("copy" if self.copy_update else
-                                                          "staging"))
+    def container(self, runners: int = 1,
+                  make_binding: Callable[[], Any] | None = None) -> NativeContainer:
+        """A new container that can run `runners` calls at once. `make_binding` makes torch's
+        binding of the same model: where the model has no copy update (torch 2.11), the
+        container's first swap moves it there (without one, such a swap raises)."""
+        return NativeContainer(self, runners, make_binding)
 
     def check(self, code: int, what: str) -> None:
         """Raise SegmentCallError naming the segment for a non-zero AOTIRuntimeError."""
@@ -228,27 +230,21 @@ class NativeContainer:
     """One AOTInductorModelContainer, called through ctypes with the GIL released.
 
     It has the AOTIModelPackageLoader methods the delegate uses: run, load_constants,
-    get_constant_fqns. Deleted (its staging bytes freed) when it is garbage collected."""
+    get_constant_fqns. Deleted when it is garbage collected, or when a swap moves it to the
+    binding."""
 
-    kind = "native"
-
-    def __init__(self, model: NativeModel, runners: int, update: str) -> None:
-        if update not in ("copy", "staging"):
-            raise ValueError(f"update {update!r}: expected 'copy' or 'staging'")
-        if update == "copy" and model.copy_update is None:
-            raise NativeUnavailable(f"{model.name}: the model has no {_COPY_UPDATE}")
-        if update == "staging" and model.user_managed_update is None:
-            raise NativeUnavailable(f"{model.name}: the model has no {_USER_MANAGED_UPDATE}")
+    def __init__(self, model: NativeModel, runners: int,
+                 make_binding: Callable[[], Any] | None = None) -> None:
         self.model = model
-        self.update = update
+        self._make_binding = make_binding
+        self._binding: Any = None  # torch's binding, after a swap on a model without copy
         handle = _VOID_P()
         model.check(model.function("AOTInductorModelContainerCreateWithDevice")(
             ctypes.byref(handle), max(1, runners), b"cpu", None), "creating a container")
         if not handle.value:
             raise SegmentCallError(f"{model.name}: creating a container gave no container")
         self._handle: int = handle.value
-        self._staging: dict[str, torch.Tensor] = {}
-        weakref.finalize(self, _delete, model, self._handle, self._staging)
+        self._delete = weakref.finalize(self, _delete, model, self._handle)
         self.num_inputs = self._count("AOTInductorModelContainerGetNumInputs")
         self.num_outputs = self._count("AOTInductorModelContainerGetNumOutputs")
         # The run's fixed cost, per call: the arguments built once, as ctypes objects, and a
@@ -282,12 +278,22 @@ class NativeContainer:
                 found[fqn.value.decode()] = (name.value, size.value, dtype.value)
         return found
 
+    @property
+    def kind(self) -> str:
+        """How calls run: "native", or "binding (why)" after a swap moved it there."""
+        if self._binding is None:
+            return "native"
+        return "binding (swapped on a model without a copy update: torch 2.11)"
+
     def get_constant_fqns(self) -> list[str]:
         """The weights the model takes as constants (what load_constants accepts)."""
         return list(self._constants)
 
     def run(self, args: list[torch.Tensor]) -> list[torch.Tensor]:
         """The model's outputs on `args`; the GIL is released while the model runs."""
+        if self._binding is not None:
+            moved: list[torch.Tensor] = self._binding.run(args)
+            return moved
         handle, num_inputs, num_outputs = self._call_args
         if len(args) != num_inputs.value:  # checked by the C side outside its error guard
             raise SegmentCallError(f"{self.model.name}: expected {self.num_inputs} inputs, got "
@@ -308,12 +314,24 @@ class NativeContainer:
             raise ValueError("the native container loads the active buffer only")
         for fqn, value in tensors.items():
             self._check_constant(fqn, value)
-        if self.update == "copy":
-            self._update(self.model.copy_update, tensors)
-        else:
-            self._load_staging(tensors)
+        if self._binding is None and self.model.copy_update is None:
+            self._move_to_binding()
+        if self._binding is not None:
+            self._binding.load_constants(dict(tensors), False, False)
+            return
+        self._update(self.model.copy_update, tensors)
         self.model.check(self.model.function("AOTInductorModelContainerRunConstantFolding")(
             self._handle, False, None, None), "folding the constants")
+
+    def _move_to_binding(self) -> None:
+        """From now on torch's binding runs this container's calls (see the module
+        docstring: a torch 2.11 model has no copy update ctypes can call); the native
+        container goes. No call runs on it (the delegate's guarantee for a load)."""
+        if self._make_binding is None:
+            raise SegmentCallError(f"{self.model.name}: the model has no {_COPY_UPDATE} (built "
+                                   "by torch 2.11) and no binding to load the constants into")
+        self._binding = self._make_binding()
+        self._delete()
 
     def _check_constant(self, fqn: str, value: torch.Tensor) -> None:
         known = self._constants.get(fqn)
@@ -343,35 +361,14 @@ class NativeContainer:
         finally:
             _steal(handles)
 
-    def _load_staging(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy into this container's staging tensors; a constant not staged yet gets its
-        tensor (a contiguous copy) and one user-managed update pointing the model at it."""
-        new = {}
-        for fqn, value in tensors.items():
-            staged = self._staging.get(fqn)
-            if staged is None:
-                new[fqn] = value.detach().clone(memory_format=torch.contiguous_format)
-            elif staged.shape != value.shape or staged.dtype != value.dtype:
-                raise ValueError(f"{self.model.name}: constant {fqn} is {tuple(staged.shape)} "
-                                 f"{staged.dtype}, got {tuple(value.shape)} {value.dtype}")
-            else:
-                staged.copy_(value)
-        if new:
-            self._update(self.model.user_managed_update, new)
-            self._staging.update(new)
-
     def statistics(self) -> dict[str, Any]:
-        return {"kind": self.kind, "update": self.update, "inputs": self.num_inputs,
-                "outputs": self.num_outputs, "constants": len(self._constants),
-                "staged": len(self._staging)}
+        return {"kind": self.kind, "inputs": self.num_inputs, "outputs": self.num_outputs,
+                "constants": len(self._constants)}
 
 
-def _delete(model: NativeModel, handle: int, staging: dict[str, torch.Tensor]) -> None:
-    """Delete a container; then free its staging bytes (the model leaks a handle of each)."""
+def _delete(model: NativeModel, handle: int) -> None:
+    """Delete a container (at garbage collection, or when a swap moves it to the binding)."""
     model.function("AOTInductorModelContainerDelete")(handle)
-    for tensor in staging.values():
-        tensor.untyped_storage().resize_(0)
-    staging.clear()
 
 
 class CheckedContainer:
@@ -386,10 +383,15 @@ class CheckedContainer:
         self._on_mismatch = on_mismatch
         self._lock = threading.Lock()
         self._checked = False
-        self.kind = "native (unchecked)"
+        self._kind = "native (unchecked)"  # until the check, or "binding (why)" after it
         # rebound to the chosen container's own methods once checked: no layer per call
         self.run: Callable[[list[torch.Tensor]], list[torch.Tensor]] = self._first_run
         self.load_constants: Callable[..., None] = self._load_both
+
+    @property
+    def kind(self) -> str:
+        """"native" (checked), "native (unchecked)", or "binding (why)"."""
+        return self.native.kind if self._kind == "native" else self._kind
 
     def get_constant_fqns(self) -> list[str]:
         return self.native.get_constant_fqns()
@@ -408,10 +410,10 @@ class CheckedContainer:
         self.run, self.load_constants = chosen.run, chosen.load_constants
         self._checked = True
         if reason is None:
-            self.kind = "native"
+            self._kind = "native"
             self._reference = None  # its container and copy of the model go
             return mine
-        self.kind = f"binding ({reason})"
+        self._kind = f"binding ({reason})"
         self._on_mismatch(reason)
         return theirs
 

@@ -321,7 +321,7 @@ def segment_containers(
         return binding(), binding, f"binding ({CALL_ENV}=binding)"
     try:
         model = NativeModel.load(package, segment)
-        native = model.container(runners)
+        native = model.container(runners, binding)
     except NativeUnavailable as exc:
         return binding(), binding, f"binding ({exc})"
     mismatched: list[str] = []
@@ -329,9 +329,9 @@ def segment_containers(
     def container() -> Any:
         if mismatched:
             return binding()
-        if first.kind == "native":
-            return model.container(runners)
-        return CheckedContainer(model.container(runners), binding(), mismatched.append)
+        if first.kind != "native (unchecked)":
+            return model.container(runners, binding)
+        return CheckedContainer(model.container(runners, binding), binding(), mismatched.append)
 
     first = CheckedContainer(native, binding(), mismatched.append)
     return first, container, "native"
