@@ -343,6 +343,7 @@ class CudaGraphs:
         self.segment_plan = segment_plan if segment_plan is not None else SegmentPlan((), ())
         self.raw_calls = plan.calls  # node calls without the stream layer (for capture)
         self.segment_failed: dict[tuple[int, Any], str] = {}
+        self._lock = threading.Lock()  # counters changed from worker threads (segments)
         self.runtime = runtime
         self.graph = graph
         self.value_ids = plan.outputs
@@ -376,13 +377,18 @@ class CudaGraphs:
         self.failures += 1
         logger.warning("CUDA graph capture failed; running uncaptured for %s: %s", key, reason)
 
+    def count(self, counter: str) -> None:
+        """Add one to `counter`: segment runs count from worker threads too (under a lock,
+        since `+=` on an attribute is not atomic)."""
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + 1)
+
     def mark_segment_failed(self, index: int, key: Any, reason: str) -> None:
-        """Segment `index` is not captured again for its input signature `key` (any thread:
-        a dict store and counter increments, each atomic under the GIL)."""
+        """Segment `index` is not captured again for its input signature `key` (any thread)."""
         if len(self.segment_failed) >= _MAX_FAILED:
             self.segment_failed.clear()
         self.segment_failed[(index, key)] = reason
-        self.failures += 1
+        self.count("failures")
         logger.warning(
             "CUDA graph capture of segment %d failed; running it uncaptured for %s: %s",
             index, key, reason,
@@ -725,30 +731,32 @@ class FrameSegments:
             states.clear()
 
     def run_segment(self, index: int, values: list[Any]) -> None:
+        """Run segment `index` of the loaded execution: on the stream path (warm-up, a failed
+        or busy capture), as a capture, or as a replay (the class docstring)."""
         owner = self._owner
         seg = owner.segment_plan.segments[index]
         key = _segment_key(seg, values)
         if key is None or (index, key) in owner.segment_failed:
-            owner.segment_fallbacks += 1
+            owner.count("segment_fallbacks")
             self._stream_path(seg, values)
             return
         state = self._state(index, key)
         capture = state.capture
         if capture is not None:
             if capture.version == self.version:
-                owner.segment_replays += 1
+                owner.count("segment_replays")
                 self._launch(seg, capture, values)
                 return
             capture.free()  # weights changed: capture again at once
             state.capture = None
-            owner.recaptures += 1
+            owner.count("recaptures")
         elif state.runs < owner.warmup:
             state.runs += 1
-            owner.segment_warmups += 1
+            owner.count("segment_warmups")
             self._stream_path(seg, values)
             return
         if not self._capturing.acquire(blocking=False):  # another segment of this execution
-            owner.segment_fallbacks += 1
+            owner.count("segment_fallbacks")
             self._stream_path(seg, values)
             return
         try:
@@ -768,7 +776,7 @@ class FrameSegments:
             _, evicted = states.popitem(last=False)
             if evicted.capture is not None:
                 evicted.capture.free()
-                self._owner.evictions += 1
+                self._owner.count("evictions")
         state = states[key] = _SegmentState()
         return state
 
@@ -822,7 +830,7 @@ class FrameSegments:
             return None
         outputs = {slot: private[slot] for slot in seg.outputs}
         capture = SegmentCapture(graph, pool, static, outputs, self.version)
-        owner.segment_captures += 1
+        owner.count("segment_captures")
         self._launch(seg, capture, values)
         return capture
 
