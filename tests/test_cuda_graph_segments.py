@@ -351,19 +351,26 @@ def test_cancellation_during_the_host_wait_between_two_replayed_segments(backend
                     second.append(await ex.execute(inputs(2)))
 
                 group.start_soon(first)
-                await until(lambda: stats(ex).segment_replays == 1, "first segment replayed")
-                await settle()
-                assert stats(ex).segment_replays == 1  # the host read waits on the GPU
-                assert any(op[0] == "kernel" and op[1][0] == "replay"
-                           for s in gpu.streams for op in s.queue)
-                scope.cancel()
-                await settle()
-                assert not cancelled  # finish() absorbs it until the GPU is done
-                group.start_soon(later)
-                await settle()
-                assert ex.statistics().frames.waiters == 1  # the frame is not handed on
-                async with gpu_running(gpu):
-                    await until(lambda: bool(second), "the second execution")
+                try:
+                    await until(lambda: stats(ex).segment_replays == 1, "first replayed")
+                    await settle()
+                    assert stats(ex).segment_replays == 1  # the host read waits on the GPU
+                    assert any(op[0] == "kernel" and op[1][0] == "replay"
+                               for s in gpu.streams for op in s.queue)
+                    scope.cancel()
+                    await settle()
+                    assert not cancelled  # finish() absorbs it until the GPU is done
+                    group.start_soon(later)
+                    await settle()
+                    assert ex.statistics().frames.waiters == 1  # the frame is not handed on
+                    async with gpu_running(gpu):
+                        await until(lambda: bool(second), "the second execution")
+                except BaseException:  # a failure: let the paused executions end, then raise
+                    scope.cancel()
+                    with anyio.CancelScope(shield=True):
+                        async with gpu_running(gpu):
+                            await until(lambda: ex.statistics().frames.in_use == 0, "idle")
+                    raise
         finally:
             async with gpu_running(gpu):
                 await ex.aclose()
