@@ -227,6 +227,12 @@ class CaptureBackend(FakeBackend):
         self.gpu.streams.append(stream)
         return stream
 
+    def new_capture_stream(self, device: int) -> FakeStream:
+        """Named `cap...`: tests check that captures record only on these."""
+        stream = CaptureStream(self.gpu, f"cap{device}#{len(self.gpu.streams)}")
+        self.gpu.streams.append(stream)
+        return stream
+
     def new_event(self) -> CaptureEvent:
         assert isinstance(self.gpu, CaptureGpu)
         return CaptureEvent(self.gpu)

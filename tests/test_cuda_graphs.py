@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import types
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -599,6 +600,82 @@ class RecordingGraph:
         self.cuda.log.append(("capture_end", self.cuda.current[0]))
         if self.fail_end:
             raise RuntimeError("capture invalidated")
+
+
+class StreamRecordingBackend(CaptureBackend):
+    """Notes, at the end of each capture, the streams that had work recorded in it."""
+
+    def __init__(self, gpu: CaptureGpu) -> None:
+        super().__init__(gpu)
+        self.recorded_on: list[set[str]] = []
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any, pool: Any, handle: Any) -> Any:
+        with super().capture(graph, pool, handle):
+            yield
+            capture = self.gpu.capture  # type: ignore[attr-defined]
+            self.recorded_on.append({s.name for s in capture.last_work} | {handle.name})
+
+
+@backends
+@pytest.mark.timeout(60)
+def test_a_capture_records_only_on_capture_streams_no_stream_set_uses(backend: str) -> None:
+    """Capture records every launch on its streams, from any thread; the stream sets come
+    from torch's default-priority pool (32 streams, round-robin), which 8 frames x 4 streams
+    use up, so another frame could launch on a set stream while it is recorded into this
+    frame's graph. Captures record on capture streams (`Backend.new_capture_stream`: the
+    high-priority pool) instead. Before, the diamond was recorded on its leased set."""
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=3)
+        cuda = StreamRecordingBackend(gpu)
+        ex = make_executor(diamond_program(), gpu, cuda, cuda_graph_warmup=0, cuda_streams=2)
+        async with running(ex, gpu):
+            for k in range(3):
+                torch.testing.assert_close(
+                    await ex.execute(inputs(k)), expected(inputs(k), torch.full((4,), 2.0))
+                )
+            assert stats(ex).captures == 1 and stats(ex).replays == 2
+            runtime = ex.cuda_runtime
+            assert runtime is not None
+            set_streams = {
+                s.name for stream_set in runtime.pool.sets for s in stream_set.streams.values()
+            }
+        (recorded,) = cuda.recorded_on
+        assert len(recorded) == 2  # both streams of the plan, forked and joined
+        assert all(name.startswith("cap") for name in recorded), recorded
+        assert not recorded & set_streams
+        assert gpu.errors == []
+
+    run(body, backend)
+
+
+@pytest.mark.timeout(60)
+def test_an_execution_finding_another_capture_recording_runs_uncaptured_then_captures() -> None:
+    """One capture at a time per process (`CAPTURE_LOCK`): capture streams are drawn from a
+    pool of 32, which two captures at once could share."""
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=4)
+        cuda = CaptureBackend(gpu)
+        w = torch.full((4,), 2.0)
+        ex = make_executor(diamond_program(w), gpu, cuda, cuda_graph_warmup=0)
+        async with running(ex, gpu):
+            with cuda_graphs.CAPTURE_LOCK:
+                out = await ex.execute(inputs(0))
+                torch.testing.assert_close(out, expected(inputs(0), w))
+                assert (stats(ex).captures, stats(ex).fallbacks, stats(ex).failures) == (0, 1, 0)
+            torch.testing.assert_close(await ex.execute(inputs(1)), expected(inputs(1), w))
+            assert stats(ex).captures == 1
+        assert gpu.errors == []
+
+    run(body, "asyncio")
+
+
+def test_torch_backend_draws_capture_streams_from_the_high_priority_pool() -> None:
+    backend = TorchCudaBackend(RecordingCuda().functions())
+    assert backend.new_capture_stream(1) == types.SimpleNamespace(device=1, priority=-1)
+    assert backend.new_stream(1) == types.SimpleNamespace(device=1)
 
 
 @pytest.mark.parametrize("fails", [False, True])

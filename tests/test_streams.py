@@ -486,6 +486,9 @@ class FakeBackend:
     def new_stream(self, device: int) -> FakeStream:
         return self.gpu.stream(f"d{device}#{len(self.gpu.streams)}")
 
+    def new_capture_stream(self, device: int) -> FakeStream:
+        return self.gpu.stream(f"cap{device}#{len(self.gpu.streams)}")
+
     def new_event(self) -> FakeEvent:
         return FakeEvent(self.gpu)
 

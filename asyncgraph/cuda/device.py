@@ -91,6 +91,18 @@ class Backend(Protocol):
 
     def new_stream(self, device: int) -> CudaStream: ...
 
+    def new_capture_stream(self, device: int) -> CudaStream:
+        """A stream for recording CUDA graphs that no stream set shares.
+
+        A capture records every launch on its streams, from any thread, so nothing else may
+        enqueue on them meanwhile. torch's pool hands out 32 streams per device and priority,
+        round-robin, and the stream sets (8 frames x 4 streams by default) use up the
+        default-priority ones; capture streams come from the high-priority pool, which stream
+        sets never take from, and one capture runs at a time per process
+        (`graphs.CAPTURE_LOCK`), so two captures never share one either.
+        """
+        ...
+
     def new_event(self) -> CudaEvent: ...
 
     def stream_handle(self, stream: Any) -> Any:
@@ -201,6 +213,10 @@ class TorchCudaBackend:
 
     def new_stream(self, device: int) -> CudaStream:
         stream: CudaStream = self.functions.make_stream(device=device)
+        return stream
+
+    def new_capture_stream(self, device: int) -> CudaStream:
+        stream: CudaStream = self.functions.make_stream(device=device, priority=-1)
         return stream
 
     def new_event(self) -> CudaEvent:
@@ -415,6 +431,13 @@ class CudaRuntime:
         self.poll = poll
         self.needs_host_wait: tuple[bool, ...] = tuple(bool(w) for w in plan.host_waits)
 
+    def capture_set(self) -> StreamSet:
+        """A stream set of capture streams (`Backend.new_capture_stream`) for one frame's
+        captures: the plan's streams, none of them shared with a leased set."""
+        backend = self.backend
+        streams = {key: backend.new_capture_stream(key[0]) for key in self.plan.streams_used}
+        return StreamSet(-1, streams, self.plan, backend)
+
     def frame_state(self, calls: Sequence[Callable[[list[Any]], Any]]) -> FrameStreams:
         """GPU state for one ExecutionFrame; `calls` are the plan's node calls."""
         return FrameStreams(self, calls)
@@ -487,6 +510,19 @@ class FrameStreams:
             raise
         self._host = host
         self._set = stream_set
+
+    @contextlib.contextmanager
+    def recording_on(self, capture_set: StreamSet) -> Iterator[None]:
+        """While the block runs, CUDA nodes enqueue on `capture_set` (a capture's streams)
+        instead of the leased set, which is put back after (graphs.py, whole captures)."""
+        leased = self._set
+        if leased is None:
+            raise RuntimeError("recording_on() outside begin()/finish()")
+        self._set = capture_set
+        try:
+            yield
+        finally:
+            self._set = leased
 
     def run(self, node: int, call: Callable[[list[Any]], Any], values: list[Any]) -> Any:
         """Enqueue one CUDA node on its stream; never waits on the host (any thread)."""

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncgraph.cuda.device import CudaGraph, CudaRuntime, FrameStreams
+from asyncgraph.cuda.device import CudaGraph, CudaRuntime, FrameStreams, StreamSet
 from asyncgraph.cuda.segments import Segment, SegmentPlan, plan_segments
 from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan, _aten_names
 from asyncgraph.graph.ir import Graph, OutputKind, TensorSpec, iter_refs
@@ -79,6 +79,12 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURES = 8
 """Signatures one frame keeps state for (warm-up counts and captures); the least recently used
 is evicted, its graph freed, when a ninth arrives."""
+
+CAPTURE_LOCK = threading.Lock()
+"""One capture at a time in the process: capture streams come from torch's high-priority pool
+(32 per device, round-robin: `Backend.new_capture_stream`), which two captures at once could
+share, each then recording the other's launches. Taken without blocking: an execution that
+finds it held runs on the stream path and a later one captures."""
 
 _MAX_FAILED = 256  # uncapturable signatures remembered per Executor
 
@@ -460,7 +466,7 @@ class FrameGraphs:
     output slots hold this execution's outputs, the GPU work done.
     """
 
-    __slots__ = ("__weakref__", "_fork", "_gpu", "_joins", "_owner", "_states")
+    __slots__ = ("__weakref__", "_capture_set", "_fork", "_gpu", "_joins", "_owner", "_states")
 
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
         self._owner = owner
@@ -470,6 +476,7 @@ class FrameGraphs:
         self._fork = backend.new_event()
         others = len(owner.runtime.plan.streams_used) - 1
         self._joins = [backend.new_event() for _ in range(others)]
+        self._capture_set: StreamSet | None = None  # made at the frame's first capture
 
     @property
     def live(self) -> int:
@@ -550,8 +557,18 @@ class FrameGraphs:
             for slot, buffer, x in zip(owner.input_slots, static, flat, strict=True):
                 values[slot] = buffer if buffer is not None else x
             graph, pool = backend.new_graph(), backend.graph_pool()
-            try:
-                with backend.capture(graph, pool, handle):
+            if self._capture_set is None:
+                self._capture_set = owner.runtime.capture_set()
+            capture_set = self._capture_set
+            origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
+            if not CAPTURE_LOCK.acquire(blocking=False):  # another capture is recording
+                values[:] = loaded
+                owner.fallbacks += 1
+                return None
+            try:  # recorded on the frame's capture streams: no other execution enqueues there
+                with gpu.recording_on(capture_set), backend.capture(
+                    graph, pool, backend.stream_handle(origin)
+                ):
                     self._record(values)
             except Exception as exc:
                 values[:] = loaded
@@ -559,6 +576,8 @@ class FrameGraphs:
                     graph.reset()
                 owner.mark_failed(key, _failure(exc))
                 return None
+            finally:
+                CAPTURE_LOCK.release()
             outputs = {slot: values[slot] for slot in owner.capture_plan.produced_outputs}
             capture = Capture(graph, pool, static, outputs, version)
             owner.captures += 1
@@ -685,7 +704,7 @@ class FrameSegments:
     """
 
     __slots__ = (
-        "__weakref__", "_after", "_capturing", "_gpu", "_handles", "_marks", "_owner",
+        "__weakref__", "_after", "_gpu", "_handles", "_marks", "_owner",
         "_private", "_states", "version",
     )
 
@@ -700,7 +719,6 @@ class FrameSegments:
         self._after = backend.new_event()
         self._private: dict[StreamKey, Any] = {}  # capture streams, made on first capture
         self._handles: dict[StreamKey, Any] = {}
-        self._capturing = threading.Lock()  # one capture at a time on this frame's streams
         self.version = 0
 
     @property
@@ -755,14 +773,14 @@ class FrameSegments:
             owner.count("segment_warmups")
             self._stream_path(seg, values)
             return
-        if not self._capturing.acquire(blocking=False):  # another segment of this execution
+        if not CAPTURE_LOCK.acquire(blocking=False):  # another capture is recording
             owner.count("segment_fallbacks")
             self._stream_path(seg, values)
             return
         try:
             state.capture = self._capture(index, seg, values, key)
         finally:
-            self._capturing.release()
+            CAPTURE_LOCK.release()
         if state.capture is None:
             self._stream_path(seg, values)
 
@@ -838,7 +856,7 @@ class FrameSegments:
         backend = self._owner.runtime.backend
         for key in seg.streams:
             if key not in self._private:
-                stream = self._private[key] = backend.new_stream(key[0])
+                stream = self._private[key] = backend.new_capture_stream(key[0])
                 self._handles[key] = backend.stream_handle(stream)
         return self._private
 
