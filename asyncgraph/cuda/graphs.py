@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncgraph.cuda.device import CudaGraph, CudaRuntime, FrameStreams, StreamSet
-from asyncgraph.cuda.segments import Segment, SegmentPlan, plan_segments
+from asyncgraph.cuda.segments import Segment, SegmentPlan, _producers, plan_segments
 from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan, _aten_names
 from asyncgraph.graph.ir import Graph, OutputKind, TensorSpec, iter_refs
 from asyncgraph.kernels import KernelKind, OpKernel
@@ -254,15 +254,6 @@ def _node_blocker(
     return None
 
 
-def _producers(graph: Graph, index: int) -> list[int]:
-    out = []
-    for v in graph.nodes[index].inputs():
-        producer = graph.values[v].producer
-        if producer is not None:
-            out.append(producer)
-    return out
-
-
 def _reads_bool_tensor(graph: Graph, index: int) -> bool:
     for v in graph.nodes[index].inputs()[1:]:
         spec = graph.values[v].spec
@@ -430,7 +421,8 @@ class CudaGraphs:
 
 
 class Capture:
-    """One captured execution: the graph, its pool, its static inputs and outputs."""
+    """One captured execution or segment: the graph, its pool, its static inputs and outputs,
+    and the Weights version it read."""
 
     __slots__ = ("graph", "outputs", "pool", "static_inputs", "version")
 
@@ -440,7 +432,7 @@ class Capture:
     ) -> None:
         self.graph = graph
         self.pool = pool
-        self.static_inputs = static_inputs  # per flat input: its static buffer, or None
+        self.static_inputs = static_inputs  # per flat (or Segment) input: its buffer, or None
         self.outputs = outputs  # frame slot -> the static value a replay writes
         self.version = version  # the Weights version whose tensors it reads
 
@@ -653,27 +645,6 @@ class FrameGraphs:
 # -- segments (issue #15) -------------------------------------------------------------------------
 
 
-class SegmentCapture:
-    """One captured segment: the graph, its pool, static inputs and outputs, weights version."""
-
-    __slots__ = ("graph", "outputs", "pool", "static_inputs", "version")
-
-    def __init__(
-        self, graph: CudaGraph, pool: Any, static_inputs: list[Any], outputs: dict[int, Any],
-        version: int,
-    ) -> None:
-        self.graph = graph
-        self.pool = pool
-        self.static_inputs = static_inputs  # per Segment.inputs: its static buffer, or None
-        self.outputs = outputs  # frame slot -> the static value a replay writes
-        self.version = version
-
-    def free(self) -> None:
-        self.graph.reset()
-        self.static_inputs = []
-        self.outputs = {}
-
-
 class FrameSegments:
     """The segment captures of one frame (asyncgraph/cuda/segments.py), per segment and per
     signature of the segment's own inputs.
@@ -814,7 +785,7 @@ class FrameSegments:
 
     def _capture(
         self, index: int, seg: Segment, values: list[Any], key: Any
-    ) -> SegmentCapture | None:
+    ) -> Capture | None:
         """Capture segment `seg` and replay it once for this execution; None when capture
         raised (the signature is then marked uncapturable, the reason logged once)."""
         owner = self._owner
@@ -847,7 +818,7 @@ class FrameSegments:
             owner.mark_segment_failed(index, key, _failure(exc))
             return None
         outputs = {slot: private[slot] for slot in seg.outputs}
-        capture = SegmentCapture(graph, pool, static, outputs, self.version)
+        capture = Capture(graph, pool, static, outputs, self.version)
         owner.count("segment_captures")
         self._launch(seg, capture, values)
         return capture
@@ -922,7 +893,7 @@ class FrameSegments:
         if fenced:
             self._gpu.fence(fenced[0], origin)
 
-    def _launch(self, seg: Segment, capture: SegmentCapture, values: list[Any]) -> None:
+    def _launch(self, seg: Segment, capture: Capture, values: list[Any]) -> None:
         """Inputs in, replay, outputs cloned out on the set's origin stream; then the rest of
         the set and the host ordered after it (the class docstring)."""
         backend = self._owner.runtime.backend
@@ -956,7 +927,7 @@ class _SegmentState:
 
     def __init__(self) -> None:
         self.runs = 0
-        self.capture: SegmentCapture | None = None
+        self.capture: Capture | None = None
 
 
 def _segment_key(seg: Segment, values: list[Any]) -> Any:
