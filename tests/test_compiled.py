@@ -427,16 +427,62 @@ async def test_a_swap_loads_the_spare_buffer_before_executions(
         await plain.aclose()
 
 
+# the C++ GEMM only: autotuning would pick it or aten's by a noisy timing
+CPP_GEMM = {"max_autotune_gemm_backends": "CPP"}
+
+
 @pytest.mark.timeout(600)
-async def test_frozen_weights_refuse_a_swap(
+async def test_autotuned_segments_swap_their_packed_weights(
     compiled: Compiled, tmp_path: Path, leak_check: Any
 ) -> None:
-    """frozen_weights=True (max-autotune packs the weights into the kernels): results match,
-    a swap of those weights is refused before anything changes (the error names the segment
-    and the way out), and a swap to equal values in new tensors is accepted."""
-    report = compile_program(compiled.source, tmp_path / "frozen.pt2", "auto",
-                             frozen_weights=True)
-    assert [s.frozen for s in report.segments] == [True]
+    """autotune=True: the C++ GEMM packs its weights into new constants at compile time; each
+    is traced to its weight, and a swap repacks it: results match the plain graph before and
+    after swaps in both directions (a swap of the weight alone would leave the kernels on the
+    old values)."""
+    report = compile_program(compiled.source, tmp_path / "tuned.pt2", "auto", autotune=True,
+                             inductor_configs=CPP_GEMM)
+    [segment] = report.segments
+    assert segment.autotuned and not segment.frozen
+    assert {(p.source, p.transposed) for p in segment.packed} == {
+        (segment.constants[segment.inputs.index(f"p_{name}_weight")], True)
+        for name in ("l1", "l2", "l3")}
+    ex = asyncgraph.load(report.path, trust_compiled=True)
+    plain = Executor(compiled.source)
+    try:
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(await ex.execute(x), await plain.execute(x), **TOL)
+        original = dict(ex.weights.tensors)
+        for seed, swap in ((5, ex.swap_weights), (6, ex.aswap_weights), (0, ex.swap_weights)):
+            new = perturbed_weights(original, seed) if seed else original
+            for executor in (ex, plain):
+                result = (swap if executor is ex else executor.swap_weights)(new)
+                if asyncio.iscoroutine(result):
+                    await result
+            torch.testing.assert_close(await ex.execute(x), await plain.execute(x), **TOL)
+        assert ex.graph.node("aoti_segment_0").target.statistics()["packed"] == 3
+    finally:
+        await ex.aclose()
+        await plain.aclose()
+
+
+@pytest.mark.timeout(600)
+async def test_untraceable_packed_weights_refuse_a_swap(
+    compiled: Compiled, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leak_check: Any
+) -> None:
+    """A packed constant that cannot be traced to its weight leaves the segment frozen: results
+    match, a swap of its weights is refused before anything changes (the error names the
+    segment, the weights and why), and a swap to equal values in new tensors is accepted."""
+    import asyncgraph.compiled.build as build
+    from asyncgraph.compiled.packing import PackingError
+
+    def untraceable(*_args: Any) -> None:
+        raise PackingError("constant6 [2, 16, 8]: 0 weights pack to it")
+
+    monkeypatch.setattr(build, "find_packed", untraceable)
+    report = compile_program(compiled.source, tmp_path / "frozen.pt2", "auto", autotune=True,
+                             inductor_configs=CPP_GEMM)
+    assert [s.frozen for s in report.segments] == [
+        "packed weights not swappable: constant6 [2, 16, 8]: 0 weights pack to it"]
     ex = asyncgraph.load(report.path, trust_compiled=True)
     plain = Executor(compiled.source)
     try:
@@ -445,8 +491,8 @@ async def test_frozen_weights_refuse_a_swap(
         torch.testing.assert_close(before, await plain.execute(x), **TOL)
         new = perturbed_weights(ex.weights.tensors, 5)
         for swap in (ex.swap_weights, ex.aswap_weights):
-            with pytest.raises(WeightsError, match=r"aoti_segment_0 was compiled with "
-                               r"frozen_weights=True.*l1\.weight.*without frozen_weights"):
+            with pytest.raises(WeightsError, match=r"aoti_segment_0 cannot swap its weights "
+                               r"\(.*l1\.weight.*\): packed weights not swappable: constant6"):
                 result = swap(new)
                 if asyncio.iscoroutine(result):
                     await result
@@ -712,8 +758,8 @@ def test_an_in_memory_program_is_segmented_as_its_package_will_load_it() -> None
     assert [n.name for n in compiled_from.nodes] == [n.name for n in reloaded.nodes]
 
 
-def test_cli_compile_passes_frozen_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--frozen-weights` reaches compile_program (the compile itself: test_cli_compile)."""
+def test_cli_compile_passes_autotune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--autotune` reaches compile_program (the compile itself: test_cli_compile)."""
     from typer.testing import CliRunner
 
     import asyncgraph.compiled as compiled_pkg
@@ -723,13 +769,13 @@ def test_cli_compile_passes_frozen_weights(tmp_path: Path, monkeypatch: pytest.M
     seen: list[bool] = []
 
     def fake_compile(source: Any, output: Any, mode: str, **kwargs: Any) -> CompileReport:
-        seen.append(kwargs["frozen_weights"])
+        seen.append(kwargs["autotune"])
         return CompileReport(Path(output), mode, nodes_total=1)
 
     monkeypatch.setattr(compiled_pkg, "compile_program", fake_compile)
     model = tmp_path / "m.pt2"
     model.write_bytes(b"")
-    for flags, expected in (([], False), (["--frozen-weights"], True)):
+    for flags, expected in (([], False), (["--autotune"], True)):
         result = CliRunner().invoke(app, ["compile", str(model), "-o", str(tmp_path / "o.pt2"),
                                           *flags])
         assert result.exit_code == 0, result.output

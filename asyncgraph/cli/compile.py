@@ -1,4 +1,4 @@
-"""`asyncgraph compile MODEL.pt2 -o MODEL.aoti.pt2 [--segments auto|whole] [--frozen-weights]`.
+"""`asyncgraph compile MODEL.pt2 -o MODEL.aoti.pt2 [--segments auto|whole] [--autotune]`.
 
 Compiles the program's runs of CPU aten nodes with AOTInductor (asyncgraph/compiled) and prints
 what it did: segments, nodes compiled of all, segments left interpreted and why, compile time
@@ -28,12 +28,13 @@ def compile_command(
     model: Annotated[Path, typer.Argument(help="The .pt2 written by torch.export.save.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="The package to write.")],
     segments: SegmentsOpt = "auto",
-    frozen_weights: Annotated[
+    autotune: Annotated[
         bool,
         typer.Option(
-            "--frozen-weights",
-            help="Pack the weights into the compiled kernels (max-autotune: faster matmuls). "
-                 "The loaded program then refuses swap_weights of those weights.",
+            "--autotune",
+            help="Compile with max-autotune (inductor's C++ GEMM where it is faster: minutes "
+                 "more of compile). Weights stay swappable; a segment whose packed weights "
+                 "cannot be traced is reported frozen.",
         ),
     ] = False,
 ) -> None:
@@ -45,7 +46,7 @@ def compile_command(
         raise typer.BadParameter(f"expected one of {', '.join(MODES)}, got {segments!r}",
                                  param_hint="--segments")
     console = Console()
-    report = compile_program(model, output, segments, frozen_weights=frozen_weights,
+    report = compile_program(model, output, segments, autotune=autotune,
                              progress=lambda message: console.print(message, markup=False))
     table = Table(title=f"asyncgraph compile: {model.name} -> {output.name}")
     for column in ("segments", "nodes compiled", "left interpreted", "compile s", "package MB"):
@@ -58,6 +59,9 @@ def compile_command(
         f"{report.package_bytes / 1e6:.2f}",
     )
     console.print(table)
+    for segment in report.segments:
+        if segment.frozen:
+            console.print(f"{segment.name}: weights frozen ({segment.frozen})", markup=False)
     for failed in report.failed:
         console.print(f"left interpreted ({failed.nodes[0]} .. {failed.nodes[-1]}): "
                       f"{failed.reason}", markup=False)

@@ -39,6 +39,7 @@ from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
 from asyncgraph.compiled.package import SegmentRecord, write_package
+from asyncgraph.compiled.packing import PackedConstant, PackingError, find_packed, verify_packed
 from asyncgraph.compiled.segments import Segment, find_segments
 from asyncgraph.graph.importers import Program, from_exported_program, load_pt2
 from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, InputKind, OutputKind, TensorSpec
@@ -57,9 +58,12 @@ SWAPPABLE_CONSTANTS: dict[str, Any] = {
     "always_keep_tensor_constants": True,
     "aot_inductor.use_runtime_constant_folding": True,
 }
-# compile_program(frozen_weights=True): inductor's C++ micro-GEMM with weights packed at
-# compile time (MLP of benchmarks/nativert_compare.py: half the time of the default kernels).
-FROZEN_WEIGHTS: dict[str, Any] = {
+# compile_program(autotune=True): max-autotune may pick inductor's C++ micro-GEMM, which packs
+# its weight into a blocked constant at compile time (MLP of benchmarks/nativert_compare.py:
+# half the time of the default kernels); packing.py makes those constants swappable. Runtime
+# constant folding does not compile with that GEMM, so it is left out.
+AUTOTUNE: dict[str, Any] = {
+    "always_keep_tensor_constants": True,
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
@@ -98,15 +102,16 @@ def compile_program(
     example_inputs: Sequence[Any] | None = None,
     progress: Progress | None = None,
     inductor_configs: dict[str, Any] | None = None,
-    frozen_weights: bool = False,
+    autotune: bool = False,
 ) -> CompileReport:
     """Compile `source` (an ExportedProgram or a .pt2 path) into the package `output`.
 
     `example_inputs` are flat user inputs to trace the segments with; by default the inputs
-    saved with the program, else random ones of its exported shapes. `frozen_weights` compiles
-    with FROZEN_WEIGHTS (max-autotune packs the weights into the kernels' own layouts: faster
-    matmuls, but the constant-buffer update no longer reaches them, so the loaded program
-    refuses `swap_weights` of those weights).
+    saved with the program, else random ones of its exported shapes. `autotune` compiles
+    with AUTOTUNE (max-autotune: faster matmuls, minutes more of compile); the weights it packs
+    into the C++ GEMM's layout are traced to their sources (packing.py) so that swaps repack
+    them, and a segment where that fails is marked frozen: it refuses `swap_weights` of its
+    weights, saying why.
     """
     say = progress or (lambda _message: None)
     started = time.perf_counter()
@@ -118,7 +123,7 @@ def compile_program(
     say(f"running the program once on its example inputs ({len(graph.nodes)} nodes)")
     values = example_values(program, inputs)
     segments = _tensor_bounded_segments(graph, mode, values)
-    frozen = swappable_weights(graph)
+    baked = swappable_weights(graph)
     say(f"{len(segments)} segment(s) to compile ({mode})")
     with tempfile.TemporaryDirectory(prefix="asyncgraph-aoti-") as tmp:
         compiled: list[tuple[SegmentRecord, Path]] = []
@@ -128,10 +133,10 @@ def compile_program(
             name = f"aoti_segment_{len(compiled)}"
             t0 = time.perf_counter()
             try:
-                aoti = _compile_segment(graph, segment, values, frozen,
+                aoti = _compile_segment(graph, segment, values, baked,
                                         Path(tmp) / f"{name}.pt2",
-                                        {**(FROZEN_WEIGHTS if frozen_weights
-                                            else SWAPPABLE_CONSTANTS), **(inductor_configs or {})})
+                                        {**(AUTOTUNE if autotune else SWAPPABLE_CONSTANTS),
+                                         **(inductor_configs or {})})
             except Exception as exc:  # export or inductor refused it: keep it interpreted
                 reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}" \
                     if str(exc).strip() else type(exc).__name__
@@ -149,12 +154,16 @@ def compile_program(
                 ),
                 cost=sum(estimate_cost(n, graph) for n in segment.nodes(graph)),
                 constants=tuple(
-                    _constant_name(i) if v in frozen and isinstance(values[v], torch.Tensor)
+                    _constant_name(i) if v in baked and isinstance(values[v], torch.Tensor)
                     else "" for i, v in enumerate(segment.inputs)),
                 compile_s=round(time.perf_counter() - t0, 3),
-                frozen=frozen_weights,
+                autotuned=autotune,
+                packed=aoti.packed,
+                frozen=aoti.frozen,
             )
-            compiled.append((record, aoti))
+            if aoti.frozen:
+                say(f"  weights frozen: {aoti.frozen}")
+            compiled.append((record, aoti.path))
         say(f"writing {output}")
         write_package(output, ep, compiled, mode=mode, nodes_total=len(graph.nodes),
                       failed=[{"nodes": list(f.nodes), "reason": f.reason}
@@ -303,12 +312,19 @@ def segment_module(
     return torch.fx.GraphModule(root, fx)
 
 
+@dataclass
+class _CompiledSegment:
+    path: Path
+    packed: tuple[PackedConstant, ...] = ()
+    frozen: str = ""  # why its weights cannot be swapped, if they cannot
+
+
 def _compile_segment(
-    graph: Graph, segment: Segment, values: list[Any], frozen: Mapping[int, str], path: Path,
-    inductor_configs: dict[str, Any] | None,
-) -> Path:
+    graph: Graph, segment: Segment, values: list[Any], baked: Mapping[int, str], path: Path,
+    inductor_configs: dict[str, Any],
+) -> _CompiledSegment:
     constants = {v: _plain(values[v]).detach().contiguous() for v in segment.inputs
-                 if v in frozen and isinstance(values[v], torch.Tensor)}
+                 if v in baked and isinstance(values[v], torch.Tensor)}
     gm = segment_module(graph, segment, constants)
     runtime = [v for v in segment.inputs if v not in constants]
     args = tuple(_plain(values[v]) for v in runtime)
@@ -321,7 +337,25 @@ def _compile_segment(
             exported, package_path=str(path),
             inductor_configs=inductor_configs,
         )
-    return path
+    if not inductor_configs.get("max_autotune"):
+        return _CompiledSegment(path)
+    weights = {_constant_name(segment.inputs.index(v)): t for v, t in constants.items()}
+    return _trace_packing(path, gm, args, weights)
+
+
+def _trace_packing(path: Path, gm: torch.fx.GraphModule, args: tuple[Any, ...],
+                   weights: dict[str, torch.Tensor]) -> _CompiledSegment:
+    """The packed constants of an autotuned segment, traced to their weights and checked by a
+    swap (packing.py), or why its weights stay frozen."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    try:
+        packed = find_packed(loader, path, weights, args)
+        with torch.no_grad():
+            verify_packed(loader, packed, weights, args,
+                          lambda moved: torch.func.functional_call(gm, dict(moved), args))
+    except PackingError as exc:
+        return _CompiledSegment(path, frozen=f"packed weights not swappable: {exc}")
+    return _CompiledSegment(path, tuple(packed))
 
 
 def _plain(value: Any) -> Any:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from asyncgraph.compiled.packing import PackedConstant
 from asyncgraph.errors import WeightsError
 from asyncgraph.kernels.base import KernelKind
 
@@ -70,8 +71,8 @@ class AOTIDelegate:
         self, name: str, loader: Any, contiguous: Sequence[bool], node_names: Sequence[str],
         cost: int = 0, *, constants: Sequence[str] | None = None,
         baked: Sequence[Any] | None = None, new_loader: Callable[[], Any] | None = None,
-        weight_names: Sequence[str] | None = None, frozen: bool = False,
-        call: str = "binding",
+        weight_names: Sequence[str] | None = None, packed: Sequence[PackedConstant] = (),
+        frozen: str = "", call: str = "binding",
     ) -> None:
         self.__name__ = name
         self.__qualname__ = name
@@ -83,7 +84,8 @@ class AOTIDelegate:
         self._constant = tuple(i for i, c in enumerate(names) if c)
         self._fqns = tuple(names[i] for i in self._constant)
         self._new_loader = new_loader
-        self.frozen = frozen  # weights packed at compile time: no buffer update reaches them
+        self.packed = tuple(packed)  # constants each load derives from its weight (packing.py)
+        self.frozen = frozen  # why no buffer update can swap its weights ("" when one can)
         self._call = call  # how the containers are called, as loading decided (statistics)
         # the weight name of each constant input: prepare_weights finds its tensor by it
         self._weight_names = (tuple(weight_names[i] for i in self._constant)
@@ -227,6 +229,8 @@ class AOTIDelegate:
                 raise TypeError(f"{self.__name__}: constant {fqn} must be a CPU tensor, got "
                                 f"{type(value).__name__}")
             tensors[fqn] = _compact(value)
+        for packed in self.packed:
+            tensors[packed.name] = packed.pack(tensors[packed.source])
         loader.load_constants(tensors, False, False)
 
     def _frozen_container(self, weights: tuple[Any, ...]) -> _Container:
@@ -245,16 +249,16 @@ class AOTIDelegate:
     def _frozen_message(self) -> str:
         names = ", ".join(sorted(set(self._weight_names or ())))
         return (
-            f"{self.__name__} was compiled with frozen_weights=True: its weights ({names}) are "
-            "packed into the compiled code, and swapping them needs a recompile; compile "
-            "without frozen_weights to swap weights"
+            f"{self.__name__} cannot swap its weights ({names}): {self.frozen}; swapping them "
+            "needs a recompile (compile without autotune to keep every weight swappable)"
         )
 
     def statistics(self) -> dict[str, Any]:
         """Calls so far, the nodes this segment replaces, its containers and buffer loads."""
         return {"name": self.__name__, "calls": self.calls, "nodes": len(self.node_names),
                 "constants": len(self._constant), "containers": len(self._containers),
-                "loads": self.loads, "frozen": self.frozen, "call": self.call}
+                "loads": self.loads, "packed": len(self.packed), "frozen": self.frozen,
+                "call": self.call}
 
     @property
     def call(self) -> str:

@@ -47,6 +47,7 @@ from asyncgraph.compiled.native_call import (
     NativeUnavailable,
     native_calls_enabled,
 )
+from asyncgraph.compiled.packing import PackedConstant
 from asyncgraph.compiled.segments import Segment, _segment
 from asyncgraph.errors import ProgramLoadError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
@@ -70,7 +71,9 @@ class SegmentRecord:
     compile_s: float = 0.0
     # per input: its AOTI constant name when the segment bakes it in (a weight), else ""
     constants: tuple[str, ...] = ()
-    frozen: bool = False  # compiled with frozen_weights: its weights cannot be swapped
+    autotuned: bool = False  # compiled with max-autotune (compile_program(autotune=True))
+    packed: tuple[PackedConstant, ...] = ()  # constants a swap derives from its weights
+    frozen: str = ""  # why its weights cannot be swapped ("" when they can)
 
 
 def build_platform() -> dict[str, str]:
@@ -185,8 +188,19 @@ def _record(entry: Mapping[str, Any]) -> SegmentRecord:
         outputs=tuple(entry["outputs"]), contiguous=tuple(bool(c) for c in entry["contiguous"]),
         cost=int(entry.get("cost", 0)), compile_s=float(entry.get("compile_s", 0.0)),
         constants=tuple(str(c) for c in entry.get("constants", ())),
-        frozen=bool(entry.get("frozen", False)),
+        autotuned=bool(entry.get("autotuned", False)),
+        packed=tuple(PackedConstant(str(p["name"]), str(p["source"]), bool(p["transposed"]),
+                                    (int(p["shape"][0]), int(p["shape"][1]), int(p["shape"][2])))
+                     for p in entry.get("packed", ())),
+        frozen=_frozen_reason(entry.get("frozen", "")),
     )
+
+
+def _frozen_reason(value: Any) -> str:
+    """The manifest's "frozen": a reason, or true from packages of frozen_weights=True."""
+    if value is True:
+        return "weights packed at compile time (frozen_weights=True)"
+    return str(value or "")
 
 
 def _load_program_only(path: Path) -> ExportedProgram:
@@ -284,7 +298,8 @@ def _delegate_nodes(
     named = [weights.get(v, ("", None)) if c else ("", None)
              for v, c in zip(segment.inputs, constants, strict=True)]
     fqns = set(loader.get_constant_fqns())
-    unknown = [c for c in constants if c and c not in fqns and not record.frozen]
+    unknown = [c for c in (*constants, *(p.name for p in record.packed))
+               if c and c not in fqns and not record.frozen]
     if unknown:
         raise ProgramLoadError(
             f"{package}: {record.name} lists constants {unknown} that its AOTI model lacks "
@@ -293,7 +308,7 @@ def _delegate_nodes(
     delegate = AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost,
                             constants=constants, baked=[t for _, t in named],
                             new_loader=new_loader, weight_names=[n for n, _ in named],
-                            frozen=record.frozen, call=call)
+                            packed=record.packed, frozen=record.frozen, call=call)
     result = len(values)
     values.append(Value(result, record.name))
     first = segment.nodes(graph)[0]
