@@ -15,15 +15,15 @@ the MLP (12 x Linear+ReLU, 256 wide: 24 nodes), tiny BERT (token and position em
 
 Latency peers: asyncgraph `execute`, asyncgraph with compiled segments
 (`asyncgraph.compiled.compile_program(ep, path, "auto")`, loaded with trust_compiled=True;
-weights swappable), on the MLP and tiny BERT also with `frozen_weights=True` (max-autotune
-packs the weights: faster, but swap_weights refused),
+weights swappable), on the MLP and tiny BERT also with `autotune=True` (max-autotune: the
+C++ GEMM with its packed weights, still swappable),
 nativert `runner.run(x)`, AOTInductor whole-model (`aoti_compile_and_package`,
 `aoti_load_package`) and eager `model(x)`. Compiled packages are cached under
 build/nativert_compare/torch-<version>/, keyed by graph and a digest of the program and its
 weights, so only the first run pays the compiles (printed with their times).
 
 64 callers (MLP and tiny BERT): asyncgraph `execute` from 64 tasks, each request its own
-execution (plain graph, compiled segments, frozen compiled segments) and with dynamic
+execution (plain graph, compiled segments, autotuned compiled segments) and with dynamic
 batching (`BatchingConfig(max_batch_size=32)` on the graph exported with a dynamic batch
 dimension; also with that graph's compiled segments, `compiled, batched`), against nativert
 `runner.run` via `asyncio.to_thread` from 64
@@ -82,8 +82,8 @@ TOLERANCE = {"rtol": 1e-3, "atol": 1e-3}  # eager's fused encoder path and induc
 GRAPHS = ("mlp", "bert", "encoder", "chain")
 MAX_BATCH = 32
 COMPILED = "asyncgraph (compiled)"
-FROZEN = "asyncgraph (compiled, frozen)"
-SEGMENTS_FORMAT = "w3"  # in the cache key: packages with weights as constants (not inputs)
+AUTOTUNED = "asyncgraph (compiled, autotuned)"
+SEGMENTS_FORMAT = "w4"  # in the cache key: weights as constants, packed ones traced
 BATCHED = "asyncgraph (batched)"
 COMPILED_BATCHED = "asyncgraph (compiled, batched)"
 BINDING = " via binding"  # suffix of the --compare-binding peers: segments through torch's binding
@@ -219,7 +219,7 @@ class Built:
     notes: dict[str, Any] = field(default_factory=dict)
     aoti: Any = None
     segments: Path | None = None
-    frozen: Path | None = None  # compiled segments with frozen_weights=True (no swaps)
+    autotuned: Path | None = None  # compiled segments with autotune=True
     batched: Path | None = None  # compiled segments of the dynamic-batch export
 
 
@@ -252,10 +252,10 @@ def build_compiled(work: Workload, options: Options) -> Built:
     built.segments = _compile_segments(built.notes, "segments", work.ep, segments_path)
     kinds = ["aoti", "segments"]
     if work.targets:  # max-autotune compiles take half a minute: the target graphs only
-        kinds.append("frozen")
-        frozen_path = folder / f"{key}.segments-auto-frozen-{SEGMENTS_FORMAT}.pt2"
-        built.frozen = _compile_segments(built.notes, "frozen", work.ep, frozen_path,
-                                         frozen_weights=True)
+        kinds.append("autotuned")
+        autotuned_path = folder / f"{key}.segments-auto-autotuned-{SEGMENTS_FORMAT}.pt2"
+        built.autotuned = _compile_segments(built.notes, "autotuned", work.ep, autotuned_path,
+                                            autotune=True)
     if work.targets and work.dynamic is not None:  # the batched rows' own compile
         kinds.append("batched")
         dynamic = work.dynamic()
@@ -347,10 +347,10 @@ async def _latency_case(
             executors.append(compiled)
             peers.append(asyncgraph_peer(COMPILED + (BINDING if binding else ""), compiled, [x],
                                          "compile_program(ep, path, 'auto')"))
-    frozen = _load_compiled(built, built.frozen)
-    if frozen is not None:
-        executors.append(frozen)
-        peers.append(asyncgraph_peer(FROZEN, frozen, [x], "frozen_weights=True: no swaps"))
+    autotuned = _load_compiled(built, built.autotuned)
+    if autotuned is not None:
+        executors.append(autotuned)
+        peers.append(asyncgraph_peer(AUTOTUNED, autotuned, [x], "autotune=True"))
     if runner is not None:
         peers.append(sync_peer(NATIVERT, lambda: runner.run(x), "PyModelRunner.run(x)"))
     if built.aoti is not None:
@@ -367,7 +367,7 @@ async def _latency_case(
     case = CaseResult(NAME, f"{work.key} latency", f"{work.title}; one caller",
                       {"nodes": call_nodes(work.ep), **built.notes}, results)
     names = {p.name for p in results}
-    for peer in ("asyncgraph", COMPILED, COMPILED + BINDING, FROZEN, "AOTInductor",
+    for peer in ("asyncgraph", COMPILED, COMPILED + BINDING, AUTOTUNED, "AOTInductor",
                  "eager model(x)"):
         if peer in names and NATIVERT in names:
             case.metrics[f"{peer} / nativert"] = case.ratio(peer, NATIVERT)
@@ -377,10 +377,10 @@ async def _latency_case(
         ratio = case.ratio(COMPILED, NATIVERT) if COMPILED in names else None
         case.targets.append(Target(2, f"{work.key}: latency, asyncgraph compiled / nativert",
                                    ratio, "<=", 0.6))
-        if FROZEN in names:
+        if AUTOTUNED in names:
             case.targets.append(Target(
-                2, f"{work.key}: latency, asyncgraph compiled frozen (no swaps) / nativert",
-                case.ratio(FROZEN, NATIVERT), "<=", 0.6))
+                2, f"{work.key}: latency, asyncgraph compiled autotuned / nativert",
+                case.ratio(AUTOTUNED, NATIVERT), "<=", 0.6))
     return case
 
 
@@ -431,7 +431,7 @@ async def _concurrent_case(
     bindings = (False, True) if options.compare_binding else (False,)
     for name, path, config, binding in (
         *((COMPILED, built.segments, None, b) for b in bindings),
-        (FROZEN, built.frozen, None, False),
+        (AUTOTUNED, built.autotuned, None, False),
         *((COMPILED_BATCHED, built.batched, batching, b) for b in bindings),
     ):
         loaded = _load_compiled(built, path, config, binding=binding)
@@ -465,7 +465,7 @@ async def _concurrent_case(
         case.params["mean_batch_rows"] = round(stats.mean_rows, 1)
     if runner is not None:
         base = results[NATIVERT_THREAD].extra.get("throughput")
-        for number, peer, limit in ((3, "asyncgraph", 1.5), (3, COMPILED, 1.5), (3, FROZEN, 1.5),
+        for number, peer, limit in ((3, "asyncgraph", 1.5), (3, COMPILED, 1.5), (3, AUTOTUNED, 1.5),
                                     (4, BATCHED, 4.0), (4, COMPILED_BATCHED, 4.0)):
             if peer not in results:
                 continue
