@@ -73,9 +73,10 @@ async def amedian_us(fn: Callable[[], Awaitable[Any]], repeat: int = 15, number:
     return min(samples) * 1e6
 
 
-async def sliced_us(fn: Callable[[], Any], repeat: int = 15, number: int = 100) -> float:
+async def sliced_us(fn: Callable[[], Any], repeat: int = 30, number: int = 20) -> float:
     """median_us for steps that use the loop's slice: each repetition starts a new iteration
-    (and so a new slice), which the straight line needs to run."""
+    (and so a new slice), which the straight line needs to run. `number` calls must fit in one
+    slice (1 ms) even on a slow machine: 100 did not where a call took 20 us."""
     samples = []
     for _ in range(repeat):
         await asyncio.sleep(0)
