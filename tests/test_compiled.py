@@ -476,13 +476,13 @@ async def test_untraceable_packed_weights_refuse_a_swap(
     from asyncgraph.compiled.packing import PackingError
 
     def untraceable(*_args: Any) -> None:
-        raise PackingError("constant6 [2, 16, 8]: 0 weights pack to it")
+        raise PackingError("constant6 [2, 16, 8]: no weight packs to it")
 
     monkeypatch.setattr(build, "find_packed", untraceable)
     report = compile_program(compiled.source, tmp_path / "frozen.pt2", "auto", autotune=True,
                              inductor_configs=CPP_GEMM)
     assert [s.frozen for s in report.segments] == [
-        "packed weights not swappable: constant6 [2, 16, 8]: 0 weights pack to it"]
+        "packed weights not swappable: constant6 [2, 16, 8]: no weight packs to it"]
     ex = asyncgraph.load(report.path, trust_compiled=True)
     plain = Executor(compiled.source)
     try:

@@ -86,6 +86,11 @@ def test_constant_shapes_are_read_from_the_generated_wrapper(tmp_path: Path) -> 
     assert constant_shapes(path) == {"w1": (20, 12), "constant9": (3, 12, 8), "scalar": ()}
 
 
+def reference(x: torch.Tensor, source: str = "w1") -> Any:
+    """The stand-in's segment run eagerly on given weights."""
+    return lambda moved: [x @ moved[source].t() + moved["b"]]
+
+
 def test_a_packed_constant_is_traced_to_its_weight(tmp_path: Path) -> None:
     """w2.t() has w1's [K, N] shape too, so both are tried; only w1's packing leaves the
     outputs unchanged. The model keeps the compiled values afterwards."""
@@ -94,36 +99,51 @@ def test_a_packed_constant_is_traced_to_its_weight(tmp_path: Path) -> None:
     compiled = model.constants["constant9"].clone()
     path = package_with(tmp_path / "m.pt2", {"constant9": "{3, 12, 8}"})
     x = torch.randn(4, 12)
-    found = find_packed(model, path, w, [x])
+    found = find_packed(model, path, w, [x], reference(x))
     assert found == [PackedConstant("constant9", "w1", True, (3, 12, 8))]
     torch.testing.assert_close(model.constants["constant9"], compiled, rtol=0, atol=0)
 
 
-def test_a_constant_no_weight_or_two_weights_pack_to_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["w1", "w3"])
+def test_weights_of_equal_values_are_told_apart_by_moving_each(
+        tmp_path: Path, source: str) -> None:
+    """Layers cloned from one layer (nn.TransformerEncoder's) have weights of equal values:
+    both pack to the constant. Moved alone, only the one the kernel reads agrees with the
+    eager segment; the model keeps its compiled values afterwards."""
+    w = weights()
+    twin = {**w, "w3": w["w1"].clone()}
+    model = PackedLinear(twin, (3, 12, 8), source)
+    before = {k: v.clone() for k, v in model.constants.items()}
+    path = package_with(tmp_path / "m.pt2", {"constant9": "{3, 12, 8}"})
+    x = torch.randn(4, 12)
+    found = find_packed(model, path, twin, [x], reference(x, source))
+    assert found == [PackedConstant("constant9", source, True, (3, 12, 8))]
+    for name, value in before.items():
+        torch.testing.assert_close(model.constants[name], value, rtol=0, atol=0)
+    with pytest.raises(PackingError, match=r"constant9 \[3, 12, 8\]: weights \['w1', 'w3'\] "
+                       r"pack to it and moving each alone does not tell which it reads"):
+        find_packed(model, path, twin, [x], lambda moved: [torch.zeros(4, 20)])
+
+
+def test_a_constant_no_weight_packs_to_is_refused(tmp_path: Path) -> None:
     w = weights()
     x = torch.randn(4, 12)
     model = PackedLinear(w, (3, 12, 8))
     model.constants["constant9"] += 1  # made from something that is not a weight
     path = package_with(tmp_path / "m.pt2", {"constant9": "{3, 12, 8}"})
-    with pytest.raises(PackingError, match=r"constant9 \[3, 12, 8\]: 0 weights pack to it"):
-        find_packed(model, path, w, [x])
-    twin = {**w, "w3": w["w1"].clone()}  # equal values: which one a swap should use is unknown
-    with pytest.raises(PackingError, match=r"2 weights pack to it \(\['w1', 'w3'\]\)"):
-        find_packed(PackedLinear(twin, (3, 12, 8)), path, twin, [x])
+    with pytest.raises(PackingError, match=r"constant9 \[3, 12, 8\]: no weight packs to it"):
+        find_packed(model, path, w, [x], reference(x))
     flat = package_with(tmp_path / "flat.pt2", {"constant9": "{240}"})
     with pytest.raises(PackingError, match=r"constant9 \(shape \[240\]\) is not a packed matrix"):
-        find_packed(PackedLinear(w, (3, 12, 8)), flat, w, [x])
+        find_packed(PackedLinear(w, (3, 12, 8)), flat, w, [x], reference(x))
 
 
 def test_no_new_constants_nothing_to_trace(tmp_path: Path) -> None:
     w = weights()
     model = PackedLinear(w, (3, 12, 8))
+    x = torch.randn(1, 12)
     assert find_packed(model, tmp_path / "unread.pt2", {**w, "constant9": torch.ones(1)},
-                       [torch.randn(1, 12)]) == []
-
-
-def reference(x: torch.Tensor) -> Any:
-    return lambda moved: [x @ moved["w1"].t() + moved["b"]]
+                       [x], reference(x)) == []
 
 
 def test_verify_swaps_other_weights_in_then_loads_the_originals_back() -> None:

@@ -348,11 +348,14 @@ def _trace_packing(path: Path, gm: torch.fx.GraphModule, args: tuple[Any, ...],
     """The packed constants of an autotuned segment, traced to their weights and checked by a
     swap (packing.py), or why its weights stay frozen."""
     loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    try:
-        packed = find_packed(loader, path, weights, args)
+
+    def reference(moved: Mapping[str, torch.Tensor]) -> Any:
         with torch.no_grad():
-            verify_packed(loader, packed, weights, args,
-                          lambda moved: torch.func.functional_call(gm, dict(moved), args))
+            return torch.func.functional_call(gm, dict(moved), args)
+
+    try:
+        packed = find_packed(loader, path, weights, args, reference)
+        verify_packed(loader, packed, weights, args, reference)
     except PackingError as exc:
         return _CompiledSegment(path, frozen=f"packed weights not swappable: {exc}")
     return _CompiledSegment(path, tuple(packed))

@@ -264,8 +264,10 @@ class NativeContainer:
 
     def _read_constants(self) -> dict[str, tuple[bytes, int, int]]:
         """fqn -> (constant name, data size in bytes, dtype code) of the constants the model
-        takes (not those it folds from them)."""
+        takes (not those it folds from them). Notes whether it folds any (a model compiled
+        without runtime folding warns on every fold call)."""
         found = {}
+        self._folds = False
         for i in range(self._count("AOTInductorModelContainerGetNumConstants")):
             name, fqn = ctypes.c_char_p(), ctypes.c_char_p()
             folded, size, dtype = ctypes.c_bool(), _SIZE_T(), ctypes.c_int32()
@@ -274,6 +276,7 @@ class NativeContainer:
                                 ("GetConstantDataSize", size), ("GetConstantDtype", dtype)):
                 self.model.check(self.model.function("AOTInductorModelContainer" + symbol)(
                     self._handle, i, ctypes.byref(out)), symbol)
+            self._folds |= folded.value
             if not folded.value and name.value is not None and fqn.value is not None:
                 found[fqn.value.decode()] = (name.value, size.value, dtype.value)
         return found
@@ -320,8 +323,9 @@ class NativeContainer:
             self._binding.load_constants(dict(tensors), False, False)
             return
         self._update(self.model.copy_update, tensors)
-        self.model.check(self.model.function("AOTInductorModelContainerRunConstantFolding")(
-            self._handle, False, None, None), "folding the constants")
+        if self._folds:
+            self.model.check(self.model.function("AOTInductorModelContainerRunConstantFolding")(
+                self._handle, False, None, None), "folding the constants")
 
     def _move_to_binding(self) -> None:
         """From now on torch's binding runs this container's calls (see the module

@@ -77,12 +77,17 @@ class PackingError(Exception):
     """A packed constant that cannot be traced to a weight, or a swap through it that is wrong."""
 
 
+Reference = Callable[[Mapping[str, torch.Tensor]], Sequence[Any]]
+
+
 def find_packed(
     loader: Any, package: str | Path, weights: Mapping[str, torch.Tensor], args: Sequence[Any],
+    reference: Reference,
 ) -> list[PackedConstant]:
     """The packed constants of a loaded AOTI model (`loader`: torch's AOTIModelPackageLoader)
-    whose weights are `weights` (constant name -> tensor), each traced to its weight on `args`.
-    Raises PackingError naming the first that cannot be traced."""
+    whose weights are `weights` (constant name -> tensor), each traced to its weight on `args`;
+    `reference` runs the segment eagerly on given weights. Raises PackingError naming the
+    first that cannot be traced."""
     extra = sorted(set(loader.get_constant_fqns()) - set(weights))
     if not extra:
         return []
@@ -99,10 +104,15 @@ def find_packed(
             if _fits(weight, transposed, shape)
             and _unchanged(loader, {name: pack(weight, transposed, shape)}, args, baseline)
         ]
-        if len(matches) != 1:
-            raise PackingError(
-                f"constant {name} {list(shape)}: {len(matches)} weights pack to it "
-                f"({sorted(m.source for m in matches)}), expected exactly one")
+        if not matches:
+            raise PackingError(f"constant {name} {list(shape)}: no weight packs to it")
+        if len(matches) > 1:  # weights of equal values (layers cloned from one layer)
+            read = [m for m in matches if _reads(loader, m, weights, args, reference)]
+            if len(read) != 1:
+                raise PackingError(
+                    f"constant {name} {list(shape)}: weights {sorted(m.source for m in matches)}"
+                    " pack to it and moving each alone does not tell which it reads")
+            matches = read
         found.append(matches[0])  # its packing is the compiled value: load it back
         loader.load_constants({name: matches[0].pack(weights[matches[0].source])}, False, False)
     return found
@@ -110,7 +120,7 @@ def find_packed(
 
 def verify_packed(
     loader: Any, packed: Sequence[PackedConstant], weights: Mapping[str, torch.Tensor],
-    args: Sequence[Any], reference: Callable[[Mapping[str, torch.Tensor]], Sequence[Any]],
+    args: Sequence[Any], reference: Reference,
 ) -> None:
     """Swap other weights in (float weights moved by noise of their own scale), with their
     packed copies, and check the model against `reference` (the segment run eagerly on those
@@ -119,22 +129,44 @@ def verify_packed(
     moved = {name: _moved(w, generator) for name, w in weights.items()}
     try:
         _load(loader, moved, packed)
-        got, want = loader.run(list(args)), reference(moved)
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            if isinstance(b, torch.Tensor) and b.is_floating_point() and not torch.allclose(
-                    a, b, rtol=1e-4, atol=1e-4 * max(1.0, float(b.abs().max()))):
-                raise PackingError(
-                    f"after a swap through the packed constants output {i} is "
-                    f"{float((a - b).abs().max()):.3g} off the eager segment's")
+        mismatch = _mismatch(loader.run(list(args)), reference(moved))
+        if mismatch:
+            raise PackingError(f"after a swap through the packed constants {mismatch}")
     finally:
         _load(loader, weights, packed)
 
 
+def _reads(loader: Any, candidate: PackedConstant, weights: Mapping[str, torch.Tensor],
+           args: Sequence[Any], reference: Reference) -> bool:
+    """Whether the kernel reading `candidate.name` computes with `candidate.source`, told apart
+    from weights of equal values: with that weight alone moved, and packed into this constant,
+    the model must agree with the segment run eagerly on the moved weights."""
+    source = candidate.source
+    moved = {**weights, source: _moved(weights[source], torch.Generator().manual_seed(1))}
+    try:
+        _load(loader, {source: moved[source]}, [candidate], moved)
+        return not _mismatch(loader.run(list(args)), reference(moved))
+    finally:
+        _load(loader, {source: weights[source]}, [candidate], weights)
+
+
 def _load(loader: Any, weights: Mapping[str, torch.Tensor],
-          packed: Sequence[PackedConstant]) -> None:
+          packed: Sequence[PackedConstant], sources: Mapping[str, torch.Tensor] | None = None,
+          ) -> None:
+    """Load `weights` and the packed constants, packed from `sources` (default: `weights`)."""
+    sources = weights if sources is None else sources
     tensors = {name: w.detach().contiguous() for name, w in weights.items()}
-    tensors.update({p.name: p.pack(weights[p.source]) for p in packed})
+    tensors.update({p.name: p.pack(sources[p.source]) for p in packed})
     loader.load_constants(tensors, False, False)
+
+
+def _mismatch(got: Sequence[Any], want: Sequence[Any]) -> str:
+    """How the model's outputs differ from the eager segment's ("" when they agree)."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if isinstance(b, torch.Tensor) and b.is_floating_point() and not torch.allclose(
+                a, b, rtol=1e-4, atol=1e-4 * max(1.0, float(b.abs().max()))):
+            return f"output {i} is {float((a - b).abs().max()):.3g} off the eager segment's"
+    return ""
 
 
 def _fits(weight: torch.Tensor, transposed: bool, shape: Sequence[int]) -> bool:
