@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -192,3 +194,94 @@ def test_a_signature_finds_the_entry_its_shape_key_finds_until_that_entry_is_evi
     adaptive.choose(second, signature=ex._validator.check(second))  # evicts the first entry
     assert adaptive.choose(first, signature=signature)[1] is None  # a new entry's warm-up
     assert adaptive.choose(first, signature=signature)[1] is not None  # profiled afresh
+
+
+def test_a_decided_placement_is_rechecked_once_warm() -> None:
+    """The first round may still be warming up: a node that measured past the loop's slice
+    goes to a worker, and the recheck round (with that placement) brings it back inline."""
+    b = asyncgraph.GraphBuilder()
+    x = b.input("x")
+    b.output(b.call(torch.relu, x, name="segment"))
+    ex = asyncgraph.Executor(b.build())
+    adaptive = AdaptivePlacement(
+        ex.graph, ex.plan, ex.kernels, profile_executions=2, recheck_after=3
+    )
+    adaptive.movable = (True,)
+    inputs = [torch.randn(4)]
+    assert adaptive.choose(inputs)[1] is None  # warm-up
+    for us in (3000.0, 1500.0):  # cold: past the 1 ms slice
+        placement, times = adaptive.choose(inputs)
+        assert times is not None
+        times.add(0, int(us * 1000))
+        adaptive.finished(inputs, times)
+    first, times = adaptive.choose(inputs)
+    assert first == (Placement.WORKER,) and times is None
+    decided = adaptive.decision(first)
+    assert decided is not None and decided.best_us == (1500.0,)
+    for _ in range(2):  # the countdown: 3 executions in all, the first above
+        assert adaptive.choose(inputs) == (first, None)
+    for us in (600.0, 700.0):  # the recheck round runs with the decided placement
+        placement, times = adaptive.choose(inputs)
+        assert placement is first and times is not None
+        times.add(0, int(us * 1000))
+        adaptive.finished(inputs, times)
+    rechecked, times = adaptive.choose(inputs)
+    assert rechecked == (Placement.INLINE,) and times is None
+    assert adaptive.decision(first) is None  # the old decision is forgotten
+    now = adaptive.decision(rechecked)
+    assert now is not None and now.best_us == (600.0,)
+    assert all(adaptive.choose(inputs)[1] is None for _ in range(200))  # rechecked once only
+    stats = adaptive.statistics()
+    assert (stats.rechecked, stats.revised, stats.profiling_runs) == (1, 1, 4)
+
+
+def test_recheck_after_zero_decides_once() -> None:
+    with pytest.raises(ValueError, match="placement_recheck_after"):
+        ExecutorConfig(placement_recheck_after=-1)
+    b = asyncgraph.GraphBuilder()
+    b.output(b.call(torch.relu, b.input("x"), name="only"))
+    ex = asyncgraph.Executor(b.build(), ExecutorConfig(placement_recheck_after=0))
+    adaptive = ex._adaptive
+    assert adaptive is not None and adaptive.recheck_after == 0
+    inputs = [torch.randn(4)]
+    adaptive.choose(inputs)
+    for _ in range(adaptive.profile_executions):
+        _, times = adaptive.choose(inputs)
+        assert times is not None
+        adaptive.finished(inputs, times)
+    assert all(adaptive.choose(inputs)[1] is None for _ in range(300))
+    assert adaptive.statistics().rechecked == 0
+
+
+class _ColdThenWarm:
+    """A kernel that burns CPU during its first calls, as a compiled segment warming up does."""
+
+    def __init__(self, cold_calls: int) -> None:
+        self.calls = 0
+        self.cold_calls = cold_calls
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls <= self.cold_calls:
+            until = time.thread_time() + 0.003
+            while time.thread_time() < until:
+                pass
+        return x + 1
+
+
+async def test_an_executor_moves_a_node_that_warmed_up_back_inline() -> None:
+    kernel = _ColdThenWarm(cold_calls=3)  # the warm-up and both profiled runs
+    b = asyncgraph.GraphBuilder()
+    b.output(b.call(kernel, b.input("x"), name="warming"))
+    config = ExecutorConfig(profile_executions=2, placement_recheck_after=2)
+    x = torch.randn(4)
+    async with asyncgraph.Executor(b.build(), config) as ex:
+        ex._adaptive.movable = (True,)  # type: ignore[union-attr]
+        for _ in range(3):
+            await ex.execute(x)
+        assert ex.placements()["warming"] is Placement.WORKER  # measured ~3 ms: past the slice
+        for _ in range(5):  # 2 counted down, 2 rechecked, 1 with the new placement
+            torch.testing.assert_close(await ex.execute(x), x + 1)
+        assert ex.placements()["warming"] is Placement.INLINE
+        stats = ex.placement_statistics()
+    assert stats is not None and (stats.rechecked, stats.revised) == (1, 1)

@@ -122,6 +122,11 @@ class ExecutorConfig:
             executions while the loop is busy) and the rest inline
             (asyncgraph/runtime/placement.py).
         profile_executions: profiled executions per input-shape signature.
+        placement_recheck_after: executions of a signature, after its placement is decided,
+            before it is profiled once more (with that placement) and decided again from the
+            best times of both rounds: the first round may still be warming up (an
+            AOTInductor segment near the loop slice landed on a worker, paying a thread hop
+            per call). 0: decide once.
         heavy_node_us: measured (best) time from which a CPU node is worth a worker thread.
         loaded_heavy_node_us: the same bar while executions overlap and the loop is busy
             (the placement that sends heavy nodes to workers to overlap other executions).
@@ -182,6 +187,7 @@ class ExecutorConfig:
     heavy_op_flops: int = 200_000
     adaptive_placement: bool = True
     profile_executions: int = 3
+    placement_recheck_after: int = 100
     heavy_node_us: float = 80.0
     loaded_heavy_node_us: float = 250.0
     fast_bindings: bool = True
@@ -224,6 +230,10 @@ class ExecutorConfig:
             raise ValueError(f"loop_slice_s must be > 0, got {self.loop_slice_s}")
         if self.profile_executions < 1:
             raise ValueError(f"profile_executions must be >= 1, got {self.profile_executions}")
+        if self.placement_recheck_after < 0:
+            raise ValueError(
+                f"placement_recheck_after must be >= 0, got {self.placement_recheck_after}"
+            )
         if self.heavy_node_us < 0:
             raise ValueError(f"heavy_node_us must be >= 0, got {self.heavy_node_us}")
         if self.loaded_heavy_node_us < 0:

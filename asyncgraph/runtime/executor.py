@@ -151,6 +151,7 @@ class Executor:
             AdaptivePlacement(
                 self.graph, self.plan, self.kernels,
                 profile_executions=self.config.profile_executions,
+                recheck_after=self.config.placement_recheck_after,
                 heavy_node_us=self.config.heavy_node_us,
                 loaded_heavy_node_us=self.config.loaded_heavy_node_us,
                 loop_slice_us=self.config.loop_slice_s * 1e6,

@@ -28,6 +28,11 @@ neighbours (`Decision.heavy`): the loop's budget is checked between units, and a
 several heavy nodes (a batch of 32 rows through an encoder) would hold the loop for
 milliseconds.
 
+The first decision comes early, from executions that may still be warming up (an AOTInductor
+segment took 3.2, 1.6 then 0.6 ms over its first calls): a node near a bar can land on the wrong
+side of it. So each signature is profiled once more after `recheck_after` further executions,
+with its decided placement, and decided again from the best times of both rounds.
+
 State: one entry per shape signature (at most `max_signatures`, oldest evicted), holding the
 best node times of the profiled runs and, once decided, the placement tuple.
 """
@@ -54,6 +59,8 @@ class PlacementStatistics:
     signatures: int
     decided: int
     profiling_runs: int
+    rechecked: int  # signatures decided a second time, once warm
+    revised: int  # of those, the ones whose placement changed
     moved_inline: int
     moved_to_worker: int
 
@@ -91,13 +98,15 @@ class Decision:
 
 
 class _Entry:
-    __slots__ = ("calls", "loaded", "placement", "times")
+    __slots__ = ("calls", "loaded", "placement", "recheck_in", "times")
 
     def __init__(self, num_nodes: int) -> None:
         self.times = NodeTimes(num_nodes)
         self.placement: tuple[Placement, ...] | None = None  # for a quiet loop
         self.loaded: tuple[Placement, ...] | None = None  # while executions overlap
         self.calls = 0
+        # once decided: executions left before the recheck round; 0 while it runs; -1 after
+        self.recheck_in = 0
 
 
 class AdaptivePlacement:
@@ -113,6 +122,7 @@ class AdaptivePlacement:
         heavy_node_us: float = 80.0,
         loaded_heavy_node_us: float = 250.0,
         loop_slice_us: float = 1000.0,
+        recheck_after: int = 100,
         max_signatures: int = 16,
         key: Callable[[Sequence[Any]], ShapeKey] | None = None,
     ) -> None:
@@ -122,6 +132,7 @@ class AdaptivePlacement:
         self.heavy_node_us = heavy_node_us
         self.loaded_heavy_node_us = loaded_heavy_node_us
         self.loop_slice_us = loop_slice_us
+        self.recheck_after = recheck_after
         self.max_signatures = max_signatures
         self.key = key if key is not None else shape_key
         self.movable = tuple(  # a compiled segment (DELEGATE) is placed like any CPU kernel
@@ -136,6 +147,8 @@ class AdaptivePlacement:
         self._decided: dict[int, Decision] = {}
         self._last: tuple[Placement, ...] = plan.placement
         self._profiling_runs = 0
+        self._rechecked = 0
+        self._revised = 0
 
     def choose(
         self,
@@ -160,7 +173,12 @@ class AdaptivePlacement:
         if entry.placement is not None and entry.loaded is not None:
             chosen = entry.loaded if loaded else entry.placement
             self._last = chosen
-            return chosen, None
+            if entry.recheck_in:  # counting down, or rechecked (-1)
+                if entry.recheck_in > 0:
+                    entry.recheck_in -= 1
+                return chosen, None
+            self._profiling_runs += 1  # the recheck round, with the decided placement
+            return chosen, entry.times
         entry.calls += 1
         if entry.calls == 1:
             return self.base, None  # a warm-up: first calls pay one-off costs per op and thread
@@ -181,17 +199,33 @@ class AdaptivePlacement:
         return entry
 
     def finished(self, inputs: Sequence[Any], times: NodeTimes) -> None:
-        """Account a profiled execution; decide the placement after enough of them."""
+        """Account a profiled execution; decide the placement after enough of them, and
+        decide it again after the recheck round."""
         times.runs += 1
-        if times.runs < self.profile_executions:
-            return
         entry = self._entries.get(self.key(inputs))
-        if entry is None or entry.times is not times or entry.placement is not None:
+        if entry is None or entry.times is not times:
             return
-        best = times.best_us()
+        if entry.placement is None:
+            if times.runs >= self.profile_executions:
+                self._decide(entry)
+                entry.recheck_in = self.recheck_after if self.recheck_after > 0 else -1
+        elif entry.recheck_in == 0 and times.runs >= 2 * self.profile_executions:
+            before = (entry.placement, entry.loaded)
+            self._decide(entry)
+            entry.recheck_in = -1
+            self._rechecked += 1
+            self._revised += (entry.placement, entry.loaded) != before
+
+    def _decide(self, entry: _Entry) -> None:
+        """Place the entry's signature from its best times. Each decision makes new placement
+        objects, so the schedules built for them use the times it was made from."""
+        best = entry.times.best_us()
+        heavy = tuple(us >= self.heavy_node_us for us in best)
+        for previous in (entry.placement, entry.loaded):
+            if previous is not None:
+                self._decided.pop(id(previous), None)
         entry.placement = self.decide(best)
         entry.loaded = self.decide(best, loaded=True)
-        heavy = tuple(us >= self.heavy_node_us for us in best)
         for placement in (entry.placement, entry.loaded):
             self._decided[id(placement)] = Decision(placement, heavy, tuple(best))
         self._last = entry.placement
@@ -249,6 +283,8 @@ class AdaptivePlacement:
             signatures=len(self._entries),
             decided=len(decided),
             profiling_runs=self._profiling_runs,
+            rechecked=self._rechecked,
+            revised=self._revised,
             moved_inline=sum(
                 1 for b, p in zip(self.base, last, strict=True)
                 if b is Placement.WORKER and p is Placement.INLINE
