@@ -87,6 +87,9 @@ class PeerResult:
     failed: bool = False  # it raised: not timed
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # one value per measured round, in round order (seconds per call, or requests per second
+    # in concurrency cases): the peers' values of one round were measured minutes apart at most
+    rounds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +103,9 @@ class Target:
     limit: float
     unit: str = "x"
     note: str = ""
+    # p10 and p90 of the same ratio taken round by round (CaseResult.round_spread): whether
+    # the target holds in most rounds, or only in the medians
+    rounds: tuple[float, float] | None = None
 
     @property
     def met(self) -> bool:
@@ -131,11 +137,29 @@ class CaseResult:
         raise KeyError(f"{self.case}: no peer named {name!r}")
 
     def ratio(self, name: str, baseline: str) -> float | None:
-        """median(name) / median(baseline): below 1 means `name` is faster."""
+        """median(name) / median(baseline): below 1 means `name` is faster (None when either
+        peer is missing or was not timed)."""
+        if not self._has(name, baseline):
+            return None
         a, b = self.peer(name).median_s, self.peer(baseline).median_s
         if a is None or b is None or b <= 0:
             return None
         return a / b
+
+    def round_spread(self, name: str, baseline: str) -> tuple[float, float] | None:
+        """p10 and p90 of value(name) / value(baseline) over the rounds, each ratio taken
+        within one round: drift between rounds, which moves both peers, cancels in it."""
+        if not self._has(name, baseline):
+            return None
+        a, b = self.peer(name).rounds, self.peer(baseline).rounds
+        ratios = [x / y for x, y in zip(a, b, strict=False) if y > 0]
+        if len(ratios) < 2 or len(a) != len(b):
+            return None
+        return quantile(ratios, 0.10), quantile(ratios, 0.90)
+
+    def _has(self, *names: str) -> bool:
+        present = {p.name for p in self.peers}
+        return all(n in present for n in names)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -280,6 +304,7 @@ async def alternate(
         res = results[name]
         res.samples = len(xs)
         res.calls_per_sample = calls[name]
+        res.rounds = xs
         if xs:
             res.median_s = statistics.median(xs)
             res.p10_s = quantile(xs, 0.10)

@@ -372,15 +372,13 @@ async def _latency_case(
         if peer in names and NATIVERT in names:
             case.metrics[f"{peer} / nativert"] = case.ratio(peer, NATIVERT)
     if work.targets and NATIVERT in names:
-        case.targets.append(Target(1, f"{work.key}: latency, asyncgraph / nativert",
-                                   case.ratio("asyncgraph", NATIVERT), "<=", 1.0))
-        ratio = case.ratio(COMPILED, NATIVERT) if COMPILED in names else None
-        case.targets.append(Target(2, f"{work.key}: latency, asyncgraph compiled / nativert",
-                                   ratio, "<=", 0.6))
-        if AUTOTUNED in names:
-            case.targets.append(Target(
-                2, f"{work.key}: latency, asyncgraph compiled autotuned / nativert",
-                case.ratio(AUTOTUNED, NATIVERT), "<=", 0.6))
+        for number, peer, what, limit in ((1, "asyncgraph", "asyncgraph", 1.0),
+                                          (2, COMPILED, "asyncgraph compiled", 0.6),
+                                          (2, AUTOTUNED, "asyncgraph compiled autotuned", 0.6)):
+            if peer in names or peer != AUTOTUNED:  # a compiled peer that did not load misses
+                case.targets.append(Target(
+                    number, f"{work.key}: latency, {what} / nativert", case.ratio(peer, NATIVERT),
+                    "<=", limit, rounds=case.round_spread(peer, NATIVERT)))
     return case
 
 
@@ -472,7 +470,8 @@ async def _concurrent_case(
             mine = results[peer].extra.get("throughput")
             case.targets.append(Target(
                 number, f"{work.key}, {callers} callers: throughput, {peer} / nativert "
-                "via to_thread", mine / base if mine and base else None, ">=", limit))
+                "via to_thread", mine / base if mine and base else None, ">=", limit,
+                rounds=case.round_spread(peer, NATIVERT_THREAD)))
     return case
 
 

@@ -159,7 +159,8 @@ def render(report: Report, console: Console) -> None:
         f"{_fmt_load(env.get('load_average_end'))} at the end; {report.settings['size']} run "
         f"({report.settings['loop']} loop) in {report.elapsed_s:.0f} s. "
         "Ratios are of medians measured alternately in this run; on a shared machine they "
-        "move by several percent between runs."
+        "move by several percent between runs. A target's rounds p10-p90 is the same ratio "
+        "taken within each round."
     )
     for line in report.mismatches:
         console.print(f"[red]MISMATCH[/red] {line}")
@@ -202,13 +203,14 @@ def _case_table(case: CaseResult) -> Table:
 def _targets_table(report: Report) -> Table:
     table = Table(title="targets", title_justify="left")
     for col, justify in (("#", "right"), ("target", "left"), ("measured", "right"),
-                         ("needs", "right"), ("met", "center")):
+                         ("rounds p10-p90", "right"), ("needs", "right"), ("met", "center")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for case in report.cases:
         for t in case.targets:
+            spread = f"{_fmt(t.rounds[0])}-{_fmt(t.rounds[1])}" if t.rounds else "-"
             table.add_row(
-                str(t.number), t.name, _fmt(t.value) + t.unit, f"{t.op} {t.limit:g}{t.unit}",
-                "[green]yes[/green]" if t.met else "[red]no[/red]",
+                str(t.number), t.name, _fmt(t.value) + t.unit, spread,
+                f"{t.op} {t.limit:g}{t.unit}", "[green]yes[/green]" if t.met else "[red]no[/red]",
             )
     return table
 

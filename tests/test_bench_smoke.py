@@ -128,3 +128,29 @@ def test_nativert_compare_cache_key_follows_graph_and_weights() -> None:
     with torch.no_grad():
         model[0].weight[0, 0] += 1  # the program shares the module's parameters
     assert nc.digest(torch.export.export(model, (x,))) != key
+
+
+def test_round_spread_takes_each_ratio_within_its_round() -> None:
+    """A machine that slows down between rounds moves both peers: the round-by-round ratio
+    stays put while each peer's own spread is wide."""
+    from rich.console import Console
+
+    from benchmarks.harness import CaseResult, PeerResult, Target
+
+    slow_down = [1.0, 1.5, 2.0, 3.0, 4.0]
+    fast = PeerResult("asyncgraph", rounds=[0.5 * s for s in slow_down], median_s=1.0)
+    base = PeerResult("peer", rounds=slow_down, median_s=2.0)
+    case = CaseResult("s", "c", "d", peers=[fast, base])
+    assert case.round_spread("asyncgraph", "peer") == pytest.approx((0.5, 0.5))
+    assert case.round_spread("peer", "asyncgraph") == pytest.approx((2.0, 2.0))
+    assert case.round_spread("asyncgraph", "absent") is None
+    assert case.ratio("absent", "peer") is None
+    one_round = CaseResult("s", "c", "d", peers=[
+        PeerResult("asyncgraph", rounds=[1.0]), PeerResult("peer", rounds=[2.0])])
+    assert one_round.round_spread("asyncgraph", "peer") is None
+    case.targets.append(Target(1, "t", case.ratio("asyncgraph", "peer"), "<=", 0.6,
+                               rounds=case.round_spread("asyncgraph", "peer")))
+    report = suite.Report(environment={}, settings={}, cases=[case])
+    console = Console(record=True, width=200)
+    console.print(suite._targets_table(report))
+    assert "0.5-0.5" in console.export_text()
