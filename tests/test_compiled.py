@@ -1047,6 +1047,47 @@ def test_a_native_call_that_disagrees_with_the_binding_falls_back() -> None:
 
 
 @pytest.mark.timeout(120)
+async def test_a_model_is_checked_against_the_binding_once_per_process(
+    compiled: Compiled, monkeypatch: pytest.MonkeyPatch, leak_check: Any
+) -> None:
+    """The first load's first call is checked against torch's binding; a second load of the
+    same model reuses the verdict and never loads the binding (each model load keeps memory
+    the process never gets back). A remembered disagreement sends later loads to the binding."""
+    from asyncgraph.compiled import native_call
+
+    monkeypatch.setattr(native_call, "_VERDICTS", {})
+    loads: list[Any] = []
+    real = torch._C._aoti.AOTIModelPackageLoader
+
+    def counting(*args: Any) -> Any:
+        loads.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", counting)
+    x = torch.randn(4, 8)
+
+    async def load_and_run() -> tuple[torch.Tensor, str]:
+        ex = asyncgraph.load(compiled.path("whole"), trust_compiled=True)
+        try:
+            return await ex.execute(x), ex.graph.node("aoti_segment_0").target.statistics()["call"]
+        finally:
+            await ex.aclose()
+
+    first, how = await load_and_run()
+    assert how == "native" and len(loads) >= 1  # the check's reference
+    checked = len(loads)
+    assert native_call._VERDICTS and set(native_call._VERDICTS.values()) == {""}  # one per segment
+    again, how = await load_and_run()
+    assert how == "native" and len(loads) == checked  # no binding this time
+    assert torch.equal(again, first)
+    for digest in native_call._VERDICTS:
+        native_call._VERDICTS[digest] = "output 0 differs from the binding's"
+    fallback, how = await load_and_run()
+    assert how == "binding (output 0 differs from the binding's)"
+    assert torch.equal(fallback, first)
+
+
+@pytest.mark.timeout(120)
 async def test_the_binding_is_used_where_asked_or_where_the_c_path_is_missing(
     compiled: Compiled, monkeypatch: pytest.MonkeyPatch, leak_check: Any
 ) -> None:

@@ -45,6 +45,7 @@ from asyncgraph.compiled.native_call import (
     CheckedContainer,
     NativeModel,
     NativeUnavailable,
+    checked_verdict,
     native_calls_enabled,
 )
 from asyncgraph.compiled.packing import PackedConstant
@@ -326,7 +327,7 @@ def segment_containers(
 ) -> tuple[Any, Callable[[], Any], str]:
     """The first container of a segment, a maker of more, and how they are called: through
     the model's C entry points with the GIL released (native_call.py), the first call checked
-    against torch's binding; or through the binding (AOTIModelPackageLoader, which holds the
+    against torch's binding once per model in the process; or through the binding (AOTIModelPackageLoader, which holds the
     GIL while the model runs) where the C path is unavailable or ASYNCGRAPH_AOTI_CALL=binding."""
 
     def binding() -> Any:
@@ -336,9 +337,14 @@ def segment_containers(
         return binding(), binding, f"binding ({CALL_ENV}=binding)"
     try:
         model = NativeModel.load(package, segment)
+        verdict = checked_verdict(model.digest)
+        if verdict:  # this model disagreed with the binding before, in this process
+            return binding(), binding, f"binding ({verdict})"
         native = model.container(runners, binding)
     except NativeUnavailable as exc:
         return binding(), binding, f"binding ({exc})"
+    if verdict == "":  # checked before in this process, and it agreed
+        return native, lambda: model.container(runners, binding), "native"
     mismatched: list[str] = []
 
     def container() -> Any:
@@ -346,7 +352,8 @@ def segment_containers(
             return binding()
         if first.kind != "native (unchecked)":
             return model.container(runners, binding)
-        return CheckedContainer(model.container(runners, binding), binding(), mismatched.append)
+        return CheckedContainer(model.container(runners, binding), binding(), mismatched.append,
+                                model.digest)
 
-    first = CheckedContainer(native, binding(), mismatched.append)
+    first = CheckedContainer(native, binding(), mismatched.append, model.digest)
     return first, container, "native"
