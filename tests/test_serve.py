@@ -72,8 +72,11 @@ async def serving(
         for name in models:
             app.state.asyncgraph.served(name).admission.clock = clock
     limits = httpx.Limits(max_connections=256)
+    # The server keeps idle connections past any test's length: with uvicorn's 5 s default, a
+    # pooled connection idle through a slow burst was closed as the client reused it ("Server
+    # disconnected without sending a response", once, on a loaded machine).
     async with (
-        running_server(app) as url,
+        running_server(app, timeout_keep_alive=int(WAIT_S) * 3) as url,
         httpx.AsyncClient(base_url=url, timeout=WAIT_S, limits=limits) as client,
     ):
         yield app.state.asyncgraph, client, url
