@@ -114,6 +114,7 @@ def checked_verdict(digest: str) -> str | None:
     with _VERDICTS_LOCK:
         return _VERDICTS.get(digest)
 
+
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = _VOID_P
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]

@@ -327,8 +327,9 @@ def segment_containers(
 ) -> tuple[Any, Callable[[], Any], str]:
     """The first container of a segment, a maker of more, and how they are called: through
     the model's C entry points with the GIL released (native_call.py), the first call checked
-    against torch's binding once per model in the process; or through the binding (AOTIModelPackageLoader, which holds the
-    GIL while the model runs) where the C path is unavailable or ASYNCGRAPH_AOTI_CALL=binding."""
+    against torch's binding once per model in the process; or through the binding
+    (AOTIModelPackageLoader, which holds the GIL while the model runs) where the C path is
+    unavailable or ASYNCGRAPH_AOTI_CALL=binding."""
 
     def binding() -> Any:
         return torch._C._aoti.AOTIModelPackageLoader(package, segment, False, runners, -1)
