@@ -400,12 +400,13 @@ def _delete(model: NativeModel, handle: int) -> None:
 class CheckedContainer:
     """A segment's first native container: its first call is compared with torch's binding
     on the same inputs. `on_mismatch(reason)` is told when they differ; the calls then go to
-    the binding. Until the check, a swap loads both."""
+    the binding. The verdict is kept under `digest` (the model's; none when ""). Until the
+    check, a swap loads both."""
 
     def __init__(self, native: NativeContainer, reference: Any,
-                 on_mismatch: Callable[[str], None], digest: str = "") -> None:
+                 on_mismatch: Callable[[str], None] | None = None, digest: str = "") -> None:
         self.native = native
-        self._digest = digest  # the model's: where the verdict is kept (none when "")
+        self._digest = digest
         self._reference: Any = reference
         self._on_mismatch = on_mismatch
         self._lock = threading.Lock()
@@ -444,7 +445,8 @@ class CheckedContainer:
             self._reference = None  # its container and copy of the model go
             return mine
         self._kind = f"binding ({reason})"
-        self._on_mismatch(reason)
+        if self._on_mismatch is not None:
+            self._on_mismatch(reason)
         return theirs
 
     def _load_both(self, tensors: Mapping[str, torch.Tensor], *flags: bool) -> None:

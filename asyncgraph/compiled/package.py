@@ -338,23 +338,19 @@ def segment_containers(
         return binding(), binding, f"binding ({CALL_ENV}=binding)"
     try:
         model = NativeModel.load(package, segment)
-        verdict = checked_verdict(model.digest)
-        if verdict:  # this model disagreed with the binding before, in this process
-            return binding(), binding, f"binding ({verdict})"
-        native = model.container(runners, binding)
     except NativeUnavailable as exc:
         return binding(), binding, f"binding ({exc})"
-    if verdict == "":  # checked before in this process, and it agreed
-        return native, lambda: model.container(runners, binding), "native"
-    mismatched: list[str] = []
+    verdict = checked_verdict(model.digest)
+    if verdict:  # this model disagreed with the binding before, in this process
+        return binding(), binding, f"binding ({verdict})"
 
     def container() -> Any:
-        if mismatched:
+        """Native, checked on its first call until this process has the model's verdict."""
+        verdict = checked_verdict(model.digest)
+        if verdict:
             return binding()
-        if first.kind != "native (unchecked)":
-            return model.container(runners, binding)
-        return CheckedContainer(model.container(runners, binding), binding(), mismatched.append,
-                                model.digest)
+        native = model.container(runners, binding)
+        return native if verdict == "" else CheckedContainer(native, binding(), None,
+                                                             model.digest)
 
-    first = CheckedContainer(native, binding(), mismatched.append, model.digest)
-    return first, container, "native"
+    return container(), container, "native"
