@@ -54,6 +54,7 @@ async def test_a_measured_all_inline_graph_runs_straight_with_the_same_results(
     config = ExecutorConfig(profile_executions=2)
     async with Executor(ep, config) as ex:
         for _ in range(6):
+            await asyncio.sleep(0)  # a fresh slice (the eager check spends the last one's)
             x = torch.randn(4, 8)
             torch.testing.assert_close(await ex.execute(x), Chain()(x))
     # the warm-up and profiled executions take the dataflow path (their times are measured)
@@ -93,6 +94,7 @@ async def test_a_kernel_error_on_the_straight_path_names_its_node(
             assert await ex.execute(1) == 2
         before = counts["straight"]
         fail["now"] = True
+        await asyncio.sleep(0)  # a fresh slice: the four calls above may have spent this one
         with pytest.raises(ValueError, match="boom") as info:
             await ex.execute(1)
         assert counts["straight"] == before + 1
@@ -176,6 +178,7 @@ async def test_dataflow_executions_after_straight_ones_get_fresh_counters(
     ep = torch.export.export(Chain(), (torch.randn(4, 8),))
     async with Executor(ep, ExecutorConfig(profile_executions=1)) as ex:
         for _ in range(4):  # warm-up, profiled, then straight
+            await asyncio.sleep(0)  # each in a fresh slice
             await ex.execute(torch.randn(4, 8))
         assert counts["straight"] >= 1
         start = LoopBudget.start
