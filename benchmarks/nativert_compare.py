@@ -16,7 +16,8 @@ the MLP (12 x Linear+ReLU, 256 wide: 24 nodes), tiny BERT (token and position em
 Latency peers: asyncgraph `execute`, asyncgraph with compiled segments
 (`asyncgraph.compiled.compile_program(ep, path, "auto")`, loaded with trust_compiled=True;
 weights swappable), on the MLP and tiny BERT also with `autotune=True` (max-autotune: the
-C++ GEMM with its packed weights, still swappable),
+C++ GEMM with its packed weights, still swappable; per segment, kept only where it timed
+faster than the default kernels),
 nativert `runner.run(x)`, AOTInductor whole-model (`aoti_compile_and_package`,
 `aoti_load_package`) and eager `model(x)`. Compiled packages are cached under
 build/nativert_compare/torch-<version>/, keyed by graph and a digest of the program and its
@@ -253,9 +254,15 @@ def build_compiled(work: Workload, options: Options) -> Built:
     kinds = ["aoti", "segments"]
     if work.targets:  # max-autotune compiles take half a minute: the target graphs only
         kinds.append("autotuned")
-        autotuned_path = folder / f"{key}.segments-auto-autotuned-{SEGMENTS_FORMAT}.pt2"
+        # "kept": each segment's autotuned kernels kept only where they timed faster
+        autotuned_path = folder / f"{key}.segments-auto-autotuned-kept-{SEGMENTS_FORMAT}.pt2"
         built.autotuned = _compile_segments(built.notes, "autotuned", work.ep, autotuned_path,
                                             autotune=True)
+        if built.autotuned is not None:  # which kernels each segment kept, and their times
+            from asyncgraph.compiled.package import read_manifest
+
+            built.notes["autotuned_kernels"] = "; ".join(
+                s.get("kernels", "") for s in read_manifest(built.autotuned)["segments"])
     if work.targets and work.dynamic is not None:  # the batched rows' own compile
         kinds.append("batched")
         dynamic = work.dynamic()

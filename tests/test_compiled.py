@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch.export import Dim
 import asyncgraph
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.compiled import CompileReport, compile_program, find_segments
+from asyncgraph.compiled.package import read_manifest
 from asyncgraph.errors import ProgramLoadError, WeightsError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
 from asyncgraph.graph.importers import Node, load_pt2
@@ -440,7 +441,7 @@ async def test_autotuned_segments_swap_their_packed_weights(
     after swaps in both directions (a swap of the weight alone would leave the kernels on the
     old values)."""
     report = compile_program(compiled.source, tmp_path / "tuned.pt2", "auto", autotune=True,
-                             inductor_configs=CPP_GEMM)
+                             keep_faster=False, inductor_configs=CPP_GEMM)
     [segment] = report.segments
     assert segment.autotuned and not segment.frozen
     assert {(p.source, p.transposed) for p in segment.packed} == {
@@ -465,6 +466,99 @@ async def test_autotuned_segments_swap_their_packed_weights(
         await plain.aclose()
 
 
+@pytest.fixture(scope="module", params=[0.5, 1.0, None],
+                ids=["autotuned-faster", "tie", "autotune-fails"])
+def chosen(request: pytest.FixtureRequest, compiled: Compiled,
+           tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[float | None, CompileReport, list[int]]:
+    """A package compiled with autotune=True whose timing (choice.py) found autotuned /
+    default = the parameter (None: the autotuned compile failed); and the number of runtime
+    inputs each timing got."""
+    import asyncgraph.compiled.build as build
+    from asyncgraph.compiled.choice import KernelChoice
+
+    ratio: float | None = request.param
+    timed: list[int] = []
+    compile_segment = build._compile_segment
+
+    def failing_autotune(*args: Any) -> Any:
+        if args[-1].get("max_autotune"):
+            raise RuntimeError("no GEMM template fits\nsecond line")
+        return compile_segment(*args)
+
+    def choose(autotuned: Path, default: Path, args: Sequence[Any]) -> KernelChoice:
+        assert autotuned.exists() and default.exists() and autotuned != default
+        timed.append(len(args))
+        assert ratio is not None
+        return KernelChoice(0.1 * ratio, 0.1, ratio)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "choose_kernels", choose)
+        if ratio is None:
+            patch.setattr(build, "_compile_segment", failing_autotune)
+        report = compile_program(compiled.source, tmp_path_factory.mktemp("chosen") / "c.pt2",
+                                 "auto", autotune=True, inductor_configs=CPP_GEMM)
+    return ratio, report, timed
+
+
+@pytest.mark.timeout(600)
+async def test_autotune_keeps_the_faster_compile_of_each_segment(
+    chosen: tuple[float | None, CompileReport, list[int]], compiled: Compiled,
+    leak_check: Any,
+) -> None:
+    """autotune=True compiles each segment both ways and keeps the autotuned one only where
+    it times faster (the timing itself: test_choose_kernels_*); either way the package runs
+    as the plain graph does and swaps reach its weights, and the manifest says why."""
+    ratio, report, timed = chosen
+    [segment] = report.segments
+    faster = ratio is not None and ratio < 1
+    assert segment.autotuned is faster and bool(segment.packed) is faster
+    if ratio is None:
+        assert timed == [] and segment.kernels == (
+            "default kernels kept: autotuning failed: RuntimeError: no GEMM template fits")
+    else:
+        assert timed == [1]  # one segment, timed on its one runtime input
+        kept = "autotuned" if faster else "default"
+        assert segment.kernels.startswith(f"{kept} kernels kept: ")
+    ex = asyncgraph.load(report.path, trust_compiled=True)
+    [entry] = read_manifest(report.path)["segments"]
+    assert (entry["kernels"], entry["autotuned"]) == (segment.kernels, segment.autotuned)
+    plain = Executor(compiled.source)
+    try:
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(await ex.execute(x), await plain.execute(x), **TOL)
+        new = perturbed_weights(ex.weights.tensors, 5)
+        ex.swap_weights(new)
+        plain.swap_weights(new)
+        torch.testing.assert_close(await ex.execute(x), await plain.execute(x), **TOL)
+    finally:
+        await ex.aclose()
+        await plain.aclose()
+
+
+def test_choose_kernels_keeps_autotuned_only_when_it_is_faster(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The timing compares the two compiles round by round; a tie keeps the default kernels
+    (the autotuned ones cost a repack at every swap). Runners 5x apart, by sleeping."""
+    import asyncgraph.compiled.choice as choice
+
+    monkeypatch.setattr(choice, "SAMPLE_S", 0.004)
+    monkeypatch.setattr(choice, "ROUNDS", 5)
+    naps = {"fast": 0.0002, "slow": 0.001, "same": 0.001}
+
+    def runner(path: Path, args: Sequence[Any]) -> Callable[[], None]:
+        return lambda: time.sleep(naps[path.name])
+
+    monkeypatch.setattr(choice, "_runner", runner)
+    faster = choice.choose_kernels(Path("fast"), Path("slow"), [])
+    assert faster.keep_autotuned and faster.ratio < 0.5
+    assert faster.describe().startswith("autotuned kernels kept: ")
+    slower = choice.choose_kernels(Path("slow"), Path("fast"), [])
+    assert not slower.keep_autotuned and slower.ratio > 2
+    assert not choice.KernelChoice(1.0, 1.0, 0.99).keep_autotuned  # within the margin
+
+
 @pytest.mark.timeout(600)
 async def test_untraceable_packed_weights_refuse_a_swap(
     compiled: Compiled, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leak_check: Any
@@ -480,7 +574,7 @@ async def test_untraceable_packed_weights_refuse_a_swap(
 
     monkeypatch.setattr(build, "find_packed", untraceable)
     report = compile_program(compiled.source, tmp_path / "frozen.pt2", "auto", autotune=True,
-                             inductor_configs=CPP_GEMM)
+                             keep_faster=False, inductor_configs=CPP_GEMM)
     assert [s.frozen for s in report.segments] == [
         "packed weights not swappable: constant6 [2, 16, 8]: no weight packs to it"]
     ex = asyncgraph.load(report.path, trust_compiled=True)

@@ -32,9 +32,10 @@ def compile_command(
         bool,
         typer.Option(
             "--autotune",
-            help="Compile with max-autotune (inductor's C++ GEMM where it is faster: minutes "
-                 "more of compile). Weights stay swappable; a segment whose packed weights "
-                 "cannot be traced is reported frozen.",
+            help="Compile each segment with max-autotune too (inductor's C++ GEMM: minutes "
+                 "more of compile), time both here and keep the autotuned one only where it "
+                 "is faster. Weights stay swappable; a segment whose packed weights cannot be "
+                 "traced is reported frozen.",
         ),
     ] = False,
 ) -> None:

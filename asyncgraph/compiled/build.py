@@ -38,6 +38,7 @@ import torch.fx
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
+from asyncgraph.compiled.choice import choose_kernels
 from asyncgraph.compiled.package import SegmentRecord, write_package
 from asyncgraph.compiled.packing import PackedConstant, PackingError, find_packed, verify_packed
 from asyncgraph.compiled.segments import Segment, find_segments
@@ -103,6 +104,7 @@ def compile_program(
     progress: Progress | None = None,
     inductor_configs: dict[str, Any] | None = None,
     autotune: bool = False,
+    keep_faster: bool = True,
 ) -> CompileReport:
     """Compile `source` (an ExportedProgram or a .pt2 path) into the package `output`.
 
@@ -111,7 +113,9 @@ def compile_program(
     with AUTOTUNE (max-autotune: faster matmuls, minutes more of compile); the weights it packs
     into the C++ GEMM's layout are traced to their sources (packing.py) so that swaps repack
     them, and a segment where that fails is marked frozen: it refuses `swap_weights` of its
-    weights, saying why.
+    weights, saying why. With `keep_faster` (the default) each segment is compiled with the
+    default kernels too, both are timed here on the example inputs, and the autotuned one is
+    kept only where it is faster (choice.py); the manifest says which and by how much.
     """
     say = progress or (lambda _message: None)
     started = time.perf_counter()
@@ -133,16 +137,16 @@ def compile_program(
             name = f"aoti_segment_{len(compiled)}"
             t0 = time.perf_counter()
             try:
-                aoti = _compile_segment(graph, segment, values, baked,
-                                        Path(tmp) / f"{name}.pt2",
-                                        {**(AUTOTUNE if autotune else SWAPPABLE_CONSTANTS),
-                                         **(inductor_configs or {})})
+                aoti, autotuned, kernels = _compile_kernels(
+                    graph, segment, values, baked, Path(tmp) / name, inductor_configs or {},
+                    autotune=autotune, keep_faster=keep_faster)
             except Exception as exc:  # export or inductor refused it: keep it interpreted
-                reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}" \
-                    if str(exc).strip() else type(exc).__name__
+                reason = _reason(exc)
                 report.failed.append(FailedSegment(names, reason))
                 say(f"  left interpreted: {reason}")
                 continue
+            if kernels:
+                say(f"  {kernels}")
             record = SegmentRecord(
                 name=name,
                 nodes=names,
@@ -157,7 +161,8 @@ def compile_program(
                     _constant_name(i) if v in baked and isinstance(values[v], torch.Tensor)
                     else "" for i, v in enumerate(segment.inputs)),
                 compile_s=round(time.perf_counter() - t0, 3),
-                autotuned=autotune,
+                autotuned=autotuned,
+                kernels=kernels,
                 packed=aoti.packed,
                 frozen=aoti.frozen,
             )
@@ -319,12 +324,51 @@ class _CompiledSegment:
     frozen: str = ""  # why its weights cannot be swapped, if they cannot
 
 
+def _compile_kernels(
+    graph: Graph, segment: Segment, values: list[Any], baked: Mapping[int, str], stem: Path,
+    extra: dict[str, Any], *, autotune: bool, keep_faster: bool,
+) -> tuple[_CompiledSegment, bool, str]:
+    """The segment compiled as compile_program's options ask: the compile kept, whether it
+    is the autotuned one, and why that one (when both were compiled)."""
+    tuned = {**AUTOTUNE, **extra}
+    if autotune and not keep_faster:
+        return _compile_segment(graph, segment, values, baked, stem.with_suffix(".pt2"),
+                                tuned), True, ""
+    default = _compile_segment(graph, segment, values, baked, stem.with_suffix(".pt2"),
+                               {**SWAPPABLE_CONSTANTS, **extra})
+    if not autotune:
+        return default, False, ""
+    try:
+        autotuned = _compile_segment(graph, segment, values, baked,
+                                     stem.with_suffix(".autotuned.pt2"), tuned)
+    except Exception as exc:
+        return default, False, f"default kernels kept: autotuning failed: {_reason(exc)}"
+    constants = _baked_constants(segment, values, baked)
+    args = [_plain(values[v]) for v in segment.inputs if v not in constants]
+    choice = choose_kernels(autotuned.path, default.path, args)
+    if choice.keep_autotuned:
+        return autotuned, True, choice.describe()
+    return default, False, choice.describe()
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as one line of a report."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def _baked_constants(segment: Segment, values: list[Any], baked: Mapping[int, str]
+                     ) -> dict[int, torch.Tensor]:
+    """The segment's inputs that are weights it bakes in as constants, by value id."""
+    return {v: _plain(values[v]).detach().contiguous() for v in segment.inputs
+            if v in baked and isinstance(values[v], torch.Tensor)}
+
+
 def _compile_segment(
     graph: Graph, segment: Segment, values: list[Any], baked: Mapping[int, str], path: Path,
     inductor_configs: dict[str, Any],
 ) -> _CompiledSegment:
-    constants = {v: _plain(values[v]).detach().contiguous() for v in segment.inputs
-                 if v in baked and isinstance(values[v], torch.Tensor)}
+    constants = _baked_constants(segment, values, baked)
     gm = segment_module(graph, segment, constants)
     runtime = [v for v in segment.inputs if v not in constants]
     args = tuple(_plain(values[v]) for v in runtime)

@@ -73,6 +73,7 @@ class SegmentRecord:
     # per input: its AOTI constant name when the segment bakes it in (a weight), else ""
     constants: tuple[str, ...] = ()
     autotuned: bool = False  # compiled with max-autotune (compile_program(autotune=True))
+    kernels: str = ""  # why these kernels: autotuned against default, timed (choice.py)
     packed: tuple[PackedConstant, ...] = ()  # constants a swap derives from its weights
     frozen: str = ""  # why its weights cannot be swapped ("" when they can)
 
@@ -190,6 +191,7 @@ def _record(entry: Mapping[str, Any]) -> SegmentRecord:
         cost=int(entry.get("cost", 0)), compile_s=float(entry.get("compile_s", 0.0)),
         constants=tuple(str(c) for c in entry.get("constants", ())),
         autotuned=bool(entry.get("autotuned", False)),
+        kernels=str(entry.get("kernels", "")),
         packed=tuple(PackedConstant(str(p["name"]), str(p["source"]), bool(p["transposed"]),
                                     (int(p["shape"][0]), int(p["shape"][1]), int(p["shape"][2])))
                      for p in entry.get("packed", ())),

@@ -1,0 +1,84 @@
+"""Autotuned or default kernels: which compile of a segment to keep, by timing both here.
+
+max-autotune (compile_program(autotune=True)) times candidate kernels one GEMM at a time, in
+isolation, at compile time. The kernels it picks are not always faster as a whole segment:
+on tiny BERT's 16-row GEMMs the autotuned segment ran slower than the default kernels in most
+benchmark runs, and its choice moves with the machine's load. So an autotuned segment is kept
+only when, run as a whole on the example inputs, it beats the same segment compiled with the
+default kernels by KEEP_BELOW: the autotuned one costs a repack of its packed weights at every
+swap (or cannot swap at all), which a tie does not pay for.
+
+Both are timed alternately, round by round, with the order flipped each round, and judged by
+the median of the per-round ratios, so drift in the machine's speed cancels.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KEEP_BELOW = 0.97  # autotuned / default time at or above this keeps the default kernels
+ROUNDS = 9
+SAMPLE_S = 0.02  # about how long each timed sample lasts
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The timing of one segment's two compiles and the one kept."""
+
+    autotuned_ms: float
+    default_ms: float
+    ratio: float  # median over rounds of autotuned / default
+
+    @property
+    def keep_autotuned(self) -> bool:
+        return self.ratio < KEEP_BELOW
+
+    def describe(self) -> str:
+        kept = "autotuned kernels kept" if self.keep_autotuned else "default kernels kept"
+        return (f"{kept}: {self.autotuned_ms:.3f} ms autotuned, {self.default_ms:.3f} ms "
+                f"default (ratio {self.ratio:.2f}, keeps autotuned below {KEEP_BELOW})")
+
+
+def choose_kernels(autotuned: Path, default: Path, args: Sequence[Any]) -> KernelChoice:
+    """Time the AOTI packages `autotuned` and `default` of one segment on `args`."""
+    calls = [_runner(autotuned, args), _runner(default, args)]
+    counts = [_calls_per_sample(call) for call in calls]
+    times: list[list[float]] = [[], []]
+    for round_ in range(ROUNDS):
+        for which in (0, 1) if round_ % 2 == 0 else (1, 0):
+            times[which].append(_sample(calls[which], counts[which]))
+    ratio = statistics.median(a / d for a, d in zip(times[0], times[1], strict=True))
+    return KernelChoice(statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3,
+                        round(ratio, 3))
+
+
+def _runner(path: Path, args: Sequence[Any]) -> Callable[[], Any]:
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    inputs = list(args)
+
+    def run() -> Any:
+        with torch.inference_mode():
+            return loader.run(inputs)
+
+    return run
+
+
+def _calls_per_sample(call: Callable[[], Any]) -> int:
+    """Calls that make a sample last about SAMPLE_S, from the fastest of a few warm-up calls
+    (a compiled model's first calls are slower)."""
+    fastest = min(_sample(call, 1) for _ in range(5))
+    return max(1, int(SAMPLE_S / max(fastest, 1e-6)))
+
+
+def _sample(call: Callable[[], Any], n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    return (time.perf_counter() - start) / n
