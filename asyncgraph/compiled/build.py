@@ -158,8 +158,8 @@ def compile_program(
                 ),
                 cost=sum(estimate_cost(n, graph) for n in segment.nodes(graph)),
                 constants=tuple(
-                    _constant_name(i) if v in baked and isinstance(values[v], torch.Tensor)
-                    else "" for i, v in enumerate(segment.inputs)),
+                    _constant_name(i) if _bakes(v, values, baked) else ""
+                    for i, v in enumerate(segment.inputs)),
                 compile_s=round(time.perf_counter() - t0, 3),
                 autotuned=autotuned,
                 kernels=kernels,
@@ -343,8 +343,7 @@ def _compile_kernels(
                                      stem.with_suffix(".autotuned.pt2"), tuned)
     except Exception as exc:
         return default, False, f"default kernels kept: autotuning failed: {_reason(exc)}"
-    constants = _baked_constants(segment, values, baked)
-    args = [_plain(values[v]) for v in segment.inputs if v not in constants]
+    args = [_plain(values[v]) for v in segment.inputs if not _bakes(v, values, baked)]
     choice = choose_kernels(autotuned.path, default.path, args)
     if choice.keep_autotuned:
         return autotuned, True, choice.describe()
@@ -357,18 +356,17 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
 
 
-def _baked_constants(segment: Segment, values: list[Any], baked: Mapping[int, str]
-                     ) -> dict[int, torch.Tensor]:
-    """The segment's inputs that are weights it bakes in as constants, by value id."""
-    return {v: _plain(values[v]).detach().contiguous() for v in segment.inputs
-            if v in baked and isinstance(values[v], torch.Tensor)}
+def _bakes(value: int, values: list[Any], baked: Mapping[int, str]) -> bool:
+    """Whether a segment input is a weight the segment bakes in as a constant."""
+    return value in baked and isinstance(values[value], torch.Tensor)
 
 
 def _compile_segment(
     graph: Graph, segment: Segment, values: list[Any], baked: Mapping[int, str], path: Path,
     inductor_configs: dict[str, Any],
 ) -> _CompiledSegment:
-    constants = _baked_constants(segment, values, baked)
+    constants = {v: _plain(values[v]).detach().contiguous() for v in segment.inputs
+                 if _bakes(v, values, baked)}
     gm = segment_module(graph, segment, constants)
     runtime = [v for v in segment.inputs if v not in constants]
     args = tuple(_plain(values[v]) for v in runtime)
