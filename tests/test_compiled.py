@@ -16,6 +16,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -557,6 +558,29 @@ def test_choose_kernels_keeps_autotuned_only_when_it_is_faster(
     slower = choice.choose_kernels(Path("slow"), Path("fast"), [])
     assert not slower.keep_autotuned and slower.ratio > 2
     assert not choice.KernelChoice(1.0, 1.0, 0.99).keep_autotuned  # within the margin
+
+
+def test_a_failed_timing_keeps_the_default_compile(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Both compiles succeeded but timing them failed (a package that would not load or run
+    here): the default compile is kept, with the reason, and the segment stays compiled."""
+    import asyncgraph.compiled.build as build
+
+    def compile_segment(*args: Any) -> Any:
+        return build._CompiledSegment(args[4])
+
+    def choose(*_args: Any) -> Any:
+        raise RuntimeError("Error in dlopen: undefined symbol\nsecond line")
+
+    monkeypatch.setattr(build, "_compile_segment", compile_segment)
+    monkeypatch.setattr(build, "choose_kernels", choose)
+    segment: Any = SimpleNamespace(inputs=())  # the compile is patched: only its inputs are read
+    kept, autotuned, why = build._compile_kernels(
+        segment, segment, [], {}, tmp_path / "s", {}, autotune=True, keep_faster=True)
+    assert (kept.path, autotuned) == (tmp_path / "s.pt2", False)
+    assert why == ("default kernels kept: timing failed: "
+                   "RuntimeError: Error in dlopen: undefined symbol")
 
 
 @pytest.mark.timeout(600)

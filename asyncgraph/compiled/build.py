@@ -344,7 +344,10 @@ def _compile_kernels(
     except Exception as exc:
         return default, False, f"default kernels kept: autotuning failed: {_reason(exc)}"
     args = [_plain(values[v]) for v in segment.inputs if not _bakes(v, values, baked)]
-    choice = choose_kernels(autotuned.path, default.path, args)
+    try:
+        choice = choose_kernels(autotuned.path, default.path, args)
+    except Exception as exc:  # both compiled, but one would not load or run here
+        return default, False, f"default kernels kept: timing failed: {_reason(exc)}"
     if choice.keep_autotuned:
         return autotuned, True, choice.describe()
     return default, False, choice.describe()
