@@ -154,3 +154,31 @@ def test_round_spread_takes_each_ratio_within_its_round() -> None:
     console = Console(record=True, width=200)
     console.print(suite._targets_table(report))
     assert "0.5-0.5" in console.export_text()
+
+
+async def test_alternate_counts_calls_per_sample_again_once_warm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer whose first calls are slow (profiling) gets as many calls per sample as a peer
+    that was warm from the start, counted from the last warm-up round (on a fake clock)."""
+    from benchmarks import harness
+
+    now = [0.0]
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: now[0])
+
+    def peer(name: str, cold_calls: int) -> harness.Peer:
+        made = [0]
+
+        async def call() -> None:
+            made[0] += 1
+            now[0] += 0.010 if made[0] <= cold_calls else 0.001
+
+        return harness.Peer(name, call)
+
+    peers = [peer("warming", cold_calls=5), peer("warm", cold_calls=0)]
+    results = {p.name: harness.PeerResult(p.name) for p in peers}
+    settings = Settings(rounds=3, warmup=2, sample_s=0.020)
+    await harness.alternate(peers, settings, lambda: None, results)
+    for name in ("warming", "warm"):
+        assert results[name].calls_per_sample == 20, name  # 20 ms / 1 ms
+        assert results[name].rounds == pytest.approx([0.001] * 3), name
