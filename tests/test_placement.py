@@ -196,7 +196,7 @@ def test_a_signature_finds_the_entry_its_shape_key_finds_until_that_entry_is_evi
     assert adaptive.choose(first, signature=signature)[1] is not None  # profiled afresh
 
 
-def test_a_decided_placement_is_rechecked_once_warm() -> None:
+def test_a_decided_placement_is_rechecked_as_it_warms_up() -> None:
     """The first round may still be warming up: a node that measured past the loop's slice
     goes to a worker, and the recheck round (with that placement) brings it back inline."""
     b = asyncgraph.GraphBuilder()
@@ -230,9 +230,46 @@ def test_a_decided_placement_is_rechecked_once_warm() -> None:
     assert adaptive.decision(first) is None  # the old decision is forgotten
     now = adaptive.decision(rechecked)
     assert now is not None and now.best_us == (600.0,)
-    assert all(adaptive.choose(inputs)[1] is None for _ in range(200))  # rechecked once only
+    for gap in (6, 12):  # two more rounds, each twice as far out; the best times only fall
+        for _ in range(gap - 1):  # the countdown, the first execution above
+            assert adaptive.choose(inputs) == (rechecked, None)
+        for us in (650.0, 900.0):
+            placement, times = adaptive.choose(inputs)
+            assert placement is rechecked and times is not None
+            times.add(0, int(us * 1000))
+            adaptive.finished(inputs, times)
+        rechecked, times = adaptive.choose(inputs)
+        assert rechecked == (Placement.INLINE,) and times is None
+        assert adaptive.decision(rechecked).best_us == (600.0,)  # type: ignore[union-attr]
+    assert all(adaptive.choose(inputs)[1] is None for _ in range(300))  # RECHECKS rounds only
     stats = adaptive.statistics()
-    assert (stats.rechecked, stats.revised, stats.profiling_runs) == (1, 1, 4)
+    assert (stats.rechecked, stats.revised, stats.profiling_runs) == (3, 1, 8)
+
+
+def test_a_later_recheck_catches_a_slow_warm_up() -> None:
+    """Still cold at the first recheck, the node stays on its worker; warm at the second, it
+    comes back inline."""
+    b = asyncgraph.GraphBuilder()
+    b.output(b.call(torch.relu, b.input("x"), name="segment"))
+    ex = asyncgraph.Executor(b.build())
+    adaptive = AdaptivePlacement(ex.graph, ex.plan, ex.kernels, profile_executions=1,
+                                 recheck_after=2)
+    adaptive.movable = (True,)
+    inputs = [torch.randn(4)]
+    adaptive.choose(inputs)  # warm-up
+    seen = []
+    for us in (3000.0, 1200.0, 500.0):  # the first decision, then the first two rechecks
+        for _ in range(10):  # counting down to the next profiled execution
+            _, times = adaptive.choose(inputs)
+            if times is not None:
+                break
+        assert times is not None, f"no profiled round for {us} us"
+        times.add(0, int(us * 1000))
+        adaptive.finished(inputs, times)
+        seen.append(adaptive.choose(inputs)[0])
+    assert seen == [(Placement.WORKER,), (Placement.WORKER,), (Placement.INLINE,)]
+    stats = adaptive.statistics()
+    assert (stats.rechecked, stats.revised) == (2, 1)
 
 
 def test_recheck_after_zero_decides_once() -> None:

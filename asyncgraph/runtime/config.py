@@ -123,10 +123,10 @@ class ExecutorConfig:
             (asyncgraph/runtime/placement.py).
         profile_executions: profiled executions per input-shape signature.
         placement_recheck_after: executions of a signature, after its placement is decided,
-            before it is profiled once more (with that placement) and decided again from the
-            best times of both rounds: the first round may still be warming up (an
-            AOTInductor segment near the loop slice landed on a worker, paying a thread hop
-            per call). 0: decide once.
+            before it is profiled again (with that placement) and decided again from the best
+            times of all rounds; two more rechecks follow, after twice and four times as many
+            executions: the first round may still be warming up (an AOTInductor segment near
+            the loop slice landed on a worker, paying a thread hop per call). 0: decide once.
         heavy_node_us: measured (best) time from which a CPU node is worth a worker thread.
         loaded_heavy_node_us: the same bar while executions overlap and the loop is busy
             (the placement that sends heavy nodes to workers to overlap other executions).
@@ -187,7 +187,7 @@ class ExecutorConfig:
     heavy_op_flops: int = 200_000
     adaptive_placement: bool = True
     profile_executions: int = 3
-    placement_recheck_after: int = 100
+    placement_recheck_after: int = 20
     heavy_node_us: float = 80.0
     loaded_heavy_node_us: float = 250.0
     fast_bindings: bool = True
