@@ -184,12 +184,13 @@ async def test_dataflow_executions_after_straight_ones_get_fresh_counters(
         start = LoopBudget.start
         calls = 0
 
-        def every_other(self: LoopBudget, seconds: float) -> float | None:
+        def two_of_three(self: LoopBudget, seconds: float) -> float | None:
             nonlocal calls
             calls += 1
-            return start(self, seconds) if calls % 2 else None  # None: the dataflow path
+            # None twice: the straight line, then its retry after a checkpoint, refused
+            return start(self, seconds) if calls % 3 == 1 else None
 
-        monkeypatch.setattr(LoopBudget, "start", every_other)
+        monkeypatch.setattr(LoopBudget, "start", two_of_three)
         before = dict(counts)
         for _ in range(6):
             await asyncio.sleep(0)  # a new slice: the real `start` lets the execution in
@@ -198,3 +199,92 @@ async def test_dataflow_executions_after_straight_ones_get_fresh_counters(
         assert counts["straight"] - before["straight"] >= 1
         assert counts["dataflow"] - before["dataflow"] >= 3
         assert ex.statistics().frames.total == 1  # one frame took both paths
+
+
+async def _warm_straight(ex: Executor) -> None:
+    for _ in range(4):  # warm-up, profiled, then straight
+        await asyncio.sleep(0)  # each in a fresh slice
+        await ex.execute(torch.randn(4, 8))
+
+
+async def test_a_spent_slice_sends_the_execution_straight_after_one_iteration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refused by a spent slice, an execution that a fresh slice holds waits one loop
+    iteration (a callback made before it runs first) and then runs straight, not through
+    the dataflow."""
+    counts = _count_paths(monkeypatch)
+    ep = torch.export.export(Chain(), (torch.randn(4, 8),))
+    async with Executor(ep, ExecutorConfig(profile_executions=1)) as ex:
+        await _warm_straight(ex)
+        start = LoopBudget.start
+        refused = [0]
+
+        def spent_once(self: LoopBudget, seconds: float) -> float | None:
+            if not refused[0]:
+                refused[0] += 1
+                return None
+            return start(self, seconds)
+
+        monkeypatch.setattr(LoopBudget, "start", spent_once)
+        ran_first = asyncio.Event()
+        asyncio.get_running_loop().call_soon(ran_first.set)
+        seen: list[bool] = []
+        straight = Scheduler._run_straight
+
+        def run_straight(self: Scheduler, *args: Any) -> None:
+            seen.append(ran_first.is_set())
+            straight(self, *args)
+
+        monkeypatch.setattr(Scheduler, "_run_straight", run_straight)
+        before = dict(counts)
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(await ex.execute(x), Chain()(x))
+        assert seen == [True]  # ran straight, once the loop had run the earlier callback
+        assert counts["dataflow"] == before["dataflow"]
+        assert ex.statistics().frames.in_use == 0
+
+
+async def test_a_spent_slice_retries_once_then_takes_the_dataflow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refused again after its iteration's wait, the execution goes through the dataflow (no
+    second wait); one that no slice could hold goes there at once."""
+    counts = _count_paths(monkeypatch)
+    ep = torch.export.export(Chain(), (torch.randn(4, 8),))
+    asked = [0]
+
+    def always_spent(self: LoopBudget, seconds: float) -> float | None:
+        asked[0] += 1
+        return None
+
+    for slice_s, starts in ((0.001, 2), (1e-9, 1)):
+        async with Executor(ep, ExecutorConfig(profile_executions=1, loop_slice_s=slice_s)) as ex:
+            await _warm_straight(ex)
+            with monkeypatch.context() as patch:
+                patch.setattr(LoopBudget, "start", always_spent)
+                asked[0] = 0
+                before = dict(counts)
+                x = torch.randn(4, 8)
+                torch.testing.assert_close(await ex.execute(x), Chain()(x))
+            assert asked[0] == starts, slice_s
+            assert counts["dataflow"] == before["dataflow"] + 1
+
+
+async def test_a_cancellation_during_the_wait_for_a_fresh_slice_frees_the_frame(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ep = torch.export.export(Chain(), (torch.randn(4, 8),))
+    async with Executor(ep, ExecutorConfig(profile_executions=1)) as ex:
+        await _warm_straight(ex)
+        with monkeypatch.context() as patch:
+            patch.setattr(LoopBudget, "start", lambda self, seconds: None)
+            task = asyncio.create_task(ex.execute(torch.randn(4, 8)))
+            await asyncio.sleep(0)  # the task runs up to the wait for a fresh slice
+            assert ex._scheduler._retry is None and ex.statistics().in_flight == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert ex.statistics().frames.in_use == 0 and ex.statistics().cancelled == 1
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(await ex.execute(x), Chain()(x))

@@ -39,6 +39,7 @@ import random
 import time
 from typing import Any
 
+import anyio.lowlevel
 import torch
 
 from asyncgraph.graph.ir import Graph
@@ -101,6 +102,7 @@ class Scheduler:
         self._hot_straight: StraightLine | None = None  # and its form
         # Seeded orders, profiling and traces go through the dataflow (straight.py).
         self._may_straight = self._seed is None and recorder is None
+        self._retry: ExecutionFrame | None = None  # see run_dataflow
         self._inference_mode = config.inference_mode
 
     # -- one execution, seen from the caller --------------------------------------------------
@@ -126,6 +128,7 @@ class Scheduler:
         budget = self._budget
         if budget is None:
             budget = self._bind(frame)
+        self._retry = None
         if frame.times is not None or not self._may_straight or frame.gpu is not None:
             return False
         schedule = _schedule(frame)
@@ -137,6 +140,8 @@ class Scheduler:
             return False
         start = budget.start(straight.seconds)
         if start is None:  # the slice is spent, or left too short for it
+            if straight.seconds <= budget.slice_s:
+                self._retry = frame  # a fresh slice would hold it: run_dataflow
             return False  # the dataflow path defers it, or splits it over loop iterations
         self._run_straight(frame, schedule, straight, start)
         if frame.errors:
@@ -144,7 +149,19 @@ class Scheduler:
         return True
 
     async def run_dataflow(self, frame: ExecutionFrame) -> None:
-        """`run` through the WorkUnits (the path of every execution `run_straight` refuses)."""
+        """`run` through the WorkUnits (the path of every execution `run_straight` refuses).
+
+        An execution that `run_straight` refused only because this iteration's slice was
+        spent, and that a whole slice holds, first waits one loop iteration and tries the
+        straight line once more: the dataflow would defer it as well, at the cost of a future
+        and a second iteration (a 0.42 ms compiled BERT segment, every third execution of
+        one caller: 0.53 ms per execution against 0.48 with a slice it never hits).
+        """
+        if self._retry is frame:
+            self._retry = None
+            await anyio.lowlevel.checkpoint()  # others' callbacks, I/O and timers run first
+            if self.run_straight(frame):
+                return
         loop = self.loop
         if loop is None or self._budget is None:
             self._bind(frame)
