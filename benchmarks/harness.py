@@ -280,7 +280,7 @@ async def alternate(
     """Time the peers round by round, interleaved, and store median/p10/p90 in `results`.
 
     Peers whose verification raised are skipped. Each round runs them in a new order
-    (`round_order`). Each peer's calls per sample are counted again from its last warm-up
+    (`round_order`). Each peer's calls per sample are counted again from its fastest warm-up
     round, so every peer's samples last about as long, warm.
     """
     live = [p for p in peers if not results[p.name].failed]
@@ -288,21 +288,23 @@ async def alternate(
     samples: dict[str, list[float]] = {p.name: [] for p in live}
     total = settings.n_warmup + settings.n_rounds
     rng = random.Random(settings.seed)
+    warm = {p.name: float("inf") for p in live}  # per peer: its fastest warm-up round
     with frozen_heap():
         for r in range(total):
             gc.collect()
-            last: dict[str, float] = {}
             for peer in round_order(live, rng):
                 n = calls[peer.name]
                 call = peer.call
                 start = time.perf_counter()
                 for _ in range(n):
                     await call()
-                last[peer.name] = elapsed = (time.perf_counter() - start) / n
+                elapsed = (time.perf_counter() - start) / n
                 if r >= settings.n_warmup:
                     samples[peer.name].append(elapsed)
+                else:
+                    warm[peer.name] = min(warm[peer.name], elapsed)
             if r == settings.n_warmup - 1 and settings.target_sample_s > 0:
-                calls = {name: _calls_for(last[name], settings.target_sample_s) for name in calls}
+                calls = {name: _calls_for(warm[name], settings.target_sample_s) for name in calls}
             advance()
     for name, xs in samples.items():
         res = results[name]
@@ -339,7 +341,7 @@ async def _calls_per_sample(peer: Peer, target_s: float) -> int:
 def _calls_for(per_call_s: float, target_s: float) -> int:
     """Calls per sample of a peer taking `per_call_s` a call.
 
-    `alternate` counts again from the last warm-up round: the first calls `_calls_per_sample`
+    `alternate` counts again from the fastest warm-up round: the first calls `_calls_per_sample`
     sees may still be warming up (adaptive placement profiles several executions: tiny BERT's
     first ten ran 1.5-10 ms against 0.9 warm), which gave that peer fewer calls per sample
     than the others (5 against nativert's 14) and so weighed its cold first call after each
