@@ -9,6 +9,7 @@ already cancelled, now that it no longer starts with `await asyncio.sleep(0)`.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -30,19 +31,30 @@ class Chain(torch.nn.Module):
 
 
 def _count_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    counts = {"straight": 0, "dataflow": 0}
-    straight, dataflow = Scheduler._run_straight, Scheduler._run_dataflow
+    """Executions by path: "straight" (all units at once, run_straight), "sliced" (the
+    straight line over loop slices, run_dataflow) and "dataflow" (the WorkUnits)."""
+    counts = {"straight": 0, "sliced": 0, "dataflow": 0}
+    units, sliced, start = (
+        Scheduler._straight_units, Scheduler._continue_straight, Scheduler._start)
+    executions: set[tuple[int, int]] = set()
 
-    def run_straight(self: Scheduler, *args: Any) -> None:
-        counts["straight"] += 1
-        straight(self, *args)
+    def straight_units(self: Scheduler, *args: Any, **kwargs: Any) -> int:
+        if (args[3] if len(args) > 3 else kwargs.get("deadline")) is None:  # run_straight's
+            counts["straight"] += 1
+        return units(self, *args, **kwargs)
 
-    async def run_dataflow(self: Scheduler, *args: Any) -> None:
+    def continue_straight(self: Scheduler, frame: Any, *args: Any) -> None:
+        executions.add((id(self), frame.execution_id))  # once per slice, again when deferred
+        counts["sliced"] = len(executions)
+        sliced(self, frame, *args)
+
+    def dataflow_start(self: Scheduler, *args: Any) -> None:
         counts["dataflow"] += 1
-        await dataflow(self, *args)
+        start(self, *args)
 
-    monkeypatch.setattr(Scheduler, "_run_straight", run_straight)
-    monkeypatch.setattr(Scheduler, "_run_dataflow", run_dataflow)
+    monkeypatch.setattr(Scheduler, "_straight_units", straight_units)
+    monkeypatch.setattr(Scheduler, "_continue_straight", continue_straight)
+    monkeypatch.setattr(Scheduler, "_start", dataflow_start)
     return counts
 
 
@@ -173,31 +185,21 @@ async def test_dataflow_executions_after_straight_ones_get_fresh_counters(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The straight line leaves the frame's producer and read counts alone; a later
-    execution on the same frame through the dataflow loads them (run_dataflow)."""
+    execution on the same frame through the dataflow (a recheck round: profiled) loads them
+    (run_dataflow)."""
     counts = _count_paths(monkeypatch)
     ep = torch.export.export(Chain(), (torch.randn(4, 8),))
-    async with Executor(ep, ExecutorConfig(profile_executions=1)) as ex:
-        for _ in range(4):  # warm-up, profiled, then straight
-            await asyncio.sleep(0)  # each in a fresh slice
+    config = ExecutorConfig(profile_executions=1, placement_recheck_after=3)
+    async with Executor(ep, config) as ex:
+        for _ in range(2):  # warm-up, profiled
             await ex.execute(torch.randn(4, 8))
-        assert counts["straight"] >= 1
-        start = LoopBudget.start
-        calls = 0
-
-        def two_of_three(self: LoopBudget, seconds: float) -> float | None:
-            nonlocal calls
-            calls += 1
-            # None twice: the straight line, then its retry after a checkpoint, refused
-            return start(self, seconds) if calls % 3 == 1 else None
-
-        monkeypatch.setattr(LoopBudget, "start", two_of_three)
         before = dict(counts)
-        for _ in range(6):
-            await asyncio.sleep(0)  # a new slice: the real `start` lets the execution in
+        for _ in range(8):  # straight, then the recheck round, then straight again
+            await asyncio.sleep(0)  # a new slice: the execution fits it
             x = torch.randn(4, 8)
             torch.testing.assert_close(await ex.execute(x), Chain()(x))
-        assert counts["straight"] - before["straight"] >= 1
-        assert counts["dataflow"] - before["dataflow"] >= 3
+        assert counts["straight"] - before["straight"] >= 5
+        assert counts["dataflow"] - before["dataflow"] >= 1
         assert ex.statistics().frames.total == 1  # one frame took both paths
 
 
@@ -230,26 +232,27 @@ async def test_a_spent_slice_sends_the_execution_straight_after_one_iteration(
         ran_first = asyncio.Event()
         asyncio.get_running_loop().call_soon(ran_first.set)
         seen: list[bool] = []
-        straight = Scheduler._run_straight
+        units = Scheduler._straight_units
 
-        def run_straight(self: Scheduler, *args: Any) -> None:
+        def straight_units(self: Scheduler, *args: Any) -> int:
             seen.append(ran_first.is_set())
-            straight(self, *args)
+            return units(self, *args)
 
-        monkeypatch.setattr(Scheduler, "_run_straight", run_straight)
+        monkeypatch.setattr(Scheduler, "_straight_units", straight_units)
         before = dict(counts)
         x = torch.randn(4, 8)
         torch.testing.assert_close(await ex.execute(x), Chain()(x))
         assert seen == [True]  # ran straight, once the loop had run the earlier callback
         assert counts["dataflow"] == before["dataflow"]
+        assert counts["sliced"] == before["sliced"]
         assert ex.statistics().frames.in_use == 0
 
 
-async def test_a_spent_slice_retries_once_then_takes_the_dataflow(
+async def test_a_spent_slice_retries_once_then_runs_the_straight_line_in_slices(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Refused again after its iteration's wait, the execution goes through the dataflow (no
-    second wait); one that no slice could hold goes there at once."""
+    """Refused again after its iteration's wait, the execution runs its straight line in
+    slices (no second wait); one that no slice could hold goes there at once."""
     counts = _count_paths(monkeypatch)
     ep = torch.export.export(Chain(), (torch.randn(4, 8),))
     asked = [0]
@@ -268,7 +271,8 @@ async def test_a_spent_slice_retries_once_then_takes_the_dataflow(
                 x = torch.randn(4, 8)
                 torch.testing.assert_close(await ex.execute(x), Chain()(x))
             assert asked[0] == starts, slice_s
-            assert counts["dataflow"] == before["dataflow"] + 1
+            assert counts["sliced"] == before["sliced"] + 1
+            assert counts["dataflow"] == before["dataflow"]
 
 
 async def test_a_cancellation_during_the_wait_for_a_fresh_slice_frees_the_frame(
@@ -288,3 +292,103 @@ async def test_a_cancellation_during_the_wait_for_a_fresh_slice_frees_the_frame(
         assert ex.statistics().frames.in_use == 0 and ex.statistics().cancelled == 1
         x = torch.randn(4, 8)
         torch.testing.assert_close(await ex.execute(x), Chain()(x))
+
+
+class _Spin:
+    """An inline kernel that holds the loop for `seconds`, counting its calls; raises on the
+    call numbered `fail_at`."""
+
+    def __init__(self, seconds: float, fail_at: int = 0) -> None:
+        self.seconds = seconds
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def __call__(self, x: int) -> int:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError("spin failed")
+        until = time.perf_counter() + self.seconds
+        while time.perf_counter() < until:
+            pass
+        return x + 1
+
+
+def _spin_chain(kernel: _Spin, length: int) -> Any:
+    b = GraphBuilder()
+    value = b.input("x")
+    for i in range(length):
+        value = b.call(kernel, value, name=f"spin{i}", placement="inline")
+    b.output(value)
+    return b.build()
+
+
+async def _ticks_during(awaitable: Any) -> tuple[Any, int]:
+    """The awaitable's result, and how many loop iterations another task saw meanwhile."""
+    ticks = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)  # the ticker is waiting for its next turn
+    try:
+        result = await awaitable
+    finally:
+        done = True
+        await task
+    return result, ticks
+
+
+async def test_a_straight_line_longer_than_the_slice_runs_over_several_iterations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eight 0.4 ms units against a 1 ms slice: in order, with the loop's other tasks run
+    between slices, and without the dataflow."""
+    counts = _count_paths(monkeypatch)
+    kernel = _Spin(0.0004)
+    async with Executor(_spin_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
+        for _ in range(2):  # warm-up, profiled (dataflow)
+            assert await ex.execute(0) == 8
+        before = dict(counts)
+        result, ticks = await _ticks_during(ex.execute(0))
+        assert result == 8
+        assert counts["sliced"] == before["sliced"] + 1
+        assert (counts["straight"], counts["dataflow"]) == (before["straight"], before["dataflow"])
+        assert ticks >= 2  # at least three slices: the loop ran between them
+        assert ex.statistics().frames.in_use == 0
+
+
+async def test_a_cancelled_sliced_execution_runs_no_further_unit() -> None:
+    kernel = _Spin(0.0004)
+    async with Executor(_spin_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
+        for _ in range(2):
+            await ex.execute(0)
+        kernel.calls = 0
+        task = asyncio.create_task(ex.execute(0))
+        await asyncio.sleep(0)  # the task runs its first slice, then defers the rest
+        assert 0 < kernel.calls < 8
+        task.cancel()  # between two slices
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert 0 < kernel.calls < 8
+        assert ex.statistics().frames.in_use == 0 and ex.statistics().cancelled == 1
+        assert await ex.execute(0) == 8
+
+
+async def test_a_kernel_error_in_a_later_slice_names_its_node() -> None:
+    kernel = _Spin(0.0004)
+    async with Executor(_spin_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
+        for _ in range(2):
+            await ex.execute(0)
+        kernel.calls, kernel.fail_at = 0, 7
+        with pytest.raises(ValueError, match="spin failed") as info:
+            await ex.execute(0)
+        assert any("spin6" in note for note in getattr(info.value, "__notes__", []))
+        assert kernel.calls == 7  # the unit after it never ran
+        kernel.fail_at = 0
+        assert await ex.execute(0) == 8
+        assert ex.statistics().frames.in_use == 0

@@ -9,8 +9,10 @@ of about one, which on small graphs is most of an execution's fixed cost.
 
 The scheduler takes this path only when the execution cannot be interleaved with anything: no
 worker, task or CUDA unit, no profiling or tracing, no seeded ready order, and measured unit
-times that fit in what is left of the loop's slice (so it never stretches a loop iteration
-beyond what the dataflow path would). Otherwise the dataflow path runs, as before.
+times. When they fit in what is left of the loop's slice, `Scheduler.run_straight` runs the
+units at once, without a coroutine; otherwise `run_dataflow` runs them in order over as many
+slices as they take, deferring between slices as the dataflow path does (so neither stretches
+a loop iteration beyond what the dataflow path would). Otherwise the dataflow path runs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class StraightLine:
 
     drops: tuple[tuple[int, ...], ...]  # per unit: values whose last reader it is
     seconds: float  # the measured time of all units together
+    unit_seconds: tuple[float, ...]  # per unit: its measured time
 
 
 def straight_line(schedule: Schedule) -> StraightLine | None:
@@ -44,4 +47,4 @@ def straight_line(schedule: Schedule) -> StraightLine | None:
     drops: list[list[int]] = [[] for _ in schedule.calls]
     for value, unit in last_reader.items():
         drops[unit].append(value)
-    return StraightLine(tuple(tuple(d) for d in drops), sum(schedule.seconds))
+    return StraightLine(tuple(tuple(d) for d in drops), sum(schedule.seconds), schedule.seconds)
