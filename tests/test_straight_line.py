@@ -262,7 +262,10 @@ async def test_a_spent_slice_retries_once_then_runs_the_straight_line_in_slices(
         return None
 
     for slice_s, starts in ((0.001, 2), (1e-9, 1)):
-        async with Executor(ep, ExecutorConfig(profile_executions=1, loop_slice_s=slice_s)) as ex:
+        # no node is heavy however a loaded machine times it, so none leaves the loop (a heavy
+        # node measured past a 1e-9 s slice would go to a worker: no straight line at all)
+        config = ExecutorConfig(profile_executions=1, loop_slice_s=slice_s, heavy_node_us=1e9)
+        async with Executor(ep, config) as ex:
             await _warm_straight(ex)
             with monkeypatch.context() as patch:
                 patch.setattr(LoopBudget, "start", always_spent)
@@ -369,7 +372,10 @@ async def test_a_cancelled_sliced_execution_runs_no_further_unit() -> None:
             await ex.execute(0)
         kernel.calls = 0
         task = asyncio.create_task(ex.execute(0))
-        await asyncio.sleep(0)  # the task runs its first slice, then defers the rest
+        for _ in range(100):  # the task runs a slice (at most three units), defers the rest
+            await asyncio.sleep(0)
+            if kernel.calls:
+                break
         assert 0 < kernel.calls < 8
         task.cancel()  # between two slices
         with pytest.raises(asyncio.CancelledError):
