@@ -292,20 +292,39 @@ def test_a_replica_killed_under_load_fails_only_its_requests_with_503(
 ) -> None:
     """ray.kill on a replica actor mid-traffic: the requests it held get 503 + Retry-After
     (the proxy middleware), every other request is correct, traffic goes on, and Serve starts a
-    replacement. (A sync test: it runs once, not once per event loop.)"""
+    replacement. (A sync test: it runs once, not once per event loop.)
+
+    Ray Serve 2.60's router can strand a request it retries after the dead replica refused it:
+    in 1 of 17 runs of this test (CI, 2026-11-25) the proxy logged "will not be considered for
+    future requests because it has died" for one request, went on routing every other request,
+    and answered that one only when its client gave up 60 s later (499). asyncgraph never sees
+    such a request (it is in the proxy's router, no replica got it), so the test gives each
+    request a client timeout and allows at most one request stranded so, sent before the kill
+    returned (docs/scale-out.md says what a client should do)."""
     asyncio.run(_kill_under_load(cluster, models))
+
+
+STRANDED_TIMEOUT_S = 30.0
 
 
 async def _kill_under_load(cluster: str, models: dict[str, Any]) -> None:
     before = replica_names()
     assert len(before) == 2
     results: list[tuple[torch.Tensor, httpx.Response]] = []
+    stranded: list[float] = []  # when each request Serve's router never answered was sent
     stop = asyncio.Event()
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while not stop.is_set():
             x = torch.randn(1, 256)
-            results.append((x, await client.post("/v2/models/slow/infer", json=affine_body(x))))
+            sent = time.monotonic()
+            try:
+                response = await client.post("/v2/models/slow/infer", json=affine_body(x),
+                                             timeout=STRANDED_TIMEOUT_S)
+            except httpx.ReadTimeout:
+                stranded.append(sent)
+                continue
+            results.append((x, response))
 
     async with httpx.AsyncClient(base_url=cluster, timeout=WAIT_S) as client:
         loops = [asyncio.create_task(client_loop(client)) for _ in range(8)]
@@ -313,6 +332,7 @@ async def _kill_under_load(cluster: str, models: dict[str, Any]) -> None:
             await asyncio.sleep(2.0)
             killed = sorted(before)[0]
             ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
+            killed_at = time.monotonic()
             at_kill = len(results)
             await asyncio.sleep(3.0)
         finally:
@@ -324,6 +344,8 @@ async def _kill_under_load(cluster: str, models: dict[str, Any]) -> None:
             await asyncio.sleep(0.5)
         after = [await client.post("/v2/models/slow/infer", json=affine_body(x))
                  for x in [torch.randn(1, 256) for _ in range(4)]]
+    assert len(stranded) <= 1 and all(sent <= killed_at for sent in stranded), (
+        f"{len(stranded)} requests had no answer in {STRANDED_TIMEOUT_S} s")
     codes = [r.status_code for _, r in results]
     assert set(codes) <= {200, 503}, codes
     lost = [r for _, r in results if r.status_code == 503]
@@ -331,7 +353,8 @@ async def _kill_under_load(cluster: str, models: dict[str, Any]) -> None:
     assert all(correct(models, "slow", x, r) for x, r in results if r.status_code == 200)
     assert codes[at_kill:].count(200) > 0, "traffic stopped after the kill"
     assert [r.status_code for r in after] == [200] * 4
-    print(f"{len(results)} requests, {len(lost)} lost with the replica (503)")
+    print(f"{len(results)} requests, {len(lost)} lost with the replica (503), "
+          f"{len(stranded)} stranded in Serve's router")
 
 
 @pytest.mark.timeout(300)
