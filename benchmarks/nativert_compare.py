@@ -85,6 +85,8 @@ MAX_BATCH = 32
 COMPILED = "asyncgraph (compiled)"
 AUTOTUNED = "asyncgraph (compiled, autotuned)"
 SEGMENTS_FORMAT = "w4"  # in the cache key: weights as constants, packed ones traced
+SCRIPTED = "asyncgraph (scripted)"
+SCRIPTED_BATCHED = "asyncgraph (scripted, batched)"
 BATCHED = "asyncgraph (batched)"
 COMPILED_BATCHED = "asyncgraph (compiled, batched)"
 BINDING = " via binding"  # suffix of the --compare-binding peers: segments through torch's binding
@@ -346,8 +348,10 @@ async def _latency_case(
     ctx: Context, work: Workload, built: Built, runner: Any, options: Options
 ) -> CaseResult:
     x = work.x
-    executors = [Executor(work.ep, ExecutorConfig())]
-    peers = [asyncgraph_peer("asyncgraph", executors[0], [x], "plain graph, default config")]
+    executors = [Executor(work.ep, ExecutorConfig()),
+                 Executor(work.ep, ExecutorConfig(script_segments=True))]
+    peers = [asyncgraph_peer("asyncgraph", executors[0], [x], "plain graph, default config"),
+             asyncgraph_peer(SCRIPTED, executors[1], [x], "ExecutorConfig(script_segments=True)")]
     for binding in (False, True) if options.compare_binding else (False,):
         compiled = _load_compiled(built, built.segments, binding=binding)
         if compiled is not None:
@@ -374,12 +378,13 @@ async def _latency_case(
     case = CaseResult(NAME, f"{work.key} latency", f"{work.title}; one caller",
                       {"nodes": call_nodes(work.ep), **built.notes}, results)
     names = {p.name for p in results}
-    for peer in ("asyncgraph", COMPILED, COMPILED + BINDING, AUTOTUNED, "AOTInductor",
-                 "eager model(x)"):
+    for peer in ("asyncgraph", SCRIPTED, COMPILED, COMPILED + BINDING, AUTOTUNED,
+                 "AOTInductor", "eager model(x)"):
         if peer in names and NATIVERT in names:
             case.metrics[f"{peer} / nativert"] = case.ratio(peer, NATIVERT)
     if work.targets and NATIVERT in names:
         for number, peer, what, limit in ((1, "asyncgraph", "asyncgraph", 1.0),
+                                          (1, SCRIPTED, "asyncgraph scripted", 1.0),
                                           (2, COMPILED, "asyncgraph compiled", 0.6),
                                           (2, AUTOTUNED, "asyncgraph compiled autotuned", 0.6)):
             if peer in names or peer != AUTOTUNED:  # a compiled peer that did not load misses
@@ -426,13 +431,19 @@ async def _concurrent_case(
     assert work.dynamic is not None
     x = work.x
     unbatched = Executor(work.ep, ExecutorConfig())
+    scripted = Executor(work.ep, ExecutorConfig(script_segments=True))
     batching = ExecutorConfig(batching=BatchingConfig(max_batch_size=MAX_BATCH))
     batched = Executor(work.dynamic(), batching)
+    scripted_batched = Executor(work.dynamic(), ExecutorConfig(
+        script_segments=True, batching=BatchingConfig(max_batch_size=MAX_BATCH)))
     peers = [
         asyncgraph_peer("asyncgraph", unbatched, [x], "each request its own execution"),
+        asyncgraph_peer(SCRIPTED, scripted, [x], "script_segments=True, unbatched"),
         asyncgraph_peer(BATCHED, batched, [x], f"dynamic batching, up to {MAX_BATCH} rows"),
+        asyncgraph_peer(SCRIPTED_BATCHED, scripted_batched, [x],
+                        f"script_segments=True, dynamic batching, up to {MAX_BATCH} rows"),
     ]
-    executors = [unbatched, batched]
+    executors = [unbatched, scripted, batched, scripted_batched]
     bindings = (False, True) if options.compare_binding else (False,)
     for name, path, config, binding in (
         *((COMPILED, built.segments, None, b) for b in bindings),
@@ -470,8 +481,9 @@ async def _concurrent_case(
         case.params["mean_batch_rows"] = round(stats.mean_rows, 1)
     if runner is not None:
         base = results[NATIVERT_THREAD].extra.get("throughput")
-        for number, peer, limit in ((3, "asyncgraph", 1.5), (3, COMPILED, 1.5), (3, AUTOTUNED, 1.5),
-                                    (4, BATCHED, 4.0), (4, COMPILED_BATCHED, 4.0)):
+        for number, peer, limit in ((3, "asyncgraph", 1.5), (3, SCRIPTED, 1.5),
+                                    (3, COMPILED, 1.5), (3, AUTOTUNED, 1.5), (4, BATCHED, 4.0),
+                                    (4, SCRIPTED_BATCHED, 4.0), (4, COMPILED_BATCHED, 4.0)):
             if peer not in results:
                 continue
             mine = results[peer].extra.get("throughput")

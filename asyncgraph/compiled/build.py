@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 from asyncgraph.compiled.choice import choose_kernels
 from asyncgraph.compiled.package import SegmentRecord, write_package
 from asyncgraph.compiled.packing import PackedConstant, PackingError, find_packed, verify_packed
-from asyncgraph.compiled.segments import Segment, find_segments
+from asyncgraph.compiled.segments import Segment, tensor_bounded_segments
 from asyncgraph.graph.importers import Program, from_exported_program, load_pt2
 from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, InputKind, OutputKind, TensorSpec
 from asyncgraph.kernels import KernelFactory
@@ -126,7 +126,8 @@ def compile_program(
     inputs = list(example_inputs) if example_inputs is not None else _example_inputs(ep, graph)
     say(f"running the program once on its example inputs ({len(graph.nodes)} nodes)")
     values = example_values(program, inputs)
-    segments = _tensor_bounded_segments(graph, mode, values)
+    segments = tensor_bounded_segments(
+        graph, mode, lambda vid: isinstance(values[vid], torch.Tensor))
     baked = swappable_weights(graph)
     say(f"{len(segments)} segment(s) to compile ({mode})")
     with tempfile.TemporaryDirectory(prefix="asyncgraph-aoti-") as tmp:
@@ -260,26 +261,6 @@ class _Values(Mapping[int, Any]):
         return len(self._values)
 
 
-def _tensor_bounded_segments(graph: Graph, mode: str, values: list[Any]) -> list[Segment]:
-    """The segments, narrowed until every value crossing a boundary is a tensor."""
-    excluded: set[int] = set()
-    while True:
-        segments = find_segments(graph, mode, excluded)
-        before = len(excluded)
-        for segment in segments:
-            inside = set(range(segment.start, segment.stop))
-            for vid in segment.inputs:
-                if not isinstance(values[vid], torch.Tensor):  # keep its readers out
-                    excluded |= {n.index for n in segment.nodes(graph) if vid in n.inputs()}
-            for vid in segment.outputs:
-                if not isinstance(values[vid], torch.Tensor):  # keep its producer out
-                    producer = graph.values[vid].producer
-                    if producer is not None and producer in inside:
-                        excluded.add(producer)
-        if len(excluded) == before:
-            return segments
-
-
 def swappable_weights(graph: Graph) -> dict[int, str]:
     """Value id -> weight name of the weights a segment bakes in as AOTI constants: every
     parameter, buffer and constant the program does not mutate (a buffer it writes back gets a
@@ -296,10 +277,12 @@ def _constant_name(index: int) -> str:
 
 def segment_module(
     graph: Graph, segment: Segment, constants: Mapping[int, torch.Tensor] | None = None,
+    *, names: bool = False,
 ) -> torch.fx.GraphModule:
     """The segment as an fx GraphModule: its outside values in, its outputs out as a tuple.
     An input in `constants` (value id -> tensor) is a buffer of the module instead of a
-    placeholder: AOTInductor bakes it in as a constant it can fold and pre-pack."""
+    placeholder: AOTInductor bakes it in as a constant it can fold and pre-pack. With `names`
+    its nodes keep the graph's names (an fx error then names the graph's node)."""
     fx = torch.fx.Graph()
     root = torch.nn.Module()
     env: dict[int, Any] = {}
@@ -310,8 +293,9 @@ def segment_module(
         else:
             env[vid] = fx.placeholder(f"in_{i}_{_ident(graph.values[vid].name)}")
     for node in segment.nodes(graph):
-        env[node.output] = fx.call_function(
-            node.target, substitute(node.args, env), substitute(node.kwargs, env)
+        env[node.output] = fx.create_node(
+            "call_function", node.target, substitute(node.args, env),
+            substitute(node.kwargs, env), name=_ident(node.name) if names else None,
         )
     fx.output(tuple(env[v] for v in segment.outputs))
     return torch.fx.GraphModule(root, fx)

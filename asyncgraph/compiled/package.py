@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import json
-import operator
 import os
 import platform
 import shutil
@@ -34,7 +33,7 @@ import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
@@ -49,11 +48,10 @@ from asyncgraph.compiled.native_call import (
     native_calls_enabled,
 )
 from asyncgraph.compiled.packing import PackedConstant
-from asyncgraph.compiled.segments import Segment, _segment
+from asyncgraph.compiled.segments import Segment, _segment, replace_segments
 from asyncgraph.errors import ProgramLoadError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
-from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, Node, Ref, Signature, Value
-from asyncgraph.passes.rewrite import rebuild
+from asyncgraph.graph.ir import WEIGHT_KINDS, Graph
 
 FORMAT = "asyncgraph-aoti/2"  # /2: weights are constants of the segments
 _AOTI_DIR = "data/aotinductor/"
@@ -223,40 +221,23 @@ def _load_program_only(path: Path) -> ExportedProgram:
         raise ProgramLoadError(f"{path}: cannot load the exported program: {exc}") from exc
 
 
-@dataclass
-class _Source:
-    """What rebuild() reads of a graph: its values and signature (here with the delegate
-    values added, which no Graph holds yet)."""
-
-    values: list[Value]
-    signature: Signature
-
-
 def splice(
     graph: Graph, records: Sequence[SegmentRecord], package: str, runners: int,
     weights: Mapping[str, Any] | None = None,
 ) -> Graph:
     """`graph` with each segment's nodes replaced by its delegate node and getitems.
     `weights` (name -> tensor) are those the compiled segments were built with."""
-    values = list(graph.values)
     named = weights or {}
     baked = {s.value: (s.target or "", named.get(s.target or "")) for s in graph.signature.inputs
              if s.kind in WEIGHT_KINDS}
-    by_start: dict[int, tuple[SegmentRecord, Segment]] = {}
-    for record in records:
-        segment = _match(graph, record, package)
-        by_start[segment.start] = (record, segment)
-    nodes: list[Node] = []
-    i = 0
-    while i < len(graph.nodes):
-        if i not in by_start:
-            nodes.append(graph.nodes[i])
-            i += 1
-            continue
-        record, segment = by_start[i]
-        nodes += _delegate_nodes(graph, record, segment, values, package, runners, baked)
-        i = segment.stop
-    return rebuild(cast(Graph, _Source(values, graph.signature)), nodes)
+    matched = {segment.start: (record, segment)
+               for record in records for segment in [_match(graph, record, package)]}
+
+    def delegate(segment: Segment) -> tuple[str, AOTIDelegate]:
+        record = matched[segment.start][0]
+        return record.name, _delegate(record, segment, package, runners, baked)
+
+    return replace_segments(graph, [s for _, s in matched.values()], delegate)
 
 
 def _match(graph: Graph, record: SegmentRecord, package: str) -> Segment:
@@ -289,10 +270,10 @@ def _match(graph: Graph, record: SegmentRecord, package: str) -> Segment:
     return segment
 
 
-def _delegate_nodes(
-    graph: Graph, record: SegmentRecord, segment: Segment, values: list[Value], package: str,
-    runners: int, weights: Mapping[int, tuple[str, Any]],
-) -> list[Node]:
+def _delegate(
+    record: SegmentRecord, segment: Segment, package: str, runners: int,
+    weights: Mapping[int, tuple[str, Any]],
+) -> AOTIDelegate:
     try:
         loader, new_loader, call = segment_containers(package, record.name, runners)
     except Exception as exc:
@@ -308,20 +289,10 @@ def _delegate_nodes(
             f"{package}: {record.name} lists constants {unknown} that its AOTI model lacks "
             f"(it has {sorted(fqns)})"
         )
-    delegate = AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost,
-                            constants=constants, baked=[t for _, t in named],
-                            new_loader=new_loader, weight_names=[n for n, _ in named],
-                            packed=record.packed, frozen=record.frozen, call=call)
-    result = len(values)
-    values.append(Value(result, record.name))
-    first = segment.nodes(graph)[0]
-    nodes = [Node(first.index, record.name, delegate, tuple(Ref(v) for v in segment.inputs),
-                  {}, result)]
-    for k, vid in enumerate(segment.outputs):
-        producer = graph.nodes[cast(int, graph.values[vid].producer)]
-        nodes.append(Node(producer.index, producer.name, operator.getitem, (Ref(result), k), {},
-                          vid))
-    return nodes
+    return AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost,
+                        constants=constants, baked=[t for _, t in named],
+                        new_loader=new_loader, weight_names=[n for n, _ in named],
+                        packed=record.packed, frozen=record.frozen, call=call)
 
 
 def segment_containers(

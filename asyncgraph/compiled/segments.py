@@ -19,14 +19,15 @@ pay for the call into compiled code: a lone matmul runs the same kernel either w
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from asyncgraph.graph.ir import Graph, Node, Ref, TensorSpec, iter_refs
+from asyncgraph.graph.ir import Graph, Node, Ref, Signature, TensorSpec, Value, iter_refs
 from asyncgraph.kernels.cost import estimate_cost
+from asyncgraph.passes.rewrite import rebuild
 
 MODES = ("auto", "whole")
 AUTO_MIN_NODES = 8  # auto: a run this long is compiled...
@@ -130,6 +131,68 @@ def find_segments(
         Segment(i, s.start, s.stop, s.inputs, s.outputs)
         for i, s in enumerate(s for s in segments if s.outputs)
     ]
+
+
+def tensor_bounded_segments(
+    graph: Graph, mode: str, is_tensor: Callable[[int], bool], excluded: Collection[int] = (),
+    *, min_nodes: int = AUTO_MIN_NODES,
+) -> list[Segment]:
+    """The segments, narrowed until every value crossing a boundary is a tensor (`is_tensor`
+    of its value id): compiled and scripted segments take and return tensors only."""
+    excluded = set(excluded)
+    while True:
+        segments = find_segments(graph, mode, excluded, min_nodes=min_nodes)
+        before = len(excluded)
+        for segment in segments:
+            inside = set(range(segment.start, segment.stop))
+            for vid in segment.inputs:
+                if not is_tensor(vid):  # keep its readers out
+                    excluded |= {n.index for n in segment.nodes(graph) if vid in n.inputs()}
+            for vid in segment.outputs:
+                if not is_tensor(vid):  # keep its producer out
+                    producer = graph.values[vid].producer
+                    if producer is not None and producer in inside:
+                        excluded.add(producer)
+        if len(excluded) == before:
+            return segments
+
+
+@dataclass
+class SplicedValues:
+    """What rebuild() reads of a graph: its values and signature (here with the delegate
+    values added, which no Graph holds yet)."""
+
+    values: list[Value]
+    signature: Signature
+
+
+def replace_segments(
+    graph: Graph, segments: Sequence[Segment], delegate: Callable[[Segment], tuple[str, Any]],
+) -> Graph:
+    """`graph` with each segment's nodes replaced by one node calling `delegate(segment)`'s
+    target (named by it) on the segment's inputs, and a getitem node per output that keeps the
+    name and value of the node that made it."""
+    values = list(graph.values)
+    by_start = {s.start: s for s in segments}
+    nodes: list[Node] = []
+    i = 0
+    while i < len(graph.nodes):
+        segment = by_start.get(i)
+        if segment is None:
+            nodes.append(graph.nodes[i])
+            i += 1
+            continue
+        name, target = delegate(segment)
+        result = len(values)
+        values.append(Value(result, name))
+        nodes.append(Node(graph.nodes[i].index, name, target,
+                          tuple(Ref(v) for v in segment.inputs), {}, result))
+        for k, vid in enumerate(segment.outputs):
+            producer = graph.nodes[cast(int, graph.values[vid].producer)]
+            nodes.append(Node(producer.index, producer.name, operator.getitem,
+                              (Ref(result), k), {}, vid))
+        i = segment.stop
+    return rebuild(cast(Graph, SplicedValues(values, graph.signature)), nodes)
 
 
 def _runs(graph: Graph, excluded: set[int]) -> list[tuple[int, int]]:

@@ -113,12 +113,18 @@ class Executor:
         self.recomposed = 0  # attention patterns put back together (asyncgraph/passes/recompose.py)
         if self.config.recompose_attention:
             self.graph, self.recomposed = recompose_attention(self.graph)
-        self.kernels: list[OpKernel] = (
-            kernel_factory or KernelFactory(self.config)
-        ).create(self.graph)
+        factory = kernel_factory or KernelFactory(self.config)
+        self.kernels: list[OpKernel] = factory.create(self.graph)
         self._folder: ConstantFolder | None = None
         if self.config.fold_constants:  # the executed graph: without what reads only weights
             self.graph, self.kernels, self._folder = fold_constants(self.graph, self.kernels)
+        self.scripted: list[str] = []  # the scripted segments' delegate nodes
+        if self.config.script_segments:
+            from asyncgraph.compiled.scripted import script_segments  # torch.jit on demand
+
+            self.graph, self.scripted = script_segments(self.graph)
+            if self.scripted:
+                self.kernels = factory.create(self.graph)
         self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
         self.stream_plan: StreamPlan | None = None
         self.cuda_runtime: CudaRuntime | None = None

@@ -1,0 +1,172 @@
+"""Scripted segments: runs of aten nodes run by TorchScript's C++ interpreter, no compile step.
+
+Why: the plain graph calls each aten op through torch's Python binding (1.4-2 us of dispatch
+an op on the development machine) with the GIL held, so unbatched executions use one core
+however many callers wait. nativert calls its ops from C++. `ExecutorConfig(script_segments=
+True)` gives asyncgraph the same: each long run of aten nodes (the segments of segments.py, as
+AOTInductor compiles them) becomes one delegate node that calls a torch.jit.trace of the run,
+which TorchScript's interpreter runs in C++ with the GIL released (tiny BERT of
+benchmarks/nativert_compare.py: 0.56-0.83 ms a call against nativert's 0.66-1.12 ms, and two
+threads run 1.2-1.9x one thread's calls, where the plain graph's do not gain).
+
+A trace bakes in every shape it saw, so a delegate traces once per signature of its runtime
+inputs (their shapes, dtypes and devices; weights keep theirs through a swap) on the first
+call that brings it (5-25 ms for these graphs), and keeps up to MAX_TRACES. That is exact only
+where no shape inside the run depends on tensor values: ops with data-dependent output shapes
+(nonzero, unique, item) stay interpreted and split the runs. Weights are arguments of the
+trace, not constants, so `swap_weights` needs nothing here. A call that fails is run again
+node by node (torch.fx.Interpreter), so the error names the aten node that failed; a run the
+tracer refuses runs as its plain fx module, and `statistics()` says why.
+
+torch.jit is deprecated from torch 2.13 (it warns on every trace; the warning is silenced
+around ours). Where it is gone, `script_segments` leaves the graph as it is and says why.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.fx
+
+from asyncgraph.compiled.build import segment_module
+from asyncgraph.compiled.segments import Segment, replace_segments, tensor_bounded_segments
+from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, Node, TensorSpec
+from asyncgraph.kernels.base import KernelKind
+from asyncgraph.kernels.cost import estimate_cost
+
+MAX_TRACES = 64  # signatures traced per segment (batch sizes 1-64); beyond, the oldest is dropped
+MIN_NODES = 8  # a run this long is scripted (the call into TorchScript costs ~10-20 us)
+
+Signature = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
+_TRACE = cast(Callable[..., Any], getattr(torch.jit, "trace", None))  # None: torch.jit gone
+
+
+class ScriptedDelegate:
+    """One scripted segment: the delegate node's target, called with all the segment's inputs
+    (weights included) and returning its outputs as a list, like AOTIDelegate."""
+
+    kernel_kind = KernelKind.DELEGATE
+
+    def __init__(
+        self, name: str, module: torch.fx.GraphModule, runtime: Sequence[int],
+        node_names: Sequence[str], cost: int = 0, max_traces: int = MAX_TRACES,
+    ) -> None:
+        self.__name__ = name
+        self.__qualname__ = name
+        self.module = module
+        self.runtime = tuple(runtime)  # the inputs that are not weights: a trace's signature
+        self.node_names = tuple(node_names)
+        self.cost = cost
+        self.max_traces = max_traces
+        self._traces: OrderedDict[Signature, Callable[..., Any]] = OrderedDict()
+        self._lock = threading.Lock()  # one trace at a time; calls never take it
+        self.calls = 0
+        self.traced = 0
+        self.dropped = 0
+        self.untraceable = ""  # why the tracer refused a signature (its calls run the fx module)
+
+    def __call__(self, *inputs: Any) -> list[Any]:
+        signature = self._signature(inputs)
+        run = self._traces.get(signature) or self._trace(signature, inputs)
+        self.calls += 1
+        try:
+            return list(run(*inputs))
+        except Exception:
+            self._run_nodes(inputs)  # raises the first failing node's error, naming the node
+            raise
+
+    def _run_nodes(self, inputs: Sequence[Any]) -> None:
+        """Run the segment's nodes one by one: the failing one's error gets a note naming it,
+        as the scheduler names a failing node (a trace's error names no node)."""
+        env: dict[torch.fx.Node, Any] = {}
+        placeholders = iter(inputs)
+        for node in self.module.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "call_function":
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                try:
+                    env[node] = node.target(*args, **kwargs)
+                except Exception as exc:
+                    exc.add_note(f"While executing %{node.name} = {node.target}(...) in "
+                                 f"{self.__name__}")
+                    raise
+
+    def _signature(self, inputs: Sequence[Any]) -> Signature:
+        try:
+            return tuple((t.shape, t.dtype, t.device) for t in map(inputs.__getitem__,
+                                                                   self.runtime))
+        except (AttributeError, IndexError):
+            raise TypeError(
+                f"{self.__name__}: expected {len(self.module.graph.find_nodes(op='placeholder'))}"
+                f" tensor inputs, got {[type(v).__name__ for v in inputs]}"
+            ) from None
+
+    def _trace(self, signature: Signature, inputs: Sequence[Any]) -> Callable[..., Any]:
+        with self._lock:
+            run = self._traces.get(signature)
+            if run is not None:
+                return run
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # deprecation (2.13), tracer warnings
+                    run = _TRACE(self.module, tuple(inputs), check_trace=False)
+                self.traced += 1
+            except Exception as exc:
+                self.untraceable = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                run = self.module
+            if len(self._traces) >= self.max_traces:
+                self._traces.popitem(last=False)
+                self.dropped += 1
+            self._traces[signature] = run
+            return run
+
+    def statistics(self) -> dict[str, Any]:
+        return {"calls": self.calls, "traced": self.traced, "signatures": len(self._traces),
+                "dropped": self.dropped, "untraceable": self.untraceable,
+                "nodes": len(self.node_names)}
+
+    def __repr__(self) -> str:
+        return f"ScriptedDelegate({self.__name__}, {len(self.node_names)} nodes)"
+
+
+def unscriptable_reason(node: Node) -> str | None:
+    """Why a node segments.py accepts must still stay out of a trace, or None."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.dynamic_output_shape in target.tags
+        or torch.Tag.data_dependent_output in target.tags
+    ):
+        return f"{target}: its output's shape or value depends on tensor values"
+    return None
+
+
+def script_segments(graph: Graph, min_nodes: int | None = None) -> tuple[Graph, list[str]]:
+    """`graph` with each run of at least `min_nodes` (MIN_NODES) scriptable aten nodes replaced
+    by a ScriptedDelegate node (and getitems of its outputs), and the delegates' names."""
+    if _TRACE is None:
+        return graph, []
+    min_nodes = MIN_NODES if min_nodes is None else min_nodes
+    segments = tensor_bounded_segments(
+        graph, "auto", lambda vid: isinstance(graph.values[vid].spec, TensorSpec),
+        {n.index for n in graph.nodes if unscriptable_reason(n) is not None},
+        min_nodes=min_nodes)
+    weights = {s.value for s in graph.signature.inputs if s.kind in WEIGHT_KINDS}
+
+    def delegate(segment: Segment) -> tuple[str, ScriptedDelegate]:
+        name = f"scripted_segment_{segment.index}"
+        nodes = segment.nodes(graph)
+        return name, ScriptedDelegate(
+            name, segment_module(graph, segment, names=True),
+            [k for k, v in enumerate(segment.inputs) if v not in weights],
+            [n.name for n in nodes], sum(estimate_cost(n, graph) for n in nodes))
+
+    if not segments:
+        return graph, []
+    return (replace_segments(graph, segments, delegate),
+            [f"scripted_segment_{s.index}" for s in segments])

@@ -1,0 +1,237 @@
+"""Scripted segments (ExecutorConfig(script_segments=True)): runs of aten nodes traced with
+torch.jit.trace per input signature and run by TorchScript's interpreter."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from asyncgraph import Executor, ExecutorConfig
+from asyncgraph.compiled import scripted
+from asyncgraph.compiled.scripted import ScriptedDelegate
+from tests.conformance.harness import assert_conforms, cached_export, imported
+from tests.conformance.models import CASES, CASES_BY_NAME, export_case
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+SCRIPTED = ExecutorConfig(script_segments=True)
+CONFIGS = {
+    "scripted": SCRIPTED,
+    "scripted, parallel": ExecutorConfig(script_segments=True, max_parallel_ops=2,
+                                         heavy_op_flops=0, ready_order_seed=7),
+}
+
+
+class Chain(torch.nn.Module):
+    """Ten aten nodes in a row after an embedding: one segment with weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 16)
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for _ in range(3):
+            h = torch.tanh(self.linear(h)) * 0.5 + h
+        return h.sum(dim=-1)
+
+
+def _export(model: torch.nn.Module, x: torch.Tensor, dynamic: bool = False) -> Any:
+    shapes = ({0: torch.export.Dim("batch", min=1, max=64)},) if dynamic else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.export.export(model.eval(), (x,), dynamic_shapes=shapes)
+
+
+def _eager(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = model(x)
+        return out
+
+
+def _delegates(ex: Executor) -> list[ScriptedDelegate]:
+    return [k.fn for k in ex.kernels if isinstance(k.fn, ScriptedDelegate)]
+
+
+@pytest.fixture
+def short_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Script runs of two nodes or more, so that the small corpus models have segments."""
+    monkeypatch.setattr(scripted, "MIN_NODES", 2)
+
+
+# -- the conformance corpus -----------------------------------------------------------------------
+
+
+def _exported(name: str, decomposed: bool) -> Any:
+    case = CASES_BY_NAME[name]
+    return cached_export(("model", name, decomposed),
+                         lambda: export_case(case, decomposed=decomposed))
+
+
+_EXPORTABLE = [c for c in CASES if not c.architecture
+               and (c.export_limit is None or not c.export_limit.applies())]
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+@pytest.mark.parametrize(("name", "decomposed"), [
+    *((c.name, False) for c in _EXPORTABLE), *((c.name, True) for c in _EXPORTABLE if c.decompose),
+])
+async def test_the_conformance_corpus_conforms_scripted(
+    name: str, decomposed: bool, short_runs: None
+) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*were assigned during export.*")
+        ep = _exported(name, decomposed)
+    outcome = await assert_conforms(ep, CASES_BY_NAME[name].calls(), configs=CONFIGS)
+    assert outcome.both_raised == 0
+
+
+async def test_most_of_the_corpus_gets_scripted_segments(short_runs: None) -> None:
+    """The corpus test above covers scripting only where segments form: most models have one."""
+    scripted_cases = []
+    for case in _EXPORTABLE:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*were assigned during export.*")
+            graph = imported(_exported(case.name, False)).graph
+        if scripted.script_segments(graph)[1]:
+            scripted_cases.append(case.name)
+    assert len(scripted_cases) >= len(_EXPORTABLE) // 2, (scripted_cases, len(_EXPORTABLE))
+
+
+# -- what scripting promises ----------------------------------------------------------------------
+
+
+async def test_one_segment_replaces_the_run_and_matches_eager() -> None:
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    async with Executor(_export(model, x), SCRIPTED) as ex:
+        out = await ex.execute(x)
+        assert ex.scripted == ["scripted_segment_0"]
+        (delegate,) = _delegates(ex)
+        assert len(delegate.node_names) >= 10
+        assert delegate.statistics()["traced"] == 1
+    torch.testing.assert_close(out, _eager(model, x))
+
+
+async def test_each_input_shape_is_traced_once() -> None:
+    model = Chain()
+    async with Executor(_export(model, torch.randint(0, 50, (2, 5)), dynamic=True),
+                        SCRIPTED) as ex:
+        for batch in (2, 5, 2, 5, 1):
+            x = torch.randint(0, 50, (batch, 5))
+            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+        stats = _delegates(ex)[0].statistics()
+    assert (stats["traced"], stats["signatures"], stats["calls"]) == (3, 3, 5)
+
+
+async def test_the_oldest_trace_is_dropped_beyond_max_traces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = Chain()
+    async with Executor(_export(model, torch.randint(0, 50, (2, 5)), dynamic=True),
+                        SCRIPTED) as ex:
+        (delegate,) = _delegates(ex)
+        delegate.max_traces = 2
+        for batch in (1, 2, 3, 1):
+            x = torch.randint(0, 50, (batch, 5))
+            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+        stats = delegate.statistics()
+    assert (stats["traced"], stats["signatures"], stats["dropped"]) == (4, 2, 2)
+
+
+async def test_concurrent_executions_on_workers_trace_each_shape_once() -> None:
+    model = Chain()
+    config = ExecutorConfig(script_segments=True, max_parallel_ops=2, heavy_op_flops=0,
+                            adaptive_placement=False)
+    async with Executor(_export(model, torch.randint(0, 50, (2, 5)), dynamic=True),
+                        config) as ex:
+        xs = [torch.randint(0, 50, (1 + i % 3, 5)) for i in range(24)]
+        outs = await asyncio.gather(*(ex.execute(x) for x in xs))
+        stats = _delegates(ex)[0].statistics()
+        assert ex.statistics().workers.items_run >= 24  # the segment ran on worker threads
+    for x, out in zip(xs, outs, strict=True):
+        torch.testing.assert_close(out, _eager(model, x))
+    assert (stats["traced"], stats["signatures"]) == (3, 3)
+
+
+async def test_a_weights_swap_reaches_the_traces_without_tracing_again() -> None:
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    async with Executor(_export(model, x), SCRIPTED) as ex:
+        before = await ex.execute(x)
+        new = {"linear.weight": torch.randn(16, 16), "embed.weight": torch.randn(50, 16)}
+        ex.swap_weights(new)
+        after = await ex.execute(x)
+        traced = _delegates(ex)[0].statistics()["traced"]
+    model.load_state_dict(new, strict=False)
+    torch.testing.assert_close(after, _eager(model, x))
+    assert not torch.allclose(before, after)
+    assert traced == 1
+
+
+async def test_a_failing_call_names_the_aten_node_that_failed() -> None:
+    model = Chain()
+    async with Executor(_export(model, torch.randint(0, 50, (3, 5))), SCRIPTED) as ex:
+        await ex.execute(torch.randint(0, 50, (3, 5)))
+        with pytest.raises(IndexError, match="index out of range") as caught:
+            await ex.execute(torch.full((3, 5), 99))  # ids past the embedding's 50 rows
+        notes = "\n".join(getattr(caught.value, "__notes__", []))
+        assert "embedding" in notes and "scripted_segment_0" in notes, notes
+        assert torch.allclose(await ex.execute(torch.zeros(3, 5, dtype=torch.long)),
+                              _eager(model, torch.zeros(3, 5, dtype=torch.long)))
+
+
+async def test_a_run_the_tracer_refuses_runs_as_its_fx_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("tracer says no\nsecond line")
+
+    monkeypatch.setattr(scripted, "_TRACE", refuse)
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    async with Executor(_export(model, x), SCRIPTED) as ex:
+        out = await ex.execute(x)
+        stats = _delegates(ex)[0].statistics()
+    torch.testing.assert_close(out, _eager(model, x))
+    assert stats["untraceable"] == "RuntimeError: tracer says no"
+    assert stats["traced"] == 0
+
+
+class DataDependent(torch.nn.Module):
+    """A nonzero between two runs: its output's shape depends on x's values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(4):
+            h = torch.relu(h * 2 - 1)
+        idx = torch.nonzero(h > 0)
+        g = idx.float()
+        for _ in range(4):
+            g = torch.sigmoid(g * 3 + 1)
+        return g.sum(dim=0)
+
+
+async def test_ops_with_data_dependent_shapes_stay_outside_the_traces(short_runs: None) -> None:
+    model = DataDependent()
+    x = torch.randn(4, 6)
+    async with Executor(_export(model, x), SCRIPTED) as ex:
+        inside = {name for d in _delegates(ex) for name in d.node_names}
+        assert inside and not any("nonzero" in name for name in inside)
+        for seed in range(3):  # as many nonzeros as the values give: no trace may bake one in
+            torch.manual_seed(seed)
+            x = torch.randn(4, 6)
+            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+
+
+async def test_off_by_default_and_short_runs_stay_interpreted() -> None:
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    ep = _export(model, x)
+    async with Executor(ep) as plain, Executor(ep, SCRIPTED) as short:
+        assert plain.scripted == [] and not _delegates(plain)
+        assert short.scripted  # the Chain's run is long enough
+    graph, names = scripted.script_segments(imported(ep).graph, min_nodes=10_000)
+    assert names == [] and len(graph.nodes) == len(imported(ep).graph.nodes)
