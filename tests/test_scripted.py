@@ -235,3 +235,13 @@ async def test_off_by_default_and_short_runs_stay_interpreted() -> None:
         assert short.scripted  # the Chain's run is long enough
     graph, names = scripted.script_segments(imported(ep).graph, min_nodes=10_000)
     assert names == [] and len(graph.nodes) == len(imported(ep).graph.nodes)
+
+
+async def test_ops_that_write_to_their_arguments_stay_outside_the_traces() -> None:
+    """A new trace's warm-up calls run the segment twice: an in-place op would write twice."""
+    from asyncgraph.graph.ir import Node
+
+    write = Node(0, "add_", torch.ops.aten.add_.Tensor, (), {}, 0)
+    pure = Node(1, "add", torch.ops.aten.add.Tensor, (), {}, 1)
+    assert scripted.unscriptable_reason(write) == "aten.add_.Tensor writes to its arguments"
+    assert scripted.unscriptable_reason(pure) is None

@@ -10,16 +10,21 @@ benchmarks/nativert_compare.py: 0.56-0.83 ms a call against nativert's 0.66-1.12
 threads run 1.2-1.9x one thread's calls, where the plain graph's do not gain).
 
 A trace bakes in every shape it saw, so a delegate traces once per signature of its runtime
-inputs (their shapes, dtypes and devices; weights keep theirs through a swap) on the first
-call that brings it (5-25 ms for these graphs), and keeps up to MAX_TRACES. That is exact only
-where no shape inside the run depends on tensor values: ops with data-dependent output shapes
-(nonzero, unique, item) stay interpreted and split the runs. Weights are arguments of the
-trace, not constants, so `swap_weights` needs nothing here. A call that fails is run again
-node by node (torch.fx.Interpreter), so the error names the aten node that failed; a run the
-tracer refuses runs as its plain fx module, and `statistics()` says why.
+inputs (their shapes, dtypes and devices; weights keep theirs through a swap) and keeps up to
+MAX_TRACES. That is exact only where no shape inside the run depends on tensor values: ops
+with data-dependent output shapes (nonzero, unique, item) stay interpreted and split the runs,
+and so do ops that write to their arguments. Weights are arguments of the trace, not
+constants, so `swap_weights` needs nothing here.
+
+The first call of a signature pays the trace and TorchScript's two warm-up runs (tiny BERT:
+~27 ms; ~70 ms for the process's very first trace) on whichever thread runs the segment: on
+the event loop when the segment is placed inline, so a batched program stalls its loop once
+per new batch size. A call that fails is run again node by node, so that the error names the
+aten node that failed; a run the tracer refuses runs as its plain fx module, and
+`statistics()` says why.
 
 torch.jit is deprecated from torch 2.13 (it warns on every trace; the warning is silenced
-around ours). Where it is gone, `script_segments` leaves the graph as it is and says why.
+around ours). Where torch.jit.trace is gone, `script_segments` leaves the graph as it is.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ from asyncgraph.kernels.cost import estimate_cost
 
 MAX_TRACES = 64  # signatures traced per segment (batch sizes 1-64); beyond, the oldest is dropped
 MIN_NODES = 8  # a run this long is scripted (the call into TorchScript costs ~10-20 us)
+# TorchScript's profiling executor profiles a new trace's first call and optimises on its
+# second (tiny BERT: 7 and 8 ms, then 0.7): both are made at trace time, so the calls that
+# adaptive placement times are already the steady ones.
+WARM_UP_CALLS = 2
 
 Signature = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
 _TRACE = cast(Callable[..., Any], getattr(torch.jit, "trace", None))  # None: torch.jit gone
@@ -116,6 +125,8 @@ class ScriptedDelegate:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # deprecation (2.13), tracer warnings
                     run = _TRACE(self.module, tuple(inputs), check_trace=False)
+                for _ in range(WARM_UP_CALLS):
+                    run(*inputs)
                 self.traced += 1
             except Exception as exc:
                 self.untraceable = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -138,11 +149,13 @@ class ScriptedDelegate:
 def unscriptable_reason(node: Node) -> str | None:
     """Why a node segments.py accepts must still stay out of a trace, or None."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.dynamic_output_shape in target.tags
-        or torch.Tag.data_dependent_output in target.tags
-    ):
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    if (torch.Tag.dynamic_output_shape in target.tags
+            or torch.Tag.data_dependent_output in target.tags):
         return f"{target}: its output's shape or value depends on tensor values"
+    if target._schema.is_mutable:  # the warm-up calls of a new trace would write twice
+        return f"{target} writes to its arguments"
     return None
 
 
