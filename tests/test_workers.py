@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -18,14 +19,22 @@ def _noop(frame: Any, unit: int) -> None:
     pass
 
 
+def _parking() -> threading.Lock:
+    """A worker thread's parking lock: held, so that get() blocks on it when nothing is queued."""
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
 def test_the_queue_is_fifo_between_submissions_and_by_key_within_one() -> None:
     q = ReadyQueue()
     q.put([(-1.0, (_noop, None, 0)), (-5.0, (_noop, None, 1)), (-1.0, (_noop, None, 2))])
     q.put([(-9.0, (_noop, None, 3)), (-2.0, (_noop, None, 4))])
     assert len(q) == 5
     units = []
+    parking = _parking()
     for _ in range(5):
-        item = q.get()
+        item = q.get(parking)
         assert item is not None
         units.append(item[2])
     # the first submission before the second; in each the most work ahead first, ties FIFO
@@ -37,9 +46,46 @@ def test_stop_tokens_come_after_the_items_queued_before() -> None:
     q = ReadyQueue()
     q.put([(0.0, (_noop, None, 7))])
     q.stop(2)
-    item = q.get()
+    parking = _parking()
+    item = q.get(parking)
     assert item is not None and item[2] == 7
-    assert q.get() is None and q.get() is None
+    assert q.get(parking) is None and q.get(parking) is None
+
+
+def test_a_submission_wakes_the_thread_that_parked_last() -> None:
+    """Parked threads are woken latest first: one caller's work stays on one warm thread."""
+    q = ReadyQueue()
+    taken: list[str] = []
+
+    def take(name: str) -> None:
+        parking = _parking()
+        while (item := q.get(parking)) is not None:
+            taken.append(name)
+            item[0](item[1], item[2])
+
+    threads = [threading.Thread(target=take, args=(f"t{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for unit in range(12):
+            _wait_until(lambda: q.parked == 3)  # the last one back has parked again
+            done = threading.Event()
+            q.put([(0.0, (lambda frame, unit, done=done: done.set(), None, unit))])
+            assert done.wait(10)
+        _wait_until(lambda: q.parked == 3)
+        assert len(set(taken)) == 1, taken  # FIFO wake-ups went round all three threads
+    finally:
+        q.stop(3)
+        for t in threads:
+            t.join(10)
+    assert not any(t.is_alive() for t in threads) and q.parked == 0
+
+
+def _wait_until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.0005)
 
 
 async def test_a_pool_runs_the_units_of_one_submission_lowest_key_first() -> None:
