@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conformance.harness import assert_conforms, cached_export, imported
+from conformance.models import CASES, CASES_BY_NAME, export_case
 
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.compiled import scripted
 from asyncgraph.compiled.scripted import ScriptedDelegate
-from tests.conformance.harness import assert_conforms, cached_export, imported
-from tests.conformance.models import CASES, CASES_BY_NAME, export_case
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -245,3 +246,20 @@ async def test_ops_that_write_to_their_arguments_stay_outside_the_traces() -> No
     pure = Node(1, "add", torch.ops.aten.add.Tensor, (), {}, 1)
     assert scripted.unscriptable_reason(write) == "aten.add_.Tensor writes to its arguments"
     assert scripted.unscriptable_reason(pure) is None
+
+
+def test_the_cli_scripts_segments_on_request(tmp_path: Path) -> None:
+    """`asyncgraph profile --script-segments` profiles the delegate in place of its nodes."""
+    from typer.testing import CliRunner
+
+    from asyncgraph.cli.main import app
+
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    path = tmp_path / "chain.pt2"
+    torch.export.save(_export(model, x), path)
+    args = ["profile", str(path), "--runs", "2", "--warmup", "0", "--json"]
+    scripted_run = CliRunner().invoke(app, [*args, "--script-segments"])
+    plain_run = CliRunner().invoke(app, args)
+    assert scripted_run.exit_code == 0 and plain_run.exit_code == 0, scripted_run.output
+    assert "scripted_segment_0" in scripted_run.output
+    assert "scripted_segment_0" not in plain_run.output and "tanh" in plain_run.output

@@ -38,6 +38,15 @@ TrustCompiledOpt = Annotated[
     ),
 ]
 
+ScriptSegmentsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--script-segments",
+        help="Run long runs of aten nodes as TorchScript traces, made per input shape on first "
+             "use (ExecutorConfig.script_segments; docs/compiled.md).",
+    ),
+]
+
 
 def load_executor(model: Path, config: ExecutorConfig, trust_compiled: bool) -> Executor:
     """The Executor of a .pt2 file; a compiled package loads only with `trust_compiled`."""

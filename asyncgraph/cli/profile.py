@@ -15,7 +15,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config, load_executor
+from asyncgraph.cli.options import (
+    ScriptSegmentsOpt,
+    ThreadsOpt,
+    TrustCompiledOpt,
+    executor_config,
+    load_executor,
+)
 from asyncgraph.tools.profile import ProfileMetrics, collect, example_inputs
 
 
@@ -66,10 +72,11 @@ def profile(
     max_parallel_ops: int | None = typer.Option(None, min=1, help="Worker threads."),
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
+    script_segments: ScriptSegmentsOpt = False,
     json_out: bool = typer.Option(False, "--json", help="Print ProfileMetrics as JSON."),
 ) -> None:
     """Per-node time, percent, totals per op type and the placement chosen, for a .pt2."""
-    options: dict[str, Any] = {"trace": True}
+    options: dict[str, Any] = {"trace": True, "script_segments": script_segments}
     if max_parallel_ops is not None:
         options["max_parallel_ops"] = max_parallel_ops
     ex = load_executor(model, executor_config(threads, **options), trust_compiled)

@@ -14,7 +14,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config, load_executor
+from asyncgraph.cli.options import (
+    ScriptSegmentsOpt,
+    ThreadsOpt,
+    TrustCompiledOpt,
+    executor_config,
+    load_executor,
+)
 from asyncgraph.errors import AsyncGraphError
 
 if TYPE_CHECKING:
@@ -98,6 +104,7 @@ def serve(
     ] = 0,
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
+    script_segments: ScriptSegmentsOpt = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     loop: Annotated[
@@ -137,6 +144,8 @@ def serve(
         config["max_parallel_ops"] = parallel_ops
     if pin_workers:
         config["pin_workers"] = True
+    if script_segments:
+        config["script_segments"] = True
     if max_batch_size:
         config["batching"] = BatchingConfig(max_batch_size, batch_delay_ms / 1000)
     if ray:
