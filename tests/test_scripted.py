@@ -176,14 +176,22 @@ async def test_a_weights_swap_reaches_the_traces_without_tracing_again() -> None
 
 async def test_a_failing_call_names_the_aten_node_that_failed() -> None:
     model = Chain()
-    async with Executor(_export(model, torch.randint(0, 50, (3, 5))), SCRIPTED) as ex:
-        await ex.execute(torch.randint(0, 50, (3, 5)))
-        with pytest.raises(IndexError, match="index out of range") as caught:
-            await ex.execute(torch.full((3, 5), 99))  # ids past the embedding's 50 rows
-        notes = "\n".join(getattr(caught.value, "__notes__", []))
-        assert "embedding" in notes and "scripted_segment_0" in notes, notes
-        assert torch.allclose(await ex.execute(torch.zeros(3, 5, dtype=torch.long)),
-                              _eager(model, torch.zeros(3, 5, dtype=torch.long)))
+    async with Executor(_export(model, torch.randint(0, 50, (3, 5)), dynamic=True),
+                        SCRIPTED) as ex:
+        for shape in ((2, 5), (3, 5)):  # the first call of a signature, then a traced one
+            if shape == (3, 5):
+                await ex.execute(torch.randint(0, 50, shape))
+            with pytest.raises(IndexError, match="index out of range") as caught:
+                await ex.execute(torch.full(shape, 99))  # ids past the embedding's 50 rows
+            notes = "\n".join(getattr(caught.value, "__notes__", []))
+            assert "%embedding = aten.embedding" in notes, notes
+            assert "scripted_segment_0" in notes, notes
+        (delegate,) = _delegates(ex)
+        assert delegate.statistics()["traced"] == 1  # the failed first call traced nothing
+        x = torch.zeros(2, 5, dtype=torch.long)
+        torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+        stats = delegate.statistics()
+    assert (stats["traced"], stats["untraceable"]) == (2, "")  # (2, 5) traced on its next call
 
 
 async def test_a_run_the_tracer_refuses_runs_as_its_fx_module(

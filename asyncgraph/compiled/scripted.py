@@ -73,7 +73,7 @@ class ScriptedDelegate:
         self.cost = cost
         self.max_traces = max_traces
         self._traces: OrderedDict[Signature, Callable[..., Any]] = OrderedDict()
-        self._lock = threading.Lock()  # one trace at a time; calls never take it
+        self._lock = threading.Lock()  # one trace at a time; traced signatures never wait
         self.calls = 0
         self.traced = 0
         self.dropped = 0
@@ -129,6 +129,7 @@ class ScriptedDelegate:
                     run(*inputs)
                 self.traced += 1
             except Exception as exc:
+                self._run_nodes(inputs)  # an error of these inputs, not of tracing: raised
                 self.untraceable = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 run = self.module
             if len(self._traces) >= self.max_traces:
