@@ -129,7 +129,7 @@ def test_size_arithmetic_of_a_dynamic_export_does_not_split() -> None:
     """The dynamic-length encoder block of the conformance corpus multiplies a sym_size in
     Python (`operator.mul`) for its attention views: that arithmetic is compiled with its
     segment, so the block is one segment (it was 9, split at each view reading the size)."""
-    from tests.conformance.models import CASES, export_case
+    from conformance.models import CASES, export_case
 
     case = next(c for c in CASES if c.name == "transformer_encoder")
     if case.export_limit is not None and case.export_limit.applies():  # torch 2.11: export fails
@@ -798,8 +798,9 @@ def test_conformance_corpus(tmp_path: Path) -> None:
     """Every corpus model compiled `whole`: those that compile match ep.module() on all their
     calls; the others are listed with the reason (printed: docs/compiled.md keeps the list).
     One event loop for the whole corpus (the compiles dominate), leak-checked."""
+    from conformance.models import CASES
+
     from asyncgraph.testing import LeakChecker
-    from tests.conformance.models import CASES
 
     async def corpus() -> list[str]:
         async with LeakChecker():
@@ -811,8 +812,8 @@ def test_conformance_corpus(tmp_path: Path) -> None:
 async def _conformance_row(case: Any, tmp_path: Path) -> str:
     import time
 
-    from tests.conformance.harness import flat_user_inputs
-    from tests.conformance.models import export_case
+    from conformance.harness import flat_user_inputs
+    from conformance.models import export_case
 
     try:
         with warnings.catch_warnings():
