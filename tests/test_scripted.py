@@ -79,10 +79,10 @@ _EXPORTABLE = [c for c in CASES if not c.architecture
                and (c.export_limit is None or not c.export_limit.applies())]
 # The corpus models whose graphs get scripted segments with runs of 2+ nodes (as exported; the
 # decomposed graph of grad_and_autocast gets one too). The others run the plain graph either
-# way, which tests/conformance already checks.
+# way, which tests/conformance already checks (custom_ops: its ops are not aten's).
 _SCRIPTED = ("while_counter", "associative_scan", "vmap", "counter_buffer", "input_mutation",
-             "batchnorm_train", "symbolic_arithmetic", "unbacked_item", "custom_ops",
-             "aliased_outputs", "nested_pytrees", "parameter_output")
+             "batchnorm_train", "symbolic_arithmetic", "unbacked_item", "aliased_outputs",
+             "nested_pytrees", "parameter_output")
 
 
 def _has_segments(ex: Executor) -> None:
@@ -260,14 +260,17 @@ async def test_off_by_default_and_short_runs_stay_interpreted() -> None:
     assert names == [] and len(graph.nodes) == len(imported(ep).graph.nodes)
 
 
-async def test_ops_that_write_to_their_arguments_stay_outside_the_traces() -> None:
-    """A new trace's warm-up calls run the segment twice: an in-place op would write twice."""
+async def test_ops_that_write_or_are_not_aten_stay_outside_the_traces() -> None:
+    """A new trace's warm-up calls run the segment twice: an in-place op would write twice;
+    a custom op's Python kernel stays out of TorchScript's interpreter."""
     from asyncgraph.graph.ir import Node
 
     write = Node(0, "add_", torch.ops.aten.add_.Tensor, (), {}, 0)
     pure = Node(1, "add", torch.ops.aten.add.Tensor, (), {}, 1)
+    custom = Node(2, "scaled_tanh", torch.ops.agconf.scaled_tanh.default, (), {}, 2)
     assert scripted.unscriptable_reason(write) == "aten.add_.Tensor writes to its arguments"
     assert scripted.unscriptable_reason(pure) is None
+    assert scripted.unscriptable_reason(custom) == "agconf.scaled_tanh.default is not an aten op"
 
 
 def test_the_cli_scripts_segments_on_request(tmp_path: Path) -> None:

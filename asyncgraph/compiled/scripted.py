@@ -13,8 +13,10 @@ A trace bakes in every shape it saw, so a delegate traces once per signature of 
 inputs (their shapes, dtypes and devices; weights keep theirs through a swap) and keeps up to
 MAX_TRACES. That is exact only where no shape inside the run depends on tensor values: ops
 with data-dependent output shapes (nonzero, unique, item) stay interpreted and split the runs,
-and so do ops that write to their arguments. Weights are arguments of the trace, not
-constants, so `swap_weights` needs nothing here.
+and so do ops that write to their arguments and ops outside aten (custom torch.library ops,
+whose Python kernels TorchScript's interpreter would call back into: not a path to trust
+with a process's memory; a CI run saw an unexplained std::bad_alloc in one after them).
+Weights are arguments of the trace, not constants, so `swap_weights` needs nothing here.
 
 The first call of a signature pays the trace and TorchScript's two warm-up runs (tiny BERT:
 ~27 ms; ~70 ms for the process's very first trace) on whichever thread runs the segment: on
@@ -152,6 +154,8 @@ def unscriptable_reason(node: Node) -> str | None:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return None
+    if target.namespace != "aten":  # a torch.library op's Python kernel, called from C++
+        return f"{target} is not an aten op"
     if (torch.Tag.dynamic_output_shape in target.tags
             or torch.Tag.data_dependent_output in target.tags):
         return f"{target}: its output's shape or value depends on tensor values"
