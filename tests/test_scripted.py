@@ -4,10 +4,12 @@ torch.jit.trace per input signature and run by TorchScript's interpreter."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from conformance.harness import assert_conforms, cached_export, imported
@@ -58,6 +60,14 @@ def _eager(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _delegates(ex: Executor) -> list[ScriptedDelegate]:
     return [k.fn for k in ex.kernels if isinstance(k.fn, ScriptedDelegate)]
+
+
+async def _settled(ex: Executor) -> ScriptedDelegate:
+    """The executor's first delegate, once its tracer thread has traced what was asked."""
+    delegates = _delegates(ex)
+    for delegate in delegates:
+        assert await anyio.to_thread.run_sync(delegate.wait_idle, 60), "a trace took > 60 s"
+    return delegates[0]
 
 
 @pytest.fixture
@@ -125,11 +135,14 @@ async def test_most_of_the_corpus_gets_scripted_segments(short_runs: None) -> No
 async def test_one_segment_replaces_the_run_and_matches_eager() -> None:
     model, x = Chain(), torch.randint(0, 50, (3, 5))
     async with Executor(_export(model, x), SCRIPTED) as ex:
-        out = await ex.execute(x)
+        first = await ex.execute(x)  # the fx module runs it while the trace is made
         assert ex.scripted == ["scripted_segment_0"]
-        (delegate,) = _delegates(ex)
+        delegate = await _settled(ex)
         assert len(delegate.node_names) >= 10
-        assert delegate.statistics()["traced"] == 1
+        out = await ex.execute(x)  # the trace
+        stats = delegate.statistics()
+    assert (stats["traced"], stats["calls"], stats["untraced_calls"]) == (1, 2, 1)
+    torch.testing.assert_close(first, _eager(model, x))
     torch.testing.assert_close(out, _eager(model, x))
 
 
@@ -140,7 +153,7 @@ async def test_each_input_shape_is_traced_once() -> None:
         for batch in (2, 5, 2, 5, 1):
             x = torch.randint(0, 50, (batch, 5))
             torch.testing.assert_close(await ex.execute(x), _eager(model, x))
-        stats = _delegates(ex)[0].statistics()
+        stats = (await _settled(ex)).statistics()
     assert (stats["traced"], stats["signatures"], stats["calls"]) == (3, 3, 5)
 
 
@@ -155,6 +168,7 @@ async def test_the_oldest_trace_is_dropped_beyond_max_traces(
         for batch in (1, 2, 3, 1):
             x = torch.randint(0, 50, (batch, 5))
             torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+            await _settled(ex)
         stats = delegate.statistics()
     assert (stats["traced"], stats["signatures"], stats["dropped"]) == (4, 2, 2)
 
@@ -167,7 +181,7 @@ async def test_concurrent_executions_on_workers_trace_each_shape_once() -> None:
                         config) as ex:
         xs = [torch.randint(0, 50, (1 + i % 3, 5)) for i in range(24)]
         outs = await asyncio.gather(*(ex.execute(x) for x in xs))
-        stats = _delegates(ex)[0].statistics()
+        stats = (await _settled(ex)).statistics()
         assert ex.statistics().workers.items_run >= 24  # the segment ran on worker threads
     for x, out in zip(xs, outs, strict=True):
         torch.testing.assert_close(out, _eager(model, x))
@@ -178,6 +192,7 @@ async def test_a_weights_swap_reaches_the_traces_without_tracing_again() -> None
     model, x = Chain(), torch.randint(0, 50, (3, 5))
     async with Executor(_export(model, x), SCRIPTED) as ex:
         before = await ex.execute(x)
+        await _settled(ex)
         new = {"linear.weight": torch.randn(16, 16), "embed.weight": torch.randn(50, 16)}
         ex.swap_weights(new)
         after = await ex.execute(x)
@@ -195,6 +210,7 @@ async def test_a_failing_call_names_the_aten_node_that_failed() -> None:
         for shape in ((2, 5), (3, 5)):  # the first call of a signature, then a traced one
             if shape == (3, 5):
                 await ex.execute(torch.randint(0, 50, shape))
+                await _settled(ex)
             with pytest.raises(IndexError, match="index out of range") as caught:
                 await ex.execute(torch.full(shape, 99))  # ids past the embedding's 50 rows
             notes = "\n".join(getattr(caught.value, "__notes__", []))
@@ -204,7 +220,7 @@ async def test_a_failing_call_names_the_aten_node_that_failed() -> None:
         assert delegate.statistics()["traced"] == 1  # the failed first call traced nothing
         x = torch.zeros(2, 5, dtype=torch.long)
         torch.testing.assert_close(await ex.execute(x), _eager(model, x))
-        stats = delegate.statistics()
+        stats = (await _settled(ex)).statistics()
     assert (stats["traced"], stats["untraceable"]) == (2, "")  # (2, 5) traced on its next call
 
 
@@ -218,10 +234,67 @@ async def test_a_run_the_tracer_refuses_runs_as_its_fx_module(
     model, x = Chain(), torch.randint(0, 50, (3, 5))
     async with Executor(_export(model, x), SCRIPTED) as ex:
         out = await ex.execute(x)
+        await _settled(ex)
+        again = await ex.execute(x)
         stats = _delegates(ex)[0].statistics()
     torch.testing.assert_close(out, _eager(model, x))
+    torch.testing.assert_close(again, _eager(model, x))
     assert stats["untraceable"] == "RuntimeError: tracer says no"
-    assert stats["traced"] == 0
+    assert (stats["traced"], stats["signatures"], stats["untraced_calls"]) == (0, 1, 1)
+
+
+async def test_a_new_shape_is_traced_off_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Executions go on (the fx module runs them) while the tracer thread traces; the trace
+    works on copies of the inputs, which the caller may overwrite at once."""
+    release, tracing_threads = threading.Event(), []
+    trace = scripted._TRACE
+
+    def slow_trace(*args: Any, **kwargs: Any) -> Any:
+        tracing_threads.append(threading.current_thread().name)
+        assert release.wait(60)
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(scripted, "_TRACE", slow_trace)
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    expected = _eager(model, x)
+    async with Executor(_export(model, x), SCRIPTED) as ex:
+        for _ in range(3):  # the trace is held: the fx module runs each of these
+            torch.testing.assert_close(await ex.execute(x.clone()), expected)
+        (delegate,) = _delegates(ex)
+        assert delegate.statistics()["pending"] == 1 and delegate.statistics()["traced"] == 0
+        x_used = x.clone()
+        await ex.execute(x_used)
+        x_used.fill_(99)  # past the embedding: a trace on the caller's tensor would fail
+        release.set()
+        await _settled(ex)
+        torch.testing.assert_close(await ex.execute(x), expected)
+        stats = delegate.statistics()
+    assert tracing_threads == ["asyncgraph-trace-scripted_segment_0"]
+    assert (stats["traced"], stats["untraceable"], stats["pending"]) == (1, "", 0)
+    assert (stats["calls"], stats["untraced_calls"]) == (5, 4)
+
+
+async def test_aclose_waits_for_the_trace_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leak check after it fails if a tracer thread outlives the Executor."""
+    started, release = threading.Event(), threading.Event()
+    trace = scripted._TRACE
+
+    def slow_trace(*args: Any, **kwargs: Any) -> Any:
+        started.set()
+        assert release.wait(60)
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(scripted, "_TRACE", slow_trace)
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    ex = Executor(_export(model, x), SCRIPTED)
+    await ex.execute(x)
+    assert await anyio.to_thread.run_sync(started.wait, 60)
+    asyncio.get_running_loop().call_later(0.05, release.set)
+    await ex.aclose()
+    (delegate,) = _delegates(ex)
+    assert release.is_set() and delegate.wait_idle(0)
 
 
 class DataDependent(torch.nn.Module):

@@ -18,12 +18,16 @@ whose Python kernels TorchScript's interpreter would call back into: not a path 
 with a process's memory; a CI run saw an unexplained std::bad_alloc in one after them).
 Weights are arguments of the trace, not constants, so `swap_weights` needs nothing here.
 
-The first call of a signature pays the trace and TorchScript's two warm-up runs (tiny BERT:
-~27 ms; ~70 ms for the process's very first trace) on whichever thread runs the segment: on
-the event loop when the segment is placed inline, so a batched program stalls its loop once
-per new batch size. A call that fails is run again node by node, so that the error names the
-aten node that failed; a run the tracer refuses runs as its plain fx module, and
-`statistics()` says why.
+A new signature is traced on a thread of its own ("asyncgraph-trace-<segment>"), never on
+the calling thread: the trace and TorchScript's two warm-up runs take ~27 ms on tiny BERT
+(~70 ms for the process's first trace), and a segment placed inline would otherwise hold the
+event loop that long once per new shape (a batched program: once per batch size). Until the
+trace is ready, calls of that signature run the segment's fx module, as they would without
+scripting. The trace runs on copies of the first successful call's runtime inputs, so the
+caller may reuse its tensors at once. A call that fails is run again node by node, so that
+the error names the aten node that failed, and starts no trace; a run the tracer refuses
+keeps running as its fx module, and `statistics()` says why. The Executor's `aclose` waits for
+a trace in progress; `wait_idle` waits for all of them.
 
 torch.jit is deprecated from torch 2.13 (it warns on every trace; the warning is silenced
 around ours). Where torch.jit.trace is gone, `script_segments` leaves the graph as it is.
@@ -37,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import anyio
 import torch
 import torch.fx
 
@@ -75,21 +80,32 @@ class ScriptedDelegate:
         self.cost = cost
         self.max_traces = max_traces
         self._traces: OrderedDict[Signature, Callable[..., Any]] = OrderedDict()
-        self._lock = threading.Lock()  # one trace at a time; traced signatures never wait
+        # signatures waiting for a trace: inputs, and the caller's inference and grad modes
+        self._pending: dict[Signature, tuple[tuple[Any, ...], bool, bool]] = {}
+        self._lock = threading.Lock()  # guards the two dicts and the tracer thread
+        self._idle = threading.Condition(self._lock)  # notified when the tracer thread ends
+        self._tracer: threading.Thread | None = None
+        self._closed = False
         self.calls = 0
+        self.untraced_calls = 0  # calls the fx module ran while their trace was pending
         self.traced = 0
         self.dropped = 0
         self.untraceable = ""  # why the tracer refused a signature (its calls run the fx module)
 
     def __call__(self, *inputs: Any) -> list[Any]:
         signature = self._signature(inputs)
-        run = self._traces.get(signature) or self._trace(signature, inputs)
+        run = self._traces.get(signature)
         self.calls += 1
         try:
-            return list(run(*inputs))
+            if run is not None:
+                return list(run(*inputs))
+            outputs = list(self.module(*inputs))
         except Exception:
             self._run_nodes(inputs)  # raises the first failing node's error, naming the node
             raise
+        self.untraced_calls += 1
+        self._request_trace(signature, inputs)
+        return outputs
 
     def _run_nodes(self, inputs: Sequence[Any]) -> None:
         """Run the segment's nodes one by one: the failing one's error gets a note naming it,
@@ -118,32 +134,74 @@ class ScriptedDelegate:
                 f" tensor inputs, got {[type(v).__name__ for v in inputs]}"
             ) from None
 
-    def _trace(self, signature: Signature, inputs: Sequence[Any]) -> Callable[..., Any]:
+    def _request_trace(self, signature: Signature, inputs: Sequence[Any]) -> None:
+        """Queue a trace of `signature` for the tracer thread, which starts when none runs."""
         with self._lock:
-            run = self._traces.get(signature)
-            if run is not None:
-                return run
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # deprecation (2.13), tracer warnings
-                    run = _TRACE(self.module, tuple(inputs), check_trace=False)
-                for _ in range(WARM_UP_CALLS):
-                    run(*inputs)
-                self.traced += 1
-            except Exception as exc:
-                self._run_nodes(inputs)  # an error of these inputs, not of tracing: raised
-                self.untraceable = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                run = self.module
-            if len(self._traces) >= self.max_traces:
-                self._traces.popitem(last=False)
-                self.dropped += 1
-            self._traces[signature] = run
-            return run
+            if (self._closed or signature in self._traces or signature in self._pending
+                    or len(self._pending) >= self.max_traces):
+                return
+            runtime = set(self.runtime)
+            copies = tuple(v.clone() if k in runtime else v for k, v in enumerate(inputs))
+            self._pending[signature] = (
+                copies, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+            if self._tracer is None:
+                self._tracer = threading.Thread(
+                    target=self._trace_pending, name=f"asyncgraph-trace-{self.__name__}")
+                self._tracer.start()
+
+    def _trace_pending(self) -> None:
+        """The tracer thread: trace the pending signatures in order, then end."""
+        while True:
+            with self._lock:
+                if self._closed or not self._pending:
+                    self._pending.clear()
+                    self._tracer = None
+                    self._idle.notify_all()
+                    return
+                signature, (inputs, inference, grad) = next(iter(self._pending.items()))
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                run = self._trace(inputs)
+            with self._lock:
+                if len(self._traces) >= self.max_traces:
+                    self._traces.popitem(last=False)
+                    self.dropped += 1
+                self._traces[signature] = run
+                del self._pending[signature]
+
+    def _trace(self, inputs: tuple[Any, ...]) -> Callable[..., Any]:
+        """A warmed-up trace of the module on `inputs` (which it ran without error), or the fx
+        module when the tracer refuses."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecation (2.13), tracer warnings
+                run = _TRACE(self.module, inputs, check_trace=False)
+            for _ in range(WARM_UP_CALLS):
+                run(*inputs)
+        except Exception as exc:
+            self.untraceable = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            return self.module
+        self.traced += 1
+        return cast(Callable[..., Any], run)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no trace is pending; False when `timeout` passed first. For threads
+        and tests: on the event loop, poll `statistics()["pending"]` or await `aclose`."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._tracer is None, timeout)
+
+    async def aclose(self) -> None:
+        """Drop the pending traces and wait, without holding the loop, for the one in
+        progress: a closed Executor leaves no tracer thread behind."""
+        with self._lock:
+            self._closed = True
+        if self._tracer is not None:
+            await anyio.to_thread.run_sync(self.wait_idle)
 
     def statistics(self) -> dict[str, Any]:
-        return {"calls": self.calls, "traced": self.traced, "signatures": len(self._traces),
-                "dropped": self.dropped, "untraceable": self.untraceable,
-                "nodes": len(self.node_names)}
+        return {"calls": self.calls, "untraced_calls": self.untraced_calls,
+                "traced": self.traced, "pending": len(self._pending),
+                "signatures": len(self._traces), "dropped": self.dropped,
+                "untraceable": self.untraceable, "nodes": len(self.node_names)}
 
     def __repr__(self) -> str:
         return f"ScriptedDelegate({self.__name__}, {len(self.node_names)} nodes)"

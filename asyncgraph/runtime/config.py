@@ -147,10 +147,10 @@ class ExecutorConfig:
             (asyncgraph/passes/folding.py);
             they leave the graph, so they are not in placements, profiles or traces.
         script_segments: run each long run of CPU aten nodes (8 or more) as one delegate node
-            that calls a torch.jit.trace of the run, traced per input shape on first use
-            (asyncgraph/compiled/scripted.py): TorchScript's interpreter runs the ops from C++
-            with the GIL released, so a call costs less and executions on worker threads run
-            in parallel. Off by default: its nodes are profiled and traced as one, are
+            that calls a torch.jit.trace of the run, traced per input shape on a thread of
+            its own (asyncgraph/compiled/scripted.py): TorchScript's interpreter runs the
+            ops from C++ with the GIL released, so a call costs less and executions on worker
+            threads run in parallel. Off by default: its nodes are profiled and traced as one, are
             cancellable only between segments, and torch.jit is deprecated from torch 2.13.
         max_fused_nodes: the longest run of consecutive inline nodes compiled into one
             straight-line function (a unit); 1 runs every node as its own unit.
