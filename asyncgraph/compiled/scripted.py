@@ -145,9 +145,14 @@ class ScriptedDelegate:
             self._pending[signature] = (
                 copies, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
             if self._tracer is None:
-                self._tracer = threading.Thread(
+                tracer = threading.Thread(
                     target=self._trace_pending, name=f"asyncgraph-trace-{self.__name__}")
-                self._tracer.start()
+                try:
+                    tracer.start()
+                except RuntimeError:  # no thread to be had: the call still succeeded
+                    del self._pending[signature]
+                    return
+                self._tracer = tracer
 
     def _trace_pending(self) -> None:
         """The tracer thread: trace the pending signatures in order, then end."""
