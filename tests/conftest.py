@@ -52,9 +52,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _earlier_modules_frozen() -> None:
     """Leave the objects of earlier test modules out of the cyclic collector's work.
 
-    The suite's heap grows to millions of objects (exported programs, cached corpora, imported
-    libraries), and a full collection of it took 1.1-1.5 s on the development machine (gc
-    callbacks over one Python 3.12 run: 113 collections over 50 ms). One that lands inside a
+    The suite's heap grows large (exported programs, cached corpora, imported libraries), and
+    a full collection of it took up to 1.5 s on the development machine (gc callbacks over one
+    Python 3.12 run: 113 collections over 50 ms, the 31 longest 0.86-1.48 s). One inside a
     test's timing window fails it: in CI, `asyncgraph stress` measured a 1.7 s loop lag in
     test_cli_stress_with_batching, a run that takes 0.05 s. Collected, then frozen when a
     module starts, the live objects of earlier modules stay out of every later collection, so
