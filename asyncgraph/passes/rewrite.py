@@ -12,15 +12,24 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from asyncgraph.graph.ir import Graph, InputKind, InputSpec, Node, OutputSpec, Ref, iter_refs
+from asyncgraph.graph.ir import Graph, InputKind, InputSpec, Node, OutputSpec, Ref, Value, iter_refs
 
 
 def rebuild(
-    graph: Graph, nodes: Sequence[Node], constants: Mapping[int, str] | None = None
+    graph: Graph,
+    nodes: Sequence[Node],
+    constants: Mapping[int, str] | None = None,
+    new_values: Sequence[Value] = (),
 ) -> Graph:
-    """The graph of `nodes` (in topological order; each `output` a value id of `graph`, whose
-    producer becomes that node), with `constants` (value id -> name) as new CONSTANT inputs."""
+    """The graph of `nodes` (in topological order; each `output` a value id of `graph` or of
+    `new_values`, whose producer becomes that node), with `constants` (value id -> name) as
+    new CONSTANT inputs. `new_values` are values a pass adds: their ids follow the graph's,
+    `len(graph.values)` onwards."""
     constants = constants or {}
+    all_values = [*graph.values, *new_values]
+    for position, value in enumerate(all_values):
+        if value.id != position:
+            raise ValueError(f"value %{value.name} has id {value.id}, expected {position}")
     sig = graph.signature
     live: set[int] = {s.value for s in sig.inputs} | set(constants)
     for node in nodes:
@@ -32,7 +41,7 @@ def rebuild(
     producer = {node.output: i for i, node in enumerate(nodes)}
     values = [
         dataclasses.replace(v, id=ids[v.id], producer=producer.get(v.id))
-        for v in graph.values if v.id in ids
+        for v in all_values if v.id in ids
     ]
     new_nodes = [
         dataclasses.replace(

@@ -146,6 +146,10 @@ class ExecutorConfig:
             construction and on swap_weights) instead of on every call
             (asyncgraph/passes/folding.py);
             they leave the graph, so they are not in placements, profiles or traces.
+        lower_linear: with fold_constants, run `linear` over a 2-D CPU input as `addmm` with
+            the weight's transpose folded (asyncgraph/passes/linear.py): the same op
+            `at::linear` calls, without its per-call argument parsing and transpose; results
+            are bitwise the same. The node keeps its name; profiles and traces show `addmm`.
         script_segments: run each long run of CPU aten nodes (8 or more) as one delegate node
             that calls a torch.jit.trace of the run, traced per input shape on a thread of
             its own (asyncgraph/compiled/scripted.py): TorchScript's interpreter runs the
@@ -199,6 +203,7 @@ class ExecutorConfig:
     fast_bindings: bool = True
     recompose_attention: bool = True
     fold_constants: bool = True
+    lower_linear: bool = True
     script_segments: bool = False
     max_fused_nodes: int = 32
     cuda_streams: int = 4

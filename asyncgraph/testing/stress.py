@@ -62,7 +62,7 @@ class StressConfig:
         cancel_rate: fraction of executions whose caller is cancelled after a random delay.
         timeout_rate: fraction of executions run under asyncio.timeout with a random deadline.
         fault_rate: fraction of executions that hit an injected kernel fault (InjectedFault),
-            spread evenly over the nodes.
+            spread evenly over the nodes each execution runs (not the folded ones).
         delay_rate: fraction of kernel calls delayed by up to `max_delay_s` (worker and async
             kernels only, so the event loop itself is never put to sleep).
         max_delay_s: the longest injected delay.
@@ -282,14 +282,21 @@ async def run_stress(
     input_sets = [make_inputs(rng) for _ in range(min(config.distinct_inputs, config.executions))]
     jobs = _plan_jobs(config, rng, input_sets)
     swaps = _plan_swaps(config, prog, rng)
-    nodes = max(1, len(prog.graph.nodes))
-    per_call = 1.0 - (1.0 - config.fault_rate) ** (1.0 / nodes) if config.fault_rate else 0.0
-    faults = FaultInjector(seed=config.seed).random(
-        raise_rate=per_call, delay_rate=config.delay_rate, max_delay_s=config.max_delay_s
-    )
+    faults = FaultInjector(seed=config.seed)
     references = _References(ReferenceRunner(prog), input_sets)
     tally = _Tally()
     executor = Executor(prog, executor_config, kernel_factory=faults.kernel_factory())
+    # Faults on the nodes every execution runs: not on those folded into constants, which
+    # run when the Executor is built and on each weights swap, not per request.
+    executed = [node.name for node in executor.graph.nodes]
+    per_call = (
+        1.0 - (1.0 - config.fault_rate) ** (1.0 / max(1, len(executed)))
+        if config.fault_rate else 0.0
+    )
+    faults.random(
+        raise_rate=per_call, delay_rate=config.delay_rate, max_delay_s=config.max_delay_s,
+        nodes=executed,
+    )
     versions: dict[int, dict[str, Any]] = {executor.weights.version: dict(prog.weights)}
     started = time.perf_counter()
     monitor = LoopLagMonitor()
