@@ -53,6 +53,7 @@ from asyncgraph.graph.importers import Program, ProgramLike, to_program
 from asyncgraph.graph.ir import Graph, InputKind, OutputKind, Ref
 from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.passes.folding import ConstantFolder, fold_constants
+from asyncgraph.passes.identity import drop_identities
 from asyncgraph.passes.linear import lower_linear
 from asyncgraph.passes.recompose import recompose_attention
 from asyncgraph.runtime import registry
@@ -114,6 +115,8 @@ class Executor:
         self.recomposed = 0  # attention patterns put back together (asyncgraph/passes/recompose.py)
         if self.config.recompose_attention:
             self.graph, self.recomposed = recompose_attention(self.graph)
+        # dropouts that return their input (asyncgraph/passes/identity.py)
+        self.graph, self.dropped_identities = drop_identities(self.graph)
         self.lowered_linears = 0  # linears run as addmm (asyncgraph/passes/linear.py)
         if self.config.lower_linear and self.config.fold_constants:
             self.graph, self.lowered_linears = lower_linear(self.graph)
