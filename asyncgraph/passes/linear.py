@@ -13,7 +13,7 @@ What is lowered, exactly: `aten.linear.default(x, W, b)` whose `W` is a 2-D weig
 is present, whose `x` is 2-D, all on the CPU.
 The result is bitwise the same: the op this writes is the one `at::linear` calls. Left alone:
 other ranks (for a 3-D input `at::linear` flattens the input inside one call; the same three
-steps as separate Python calls timed 9-13% slower), no bias (a `matmul`), CUDA (not measured).
+steps as separate Python calls timed 9-15% slower), no bias (a `matmul`), CUDA (not measured).
 The lowered node keeps the linear's name (errors, profiles and traces name it as before);
 its target becomes `addmm` and its arguments `(b, x, W.t())`.
 """
