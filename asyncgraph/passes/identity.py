@@ -13,6 +13,7 @@ the same. A graph output keeps its node (the graph's signature is left alone).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -36,11 +37,7 @@ def drop_identities(graph: Graph) -> tuple[Graph, int]:
         if returned is not None and node.output not in outputs:
             forward[node.output] = returned
             continue
-        nodes.append(node if not forward else Node(
-            index=node.index, name=node.name, target=node.target, args=args, kwargs=kwargs,
-            output=node.output, stack_trace=node.stack_trace,
-            placement_hint=node.placement_hint,
-        ))
+        nodes.append(dataclasses.replace(node, args=args, kwargs=kwargs) if forward else node)
     if not forward:
         return graph, 0
     return rebuild(graph, nodes), len(forward)
