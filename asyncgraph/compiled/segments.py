@@ -27,6 +27,7 @@ import torch
 
 from asyncgraph.graph.ir import Graph, Node, Ref, Signature, TensorSpec, Value, iter_refs
 from asyncgraph.kernels.cost import estimate_cost
+from asyncgraph.passes.identity import draws_nothing
 from asyncgraph.passes.rewrite import rebuild
 
 MODES = ("auto", "whole")
@@ -64,7 +65,7 @@ def uncompilable_reason(node: Node, graph: Graph) -> str | None:
 
     if not isinstance(target, torch._ops.OpOverload):
         return f"{node.target_name()} is not an aten operator"
-    if torch.Tag.nondeterministic_seeded in target.tags and not _draws_nothing(node, target):
+    if torch.Tag.nondeterministic_seeded in target.tags and not draws_nothing(node, target):
         return f"{target} is random (compiled code would draw other numbers)"
     for vid in [node.output, *node.inputs()]:
         spec = graph.values[vid].spec
@@ -83,30 +84,6 @@ SIZE_ARITHMETIC = frozenset({
     operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
 })
 
-# Arguments that switch a random op's randomness off: dropout(train=False) or with p=0, and
-# scaled_dot_product_attention with dropout_p=0 (its default). Eval-mode models are full of them.
-_NO_RANDOMNESS: dict[str, Any] = {"train": False, "p": 0, "dropout_p": 0}
-
-
-def _draws_nothing(node: Node, target: torch._ops.OpOverload) -> bool:
-    """Whether the call of random op `target` at `node` draws no random numbers: one of its
-    arguments turns the randomness off (a compiled call then computes what the plain one does)."""
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name not in _NO_RANDOMNESS:
-            continue
-        if i < len(node.args):
-            value = node.args[i]
-        elif arg.name in node.kwargs:
-            value = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            value = arg.default_value
-        else:
-            continue
-        off = _NO_RANDOMNESS[arg.name]
-        if type(value) in (bool, int, float) and value == off and (
-                isinstance(off, bool) == isinstance(value, bool)):
-            return True
-    return False
 
 
 def find_segments(

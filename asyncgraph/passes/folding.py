@@ -82,9 +82,7 @@ def fold_constants(
 ) -> tuple[Graph, list[OpKernel], ConstantFolder | None]:
     """The graph and kernels without the foldable nodes, and their folder (None: none fold)."""
     sig = graph.signature
-    mutated = {o.target for o in sig.outputs if o.kind is OutputKind.BUFFER_MUTATION}
-    weights = {s.value: s.target or "" for s in sig.inputs
-               if s.kind in WEIGHT_KINDS and s.target not in mutated}
+    weights = constant_weights(graph)
     outputs = {ref.id for o in sig.outputs for ref in iter_refs(o.arg)}
     constant = set(weights)
     folded: list[int] = []
@@ -105,6 +103,14 @@ def fold_constants(
         [graph.nodes[i] for i in folded], [kernels[i] for i in folded], weights, new_constants
     )
     return rebuild(graph, kept, new_constants), [kernels[n.index] for n in kept], folder
+
+
+def constant_weights(graph: Graph) -> dict[int, str]:
+    """The weights no execution mutates (value id -> weight name): what folding may read."""
+    sig = graph.signature
+    mutated = {o.target for o in sig.outputs if o.kind is OutputKind.BUFFER_MUTATION}
+    return {s.value: s.target or "" for s in sig.inputs
+            if s.kind in WEIGHT_KINDS and s.target not in mutated}
 
 
 def _foldable(node: Node, kernel: OpKernel) -> bool:

@@ -33,7 +33,7 @@ def drop_identities(graph: Graph) -> tuple[Graph, int]:
     for node in graph.nodes:
         args = substitute(node.args, forward)
         kwargs = substitute(node.kwargs, forward)
-        returned = _returned_input(node.target, args, kwargs)
+        returned = _returned_input(node, args, kwargs)
         if returned is not None and node.output not in outputs:
             forward[node.output] = returned
             continue
@@ -50,14 +50,37 @@ class _Forwarded(dict[int, Ref]):
         return Ref(key)
 
 
-def _returned_input(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Ref | None:
-    """The input an identity call returns (dropout with train False or p 0), else None."""
-    if target is not _DROPOUT:
+def _returned_input(node: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Ref | None:
+    """The input an identity call returns (a dropout that draws nothing), else None; `args`
+    and `kwargs` are the node's with removed outputs already forwarded."""
+    if node.target is not _DROPOUT or not draws_nothing(node, _DROPOUT):
         return None
-    bound = dict(zip(("input", "p", "train"), args, strict=False)) | kwargs
-    x, p, train = bound.get("input"), bound.get("p"), bound.get("train")
-    if not isinstance(x, Ref):
-        return None
-    if train is False or (type(p) in (int, float) and p == 0):
-        return x
-    return None
+    x = args[0] if args else kwargs.get("input")
+    return x if isinstance(x, Ref) else None
+
+
+# Arguments that switch a random op's randomness off: dropout(train=False) or with p=0, and
+# scaled_dot_product_attention with dropout_p=0 (its default). Eval-mode models are full of them.
+_NO_RANDOMNESS: dict[str, Any] = {"train": False, "p": 0, "dropout_p": 0}
+
+
+def draws_nothing(node: Node, target: torch._ops.OpOverload) -> bool:
+    """Whether the call of random op `target` at `node` draws no random numbers: one of its
+    arguments turns the randomness off (a compiled call then computes what the plain one does;
+    a dropout returns its input)."""
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name not in _NO_RANDOMNESS:
+            continue
+        if i < len(node.args):
+            value = node.args[i]
+        elif arg.name in node.kwargs:
+            value = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            value = arg.default_value
+        else:
+            continue
+        off = _NO_RANDOMNESS[arg.name]
+        if type(value) in (bool, int, float) and value == off and (
+                isinstance(off, bool) == isinstance(value, bool)):
+            return True
+    return False

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, Node, OutputKind, Ref, TensorSpec, Value
+from asyncgraph.graph.ir import Graph, Node, Ref, TensorSpec, Value
+from asyncgraph.passes.folding import constant_weights
 from asyncgraph.passes.rewrite import rebuild
 
 aten = torch.ops.aten
@@ -31,9 +32,7 @@ _CPU = torch.device("cpu")
 
 def lower_linear(graph: Graph) -> tuple[Graph, int]:
     """The graph with every lowerable linear written as `t` + `addmm`, and how many were."""
-    sig = graph.signature
-    mutated = {o.target for o in sig.outputs if o.kind is OutputKind.BUFFER_MUTATION}
-    weights = {s.value for s in sig.inputs if s.kind in WEIGHT_KINDS and s.target not in mutated}
+    weights = set(constant_weights(graph))
     names = {n.name for n in graph.nodes} | {v.name for v in graph.values}
     nodes: list[Node] = []
     new_values: list[Value] = []

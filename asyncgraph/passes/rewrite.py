@@ -26,10 +26,10 @@ def rebuild(
     new CONSTANT inputs. `new_values` are values a pass adds: their ids follow the graph's,
     `len(graph.values)` onwards."""
     constants = constants or {}
-    all_values = [*graph.values, *new_values]
-    for position, value in enumerate(all_values):
+    for position, value in enumerate(new_values, len(graph.values)):
         if value.id != position:
-            raise ValueError(f"value %{value.name} has id {value.id}, expected {position}")
+            raise ValueError(f"new value %{value.name} has id {value.id}, expected {position}")
+    all_values = [*graph.values, *new_values]
     sig = graph.signature
     live: set[int] = {s.value for s in sig.inputs} | set(constants)
     for node in nodes:
