@@ -181,8 +181,12 @@ def test_check_returns_the_signature_that_inputs_alike_share() -> None:
     validator = asyncgraph.Executor(ep)._validator
     signature = validator.check([torch.randn(2, 3)])
     assert signature is not None
-    assert validator.check([torch.randn(2, 3)]) == signature  # from the passed checks
-    assert validator.check([torch.randn(4, 3)]) != signature
+    assert validator.check([torch.randn(2, 3)]) is signature  # a repeat: the same object
+    other = validator.check([torch.randn(4, 3)])
+    assert other is not None and other != signature
+    again = validator.check([torch.randn(2, 3)])
+    assert again == signature  # from the passed checks
+    assert validator.check([torch.randn(2, 3)]) is again
     wrong = r"args\[0\]\.dtype: expected torch.float32, got torch.int64"
     with pytest.raises(InputValidationError, match=wrong):
         validator.check([torch.zeros(2, 3, dtype=torch.int64)])

@@ -244,13 +244,19 @@ class Executor:
 
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
         """Run the program on `(args, kwargs)`; returns what `ep.module()(*args, **kwargs)` does."""
-        caller = self._calling_task()
+        native = self._native_loop  # one thread test finds the task and keeps the loop bound
+        bound = native is not None and getattr(native, "_thread_id", None) == _thread_ident()
+        caller = _task_of(native) if bound else self._calling_task()
         if caller is None or getattr(caller, "_must_cancel", True):  # _cancel_pending, inline
             await anyio.lowlevel.checkpoint()  # delivers a pending cancellation: no frame taken
         if self._closed:
             self._check_open()
-        flat = self._validator.flatten(args, kwargs)
-        inputs, signature = self._accept(flat)
+        validator = self._validator
+        if validator.positional_leaves and not kwargs and len(args) == validator.count:
+            flat = list(args)  # flatten's first case, without the call
+        else:
+            flat = validator.flatten(args, kwargs)
+        inputs, signature = self._accept(flat, bound)
         if self._batcher is not None:
             outputs = await self._batcher.submit(inputs)
         else:
@@ -275,15 +281,19 @@ class Executor:
     def _calling_task(self) -> asyncio.Task[Any] | None:
         """The calling asyncio task; None without an asyncio loop (trio, backend.py)."""
         native = self._native_loop
-        if native is not None and getattr(native, "_thread_id", None) == threading.get_ident():
+        if native is not None and getattr(native, "_thread_id", None) == _thread_ident():
             return _task_of(native)  # the bound loop runs on this thread: it is the running one
         try:
             return asyncio.current_task()
         except RuntimeError:  # no asyncio loop: trio, which has no such task
             return None
 
-    def _accept(self, flat: list[Any]) -> tuple[list[Any], Signature | None]:
-        """Validate one request before it takes a frame or joins a batch; bind the loop.
+    def _accept(
+        self, flat: list[Any], bound: bool = False
+    ) -> tuple[list[Any], Signature | None]:
+        """Validate one request before it takes a frame or joins a batch; bind the loop
+        (`bound`: the caller saw the bound loop run on this thread, the check `_bind_loop`
+        would make first).
 
         Returns the inputs to run on (moved to their devices first when the config says so;
         the caller's own list gets user-input mutations) and their signature when validation
@@ -297,7 +307,8 @@ class Executor:
             signature = validator.check(flat)
         elif len(flat) != validator.count:
             validator.check(flat)  # the count is always checked
-        self._bind_loop()
+        if not bound:
+            self._bind_loop()
         return flat, signature
 
     async def _execute(
@@ -552,7 +563,7 @@ class Executor:
         """Bind the Executor to the running event loop on first use, through its seam
         (backend.py: asyncio's own methods, or trio's); later calls check it is the same."""
         native = self._native_loop
-        if native is not None and getattr(native, "_thread_id", None) == threading.get_ident():
+        if native is not None and getattr(native, "_thread_id", None) == _thread_ident():
             return  # the bound asyncio loop runs on this thread: it is the running one
         try:
             native = asyncio.get_running_loop()
@@ -581,6 +592,7 @@ class Executor:
 # costs ~50 ns; asyncio.get_running_loop() costs ~150 on Python 3.11 (a getpid() system call
 # per call), and execute would pay it twice. Loops without the attribute (uvloop, trio) take
 # the ordinary path.
+_thread_ident = threading.get_ident
 _task_of: Callable[[Any], asyncio.Task[Any] | None] = (
     getattr(asyncio.tasks, "_current_tasks", {}).get
     if sys.version_info < (3, 12)

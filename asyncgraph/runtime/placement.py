@@ -151,6 +151,7 @@ class AdaptivePlacement:
         # An input Signature (validation.py) -> its entry: `key` is a function of the
         # signature, so a call with a signature seen before skips computing its key.
         self._by_signature: dict[tuple[Any, ...], _Entry] = {}
+        self._hot: tuple[tuple[Any, ...] | None, _Entry | None] = (None, None)  # the last one
         # id(decided placement) -> what decided it: see decision()
         self._decided: dict[int, Decision] = {}
         self._last: tuple[Placement, ...] = plan.placement
@@ -169,7 +170,10 @@ class AdaptivePlacement:
         executions are in flight and the loop is busy (Scheduler.loaded). `signature`: the
         inputs' Signature (InputValidator.check), when known: the entry is then found by
         it, the same entry `key` finds."""
-        if signature is None:
+        hot_signature, hot_entry = self._hot
+        if signature is not None and signature is hot_signature:
+            entry = hot_entry  # validation hands a repeat caller the same object: no hashing
+        elif signature is None:
             entry = self._entry(self.key(inputs))
         else:
             hit = self._by_signature.get(signature)
@@ -178,6 +182,8 @@ class AdaptivePlacement:
                     self._by_signature.clear()
                 hit = self._by_signature[signature] = self._entry(self.key(inputs))
             entry = hit
+            self._hot = (signature, entry)
+        assert entry is not None
         if entry.placement is not None and entry.loaded is not None:
             chosen = entry.loaded if loaded else entry.placement
             self._last = chosen
@@ -204,6 +210,7 @@ class AdaptivePlacement:
                 for placement in (evicted.placement, evicted.loaded):
                     self._decided.pop(id(placement), None)
                 self._by_signature.clear()  # some of its signatures led to the evicted one
+                self._hot = (None, None)
         return entry
 
     def finished(self, inputs: Sequence[Any], times: NodeTimes) -> None:
