@@ -2,6 +2,7 @@
 
     python -m benchmarks.overhead            # breakdown for the chain and the transformer
     python -m benchmarks.overhead --cprofile # plus cProfile's top functions
+    python -m benchmarks.overhead --slice    # what the loop slice costs a ~1 ms execution
 
 Unlike the suite, this reaches into the executor's internals (scheduler._complete, the pool,
 frame.load), because the point is to price individual lines of the run loop; it will need
@@ -33,6 +34,14 @@ Per execution (a graph of one relu node), the steps `execute` takes, in order:
   clear        the frame's values dropped (ExecutionFrame.clear, part of release)
   coroutines   creating and awaiting execute's two coroutines (execute, _execute), empty
   steps        the sum of the steps above (clear counted once), for comparison with execute
+Loop slice (--slice; a 4-layer encoder, one caller awaiting executions back to back), per
+execution, with its ratio to a 20 ms slice that holds many executions (never yields):
+  <s> ms       `loop_slice_s` of s ms: an execution that does not fit what is left of the
+               slice waits for the next iteration, and one longer than the slice runs over
+               several; each Executor runs on an event loop of its own (the budget is per loop)
+               and the loops alternate blocks of 10 executions
+  20 ms + yield  the 20 ms slice with `await asyncio.sleep(0)` before each execution: what
+               one loop iteration costs the execution after it
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import asyncio
 import cProfile
 import io
 import pstats
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -238,12 +248,57 @@ async def profile(which: str, executions: int) -> str:
     return out.getvalue()
 
 
+def slice_cost(rounds: int = 40) -> dict[str, float]:
+    """Per-execution time (us) of the encoder under several loop slices, medians of rounds;
+    and each one's median per-round ratio to the 20 ms slice."""
+    _, ep = exported_encoder(128, 4, 16, False)
+    x = torch.randn(1, 16, 128)
+    setups = [("0.25 ms", 0.00025, False), ("1 ms (default)", 0.001, False),
+              ("20 ms", 0.02, False), ("20 ms + yield", 0.02, True)]
+    loops = {name: asyncio.new_event_loop() for name, _, _ in setups}
+    executors = {name: Executor(ep, ExecutorConfig(loop_slice_s=s)) for name, s, _ in setups}
+
+    async def block(ex: Executor, calls: int, yield_first: bool) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            if yield_first:
+                await asyncio.sleep(0)
+            await ex.execute(x)
+        return (time.perf_counter() - start) / calls
+
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in setups}
+    try:
+        for name, _, yield_first in setups:
+            loops[name].run_until_complete(block(executors[name], 100, yield_first))
+        for r in range(rounds):
+            for name, _, yield_first in setups if r % 2 else setups[::-1]:
+                samples[name].append(loops[name].run_until_complete(
+                    block(executors[name], 10, yield_first)))
+    finally:
+        for name, loop in loops.items():
+            loop.run_until_complete(executors[name].aclose())
+            loop.close()
+    base = samples["20 ms"]
+    result = {}
+    for name, v in samples.items():
+        result[name] = statistics.median(v) * 1e6
+        result[name + " ratio"] = statistics.median(a / b for a, b in zip(v, base, strict=True))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Price the lines of asyncgraph's run loop.")
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--executions", type=int, default=200)
+    parser.add_argument("--slice", action="store_true", help="only the loop slice's cost")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.slice:
+        print("per execution, 4-layer encoder, one caller (us; ratio to the 20 ms slice):")
+        cost = slice_cost()
+        for k in ("0.25 ms", "1 ms (default)", "20 ms", "20 ms + yield"):
+            print(f"  {k:<16} {cost[k]:7.1f}  {cost[k + ' ratio']:.3f}")
+        return
     node = asyncio.run(per_node())
     print("per node, chain of 1,000 relu (us):")
     for k, v in node.items():
