@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
 import weakref
@@ -155,3 +156,22 @@ async def test_executors_of_one_mutating_program_functionalize_it_once() -> None
     del first, second, ep
     gc.collect()
     assert program() is None  # the cache does not keep the program alive
+
+
+async def test_a_call_from_another_event_loop_is_refused_with_the_reason() -> None:
+    """An Executor binds to the loop of its first call (its frames' futures and the loop
+    slice belong to that loop). A call from another loop, here running on another thread
+    while the bound one runs, is refused before it takes a frame; the bound loop's calls
+    go on."""
+    _, ep = exported(CASES[0])
+    async with asyncgraph.Executor(ep) as ex:
+        x = torch.randn(4, 16)
+        expected = await ex.execute(x)
+
+        def from_another_loop() -> None:
+            asyncio.run(ex.execute(x))
+
+        with pytest.raises(RuntimeError, match="bound to another event loop"):
+            await asyncio.to_thread(from_another_loop)
+        assert ex.statistics().started == 1 and ex.statistics().frames.in_use == 0
+        torch.testing.assert_close(await ex.execute(x), expected)
