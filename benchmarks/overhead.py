@@ -3,6 +3,7 @@
     python -m benchmarks.overhead            # breakdown for the chain and the transformer
     python -m benchmarks.overhead --cprofile # plus cProfile's top functions
     python -m benchmarks.overhead --slice    # what the loop slice costs a ~1 ms execution
+    python -m benchmarks.overhead --loop uvloop  # the breakdown on uvloop's loop
 
 Unlike the suite, this reaches into the executor's internals (scheduler._complete, the pool,
 frame.load), because the point is to price individual lines of the run loop; it will need
@@ -286,12 +287,21 @@ def slice_cost(rounds: int = 40) -> dict[str, float]:
     return result
 
 
+def _uvloop_run(coro: Awaitable[Any]) -> Any:
+    import uvloop  # a dependency of asyncgraph's serving extra and of its tests
+
+    return uvloop.run(coro)  # type: ignore[arg-type]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Price the lines of asyncgraph's run loop.")
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--executions", type=int, default=200)
     parser.add_argument("--slice", action="store_true", help="only the loop slice's cost")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the event loop of the breakdown (uvloop: uvicorn's default)")
     args = parser.parse_args()
+    run = asyncio.run if args.loop == "asyncio" else _uvloop_run
     torch.set_num_threads(1)
     if args.slice:
         print("per execution, 4-layer encoder, one caller (us; ratio to the 20 ms slice):")
@@ -299,18 +309,18 @@ def main() -> None:
         for k in ("0.25 ms", "1 ms (default)", "20 ms", "20 ms + yield"):
             print(f"  {k:<16} {cost[k]:7.1f}  {cost[k + ' ratio']:.3f}")
         return
-    node = asyncio.run(per_node())
+    node = run(per_node())
     print("per node, chain of 1,000 relu (us):")
     for k, v in node.items():
         print(f"  {k:<16} {v:7.3f}")
-    execution = asyncio.run(per_execution())
+    execution = run(per_execution())
     print("per execution, one-node graph (us):")
     for k, v in execution.items():
         print(f"  {k:<16} {v:7.2f}")
     if args.cprofile:
         for which in ("chain", "transformer"):
             print(f"\ncProfile, {which}, {args.executions} executions, all inline:")
-            print(asyncio.run(profile(which, args.executions)))
+            print(run(profile(which, args.executions)))
 
 
 if __name__ == "__main__":
