@@ -54,7 +54,7 @@ import io
 import pstats
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import torch
@@ -170,9 +170,10 @@ async def per_execution() -> dict[str, float]:
         fn = ex.kernels[0].fn
         flat = [x]
         signature = ex._validator.check(flat)
-        assert ex._adaptive is not None
+        adaptive = ex._adaptive
+        assert adaptive is not None
         sched = ex._scheduler
-        placement, times = ex._adaptive.choose(flat, sched.loaded, signature)
+        placement, times = adaptive.choose(flat, sched.loaded, signature)
         assert times is None, "placement not decided yet"
         schedule = ex._schedules.cached(placement, True)
         assert schedule is not None
@@ -208,7 +209,7 @@ async def per_execution() -> dict[str, float]:
                 "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
                 "check": median_us(lambda: ex._validator.check(flat)),
                 "bind": median_us(ex._bind_loop),
-                "choose": median_us(lambda: ex._adaptive.choose(flat, sched.loaded, signature)),
+                "choose": median_us(lambda: adaptive.choose(flat, sched.loaded, signature)),
                 "schedule": median_us(lambda: ex._schedules.cached(placement, True)),
                 "load": load,
                 "run": await sliced_us(run) - load,
@@ -287,10 +288,10 @@ def slice_cost(rounds: int = 40) -> dict[str, float]:
     return result
 
 
-def _uvloop_run(coro: Awaitable[Any]) -> Any:
+def _uvloop_run(coro: Coroutine[Any, Any, Any]) -> Any:
     import uvloop  # a dependency of asyncgraph's serving extra and of its tests
 
-    return uvloop.run(coro)  # type: ignore[arg-type]
+    return uvloop.run(coro)
 
 
 def main() -> None:
