@@ -322,3 +322,35 @@ async def test_an_executor_moves_a_node_that_warmed_up_back_inline() -> None:
         assert ex.placements()["warming"] is Placement.INLINE
         stats = ex.placement_statistics()
     assert stats is not None and (stats.rechecked, stats.revised) == (1, 1)
+
+
+def test_a_line_that_leaves_whole_for_a_worker_stays_inline_on_a_loaded_loop() -> None:
+    """A graph of at least a slice, with nodes over worker_execution_node_us on average,
+    runs whole on a worker when it overlaps others (Scheduler._on_worker): the loaded loop's
+    placement then keeps every node inline, rather than a hop per heavy node."""
+    ex = _diamond_of_heavy_nodes()
+    adaptive = AdaptivePlacement(
+        ex.graph, ex.plan, ex.kernels, heavy_node_us=80, loaded_heavy_node_us=250,
+        loop_slice_us=1000, worker_execution_node_us=250,
+    )
+    adaptive.movable = adaptive.any_thread = (True,) * 5
+    whole = adaptive._runs_whole_on_worker
+    assert whole([300.0] * 5)  # 1.5 ms, 300 us a node
+    assert adaptive.decide([300.0] * 5, whole_line=True) == (Placement.INLINE,) * 5
+    assert adaptive.decide([300.0] * 5, loaded=True) == (Placement.WORKER,) * 5
+    assert not whole([180.0] * 5)  # 180 us a node: under the bar
+    assert not whole([300.0, 1.0, 300.0, 1.0, 1.0])  # under a slice
+    adaptive.any_thread = (False,) + (True,) * 4  # a node held to the loop thread
+    assert not whole([300.0] * 5)
+    adaptive.any_thread = (True,) * 5
+    adaptive.worker_execution_node_us = None  # turned off
+    assert not whole([300.0] * 5)
+
+
+def test_the_worker_execution_bar_comes_from_the_config() -> None:
+    with pytest.raises(ValueError, match="worker_execution_node_us"):
+        ExecutorConfig(worker_execution_node_us=-1)
+    ex = _diamond_of_heavy_nodes(ExecutorConfig(heavy_op_flops=0, worker_execution_node_us=7.0))
+    assert ex._adaptive is not None and ex._adaptive.worker_execution_node_us == 7.0
+    ex = _diamond_of_heavy_nodes(ExecutorConfig(heavy_op_flops=0, worker_execution_node_us=None))
+    assert ex._adaptive is not None and ex._adaptive.worker_execution_node_us is None

@@ -9,6 +9,7 @@ already cancelled, now that it no longer starts with `await asyncio.sleep(0)`.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
+from asyncgraph.runtime.config import usable_cpus
 from asyncgraph.runtime.loop_budget import LoopBudget
 from asyncgraph.runtime.scheduler import Scheduler
 from asyncgraph.runtime.straight import straight_line
@@ -398,3 +400,144 @@ async def test_a_kernel_error_in_a_later_slice_names_its_node() -> None:
         kernel.fail_at = 0
         assert await ex.execute(0) == 8
         assert ex.statistics().frames.in_use == 0
+
+
+class _ThreadSpin(_Spin):
+    """A _Spin that records the thread of each call. With `hold_off_loop_at` n, its n-th
+    call off the loop thread waits for `gate` (a test cancels the execution meanwhile); with
+    `fail_off_loop_at` n, that call raises."""
+
+    def __init__(self, seconds: float, fail_at: int = 0) -> None:
+        super().__init__(seconds, fail_at)
+        self.threads: list[int] = []
+        self.loop_thread = threading.get_ident()
+        self.hold_off_loop_at = self.fail_off_loop_at = 0
+        self.gate = threading.Event()
+        self.held = threading.Event()
+
+    def __call__(self, x: int) -> int:
+        me = threading.get_ident()
+        if me != self.loop_thread:
+            off_loop = sum(t != self.loop_thread for t in self.threads) + 1
+            if off_loop == self.hold_off_loop_at:
+                self.held.set()
+                assert self.gate.wait(10)
+            if off_loop == self.fail_off_loop_at:
+                raise ValueError("spin failed off the loop")
+        self.threads.append(me)
+        return super().__call__(x)
+
+
+def _movable_chain(kernel: _Spin, length: int) -> Any:
+    """A chain without placement hints: adaptive placement may move every node."""
+    b = GraphBuilder()
+    value = b.input("x")
+    for i in range(length):
+        value = b.call(kernel, value, name=f"spin{i}")
+    b.output(value)
+    return b.build()
+
+
+needs_two_cpus = pytest.mark.skipif(
+    usable_cpus() < 2, reason="a straight line goes to a worker only beside a CPU for the loop"
+)
+
+
+async def _warm(ex: Executor, runs: int = 3) -> None:
+    for _ in range(runs):  # profiled, then decided: every node inline (a straight line)
+        assert await ex.execute(0) == 8
+
+
+@needs_two_cpus
+async def test_overlapping_long_executions_run_one_straight_line_on_a_worker() -> None:
+    """Two executions of 8 x 0.4 ms units at once: the first runs on the loop in slices, the
+    second (which overlaps it) as one work item of a worker thread; same results."""
+    kernel = _ThreadSpin(0.0004)
+    async with Executor(_movable_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
+        await _warm(ex)
+        kernel.threads.clear()
+        assert await asyncio.gather(ex.execute(0), ex.execute(0)) == [8, 8]
+        loop_thread = threading.get_ident()
+        assert kernel.threads.count(loop_thread) == 8
+        others = [t for t in kernel.threads if t != loop_thread]
+        assert len(others) == 8 and len(set(others)) == 1  # one worker ran the whole line
+        stats = ex.statistics()
+        assert stats.worker_executions == 1 and stats.frames.in_use == 0
+        kernel.threads.clear()
+        assert await ex.execute(0) == 8  # alone, it stays on the loop
+        assert set(kernel.threads) == {loop_thread}
+        assert ex.statistics().worker_executions == 1
+
+
+@pytest.mark.parametrize("config", [
+    {"worker_execution_node_us": None},  # turned off
+    {"worker_execution_node_us": 1000.0},  # the nodes are 400 us: under the bar
+])
+async def test_the_bar_keeps_overlapping_executions_on_the_loop(config: dict[str, Any]) -> None:
+    kernel = _ThreadSpin(0.0004)
+    config["loaded_heavy_node_us"] = 1e9  # nor does a loaded loop send single nodes away
+    async with Executor(
+        _movable_chain(kernel, 8), ExecutorConfig(profile_executions=1, **config)
+    ) as ex:
+        await _warm(ex)
+        kernel.threads.clear()
+        assert await asyncio.gather(ex.execute(0), ex.execute(0)) == [8, 8]
+        assert set(kernel.threads) == {threading.get_ident()}
+        assert ex.statistics().worker_executions == 0
+
+
+async def test_a_placement_hint_keeps_the_straight_line_on_the_loop() -> None:
+    kernel = _ThreadSpin(0.0004)
+    async with Executor(_spin_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
+        await _warm(ex)  # every node hinted "inline": the loop thread is asked for
+        kernel.threads.clear()
+        assert await asyncio.gather(ex.execute(0), ex.execute(0)) == [8, 8]
+        assert set(kernel.threads) == {threading.get_ident()}
+        assert ex.statistics().worker_executions == 0
+
+
+@needs_two_cpus
+async def test_a_cancelled_straight_line_on_a_worker_runs_no_further_unit() -> None:
+    """Cancelled while its worker runs unit 3, the execution runs no unit after it, raises
+    CancelledError once the worker has let go of the frame, and the executor goes on."""
+    kernel = _ThreadSpin(0.0004)
+    async with Executor(_movable_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
+        await _warm(ex)
+        kernel.threads.clear()
+        kernel.hold_off_loop_at = 3
+        tasks = {asyncio.create_task(ex.execute(0)) for _ in range(2)}
+        assert await asyncio.to_thread(kernel.held.wait, 10)  # a worker is at unit 3
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        assert [t.result() for t in done] == [8]  # the one on the loop
+        (on_worker,) = pending
+        on_worker.cancel()
+        await asyncio.sleep(0.01)
+        assert not on_worker.done()  # the worker still holds its frame
+        kernel.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await on_worker
+        stats = ex.statistics()
+        assert stats.worker_executions == 1
+        assert stats.cancelled == 1 and stats.frames.in_use == 0
+        assert kernel.threads.count(threading.get_ident()) == 8
+        assert len(kernel.threads) == 8 + 3  # the cancelled line ran no unit after the 3rd
+        assert await ex.execute(0) == 8
+
+
+@needs_two_cpus
+async def test_a_kernel_error_on_a_worker_straight_line_names_its_node() -> None:
+    kernel = _ThreadSpin(0.0004)
+    async with Executor(_movable_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
+        await _warm(ex)
+        kernel.threads.clear()
+        kernel.fail_off_loop_at = 6  # the worker's 6th unit
+        results = await asyncio.gather(ex.execute(0), ex.execute(0), return_exceptions=True)
+        assert 8 in results  # the one on the loop
+        error = results[1 - results.index(8)]
+        assert isinstance(error, ValueError) and "spin failed off the loop" in str(error)
+        assert any("spin5" in note for note in getattr(error, "__notes__", []))
+        assert ex.statistics().worker_executions == 1
+        assert len(kernel.threads) == 8 + 5  # the units after it never ran
+        kernel.fail_off_loop_at = 0
+        assert await ex.execute(0) == 8
+        assert ex.statistics().frames.in_use == 0 and ex.statistics().failed == 1

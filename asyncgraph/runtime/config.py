@@ -134,6 +134,12 @@ class ExecutorConfig:
             start and finish each node: 64 callers of an encoder whose ~60 us matmuls went to
             workers got 25-30% less throughput than with them inline; ~1 ms matmuls (32-row
             batches) gain 3-9% on workers.
+        worker_execution_node_us: the measured time per node from which an execution that
+            overlaps others and takes at least the loop's slice runs its whole straight line
+            (an all-inline schedule) on a worker thread: its kernels release the GIL, so two
+            such executions (two 32-row batches) use two cores where the loop gives them one.
+            The per-node bar keeps graphs of small ops on the loop, where most of a node's
+            time is Python dispatch that holds the GIL on any thread. None: never.
         fast_bindings: call aten ops through torch's generated Python bindings where one
             reaches exactly the same overload (kernels/fast_bindings.py): 0.3-1.5 us less per
             call than the OpOverload. Tensor subclasses' __torch_function__ then sees the
@@ -200,6 +206,7 @@ class ExecutorConfig:
     placement_recheck_after: int = 20
     heavy_node_us: float = 80.0
     loaded_heavy_node_us: float = 250.0
+    worker_execution_node_us: float | None = 40.0
     fast_bindings: bool = True
     recompose_attention: bool = True
     fold_constants: bool = True
@@ -251,6 +258,11 @@ class ExecutorConfig:
         if self.loaded_heavy_node_us < 0:
             raise ValueError(
                 f"loaded_heavy_node_us must be >= 0, got {self.loaded_heavy_node_us}"
+            )
+        if self.worker_execution_node_us is not None and self.worker_execution_node_us < 0:
+            raise ValueError(
+                f"worker_execution_node_us must be >= 0 or None, "
+                f"got {self.worker_execution_node_us}"
             )
         if self.max_fused_nodes < 1:
             raise ValueError(f"max_fused_nodes must be >= 1, got {self.max_fused_nodes}")

@@ -88,6 +88,7 @@ class ExecutorStatistics:
     folded_nodes: int
     closed: bool
     schedules: ScheduleStatistics
+    worker_executions: int = 0  # straight lines run on a worker thread (they overlapped others)
 
 
 class Executor:
@@ -168,6 +169,7 @@ class Executor:
                 heavy_node_us=self.config.heavy_node_us,
                 loaded_heavy_node_us=self.config.loaded_heavy_node_us,
                 loop_slice_us=self.config.loop_slice_s * 1e6,
+                worker_execution_node_us=self.config.worker_execution_node_us,
                 key=batch_bucket_key if self.config.batching is not None else None,
             )
             if self.config.adaptive_placement
@@ -193,7 +195,8 @@ class Executor:
             intra_op_threads=self.config.intra_op_threads_or_default,
         )
         self._scheduler = Scheduler(
-            self.graph, self.plan, self.config, self._workers, self.recorder
+            self.graph, self.plan, self.config, self._workers, self.recorder,
+            self._adaptive.any_thread if self._adaptive is not None else None,
         )
         self._pool = FramePool(
             self._new_frame,
@@ -539,6 +542,7 @@ class Executor:
             folded_nodes=len(self._folder) if self._folder is not None else 0,
             closed=self._closed,
             schedules=self._schedules.statistics(),
+            worker_executions=self._scheduler.worker_executions,
         )
 
     def batching_statistics(self) -> BatcherStatistics | None:

@@ -130,6 +130,7 @@ class AdaptivePlacement:
         heavy_node_us: float = 80.0,
         loaded_heavy_node_us: float = 250.0,
         loop_slice_us: float = 1000.0,
+        worker_execution_node_us: float | None = None,
         recheck_after: int = 20,
         max_signatures: int = 16,
         key: Callable[[Sequence[Any]], ShapeKey] | None = None,
@@ -140,12 +141,17 @@ class AdaptivePlacement:
         self.heavy_node_us = heavy_node_us
         self.loaded_heavy_node_us = loaded_heavy_node_us
         self.loop_slice_us = loop_slice_us
+        self.worker_execution_node_us = worker_execution_node_us
         self.recheck_after = recheck_after
         self.max_signatures = max_signatures
         self.key = key if key is not None else shape_key
         self.movable = tuple(  # a compiled segment (DELEGATE) is placed like any CPU kernel
             k.kind in (KernelKind.CPU, KernelKind.DELEGATE) and n.placement_hint is None
             for n, k in zip(graph.nodes, kernels, strict=True)
+        )
+        self.any_thread = tuple(  # may run on any thread: a straight line may go to a worker
+            movable or (k.kind is KernelKind.PRIM and n.placement_hint is None)
+            for movable, n, k in zip(self.movable, graph.nodes, kernels, strict=True)
         )
         self._entries: OrderedDict[ShapeKey, _Entry] = OrderedDict()
         # An input Signature (validation.py) -> its entry: `key` is a function of the
@@ -247,7 +253,11 @@ class AdaptivePlacement:
             if previous is not None:
                 self._decided.pop(id(previous), None)
         entry.placement = self.decide(best)
-        entry.loaded = self.decide(best, loaded=True)
+        if self._runs_whole_on_worker(best):  # one hop per execution, not one per node
+            inline = self.decide(best, whole_line=True)
+            entry.loaded = entry.placement if inline == entry.placement else inline
+        else:
+            entry.loaded = self.decide(best, loaded=True)
         for placement in (entry.placement, entry.loaded):
             self._decided[id(placement)] = Decision(placement, heavy, tuple(best))
         self._last = entry.placement
@@ -257,11 +267,19 @@ class AdaptivePlacement:
         hit = self._decided.get(id(placement))
         return hit if hit is not None and hit.placement is placement else None
 
-    def decide(self, best_us: Sequence[float], loaded: bool = False) -> tuple[Placement, ...]:
+    def decide(
+        self, best_us: Sequence[float], loaded: bool = False, whole_line: bool = False
+    ) -> tuple[Placement, ...]:
         """Worker for movable nodes that can overlap another heavy node or would overrun the
         loop's slice; inline for the rest (see the module docstring). `loaded`: for a loop
-        shared by overlapping executions, where every heavy node overlaps something."""
+        shared by overlapping executions, where every heavy node overlaps something.
+        `whole_line`: every movable node inline (`_runs_whole_on_worker`)."""
         placement = list(self.base)
+        if whole_line:
+            return tuple(
+                Placement.INLINE if movable else where
+                for movable, where in zip(self.movable, placement, strict=True)
+            )
         bar = self.loaded_heavy_node_us if loaded else self.heavy_node_us
         heavy = [us >= bar for us in best_us]
         alone = [False] * len(heavy) if loaded else self._without_heavy_peer(heavy)
@@ -270,6 +288,22 @@ class AdaptivePlacement:
                 worker = heavy[node] and (not alone[node] or us >= self.loop_slice_us)
                 placement[node] = Placement.WORKER if worker else Placement.INLINE
         return tuple(placement)
+
+    def _runs_whole_on_worker(self, best_us: Sequence[float]) -> bool:
+        """Whether an execution overlapping others, all inline, would run its straight line on
+        a worker thread (Scheduler._on_worker: at least a slice long, its nodes over
+        `worker_execution_node_us` on average, every one free to leave the loop). Then the
+        placement for a loaded loop keeps every node inline: the whole line leaves the loop
+        in one hop, where sending its heavy nodes to workers would take a hop for each and
+        leave no straight line."""
+        bar = self.worker_execution_node_us
+        total = sum(best_us)
+        return (
+            bar is not None
+            and total >= self.loop_slice_us
+            and total >= bar * len(best_us)
+            and all(self.any_thread)
+        )
 
     def _without_heavy_peer(self, heavy: Sequence[bool]) -> list[bool]:
         """For each heavy node: whether every other heavy node is its ancestor or descendant.

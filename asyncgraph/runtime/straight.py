@@ -17,6 +17,7 @@ a loop iteration beyond what the dataflow path would). Otherwise the dataflow pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncgraph.runtime.plan import Placement
@@ -30,11 +31,16 @@ class StraightLine:
     drops: tuple[tuple[int, ...], ...]  # per unit: values whose last reader it is
     seconds: float  # the measured time of all units together
     unit_seconds: tuple[float, ...]  # per unit: its measured time
+    node_seconds: float  # the measured time per node: large when kernels (off the GIL) rule
+    any_thread: bool  # every node may run on any thread (placement.py: AdaptivePlacement)
 
 
-def straight_line(schedule: Schedule) -> StraightLine | None:
+def straight_line(
+    schedule: Schedule, any_thread: Sequence[bool] | None = None
+) -> StraightLine | None:
     """The straight-line form of `schedule`, or None when it has a unit that does not run
-    inline, no measured times, or units out of topological order."""
+    inline, no measured times, or units out of topological order. `any_thread`: per node
+    of the graph, whether it may leave the loop thread (None: none may)."""
     if schedule.seconds is None or any(w is not Placement.INLINE for w in schedule.where):
         return None
     for unit, users in enumerate(schedule.users_reversed):
@@ -47,4 +53,10 @@ def straight_line(schedule: Schedule) -> StraightLine | None:
     drops: list[list[int]] = [[] for _ in schedule.calls]
     for value, unit in last_reader.items():
         drops[unit].append(value)
-    return StraightLine(tuple(tuple(d) for d in drops), sum(schedule.seconds), schedule.seconds)
+    seconds = sum(schedule.seconds)
+    nodes = [node for unit_nodes in schedule.nodes for node in unit_nodes]
+    return StraightLine(
+        tuple(tuple(d) for d in drops), seconds, schedule.seconds,
+        seconds / max(len(nodes), 1),
+        any_thread is not None and all(any_thread[node] for node in nodes),
+    )
