@@ -11,8 +11,9 @@ scopes (`CancelScope.cancel`, `move_on_after`, `fail_after`) while a worker bloc
 kernel awaits, `aclose(cancel=True)` cancelling running executions, frame waiters and batched
 requests (asyncio: CancelledError; trio: ExecutorClosedError, never
 concurrent.futures.CancelledError; the caller's own cancel scope wins), the frame pool under
-contention with cancelled waiters, batching, the loop slice's fairness, the leak check itself,
-and one soak at ASYNCGRAPH_SOAK_SCALE. Programs with CUDA nodes: tests/test_trio_gpu.py.
+contention with cancelled waiters, batching, the loop slice's fairness, a straight line run
+on a worker and cancelled there, the leak check itself, and one soak at ASYNCGRAPH_SOAK_SCALE.
+Programs with CUDA nodes: tests/test_trio_gpu.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import concurrent.futures
 import functools
 import random
 import threading
+import time
 import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,6 +39,7 @@ from asyncgraph import BatchingConfig, Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.backend import current_loop
+from asyncgraph.runtime.config import usable_cpus
 from asyncgraph.runtime.loop_budget import loop_budget
 from asyncgraph.testing import FaultInjector, LeakChecker
 from asyncgraph.testing.leaks import LeakError
@@ -229,6 +232,96 @@ def test_a_cancel_scope_waits_for_the_blocked_worker_then_reraises(backend: str)
             assert (stats.cancelled, stats.completed, stats.frames.in_use) == (1, 0, 0)
             out = await ex.execute(torch.ones(3))  # the frame is reusable
             torch.testing.assert_close(out, torch.full((3,), 3.0))
+
+    run(body, backend)
+
+
+class SpinChain:
+    """Eight 0.4 ms CPU units without placement hints (adaptive placement may move them), the
+    threads they ran on, and a gate that the first unit off `home` waits at when `hold`
+    (`held_x`: its input, which tells the executions apart)."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+        self.home = threading.get_ident()
+        self.hold = False
+        self.held_x: int | None = None
+        self.held = threading.Event()
+        self.gate = threading.Event()
+
+    def __call__(self, x: int) -> int:
+        me = threading.get_ident()
+        if self.hold and me != self.home and not self.held.is_set():
+            self.held_x = x
+            self.held.set()
+            assert self.gate.wait(10)
+        self.threads.append(me)
+        until = time.perf_counter() + 0.0004
+        while time.perf_counter() < until:
+            pass
+        return x + 1
+
+    def graph(self) -> Graph:
+        b = GraphBuilder()
+        value = b.input("x")
+        for i in range(8):
+            value = b.call(self, value, name=f"spin{i}")
+        b.output(value)
+        return b.build()
+
+
+@backends
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(usable_cpus() < 2, reason="a straight line goes to a worker only beside "
+                    "a CPU for the loop")
+def test_an_overlapping_straight_line_on_a_worker_and_its_cancel_scope(backend: str) -> None:
+    """Two executions at once: one runs its straight line on the loop, the other as one work
+    item of a worker thread; a cancel scope around the worker's waits for its unit, then the
+    line stops there and the frame is free."""
+    spin = SpinChain()
+
+    async def body() -> None:
+        async with Executor(spin.graph(), ExecutorConfig(profile_executions=1)) as ex:
+            for _ in range(3):  # warm-up, profiled, decided: all inline
+                assert await ex.execute(0) == 8
+            results: list[int] = []
+
+            async def call() -> None:
+                results.append(await ex.execute(0))
+
+            spin.threads.clear()
+            async with anyio.create_task_group() as group:
+                group.start_soon(call)
+                group.start_soon(call)
+            assert results == [8, 8] and ex.statistics().worker_executions == 1
+            assert spin.threads.count(spin.home) == 8 and len(spin.threads) == 16
+
+            spin.threads.clear()
+            spin.hold = True
+            scopes = {0: anyio.CancelScope(), 100: anyio.CancelScope()}
+            ended: dict[int, int] = {}
+
+            async def cancellable(x: int) -> None:
+                with scopes[x]:
+                    ended[x] = await ex.execute(x)
+
+            async with anyio.create_task_group() as group:
+                for x in scopes:
+                    group.start_soon(cancellable, x)
+                await until(spin.held.is_set, "no straight line reached a worker")
+                held = spin.held_x
+                assert held in scopes
+                scopes[held].cancel()
+                await settle(20)
+                assert ex.statistics().frames.in_use >= 1  # the worker still holds one
+                spin.gate.set()
+            other = 100 - held
+            assert scopes[held].cancelled_caught and ended == {other: other + 8}
+            stats = ex.statistics()
+            assert stats.worker_executions == 2
+            assert (stats.cancelled, stats.frames.in_use) == (1, 0)
+            assert len(spin.threads) == 8 + 1  # the cancelled line ran its held unit only
+            assert await ex.execute(0) == 8
 
     run(body, backend)
 
