@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import time
 from typing import Any
 
 import pytest
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.runtime.loop_budget import _BUDGETS, LoopBudget, loop_budget
+from asyncgraph.runtime.loop_budget import _BUDGETS, LoopBudget, _shows_its_queues, loop_budget
 from asyncgraph.testing import LeakChecker, LeakError
 from tests.loop_turns import LoopTurns
 
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.usefixtures("leak_check")
 
 
 async def test_a_slice_lasts_until_the_next_iteration() -> None:
-    budget = LoopBudget(asyncio.get_running_loop(), slice_s=0.001)
+    loop = asyncio.get_running_loop()
+    budget = LoopBudget(loop, slice_s=0.001)
+    loop.call_soon(lambda: None)  # other work waits: a spent slice is not extended
     first = budget.deadline()
     assert first is not None
     assert budget.deadline() == first  # the same slice within this iteration
@@ -283,7 +286,9 @@ async def test_a_small_graph_builds_its_schedule_in_the_call_that_needs_it(
 async def test_start_says_whether_work_fits_what_is_left_of_the_slice() -> None:
     """`start(seconds)`: the clock read at which work of that length may start, opening the
     slice if none is open; None once it would end after the slice or the slice is spent."""
-    budget = LoopBudget(asyncio.get_running_loop(), slice_s=0.01)
+    loop = asyncio.get_running_loop()
+    budget = LoopBudget(loop, slice_s=0.01)
+    loop.call_soon(lambda: None)  # other work waits: a spent slice is not extended
     before = time.perf_counter()
     start = budget.start(0.001)
     assert start is not None and start >= before
@@ -297,3 +302,79 @@ async def test_start_says_whether_work_fits_what_is_left_of_the_slice() -> None:
     await asyncio.sleep(0)  # the close runs: the next call opens a new slice
     assert budget.start(0.001) is not None
     assert budget.statistics().slices == 2
+
+
+def _spend(budget: LoopBudget) -> None:
+    deadline = budget.deadline()
+    assert deadline is not None
+    while time.perf_counter() < deadline:
+        pass
+
+
+async def test_a_spent_slice_is_extended_only_while_nothing_else_waits() -> None:
+    """On asyncio's own loop, a spent slice is extended while no other callback is ready, no
+    timer is due and no I/O is ready; any of them ends it. uvloop does not show its queues:
+    there a spent slice always ends."""
+    loop = asyncio.get_running_loop()
+    budget = LoopBudget(loop, slice_s=0.001)
+    _spend(budget)
+    if not _shows_its_queues(loop):  # uvloop
+        assert budget.deadline() is None and budget.start(0.0) is None
+        assert budget.statistics().extended == 0
+        return
+    extended = budget.deadline()  # nothing else waits: a fresh slice from now
+    assert extended is not None and extended > time.perf_counter()
+    assert budget.start(0.0005) is not None
+    assert budget.statistics().extended == 1
+    assert budget.statistics().slices == 1  # still this iteration's slice
+
+    _spend(budget)
+    handle = loop.call_soon(lambda: None)  # a ready callback
+    assert budget.deadline() is None and budget.start(0.0) is None
+    handle.cancel()
+    await asyncio.sleep(0)
+
+    _spend(budget)
+    timer = loop.call_later(0.0001, lambda: None)  # a timer, due once the slice is spent
+    due = time.perf_counter() + 0.0002
+    while time.perf_counter() < due:
+        pass
+    assert budget.deadline() is None
+    timer.cancel()
+    await asyncio.sleep(0)
+
+    reader, writer = socket.socketpair()  # I/O ready
+    try:
+        loop.add_reader(reader.fileno(), lambda: None)
+        writer.send(b"x")
+        _spend(budget)
+        assert budget.deadline() is None
+        reader.recv(1)
+        assert budget.deadline() is not None  # read: nothing waits any more
+    finally:
+        loop.remove_reader(reader.fileno())
+        reader.close()
+        writer.close()
+    assert budget.statistics().extended == 2
+
+
+async def test_a_lone_caller_runs_a_long_straight_line_in_one_call() -> None:
+    """Nothing else on the loop: a straight line longer than the slice runs through in the
+    call, its slices extended, none deferred to a later iteration (on uvloop, whose queues
+    are not shown, the slices end and the rest is deferred)."""
+    from tests.test_straight_line import _Spin, _spin_chain
+
+    kernel = _Spin(0.0004)
+    async with Executor(_spin_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
+        for _ in range(3):
+            assert await ex.execute(0) == 8
+        await asyncio.sleep(0)  # a fresh iteration: no slice open
+        budget = loop_budget(asyncio.get_running_loop(), 0.001)
+        before = budget.statistics()
+        assert await ex.execute(0) == 8
+        after = budget.statistics()
+        extended, deferred = after.extended - before.extended, after.deferred - before.deferred
+        if _shows_its_queues(asyncio.get_running_loop()):
+            assert extended >= 2 and deferred == 0  # 3.2 ms of units in 1 ms slices
+        else:
+            assert extended == 0 and deferred >= 2

@@ -113,7 +113,8 @@ class ExecutorConfig:
         inference_mode: run kernels under torch.inference_mode.
         loop_slice_s: the time per event-loop iteration that inline kernels may take, shared
             by all executions on the loop (asyncgraph/runtime/loop_budget.py), so timers and I/O
-            keep their turn however many callers there are.
+            keep their turn however many callers there are. On asyncio's own loops a spent
+            slice is extended while nothing else waits (no ready callback, timer due or I/O).
         heavy_op_flops: estimated work (multiply-adds or elements) above which a CPU kernel runs
             on a worker thread instead of inline on the loop.
         adaptive_placement: time every node during the first `profile_executions` executions

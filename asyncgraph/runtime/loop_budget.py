@@ -13,6 +13,15 @@ longer than a slice, or one not measured yet), whatever the number of callers, t
 get their turn in between, and deferred work costs one loop callback per iteration rather
 than one per waiting execution.
 
+A spent slice is extended (`extend`) instead when nothing else waits on the loop: asyncio's
+pure-Python loops show it (no ready callback but the budget's own, no timer due, and a
+zero-timeout `select` of its selector finds no I/O; epoll and kqueue report level-triggered
+events again at the loop's own select, so the peek takes nothing from it). A single caller
+then does not pay a loop iteration per slice for nobody's sake: tiny BERT (0.7 ms) ran
+1.04-1.07x nativert's time with it against 1.10x without, the MLP 0.81-0.87x against 0.89x
+(alternating blocks in shuffled order). uvloop and trio do not show their queues: there the
+slice always ends.
+
 On trio the "loop" is the run's TrioLoop (backend.py): `call_soon` there is the run token's
 `run_sync_soon`, whose callbacks run in the run's next batch, after the tasks runnable now, so
 the slice closes and deferred work resumes once per scheduling round, as on asyncio.
@@ -43,13 +52,15 @@ class SoonLoop(Protocol):
 class LoopBudgetStatistics:
     slices: int  # slices opened
     deferred: int  # times work found the slice spent and waited for the next iteration
+    extended: int = 0  # times a spent slice was extended: nothing else waited on the loop
 
 
 class LoopBudget:
     """The per-iteration inline-kernel budget of one event loop (loop thread only)."""
 
     __slots__ = (
-        "_deadline", "_deferred", "_loop", "_open", "_queue", "_scheduled", "_slices", "slice_s",
+        "_deadline", "_deferred", "_extended", "_loop", "_open", "_peek", "_queue", "_scheduled",
+        "_slices", "slice_s",
     )
 
     def __init__(self, loop: SoonLoop, slice_s: float) -> None:
@@ -63,6 +74,8 @@ class LoopBudget:
         self._deferred = 0
         self._queue: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._scheduled = False
+        self._peek = _shows_its_queues(loop)
+        self._extended = 0
 
     @property
     def is_open(self) -> bool:
@@ -76,7 +89,7 @@ class LoopBudget:
         if not self._open:
             return self._open_slice(now)
         if now >= self._deadline:
-            return None
+            return self.extend(now)
         return self._deadline
 
     def start(self, seconds: float) -> float | None:
@@ -86,7 +99,7 @@ class LoopBudget:
         now = time.perf_counter()
         if not self._open:
             self._open_slice(now)
-        elif now >= self._deadline:
+        elif now + seconds > self._deadline and self.extend(now) is None:
             return None
         return now if now + seconds <= self._deadline else None
 
@@ -96,6 +109,20 @@ class LoopBudget:
         self._deadline = now + self.slice_s
         self._slices += 1
         self._call_soon(self._close)
+        return self._deadline
+
+    def extend(self, now: float | None = None) -> float | None:
+        """A fresh slice from now when nothing else waits on the loop (the module docstring),
+        its deadline; else None, and the slice ends as it would."""
+        if not self._peek:
+            return None
+        loop = self._loop()
+        if loop is None or not _idle(loop, 1 + self._scheduled):  # the budget's own callbacks
+            return None
+        if now is None:
+            now = time.perf_counter()
+        self._deadline = now + self.slice_s
+        self._extended += 1
         return self._deadline
 
     def defer(self, fn: Callable[..., None], *args: Any) -> None:
@@ -135,7 +162,24 @@ class LoopBudget:
         self._open = False
 
     def statistics(self) -> LoopBudgetStatistics:
-        return LoopBudgetStatistics(self._slices, self._deferred)
+        return LoopBudgetStatistics(self._slices, self._deferred, self._extended)
+
+
+def _shows_its_queues(loop: Any) -> bool:
+    """Whether `loop` is one of asyncio's pure-Python loops, whose ready queue, timers and
+    selector `_idle` reads (not uvloop, trio, or the Windows proactor loop)."""
+    return all(hasattr(loop, name) for name in ("_ready", "_scheduled", "_selector", "time"))
+
+
+def _idle(loop: Any, own: int) -> bool:
+    """Whether nothing but `own` ready callbacks waits on `loop`: no other ready callback,
+    no timer due (a cancelled one too: it ends the slice), no I/O ready."""
+    if len(loop._ready) > own:
+        return False
+    timers = loop._scheduled
+    if timers and timers[0].when() <= loop.time():
+        return False
+    return not loop._selector.select(0)
 
 
 _BUDGETS: weakref.WeakKeyDictionary[SoonLoop, LoopBudget] = weakref.WeakKeyDictionary()

@@ -385,6 +385,9 @@ class Scheduler:
                     return
                 start = time.perf_counter()
                 after = self._straight_units(frame, straight, unit, deadline, run_first)
+                end = len(frame.calls)
+                while after < end and (deadline := budget.extend()) is not None:
+                    after = self._straight_units(frame, straight, after, deadline, True)
                 self._account_loop_time(start, time.perf_counter())
                 if after < len(frame.calls):
                     budget.defer(self._continue_straight, frame, straight, after, True)
