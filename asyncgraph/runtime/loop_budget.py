@@ -99,7 +99,9 @@ class LoopBudget:
         now = time.perf_counter()
         if not self._open:
             self._open_slice(now)
-        elif now + seconds > self._deadline and self.extend(now) is None:
+        elif now + seconds > self._deadline and (
+            seconds > self.slice_s or self.extend(now) is None  # no peek for what cannot fit
+        ):
             return None
         return now if now + seconds <= self._deadline else None
 
