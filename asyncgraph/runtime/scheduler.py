@@ -217,13 +217,12 @@ class Scheduler:
         self._lines_on_workers += on_worker
         cancelled: BaseException | None = None
         try:
-            if on_worker:
-                assert straight is not None
-                self._hand_off_straight(frame, straight)
-            elif straight is not None:
-                self._continue_straight(frame, straight, 0)
-            else:
+            if straight is None:
                 self._start(frame)
+            elif on_worker:
+                self._hand_off_straight(frame, straight)
+            else:
+                self._continue_straight(frame, straight, 0)
             if not frame.finished:  # made only now: most small graphs finish inside _start
                 frame.waiter = loop.create_future()
                 await frame.waiter
