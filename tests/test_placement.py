@@ -24,9 +24,12 @@ class Mixed(torch.nn.Module):
 async def test_profiled_runs_decide_placement() -> None:
     x, small = torch.randn(384, 384), torch.randn(4)
     ep = torch.export.export(Mixed(), (x, small))
-    # one worker thread, so the warm-up execution warms the thread the profiled ones run on
+    # one worker thread, so the warm-up execution warms the thread the profiled ones run on;
+    # the matmul has no heavy peer, so it moves for overrunning the slice: 0.2 ms, which a
+    # 384^3 matmul (0.6-2 ms on one core) does on any machine, and the small ops do not
     config = ExecutorConfig(
-        max_parallel_ops=1, heavy_op_flops=0, profile_executions=2, heavy_node_us=150
+        max_parallel_ops=1, heavy_op_flops=0, profile_executions=2, heavy_node_us=150,
+        loop_slice_s=0.0002,
     )
     async with asyncgraph.Executor(ep, config) as ex:
         assert set(ex.placements().values()) == {Placement.WORKER}  # the estimate: all heavy

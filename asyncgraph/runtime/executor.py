@@ -118,9 +118,12 @@ class Executor:
             self.graph, self.recomposed = recompose_attention(self.graph)
         # dropouts that return their input (asyncgraph/passes/identity.py)
         self.graph, self.dropped_identities = drop_identities(self.graph)
-        self.lowered_linears = 0  # linears run as addmm (asyncgraph/passes/linear.py)
+        self.lowered_linears = 0  # linears run on a folded transpose (asyncgraph/passes/linear.py)
+        self.weight_copies = 0  # of those transposes, copies (pretranspose_weights)
         if self.config.lower_linear and self.config.fold_constants:
-            self.graph, self.lowered_linears = lower_linear(self.graph)
+            lowering = lower_linear(self.graph, self.config.pretranspose_weights)
+            self.graph = lowering.graph
+            self.lowered_linears, self.weight_copies = lowering.lowered, lowering.copies
         factory = kernel_factory or KernelFactory(self.config)
         self.kernels: list[OpKernel] = factory.create(self.graph)
         self._folder: ConstantFolder | None = None
