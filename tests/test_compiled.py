@@ -363,6 +363,10 @@ def test_weights_are_constants_of_the_segments(compiled: Compiled) -> None:
     baked = {i for i, c in zip(first["inputs"], first["constants"], strict=True) if c}
     assert baked == {"p_l1_weight", "p_l1_bias", "p_l2_weight", "p_l2_bias", "p_l3_weight",
                      "p_l3_bias"}
+    constant_of = dict(zip(first["inputs"], first["constants"], strict=True))
+    # the linears' weights are baked as their contiguous transpose (linear_weights)
+    assert sorted(first["transposed"]) == sorted(
+        constant_of[w] for w in ("p_l1_weight", "p_l2_weight", "p_l3_weight"))
     delegate = asyncgraph.load(compiled.path("whole"), trust_compiled=True).graph.node(
         "aoti_segment_0").target
     assert set(first["constants"]) - {""} <= set(delegate.loader.get_constant_fqns())
@@ -1036,12 +1040,12 @@ def test_native_swap_reaches_the_constants_without_recompiling(
 
 
 def _compiled_in(path: Path, segment: str = "aoti_segment_0") -> dict[str, torch.Tensor]:
-    """The weights compiled into a segment, by their constant names (the program's weights
-    through the delegate's constant -> weight name table)."""
+    """The constants compiled into a segment, by name: the program's weights through the
+    delegate's constant -> weight name table, as the delegate loads them (a linear's weight
+    transposed)."""
     program = load_pt2(path, trust_compiled=True)
     delegate = program.graph.node(segment).target
-    return {fqn: program.weights[name]
-            for fqn, name in zip(delegate._fqns, delegate._weight_names, strict=True)}
+    return delegate.constant_tensors([program.weights[name] for name in delegate._weight_names])
 
 
 def test_native_error_code_names_the_segment(compiled: Compiled) -> None:

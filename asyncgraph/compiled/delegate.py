@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +72,7 @@ class AOTIDelegate:
         cost: int = 0, *, constants: Sequence[str] | None = None,
         baked: Sequence[Any] | None = None, new_loader: Callable[[], Any] | None = None,
         weight_names: Sequence[str] | None = None, packed: Sequence[PackedConstant] = (),
-        frozen: str = "", call: str = "binding",
+        frozen: str = "", call: str = "binding", transposed: Collection[str] = (),
     ) -> None:
         self.__name__ = name
         self.__qualname__ = name
@@ -85,6 +85,7 @@ class AOTIDelegate:
         self._fqns = tuple(names[i] for i in self._constant)
         self._new_loader = new_loader
         self.packed = tuple(packed)  # constants each load derives from its weight (packing.py)
+        self.transposed = frozenset(transposed)  # constants held as their weight's transpose
         self.frozen = frozen  # why no buffer update can swap its weights ("" when one can)
         self._call = call  # how the containers are called, as loading decided (statistics)
         # the weight name of each constant input: prepare_weights finds its tensor by it
@@ -223,15 +224,22 @@ class AOTIDelegate:
 
     def _load(self, loader: Any, weights: tuple[Any, ...]) -> None:
         """Copy `weights` into the loader's active constant buffer (no call runs on it)."""
+        loader.load_constants(self.constant_tensors(weights), False, False)
+
+    def constant_tensors(self, weights: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """The AOTI constants (name -> tensor) of these weights of the constant inputs: each
+        contiguous and owning its bytes, a transposed one as its weight's transpose, and the
+        packed ones derived from theirs."""
         tensors = {}
         for fqn, value in zip(self._fqns, weights, strict=True):
             if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
                 raise TypeError(f"{self.__name__}: constant {fqn} must be a CPU tensor, got "
                                 f"{type(value).__name__}")
-            tensors[fqn] = _compact(value)
+            tensors[fqn] = value.detach().t().contiguous() if fqn in self.transposed else (
+                _compact(value))
         for packed in self.packed:
             tensors[packed.name] = packed.pack(tensors[packed.source])
-        loader.load_constants(tensors, False, False)
+        return tensors
 
     def _frozen_container(self, weights: tuple[Any, ...]) -> _Container:
         """The one container of a frozen segment, for `weights` equal in value to those it was

@@ -74,6 +74,7 @@ class SegmentRecord:
     kernels: str = ""  # why these kernels: autotuned against default, timed (choice.py)
     packed: tuple[PackedConstant, ...] = ()  # constants a swap derives from its weights
     frozen: str = ""  # why its weights cannot be swapped ("" when they can)
+    transposed: tuple[str, ...] = ()  # constants stored as their weight's contiguous transpose
 
 
 def build_platform() -> dict[str, str]:
@@ -194,6 +195,7 @@ def _record(entry: Mapping[str, Any]) -> SegmentRecord:
                                     (int(p["shape"][0]), int(p["shape"][1]), int(p["shape"][2])))
                      for p in entry.get("packed", ())),
         frozen=_frozen_reason(entry.get("frozen", "")),
+        transposed=tuple(str(c) for c in entry.get("transposed", ())),
     )
 
 
@@ -292,7 +294,8 @@ def _delegate(
     return AOTIDelegate(record.name, loader, record.contiguous, record.nodes, record.cost,
                         constants=constants, baked=[t for _, t in named],
                         new_loader=new_loader, weight_names=[n for n, _ in named],
-                        packed=record.packed, frozen=record.frozen, call=call)
+                        packed=record.packed, frozen=record.frozen, call=call,
+                        transposed=record.transposed)
 
 
 def segment_containers(
