@@ -68,6 +68,7 @@ def _attention(node: Node, graph: Graph) -> int:
 _CONTRACTIONS: dict[str, Callable[[Node, Graph], int]] = {
     "aten::mm": _matmul, "aten::bmm": _matmul, "aten::matmul": _matmul,
     "aten::addmm": _matmul, "aten::baddbmm": _matmul, "aten::linear": _linear,
+    "aten::_addmm_activation": _matmul,
     "aten::convolution": _conv, "aten::conv1d": _conv, "aten::conv2d": _conv,
     "aten::conv3d": _conv, "aten::_convolution": _conv,
     "aten::scaled_dot_product_attention": _attention,

@@ -39,7 +39,8 @@ _NAMESPACES: tuple[tuple[Any, tuple[str, ...]], ...] = (
     (torch._C.TensorBase, ("view.default", "expand.default")),
     (torch._C._VariableFunctions, (
         # matrix products
-        "addmm.default", "mm.default", "bmm.default", "matmul.default", "baddbmm.default",
+        "addmm.default", "_addmm_activation.default", "mm.default", "bmm.default",
+        "matmul.default", "baddbmm.default",
         # elementwise
         "add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "div.Tensor_mode",
         "relu.default", "tanh.default", "sigmoid.default", "rsqrt.default", "neg.default",

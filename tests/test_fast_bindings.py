@@ -54,6 +54,8 @@ def _samples() -> Iterator[Sample]:
         m1, m2 = _rand(8, 64, dtype=dt), _rand(64, 32, dtype=dt)
         yield aten.addmm.default, (b, m1, m2), {}
         yield aten.addmm.default, (_rand(8, 32, dtype=dt), m1, m2), {"beta": 0.5, "alpha": 2}
+        yield aten._addmm_activation.default, (b, m1, m2), {}
+        yield aten._addmm_activation.default, (b, m1, m2), {"use_gelu": True}
         yield aten.mm.default, (m1, m2), {}
         b1, b2 = _rand(3, 8, 64, dtype=dt), _rand(3, 64, 16, dtype=dt)
         yield aten.bmm.default, (b1, b2), {}

@@ -42,6 +42,10 @@ def _targets(ex: Executor) -> list[Any]:
     return [n.target for n in ex.graph.nodes]
 
 
+# the lowering alone: without the addmm + relu fusion that follows it (test_epilogue.py)
+LOWERED = ExecutorConfig(fuse_activations=False)
+
+
 def _weights_t(model: Mlp) -> tuple[torch.Tensor, torch.Tensor]:
     return model.a.weight.detach().t().contiguous(), model.b.weight.detach().t().contiguous()
 
@@ -49,7 +53,9 @@ def _weights_t(model: Mlp) -> tuple[torch.Tensor, torch.Tensor]:
 async def test_two_d_linears_run_as_addmm_on_contiguous_transposes() -> None:
     model, x = Mlp(), torch.randn(3, 8)
     ep = _export(model, x)
-    async with Executor(ep) as lowered, Executor(ep, ExecutorConfig(lower_linear=False)) as plain:
+    async with Executor(ep, LOWERED) as lowered, Executor(
+        ep, ExecutorConfig(lower_linear=False)
+    ) as plain:
         assert (lowered.lowered_linears, lowered.weight_copies) == (2, 2)
         assert (plain.lowered_linears, plain.weight_copies) == (0, 0)
         assert _targets(lowered) == [aten.addmm.default, aten.relu.default, aten.addmm.default]
@@ -74,7 +80,8 @@ async def test_two_d_linears_run_as_addmm_on_contiguous_transposes() -> None:
 
 async def test_without_pretranspose_the_two_d_lowering_is_bitwise_linear() -> None:
     model, x = Mlp(), torch.randn(3, 8)
-    async with Executor(_export(model, x), ExecutorConfig(pretranspose_weights=False)) as ex:
+    config = ExecutorConfig(pretranspose_weights=False, fuse_activations=False)
+    async with Executor(_export(model, x), config) as ex:
         assert (ex.lowered_linears, ex.weight_copies) == (2, 0)
         assert _targets(ex) == [aten.addmm.default, aten.relu.default, aten.addmm.default]
         transposed = ex.weights.derived[FOLDED_PREFIX + "linear_weight_t"]
@@ -212,4 +219,5 @@ async def test_an_error_in_a_lowered_linear_names_the_linear() -> None:
         with pytest.raises(RuntimeError) as caught:
             await ex.execute(torch.randn(2, 5))  # 5 columns where the weight has 8
         notes = "\n".join(getattr(caught.value, "__notes__", []))
-        assert "While executing %linear = aten.addmm.default" in notes, notes
+        # lowered to addmm, then fused with its relu: the node keeps the linear's name
+        assert "While executing %linear = aten._addmm_activation.default" in notes, notes

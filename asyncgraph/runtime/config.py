@@ -163,6 +163,10 @@ class ExecutorConfig:
             product at 1-16 rows; tiny BERT 0.78x nativert's time against 0.99x), for one more
             copy of every linear weight in memory and results equal to float rounding instead
             of bitwise. False keeps the transpose a view: no copy, bitwise the same.
+        fuse_activations: run a CPU `addmm` whose only reader is a `relu` or an exact `gelu`
+            as one `_addmm_activation` (asyncgraph/passes/epilogue.py): the activation in
+            place on the product, one call and one allocation less per layer; bitwise the
+            same. The node keeps the addmm's name.
         script_segments: run each long run of CPU aten nodes (8 or more) as one delegate node
             that calls a torch.jit.trace of the run, traced per input shape on a thread of
             its own (asyncgraph/compiled/scripted.py): TorchScript's interpreter runs the
@@ -219,6 +223,7 @@ class ExecutorConfig:
     fold_constants: bool = True
     lower_linear: bool = True
     pretranspose_weights: bool = True
+    fuse_activations: bool = True
     script_segments: bool = False
     max_fused_nodes: int = 32
     cuda_streams: int = 4

@@ -52,6 +52,7 @@ from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.importers import Program, ProgramLike, to_program
 from asyncgraph.graph.ir import Graph, InputKind, OutputKind, Ref
 from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.passes.epilogue import fuse_activations
 from asyncgraph.passes.folding import ConstantFolder, fold_constants
 from asyncgraph.passes.identity import drop_identities
 from asyncgraph.passes.linear import lower_linear
@@ -124,6 +125,9 @@ class Executor:
             lowering = lower_linear(self.graph, self.config.pretranspose_weights)
             self.graph = lowering.graph
             self.lowered_linears, self.weight_copies = lowering.lowered, lowering.copies
+        self.fused_activations = 0  # addmm + relu/gelu as one node (asyncgraph/passes/epilogue.py)
+        if self.config.fuse_activations:
+            self.graph, self.fused_activations = fuse_activations(self.graph)
         factory = kernel_factory or KernelFactory(self.config)
         self.kernels: list[OpKernel] = factory.create(self.graph)
         self._folder: ConstantFolder | None = None
