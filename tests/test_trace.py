@@ -75,8 +75,9 @@ async def test_trace_file_structure(program: Any, tmp_path: Path) -> None:
         assert e["cat"] == "node" and e["dur"] >= 0 and isinstance(e["ts"], float)
         assert e["args"]["op"].startswith("aten.")
         assert e["args"]["output"].startswith("float32[")
-    linear = next(e for e in slices if e["name"] == "linear")  # run as addmm: passes/linear.py
-    assert linear["args"]["op"] == "aten.addmm.default"
+    # run as addmm (passes/linear.py), fused with the relu after it (passes/epilogue.py)
+    linear = next(e for e in slices if e["name"] == "linear")
+    assert linear["args"]["op"] == "aten._addmm_activation.default"
     bias, x, weight_t = linear["args"]["inputs"]
     assert (bias, weight_t) == ("float32[128]", "float32[128, 128]")
     assert x.endswith(", 128]")  # [batch symbol, 128]
