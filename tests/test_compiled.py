@@ -745,6 +745,21 @@ def test_other_torch_or_machine_refused(
         asyncgraph.load(path, trust_compiled=True)
 
 
+def test_a_transposed_constant_the_segment_lacks_is_refused(
+    compiled: Compiled, tmp_path: Path
+) -> None:
+    def change(name: str, data: bytes) -> bytes:
+        if name.endswith(COMPILED_MANIFEST):
+            manifest = json.loads(data)
+            manifest["segments"][0]["transposed"].append("weight_99")
+            return json.dumps(manifest).encode()
+        return data
+
+    path = _rewrite(compiled.path("auto"), tmp_path / "transposed.aoti.pt2", change)
+    with pytest.raises(ProgramLoadError, match=r"transposed constants \['weight_99'\]"):
+        asyncgraph.load(path, trust_compiled=True)
+
+
 def test_archive_rules_still_apply(compiled: Compiled, tmp_path: Path) -> None:
     source = compiled.path("whole")
     root = zipfile.ZipFile(source).namelist()[0].split("/")[0]

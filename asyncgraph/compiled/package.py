@@ -269,6 +269,12 @@ def _match(graph: Graph, record: SegmentRecord, package: str) -> Segment:
         raise ProgramLoadError(f"{package}: {record.name}: malformed 'contiguous' list")
     if record.constants and len(record.constants) != len(inputs):
         raise ProgramLoadError(f"{package}: {record.name}: malformed 'constants' list")
+    stray = sorted(set(record.transposed) - set(record.constants) - {""})
+    if stray or "" in record.transposed:
+        raise ProgramLoadError(  # a swap would transpose a weight the model reads as it is
+            f"{package}: {record.name} lists transposed constants {stray or ['']} that are "
+            f"not among its constants {[c for c in record.constants if c]}"
+        )
     return segment
 
 
