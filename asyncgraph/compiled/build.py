@@ -43,18 +43,10 @@ from asyncgraph.compiled.package import SegmentRecord, write_package
 from asyncgraph.compiled.packing import PackedConstant, PackingError, find_packed, verify_packed
 from asyncgraph.compiled.segments import Segment, tensor_bounded_segments
 from asyncgraph.graph.importers import Program, from_exported_program, load_pt2
-from asyncgraph.graph.ir import (
-    WEIGHT_KINDS,
-    Graph,
-    InputKind,
-    OutputKind,
-    Ref,
-    TensorSpec,
-    iter_refs,
-)
+from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, InputKind, OutputKind, TensorSpec
 from asyncgraph.kernels import KernelFactory
 from asyncgraph.kernels.cost import estimate_cost
-from asyncgraph.passes.rewrite import substitute
+from asyncgraph.passes.rewrite import read_only_as, substitute
 from asyncgraph.tools.compare import random_flat_inputs
 
 Progress = Callable[[str], None]
@@ -320,15 +312,8 @@ def linear_weights(graph: Graph, segment: Segment, constants: Collection[int]) -
     contiguous transpose, the layout BLAS multiplies small batches by fastest. AOTInductor
     keeps a weight's transpose a strided view of it (tiny BERT's GEMMs: 22% less time for
     linears over pre-transposed weights, as the Executor's linear lowering finds)."""
-    linear = torch.ops.aten.linear.default
-    found = {v for v in constants if _is_matrix(graph, v)}
-    for node in segment.nodes(graph):
-        args = (*node.args, *node.kwargs.values())
-        for position, arg in enumerate(args):
-            for ref in iter_refs(arg):
-                if not (node.target is linear and position == 1 and isinstance(arg, Ref)):
-                    found.discard(ref.id)
-    return found
+    only = read_only_as(segment.nodes(graph), {torch.ops.aten.linear.default: 1})
+    return {v for v in constants if _is_matrix(graph, v) and only.get(v, False)}
 
 
 def _is_matrix(graph: Graph, vid: int) -> bool:

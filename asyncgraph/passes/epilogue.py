@@ -21,11 +21,10 @@ import dataclasses
 
 import torch
 
-from asyncgraph.graph.ir import Graph, Node, Ref, TensorSpec, iter_refs
-from asyncgraph.passes.rewrite import rebuild
+from asyncgraph.graph.ir import Graph, Node, Ref, iter_refs
+from asyncgraph.passes.rewrite import rank_on_cpu, rebuild
 
 aten = torch.ops.aten
-_CPU = torch.device("cpu")
 
 
 def fuse_activations(graph: Graph) -> tuple[Graph, int]:
@@ -59,7 +58,7 @@ def _plain_addmm(node: Node, graph: Graph) -> bool:
     if node.target is not aten.addmm.default or node.kwargs or len(node.args) != 3:
         return False
     return node.placement_hint is None and all(
-        isinstance(a, Ref) and _on_cpu(graph, a) for a in node.args
+        isinstance(a, Ref) and rank_on_cpu(graph, a) is not None for a in node.args
     )
 
 
@@ -74,8 +73,3 @@ def _activation(node: Node, value: int) -> bool | None:
             node.kwargs in ({}, {"approximate": "none"})):
         return True
     return None
-
-
-def _on_cpu(graph: Graph, ref: Ref) -> bool:
-    spec = graph.values[ref.id].spec
-    return isinstance(spec, TensorSpec) and spec.device == _CPU

@@ -37,10 +37,9 @@ import torch
 
 from asyncgraph.graph.ir import Graph, Node, Ref, TensorSpec, Value, iter_refs
 from asyncgraph.passes.folding import constant_weights
-from asyncgraph.passes.rewrite import rebuild
+from asyncgraph.passes.rewrite import rank_on_cpu, read_only_as, rebuild
 
 aten = torch.ops.aten
-_CPU = torch.device("cpu")
 _COPIES: dict[Any, Any] = {
     aten.permute.default: aten.permute_copy.default, aten.t.default: aten.t_copy.default,
 }
@@ -84,8 +83,8 @@ class _Rewriter:
         args = _linear_args(node, self.graph, self.weights)
         if args is not None:
             x, weight, bias = args
-            if bias is not None and _rank_on_cpu(self.graph, x) == 2 and (
-                    _rank_on_cpu(self.graph, bias) == 1):
+            if bias is not None and rank_on_cpu(self.graph, x) == 2 and (
+                    rank_on_cpu(self.graph, bias) == 1):
                 args = (bias, x, self._transposed(weight, node))
                 node = dataclasses.replace(node, target=aten.addmm.default, args=args)
                 self.lowered += 1
@@ -145,7 +144,7 @@ class _Rewriter:
         if node.target is aten.permute.default and list(node.args[1]) != [1, 0]:
             return False
         return (isinstance(weight, Ref) and weight.id in self.weights
-                and _rank_on_cpu(self.graph, weight) == 2
+                and rank_on_cpu(self.graph, weight) == 2
                 and self.right_operands.get(node.output, False))
 
 
@@ -160,7 +159,7 @@ def _linear_args(
     x, weight, bias = node.args[0], node.args[1], node.args[2] if len(node.args) == 3 else None
     if not (isinstance(x, Ref) and isinstance(weight, Ref) and weight.id in weights):
         return None
-    if _rank_on_cpu(graph, weight) != 2 or _rank_on_cpu(graph, x) is None:
+    if rank_on_cpu(graph, weight) != 2 or rank_on_cpu(graph, x) is None:
         return None
     if bias is not None and not isinstance(bias, Ref):
         return None
@@ -170,28 +169,11 @@ def _linear_args(
 def _right_operands(graph: Graph) -> dict[int, bool]:
     """Value id -> whether every read of it is as the right operand of `addmm` or `mm`, and
     it is not a graph output."""
-    only: dict[int, bool] = {}
-    for node in graph.nodes:
-        position = _RIGHT_OPERAND.get(node.target)
-        for index, arg in enumerate(node.args):
-            for ref in iter_refs(arg):
-                ok = index == position and isinstance(arg, Ref)
-                only[ref.id] = only.get(ref.id, True) and ok
-        for value in node.kwargs.values():
-            for ref in iter_refs(value):
-                only[ref.id] = False
+    only = read_only_as(graph.nodes, _RIGHT_OPERAND)
     for out in graph.signature.outputs:
         for ref in iter_refs(out.arg):
             only[ref.id] = False
     return only
-
-
-def _rank_on_cpu(graph: Graph, ref: Ref) -> int | None:
-    """The tensor's rank when its spec says it is on the CPU; None otherwise."""
-    spec = graph.values[ref.id].spec
-    if not isinstance(spec, TensorSpec) or spec.device != _CPU:
-        return None
-    return len(spec.shape)
 
 
 def _fresh(name: str, taken: set[str]) -> str:

@@ -3,16 +3,29 @@
 A pass decides which nodes remain and which new ones appear; `rebuild` makes the Graph of
 them: it keeps the values they, the signature and the new constant inputs use, renumbers
 values and nodes densely, and lets the Graph constructor validate the result as it validates
-an imported one.
+an imported one. `read_only_as` and `rank_on_cpu` are the questions the weight-rewriting
+passes (linear.py, epilogue.py, the compiled segments' build) ask of a graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from asyncgraph.graph.ir import Graph, InputKind, InputSpec, Node, OutputSpec, Ref, Value, iter_refs
+import torch
+
+from asyncgraph.graph.ir import (
+    Graph,
+    InputKind,
+    InputSpec,
+    Node,
+    OutputSpec,
+    Ref,
+    TensorSpec,
+    Value,
+    iter_refs,
+)
 
 
 def rebuild(
@@ -75,3 +88,30 @@ def substitute(obj: Any, values: Mapping[int, Any]) -> Any:
     if isinstance(obj, dict):
         return {k: substitute(x, values) for k, x in obj.items()}
     return obj
+
+_CPU = torch.device("cpu")
+
+
+def read_only_as(nodes: Iterable[Node], positions: Mapping[Any, int]) -> dict[int, bool]:
+    """Value id -> whether every read of it by `nodes` is as the whole positional argument
+    `positions[target]` of a node of that target (the passes that rewrite a weight for the
+    ops reading it ask this)."""
+    only: dict[int, bool] = {}
+    for node in nodes:
+        position = positions.get(node.target)
+        for index, arg in enumerate(node.args):
+            for ref in iter_refs(arg):
+                ok = index == position and isinstance(arg, Ref)
+                only[ref.id] = only.get(ref.id, True) and ok
+        for value in node.kwargs.values():
+            for ref in iter_refs(value):
+                only[ref.id] = False
+    return only
+
+
+def rank_on_cpu(graph: Graph, ref: Ref) -> int | None:
+    """The tensor's rank when its spec says it is on the CPU; None otherwise."""
+    spec = graph.values[ref.id].spec
+    if not isinstance(spec, TensorSpec) or spec.device != _CPU:
+        return None
+    return len(spec.shape)
