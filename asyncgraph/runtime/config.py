@@ -149,6 +149,11 @@ class ExecutorConfig:
             a softmax and the ops around them) back into one scaled_dot_product_attention
             (asyncgraph/passes/recompose.py); results then agree with the graph's to float
             rounding.
+        split_packed_qkv: split a packed in-projection (nn.MultiheadAttention's) into q, k
+            and v with one view, one permute and three selects instead of 17 nodes and a copy
+            (asyncgraph/passes/qkv.py): 20 us less per attention layer at tiny BERT's size.
+            The heads are then views of the projection with other strides, read only by
+            scaled_dot_product_attention.
         fold_constants: run the nodes that read only weights once per weights version (at
             construction and on swap_weights) instead of on every call
             (asyncgraph/passes/folding.py);
@@ -220,6 +225,7 @@ class ExecutorConfig:
     worker_execution_node_us: float | None = 40.0
     fast_bindings: bool = True
     recompose_attention: bool = True
+    split_packed_qkv: bool = True
     fold_constants: bool = True
     lower_linear: bool = True
     pretranspose_weights: bool = True

@@ -56,6 +56,7 @@ from asyncgraph.passes.epilogue import fuse_activations
 from asyncgraph.passes.folding import ConstantFolder, fold_constants
 from asyncgraph.passes.identity import drop_identities
 from asyncgraph.passes.linear import lower_linear
+from asyncgraph.passes.qkv import split_packed_qkv
 from asyncgraph.passes.recompose import recompose_attention
 from asyncgraph.runtime import registry
 from asyncgraph.runtime.backend import Caller, Loop, ScopeCaller, current_loop
@@ -119,6 +120,9 @@ class Executor:
             self.graph, self.recomposed = recompose_attention(self.graph)
         # dropouts that return their input (asyncgraph/passes/identity.py)
         self.graph, self.dropped_identities = drop_identities(self.graph)
+        self.qkv_splits = 0  # packed q/k/v projections split by views (asyncgraph/passes/qkv.py)
+        if self.config.split_packed_qkv:
+            self.graph, self.qkv_splits = split_packed_qkv(self.graph)
         self.lowered_linears = 0  # linears run on a folded transpose (asyncgraph/passes/linear.py)
         self.weight_copies = 0  # of those transposes, copies (pretranspose_weights)
         if self.config.lower_linear and self.config.fold_constants:
