@@ -56,6 +56,17 @@ async def test_an_encoders_splits_become_views_bitwise_the_same(batch_first: boo
     assert len(selects) == 6 and all(n.args[1:] in ((0, 0), (0, 1), (0, 2)) for n in selects)
 
 
+async def test_a_core_aten_graph_splits_after_its_attention_is_recomposed() -> None:
+    model, x = _encoder(True), torch.randn(2, S, E)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ep = _export(model, x).run_decompositions()
+    ex = await _same(ep, x, split=2)
+    targets = _targets(ex)
+    assert aten.clone.default not in targets[:targets.index(aten.select.int)]
+    assert ex.recomposed == 2
+
+
 async def test_the_new_nodes_keep_the_names_of_the_nodes_they_replace() -> None:
     model, x = _encoder(True, layers=1), torch.randn(1, S, E)
     ep = _export(model, x)

@@ -14,7 +14,9 @@ L of shape [S, B, 3E],
     c = contiguous(squeeze(transpose(unsqueeze(unflatten(L, -1, [3, E]), 0), 0, -2), -2))
     q_i = view(transpose(view(select(c, 0, i), [S, B*H, D]), 0, 1), [B, H, S, D])
 
-for i = 0, 1, 2, where no intermediate is read outside the pattern or is a graph output, and
+for i = 0, 1, 2 (or core ATen's spelling of the same: `view(L, [S, B, 3, E])` for the
+unflatten, `permute` for the transposes, `squeeze.dims`, and `clone` to the contiguous
+format), where no intermediate is read outside the pattern or is a graph output, and
 each q_i is read only as q, k or v of `scaled_dot_product_attention`. The match becomes
 
     p = permute(view(L, [S, B, 3, H, D]), [2, 1, 3, 0, 4]);  q_i = select(p, 0, i)
@@ -42,6 +44,24 @@ from asyncgraph.passes.rewrite import rank_on_cpu, rebuild
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
+
+
+# A form: (target, the arguments after the first (None: any), [its keywords]). From the
+# unflatten to the contiguous copy, one step each: the export's form, then core ATen's.
+_Forms = tuple[tuple[Any, ...], ...]
+_TO_PACKED: tuple[_Forms, ...] = (
+    ((aten.unsqueeze.default, (0,)),),
+    ((aten.transpose.int, (0, -2)), (aten.transpose.int, (0, 3)),
+     (aten.permute.default, ([3, 1, 2, 0, 4],))),
+    ((aten.squeeze.dim, (-2,)), (aten.squeeze.dim, (3,)),
+     (aten.squeeze.dims, ([-2],)), (aten.squeeze.dims, ([3],))),
+    ((aten.contiguous.default, ()),
+     (aten.clone.default, (), {"memory_format": torch.contiguous_format})),
+)
+_HEAD_TRANSPOSE: _Forms = (
+    (aten.transpose.int, (0, 1)), (aten.transpose.int, (1, 0)),
+    (aten.permute.default, ([1, 0, 2],)),
+)
 
 
 def split_packed_qkv(graph: Graph) -> tuple[Graph, int]:
@@ -120,28 +140,20 @@ class _Matcher:
                 self.readers[vid].append(node)
         self.outputs = {r.id for o in graph.signature.outputs for r in iter_refs(o.arg)}
 
-    def split(self, unflatten: Node) -> tuple[_Split, set[int]] | None:
-        """The match starting at `unflatten` and the indices of the nodes it removes; or
-        None."""
-        if unflatten.target is not aten.unflatten.int or len(unflatten.args) != 3:
+    def split(self, first: Node) -> tuple[_Split, set[int]] | None:
+        """The match starting at `first` (the unflatten, or its core-ATen view) and the
+        indices of the nodes it removes; or None."""
+        found = self._projection(first)
+        if found is None:
             return None
-        projection, dim, sizes = unflatten.args
-        shape = self._shape(projection)
-        if shape is None or len(shape) != 3 or dim not in (-1, 2):
+        projection, (s, b, e) = found
+        chain = [first]
+        node: Node | None = first
+        for forms in _TO_PACKED:
+            node = node and self._only_reader(node, forms, chain)
+        if node is None:
             return None
-        s, b, width = shape
-        if not (isinstance(s, int) and isinstance(width, int) and width % 3 == 0
-                and list(sizes) == [3, width // 3]):
-            return None
-        e = width // 3
-        chain = [unflatten]
-        unsqueeze = self._only_reader(unflatten, aten.unsqueeze.default, (0,), chain)
-        transpose = unsqueeze and self._only_reader(
-            unsqueeze, aten.transpose.int, ((0, -2), (0, 3)), chain)
-        squeeze = transpose and self._only_reader(transpose, aten.squeeze.dim, (-2, 3), chain)
-        contiguous = squeeze and self._only_reader(squeeze, aten.contiguous.default, (), chain)
-        if contiguous is None:
-            return None
+        contiguous = node
         selects = self._readers(contiguous.output)
         if sorted(self._select_index(n) for n in selects) != [0, 1, 2]:
             return None
@@ -149,19 +161,42 @@ class _Matcher:
         head_shapes: set[tuple[int, int]] = set()
         for select in sorted(selects, key=self._select_index):
             chain.append(select)
-            found = self._head(select, s, b, e, chain)
-            if found is None:
+            head = self._head(select, s, b, e, chain)
+            if head is None:
                 return None
-            heads.append(found[0])
-            head_shapes.add(found[1])
+            heads.append(head[0])
+            head_shapes.add(head[1])
         if len(head_shapes) != 1 or any(n.output in self.outputs for n in chain):
             return None
         if not all(self._read_only_by_attention(head) for head in heads):
             return None
         (h, d), = head_shapes
-        split = _Split(projection, unflatten, contiguous, (heads[0], heads[1], heads[2]),
+        split = _Split(projection, first, contiguous, (heads[0], heads[1], heads[2]),
                        (s, b, 3, h, d))
         return split, {n.index for n in chain}
+
+    def _projection(self, first: Node) -> tuple[Ref, tuple[int, Any, int]] | None:
+        """L and (S, B, E) when `first` is `unflatten(L, -1, [3, E])` or `view(L, [S, B, 3,
+        E])` with L a CPU tensor [S, B, 3E], S and E fixed."""
+        if first.kwargs or first.placement_hint is not None or len(first.args) < 2:
+            return None
+        projection = first.args[0]
+        shape = self._shape(projection)
+        if shape is None or len(shape) != 3:
+            return None
+        s, b, width = shape
+        if not (isinstance(s, int) and isinstance(width, int) and width % 3 == 0):
+            return None
+        e = width // 3
+        if first.target is aten.unflatten.int:
+            ok = first.args[1:] in ((-1, [3, e]), (2, [3, e]))
+        elif first.target is aten.view.default:
+            size = list(first.args[1])
+            ok = len(size) == 4 and size[0] == s and size[2:] == [3, e] and (
+                not isinstance(b, int) or size[1] == b)
+        else:
+            ok = False
+        return (projection, (s, b, e)) if ok else None
 
     def unread_scalars(self, removed: set[int]) -> set[int]:
         """The nodes computing a scalar that only `removed` nodes read: a symbolic view's
@@ -186,15 +221,15 @@ class _Matcher:
         A symbolic batch B leaves B*H and B unchecked: each view keeps the element count of
         [S, B, E], so with S, H and D fixed they can only be B*H and B.
         """
-        first = self._only_reader(select, aten.view.default, None, chain)
+        first = self._only_reader(select, ((aten.view.default, None),), chain)
         if first is None or len(first.args) != 2 or len(first.args[1]) != 3:
             return None
         s1, bh, d = first.args[1]
         if s1 != s or not isinstance(d, int) or d <= 0 or e % d:
             return None
         h = e // d
-        transpose = self._only_reader(first, aten.transpose.int, ((0, 1), (1, 0)), chain)
-        last = transpose and self._only_reader(transpose, aten.view.default, None, chain)
+        transpose = self._only_reader(first, _HEAD_TRANSPOSE, chain)
+        last = transpose and self._only_reader(transpose, ((aten.view.default, None),), chain)
         if last is None or len(last.args) != 2 or len(last.args[1]) != 4:
             return None
         b2, *rest = last.args[1]
@@ -202,26 +237,22 @@ class _Matcher:
             return None
         return last, (h, d)
 
-    def _only_reader(
-        self, node: Node, target: Any, args: Any, chain: list[Node]
-    ) -> Node | None:
-        """The one node reading `node`'s value, when it is `target(value, *rest)` with `rest`
-        one of `args` (a tuple of alternatives; a bare value is a one-argument rest; None:
-        any), once and without keywords; added to `chain`."""
+    def _only_reader(self, node: Node, forms: _Forms, chain: list[Node]) -> Node | None:
+        """The one node reading `node`'s value, when it reads it once, as its first argument,
+        in one of `forms`; added to `chain`."""
         readers = self._readers(node.output)
         if len(readers) != 1:
             return None
         reader = readers[0]
-        if (reader.target is not target or reader.placement_hint is not None or reader.kwargs
-                or reader.args[:1] != (Ref(node.output),)
+        if (reader.placement_hint is not None or reader.args[:1] != (Ref(node.output),)
                 or _reads(reader, node.output) != 1):
             return None
-        if args is not None:
-            wanted = [a if isinstance(a, tuple) else (a,) for a in args] or [()]
-            if tuple(reader.args[1:]) not in wanted:
-                return None
-        chain.append(reader)
-        return reader
+        for target, rest, *kwargs in forms:
+            if reader.target is target and reader.kwargs == (kwargs[0] if kwargs else {}) and (
+                    rest is None or tuple(reader.args[1:]) == rest):
+                chain.append(reader)
+                return reader
+        return None
 
     def _readers(self, value: int) -> list[Node]:
         return self.readers[value]
