@@ -25,8 +25,14 @@ from torch.export import Dim
 
 import asyncgraph
 from asyncgraph import Executor, ExecutorConfig
-from asyncgraph.compiled import CompileReport, compile_program, find_segments
-from asyncgraph.compiled.package import read_manifest
+from asyncgraph.compiled import (
+    CompileReport,
+    PlainComparison,
+    compare_with_plain,
+    compile_program,
+    find_segments,
+)
+from asyncgraph.compiled.package import load_source_program, read_manifest
 from asyncgraph.errors import ProgramLoadError, WeightsError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
 from asyncgraph.graph.importers import Node, load_pt2
@@ -806,6 +812,30 @@ def test_cli_compile(compiled: Compiled, tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "14/16" in result.output and out.is_file()
+    assert "per execution on the example inputs" in result.output  # --compare by default
+
+
+# -- compiled or plain ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+async def test_compare_with_plain_times_both_from_async_code(
+    compiled: Compiled, leak_check: Any
+) -> None:
+    """Called on a running loop (it runs its own on a thread), on the saved example inputs
+    and on given ones; both sides measured, the verdict read from the ratio."""
+    for inputs in (None, [torch.randn(3, 8)]):
+        result = compare_with_plain(compiled.path("whole"), inputs)
+        assert result.compiled_ms > 0 and result.plain_ms > 0 and result.ratio > 0
+        assert f"{result.compiled_ms:.3f} ms" in result.describe()
+
+
+def test_the_comparison_says_when_the_package_is_not_faster() -> None:
+    slower, same, faster = (PlainComparison(1.0, 1.0, r) for r in (1.2, 1.01, 0.5))
+    assert (slower.verdict, same.verdict, faster.verdict) == (
+        "slower", "about the same", "faster")
+    assert "plain .pt2 runs this model as fast" in slower.describe()
+    assert "plain .pt2" in same.describe() and "plain .pt2" not in faster.describe()
 
 
 # -- the conformance corpus (slow: one compile per model) -----------------------------------------
@@ -990,7 +1020,7 @@ async def test_native_calls_of_a_bert_like_model(bert_package: Path, leak_check:
     """Embeddings, attention, LayerNorm and GELU: the executor's segment is called natively
     (the first call checked against the binding) and matches the plain program."""
     ex = asyncgraph.load(bert_package, trust_compiled=True)
-    plain = Executor(_load_program_only(bert_package))
+    plain = Executor(load_source_program(bert_package))
     native, binding = _segment_pair(bert_package)
     try:
         for batch in (1, 3):
@@ -1003,11 +1033,6 @@ async def test_native_calls_of_a_bert_like_model(bert_package: Path, leak_check:
         await ex.aclose()
         await plain.aclose()
 
-
-def _load_program_only(path: Path) -> Any:
-    from asyncgraph.compiled.package import _load_program_only as load
-
-    return load(path)
 
 
 @pytest.mark.timeout(120)

@@ -2,7 +2,9 @@
 
 Compiles the program's runs of CPU aten nodes with AOTInductor (asyncgraph/compiled) and prints
 what it did: segments, nodes compiled of all, segments left interpreted and why, compile time
-and package size. Load the result with `asyncgraph.load(path, trust_compiled=True)`.
+and package size, then (unless --no-compare) whether the package runs faster than the plain
+graph on this machine, timed on the example inputs (compare.py). Load the result with
+`asyncgraph.load(path, trust_compiled=True)`.
 """
 
 from __future__ import annotations
@@ -38,9 +40,17 @@ def compile_command(
                  "traced is reported frozen.",
         ),
     ] = False,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare/--no-compare",
+            help="Time the package against the plain graph on the example inputs (a few "
+                 "seconds) and say whether it is faster on this machine.",
+        ),
+    ] = True,
 ) -> None:
     """Compile a program's hot runs of nodes with AOTInductor into MODEL.aoti.pt2."""
-    from asyncgraph.compiled import compile_program
+    from asyncgraph.compiled import compare_with_plain, compile_program
     from asyncgraph.compiled.segments import MODES
 
     if segments not in MODES:
@@ -66,3 +76,6 @@ def compile_command(
     for failed in report.failed:
         console.print(f"left interpreted ({failed.nodes[0]} .. {failed.nodes[-1]}): "
                       f"{failed.reason}", markup=False)
+    if compare and report.segments:
+        console.print("timing the package against the plain graph", markup=False)
+        console.print(compare_with_plain(output).describe(), markup=False)

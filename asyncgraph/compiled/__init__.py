@@ -17,9 +17,14 @@ its calls, while asyncgraph promises that a running execution finishes on the we
 it started with (asyncgraph/runtime/weights.py): so each delegate keeps up to two containers
 and runs a call on the one whose buffer holds that execution's weight tensors (delegate.py);
 a swap loads the new version into the spare one before executions see it.
+
+`compare_with_plain(package)` (compare.py) times a package against the plain graph it came
+from, on the example inputs; `asyncgraph compile` prints the verdict: a model bound by memory
+bandwidth may run no faster compiled.
 """
 
 from asyncgraph.compiled.build import CompileReport, FailedSegment, compile_program
+from asyncgraph.compiled.compare import PlainComparison, compare_with_plain
 from asyncgraph.compiled.delegate import AOTIDelegate
 from asyncgraph.compiled.package import SegmentRecord, load_compiled
 from asyncgraph.compiled.segments import Segment, find_segments
@@ -28,8 +33,10 @@ __all__ = [
     "AOTIDelegate",
     "CompileReport",
     "FailedSegment",
+    "PlainComparison",
     "Segment",
     "SegmentRecord",
+    "compare_with_plain",
     "compile_program",
     "find_segments",
     "load_compiled",

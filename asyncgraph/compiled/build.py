@@ -123,7 +123,7 @@ def compile_program(
     program = from_exported_program(ep)
     graph = program.graph
     report = CompileReport(Path(output), mode, nodes_total=len(graph.nodes))
-    inputs = list(example_inputs) if example_inputs is not None else _example_inputs(ep, graph)
+    inputs = list(example_inputs) if example_inputs is not None else default_inputs(ep, graph)
     say(f"running the program once on its example inputs ({len(graph.nodes)} nodes)")
     values = example_values(program, inputs)
     segments = tensor_bounded_segments(
@@ -196,7 +196,7 @@ def _exported(source: ExportedProgram | str | os.PathLike[str]) -> ExportedProgr
     return program.exported
 
 
-def _example_inputs(ep: ExportedProgram, graph: Graph) -> list[Any]:
+def default_inputs(ep: ExportedProgram, graph: Graph) -> list[Any]:
     """The flat user inputs saved with the program, or random ones of its exported shapes."""
     saved = getattr(ep, "example_inputs", None)
     if saved is not None:

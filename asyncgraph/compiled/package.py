@@ -176,7 +176,7 @@ def load_compiled(path: str | os.PathLike[str], *, runners: int = 1) -> Any:
     check_pt2_archive(p, trust_compiled=True)
     manifest = read_manifest(p)
     check_compatible(p, manifest)
-    ep = _load_program_only(p)
+    ep = load_source_program(p)
     program = from_exported_program(ep)
     records = [_record(s) for s in manifest["segments"]]
     graph = splice(program.graph, records, str(p), max(1, runners), program.weights)
@@ -206,7 +206,7 @@ def _frozen_reason(value: Any) -> str:
     return str(value or "")
 
 
-def _load_program_only(path: Path) -> ExportedProgram:
+def load_source_program(path: Path) -> ExportedProgram:
     """torch.export.load of the archive without its compiled members (torch would load every
     AOTI model itself, single-runner, on top of ours)."""
     buffer = io.BytesIO()
