@@ -67,7 +67,7 @@ _HEAD_TRANSPOSE: _Forms = (
 def split_packed_qkv(graph: Graph) -> tuple[Graph, int]:
     """The graph with every matched split rewritten, and how many were."""
     matcher = _Matcher(graph)
-    replaced: dict[int, list[Node]] = {}  # index of the unflatten -> the nodes replacing it
+    replaced: dict[int, list[Node]] = {}  # a match's first node -> the nodes replacing it
     removed: set[int] = set()
     new_values: list[Value] = []
     for node in graph.nodes:
@@ -90,12 +90,12 @@ def split_packed_qkv(graph: Graph) -> tuple[Graph, int]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Split:
-    """One match: L, the nodes whose names the replacement takes (the unflatten, the
-    contiguous and the three final views: q, k, v in select order) and the shape
-    [S, B, 3, H, D] (B an int or a symbol)."""
+    """One match: L, the nodes whose names the replacement takes (the first, an unflatten or
+    core ATen's view; the contiguous copy; the three final views: q, k, v in select order)
+    and the shape [S, B, 3, H, D] (B an int or a symbol)."""
 
     projection: Ref
-    unflatten: Node
+    first: Node
     contiguous: Node
     heads: tuple[Node, Node, Node]
     shape: tuple[Any, ...]
@@ -111,7 +111,7 @@ def _replacement(graph: Graph, split: _Split, new_values: list[Value]) -> list[N
     hint_b = spec.hint[1]
     viewed, viewed_hint = (s, b, 3, h, d), (s, hint_b, 3, h, d)
     permuted, permuted_hint = (3, b, h, s, d), (3, hint_b, h, s, d)
-    view_value = Value(first_id, split.unflatten.name,
+    view_value = Value(first_id, split.first.name,
                        spec=TensorSpec(spec.dtype, spec.device, viewed, viewed_hint))
     permute_value = Value(first_id + 1, split.contiguous.name,
                           spec=TensorSpec(spec.dtype, spec.device, permuted, permuted_hint))
@@ -119,7 +119,7 @@ def _replacement(graph: Graph, split: _Split, new_values: list[Value]) -> list[N
     nodes = [
         Node(index=-1, name=view_value.name, target=aten.view.default,
              args=(split.projection, [s, b if isinstance(b, int) else -1, 3, h, d]), kwargs={},
-             output=view_value.id, stack_trace=split.unflatten.stack_trace),
+             output=view_value.id, stack_trace=split.first.stack_trace),
         Node(index=-1, name=permute_value.name, target=aten.permute.default,
              args=(Ref(view_value.id), [2, 1, 3, 0, 4]), kwargs={}, output=permute_value.id,
              stack_trace=split.contiguous.stack_trace),
@@ -154,7 +154,7 @@ class _Matcher:
         if node is None:
             return None
         contiguous = node
-        selects = self._readers(contiguous.output)
+        selects = self.readers[contiguous.output]
         if sorted(self._select_index(n) for n in selects) != [0, 1, 2]:
             return None
         heads: list[Node] = []
@@ -240,7 +240,7 @@ class _Matcher:
     def _only_reader(self, node: Node, forms: _Forms, chain: list[Node]) -> Node | None:
         """The one node reading `node`'s value, when it reads it once, as its first argument,
         in one of `forms`; added to `chain`."""
-        readers = self._readers(node.output)
+        readers = self.readers[node.output]
         if len(readers) != 1:
             return None
         reader = readers[0]
@@ -254,9 +254,6 @@ class _Matcher:
                 return reader
         return None
 
-    def _readers(self, value: int) -> list[Node]:
-        return self.readers[value]
-
     def _select_index(self, node: Node) -> int:
         """i of `select(c, 0, i)` with no placement hint; -1 for anything else."""
         if (node.target is not aten.select.int or node.kwargs or node.placement_hint is not None
@@ -266,7 +263,7 @@ class _Matcher:
 
     def _read_only_by_attention(self, head: Node) -> bool:
         """Whether the head is read, and only as q, k or v of attention."""
-        readers = self._readers(head.output)
+        readers = self.readers[head.output]
         return bool(readers) and all(
             r.target is SDPA and _reads(r, head.output) == _reads(r, head.output, r.args[:3])
             for r in readers
@@ -279,6 +276,7 @@ class _Matcher:
         spec = self.graph.values[ref.id].spec
         assert isinstance(spec, TensorSpec)
         return tuple(spec.shape)
+
 
 def _reads(node: Node, value: int, where: Any = None) -> int:
     """How many times `node` reads `value` in `where` (default: all its arguments)."""
