@@ -93,7 +93,12 @@ class ExecutorConfig:
             process that owns its threads (the `asyncgraph` commands, a server) sets the same
             count on the loop thread with
             `torch.set_num_threads(config.intra_op_threads_or_default)`; every command that
-            runs a model does, from its `--threads` option (asyncgraph/cli/options.py).
+            runs a model does, from its `--threads` option (asyncgraph/cli/options.py). An
+            event loop on a thread other than the main one wants it too: with torch's default
+            of 2 on 2 cores, once the main thread had used an OpenMP team, a loop on another
+            thread ran a 256-wide MLP at 2.0 ms per execution against 0.10 ms (most likely
+            libgomp's spin-wait, throttled once more OpenMP threads exist than CPUs: each
+            parallel region then wakes a sleeping thread).
         pin_workers: pin each worker thread to a CPU of its own (of those the process may use,
             spread over every pinned pool of the process; Linux, ignored elsewhere). For a
             machine the service has to itself: the kernel may wake two workers onto one core
