@@ -57,13 +57,15 @@ class LeakChecker:
         self.settle_s = settle_s
         self.thread_prefix = thread_prefix
         self.cuda_slack_bytes = cuda_slack_bytes
-        self._executors_before: set[int] = set()
+        # weak references, not ids: an executor live at entry may be freed during the block
+        # and a new one made at its address, which a set of ids would then take for it
+        self._executors_before: weakref.WeakSet[Any] = weakref.WeakSet()
         self._threads_before: set[threading.Thread] = set()
         self._loops_before: weakref.WeakSet[Any] = weakref.WeakSet()
         self._cuda_before: int | None = None
 
     async def __aenter__(self) -> LeakChecker:
-        self._executors_before = {id(e) for e in live_executors()}
+        self._executors_before = weakref.WeakSet(live_executors())
         self._threads_before = set(threading.enumerate())
         self._loops_before = weakref.WeakSet(loops_with_budgets())
         self._cuda_before = _cuda_allocated()
@@ -81,7 +83,7 @@ class LeakChecker:
     async def check(self) -> None:
         """Raise LeakError naming everything that leaked."""
         problems: list[str] = []
-        executors = [e for e in live_executors() if id(e) not in self._executors_before]
+        executors = [e for e in live_executors() if e not in self._executors_before]
         for ex in executors:
             stats = ex.statistics()
             if stats.frames.in_use:
