@@ -49,14 +49,29 @@ class KernelChoice:
 def choose_kernels(autotuned: Path, default: Path, args: Sequence[Any]) -> KernelChoice:
     """Time the AOTI packages `autotuned` and `default` of one segment on `args`."""
     calls = [_runner(autotuned, args), _runner(default, args)]
-    counts = [_calls_per_sample(call) for call in calls]
+    counts = [calls_per_sample(min(_sample(call, 1) for _ in range(5))) for call in calls]
     times: list[list[float]] = [[], []]
     for round_ in range(ROUNDS):
-        for which in (0, 1) if round_ % 2 == 0 else (1, 0):
+        for which in round_order(round_):
             times[which].append(_sample(calls[which], counts[which]))
-    ratio = statistics.median(a / d for a, d in zip(times[0], times[1], strict=True))
-    return KernelChoice(statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3,
-                        round(ratio, 3))
+    return KernelChoice(*judged(times))
+
+
+def calls_per_sample(fastest_s: float) -> int:
+    """Calls that make a sample last about SAMPLE_S, from the fastest of a few warm-up calls
+    (a compiled model's first calls are slower)."""
+    return max(1, int(SAMPLE_S / max(fastest_s, 1e-6)))
+
+
+def round_order(round_: int) -> tuple[int, int]:
+    """Which of the two runs first in a round: flipped every round, so drift cancels."""
+    return (0, 1) if round_ % 2 == 0 else (1, 0)
+
+
+def judged(times: Sequence[Sequence[float]]) -> tuple[float, float, float]:
+    """The median ms of each of the two and the median over rounds of first / second."""
+    ratio = statistics.median(a / b for a, b in zip(times[0], times[1], strict=True))
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3, round(ratio, 3)
 
 
 def _runner(path: Path, args: Sequence[Any]) -> Callable[[], Any]:
@@ -68,13 +83,6 @@ def _runner(path: Path, args: Sequence[Any]) -> Callable[[], Any]:
             return loader.run(inputs)
 
     return run
-
-
-def _calls_per_sample(call: Callable[[], Any]) -> int:
-    """Calls that make a sample last about SAMPLE_S, from the fastest of a few warm-up calls
-    (a compiled model's first calls are slower)."""
-    fastest = min(_sample(call, 1) for _ in range(5))
-    return max(1, int(SAMPLE_S / max(fastest, 1e-6)))
 
 
 def _sample(call: Callable[[], Any], n: int) -> float:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ from typing import Any
 
 import torch
 
-ROUNDS = 9
-SAMPLE_S = 0.02  # about how long each timed sample lasts
+from asyncgraph.compiled.choice import ROUNDS, calls_per_sample, judged, round_order
+
 WARMUP = 40  # executions of each before timing: placement decides and rechecks within these
 SAME_WITHIN = 0.03  # ratios within 1 +- this read "about the same"
 
@@ -68,9 +67,9 @@ def compare_with_plain(package: str | Path, inputs: Sequence[Any] | None = None)
 def _run(package: Path, inputs: Sequence[Any] | None) -> PlainComparison:
     """The comparison's thread: its loop runs the inline kernels with the executors'
     intra-op count, as a service's loop thread is set (ExecutorConfig.intra_op_threads). Left
-    at torch's default of 2 on this 2-core machine, a thread other than the main one paid
-    ~65 us per small product for starting its OpenMP team (4.5 us on the main thread), and
-    the comparison measured the team, not the model."""
+    at torch's default of 2 on this 2-core machine, once the main thread had used its OpenMP
+    team this thread paid ~65 us per small product on its own team (4.5 us on the main
+    thread), and the comparison measured the team, not the model."""
     from asyncgraph.runtime.config import ExecutorConfig
 
     before = torch.get_num_threads()
@@ -95,19 +94,13 @@ async def _compare(package: Path, inputs: Sequence[Any] | None) -> PlainComparis
         for executor in executors:
             for _ in range(WARMUP):
                 await executor.execute_flat(flat)
-        counts = [await _calls_per_sample(executor, flat) for executor in executors]
+        counts = [calls_per_sample(min([await _sample(executor, flat, 1) for _ in range(5)]))
+                  for executor in executors]
         times: list[list[float]] = [[], []]
         for round_ in range(ROUNDS):
-            for which in (0, 1) if round_ % 2 == 0 else (1, 0):
+            for which in round_order(round_):
                 times[which].append(await _sample(executors[which], flat, counts[which]))
-    ratio = statistics.median(c / p for c, p in zip(times[0], times[1], strict=True))
-    return PlainComparison(round(statistics.median(times[0]) * 1e3, 4),
-                           round(statistics.median(times[1]) * 1e3, 4), round(ratio, 3))
-
-
-async def _calls_per_sample(executor: Any, flat: list[Any]) -> int:
-    fastest = min([await _sample(executor, flat, 1) for _ in range(5)])
-    return max(1, int(SAMPLE_S / max(fastest, 1e-6)))
+    return PlainComparison(*judged(times))
 
 
 async def _sample(executor: Any, flat: list[Any], n: int) -> float:

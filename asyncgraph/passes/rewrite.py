@@ -27,6 +27,8 @@ from asyncgraph.graph.ir import (
     iter_refs,
 )
 
+_CPU = torch.device("cpu")
+
 
 def rebuild(
     graph: Graph,
@@ -88,8 +90,6 @@ def substitute(obj: Any, values: Mapping[int, Any]) -> Any:
     if isinstance(obj, dict):
         return {k: substitute(x, values) for k, x in obj.items()}
     return obj
-
-_CPU = torch.device("cpu")
 
 
 def read_only_as(nodes: Iterable[Node], positions: Mapping[Any, int]) -> dict[int, bool]:
