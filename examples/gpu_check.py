@@ -177,15 +177,16 @@ def gpu_tests_command(*extra: str) -> list[str]:
     started in the repository root.
 
     In a subprocess, not `pytest.main` here: run as `python examples/gpu_check.py`, this
-    process has examples/ as sys.path[0], so the tests' `tests` package (tests.loop_turns)
+    process has examples/ as sys.path[0], so the tests' `tests` package (tests.support.loop_turns)
     would not import; `python -m pytest` in the root puts the root on sys.path, whatever
     directory this script was started from. pytest-benchmark is disabled: with xdist and
     `filterwarnings = error` it stops the session on the GPU image (docs/gpu.md).
     """
     return [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark",
-        "--rootdir", str(ROOT), "tests/test_streams.py", "tests/test_gpu_executor.py",
-        "tests/test_cuda_graphs.py", "-rs", *extra,
+        "--rootdir", str(ROOT), "tests/integration/test_streams.py",
+        "tests/integration/test_gpu_executor.py", "tests/integration/test_cuda_graphs.py",
+        "-rs", *extra,
     ]
 
 
