@@ -9,7 +9,7 @@ an inline chain that is 0.3-1.5 us of a 1.5-5 us call.
 A binding is listed only where it reaches exactly the same OpOverload (or, for a
 CompositeImplicitAutograd op, the same decomposition) for every argument form an exported graph
 uses: positional, omitted defaults, and the schema's own keyword names for every argument but
-`self`, which the bindings call `input`. tests/test_fast_bindings.py checks each entry against
+`self`, which the bindings call `input`. tests/unit/test_fast_bindings.py checks each entry against
 its OpOverload with a dispatch-recording mode. Left out on purpose:
 
 - ops whose binding picks another overload for the same Python arguments: add/sub/mul/div

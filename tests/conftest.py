@@ -35,7 +35,7 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--run-slow", action="store_true",
-        help="run the long soak tests (sized by ASYNCGRAPH_SOAK_SCALE: tests/soak.py)",
+        help="run the long soak tests (sized by ASYNCGRAPH_SOAK_SCALE: tests/support/soak.py)",
     )
 
 

@@ -5,7 +5,7 @@ builds models, none of which the installed package needs), so this command finds
 the package and imports it; from a wheel install it says so in one error line (exit 1).
 
 Timing never decides anything by itself: `--check` is for a person or a scheduled job on a
-quiet machine, and CI runs only the smoke test (tests/test_bench_smoke.py).
+quiet machine, and CI runs only the smoke test (tests/integration/test_bench_smoke.py).
 """
 
 from __future__ import annotations

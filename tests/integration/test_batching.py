@@ -20,7 +20,7 @@ from asyncgraph.errors import BatchingError, InputValidationError
 from asyncgraph.runtime.batching import Batcher, BatchLayout
 from asyncgraph.runtime.placement import batch_bucket_key
 from asyncgraph.testing import FaultInjector
-from tests.models import Counter
+from tests.support.models import Counter
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

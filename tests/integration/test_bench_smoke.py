@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from asyncgraph.tools.profile import collect, example_inputs
 from benchmarks import suite

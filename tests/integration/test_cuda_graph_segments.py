@@ -5,7 +5,7 @@ captured one segment at a time, each one unit of the schedule.
 
 1. `plan_segments` on builder graphs (pure): segments, splits of non-convex groups, groups too
    small to be worth a graph, the reason each node is left out.
-2. The Executor on the simulated GPU of tests/cuda_graph_fake.py (asyncio and trio): both runs
+2. The Executor on the simulated GPU of support/cuda_graph_fake.py (asyncio and trio): both runs
    around a host read captured and replayed, results equal to `cuda_graphs=False`, outputs read
    by host nodes and held by the caller, weights swaps, a failing capture, cancellation during
    a host wait between two replayed segments, close; `asyncgraph profile`'s listing.
@@ -22,7 +22,6 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from cuda_graph_fake import CaptureBackend, CaptureGpu, with_parameters
 from test_cuda_graphs import make_executor, running, stats
 from test_streams import needs_gpu
 from test_trio import BACKENDS, run, settle, until
@@ -34,6 +33,7 @@ from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, ScalarSpec
 from asyncgraph.testing import LeakChecker
+from tests.support.cuda_graph_fake import CaptureBackend, CaptureGpu, with_parameters
 
 aten = torch.ops.aten
 backends = pytest.mark.parametrize("backend", BACKENDS)

@@ -2,7 +2,7 @@
 
 1. `plan_capture` on builder graphs (pure): capturable programs, and the reason naming the
    first offending node, input or setting otherwise.
-2. The Executor on the simulated GPU of tests/cuda_graph_fake.py, which enforces what capture
+2. The Executor on the simulated GPU of support/cuda_graph_fake.py, which enforces what capture
    requires (no event query, synchronize or host read while capturing, forked and joined
    streams, replays writing the same static outputs), on asyncio and trio: warm-up, capture and
    replay counts, results equal to the uncaptured path, outputs that later replays do not
@@ -24,14 +24,6 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
-from cuda_graph_fake import (
-    CaptureBackend,
-    CaptureEvent,
-    CaptureGpu,
-    FakeCudaOps,
-    fake_kernel,
-    with_parameters,
-)
 from test_streams import CUDA, RecordingCuda, needs_gpu
 from test_trio import BACKENDS, run, settle, until
 from test_trio_gpu import gpu_running
@@ -43,6 +35,14 @@ from asyncgraph.cuda.graphs import CapturePlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, OutputKind, OutputSpec, Signature, TensorSpec
 from asyncgraph.testing import LeakChecker
+from tests.support.cuda_graph_fake import (
+    CaptureBackend,
+    CaptureEvent,
+    CaptureGpu,
+    FakeCudaOps,
+    fake_kernel,
+    with_parameters,
+)
 
 aten = torch.ops.aten
 backends = pytest.mark.parametrize("backend", BACKENDS)

@@ -14,7 +14,7 @@ import torch
 import asyncgraph
 from asyncgraph import ExecutorConfig
 from asyncgraph.graph import importers
-from tests.models import CASES, Case, Counter
+from tests.support.models import CASES, Case, Counter
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

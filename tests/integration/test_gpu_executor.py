@@ -42,7 +42,7 @@ from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
 from asyncgraph.runtime.frame import HOST_WAIT
 from asyncgraph.runtime.plan import Placement
 from asyncgraph.testing import LeakChecker
-from tests.loop_turns import LoopTurns
+from tests.support.loop_turns import LoopTurns
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -965,7 +965,7 @@ def test_gpu_check_collects_the_gpu_tests_from_any_directory(
     import pathlib
     import subprocess
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "gpu_check.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)

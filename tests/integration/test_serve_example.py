@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "fastapi_service.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "fastapi_service.py"
 
 
 def load_example() -> ModuleType:

@@ -55,7 +55,7 @@ from asyncgraph.graph.ir import ScalarSpec, TensorSpec
 from asyncgraph.kernels import KernelFactory
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
-from tests.loop_turns import LoopTurns
+from tests.support.loop_turns import LoopTurns
 
 C, A, M, S, H = Role.CUDA, Role.ALIAS, Role.META, Role.SCALAR, Role.HOST
 

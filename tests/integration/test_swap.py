@@ -19,7 +19,7 @@ import torch
 
 from asyncgraph import Executor, ExecutorClosedError, ExecutorConfig
 from asyncgraph.passes.folding import ConstantFolder
-from tests.models import Scaled
+from tests.support.models import Scaled
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(60)]
 

@@ -13,7 +13,7 @@ requests (asyncio: CancelledError; trio: ExecutorClosedError, never
 concurrent.futures.CancelledError; the caller's own cancel scope wins), the frame pool under
 contention with cancelled waiters, batching, the loop slice's fairness, a straight line run
 on a worker and cancelled there, the leak check itself, and one soak at ASYNCGRAPH_SOAK_SCALE.
-Programs with CUDA nodes: tests/test_trio_gpu.py.
+Programs with CUDA nodes: tests/integration/test_trio_gpu.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import anyio.abc
 import anyio.lowlevel
 import pytest
 import torch
-from soak import soak
 from torch.export import Dim
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig, GraphBuilder
@@ -43,6 +42,7 @@ from asyncgraph.runtime.config import usable_cpus
 from asyncgraph.runtime.loop_budget import loop_budget
 from asyncgraph.testing import FaultInjector, LeakChecker
 from asyncgraph.testing.leaks import LeakError
+from tests.support.soak import soak
 
 BACKENDS = ["asyncio", "trio"]
 backends = pytest.mark.parametrize("backend", BACKENDS)

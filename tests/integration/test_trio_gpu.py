@@ -1,10 +1,10 @@
 """Programs with CUDA nodes on trio, beside asyncio: the same test bodies on both backends.
 
-The simulated GPU of tests/test_gpu_executor.py (fake in-order streams and events run in a
+The simulated GPU of test_gpu_executor.py (fake in-order streams and events run in a
 random interleaving; a kernel that starts before one it reads, or a CPU node that reads a GPU
 value before it was written, is reported) drives the real placement, StreamPlan, CudaRuntime,
 schedules and scheduler. Each test runs its body with `anyio.run` on "asyncio" (debug mode)
-and "trio", inside a leak check, as tests/test_trio.py does. Nothing here runs on a real GPU:
+and "trio", inside a leak check, as test_trio.py does. Nothing here runs on a real GPU:
 the real-GPU tests are in test_gpu_executor.py and test_streams.py (skipped without CUDA).
 
 Covered on both: results and GPU ordering, a CPU node awaiting its GPU input while the loop

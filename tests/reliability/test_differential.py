@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.graph.ir import Graph
 from asyncgraph.testing import LeakChecker, ReferenceRunner
-from tests.soak import soak
+from tests.support.soak import soak
 
 MOD = 1009
 KINDS = ("inline", "worker", "task")

@@ -30,7 +30,7 @@ from asyncgraph.testing import (
     random_inputs,
     run_stress,
 )
-from tests.soak import soak
+from tests.support.soak import soak
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -370,7 +370,7 @@ def test_cli_stress_refuses_a_bad_archive(tmp_path: Path) -> None:
     assert "not a zip file" in result.output
 
 
-# -- long soaks (--run-slow; sized by ASYNCGRAPH_SOAK_SCALE, see tests/soak.py) ------------------
+# -- long soaks (--run-slow; sized by ASYNCGRAPH_SOAK_SCALE, see tests/support/soak.py) -----
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""A simulated GPU that can capture CUDA graphs, for tests/test_cuda_graphs.py.
+"""A simulated GPU that can capture CUDA graphs, for tests/integration/test_cuda_graphs.py.
 
 It extends the simulated GPU of test_gpu_executor.py (fake in-order streams and events, a
 current stream per thread) with what capture requires of the host, as CUDA enforces it:

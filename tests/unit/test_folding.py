@@ -11,7 +11,7 @@ import torch
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.errors import WeightsError
 from asyncgraph.passes.folding import FOLDED_PREFIX
-from tests.models import Scaled
+from tests.support.models import Scaled
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

@@ -1,6 +1,6 @@
 """Packed weights (compiled/packing.py) on a stand-in for an AOTI model: the layout, tracing a
 packed constant to its weight, refusing what cannot be traced, and the check by a swap. The
-real compiled model: tests/test_compiled.py (autotuned segments)."""
+real compiled model: tests/integration/test_compiled.py (autotuned segments)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.plan import Placement
 from asyncgraph.runtime.schedule import ScheduleCache, build_schedule
-from tests.loop_turns import LoopTurns
+from tests.support.loop_turns import LoopTurns
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
