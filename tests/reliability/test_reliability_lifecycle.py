@@ -38,8 +38,13 @@ from asyncgraph.testing import Gate, LeakChecker
 pytestmark = pytest.mark.usefixtures("leak_check")
 
 
-def sleepy_graph(seconds: float = 0.002) -> Graph:
+def sleepy_graph(seconds: float = 0.002, gate: threading.Event | None = None) -> Graph:
+    """Two worker nodes that sleep; with `gate`, the first waits for it to open, so no
+    execution can finish before the test says (a loaded machine runs the sleeps late)."""
+
     def slow(x: int) -> int:
+        if gate is not None:
+            gate.wait(30)
         time.sleep(seconds)
         return x + 1
 
@@ -51,11 +56,12 @@ def sleepy_graph(seconds: float = 0.002) -> Graph:
 
 
 async def _all_inside(ex: Executor, count: int) -> None:
-    """Wait until `count` callers hold a frame or wait for one."""
+    """Wait until `count` callers have entered: they hold a frame, wait for one, or finished
+    (on a loaded machine an execution can finish before the last caller enters)."""
     async with asyncio.timeout(30):
         while True:
             stats = ex.statistics()
-            if stats.frames.in_use + stats.frames.waiters == count:
+            if stats.frames.in_use + stats.frames.waiters + stats.completed == count:
                 return
             await asyncio.sleep(0)
 
@@ -80,10 +86,14 @@ async def test_aclose_completes_executions_in_flight() -> None:
 
 
 async def test_aclose_cancel_cancels_every_execution_in_flight() -> None:
-    ex = Executor(sleepy_graph(), _config())
+    gate = threading.Event()
+    ex = Executor(sleepy_graph(gate=gate), _config())
     tasks = [asyncio.create_task(ex.execute(i)) for i in range(32)]
     await _all_inside(ex, 32)
-    await ex.aclose(cancel=True)
+    closing = asyncio.create_task(ex.aclose(cancel=True))
+    await asyncio.sleep(0)  # aclose cancels first, then waits for the blocked workers
+    gate.set()
+    await closing
     assert all(t.done() for t in tasks)
     outcomes = ["cancelled" if t.cancelled() else "completed" for t in tasks]
     assert outcomes == ["cancelled"] * 32, f"{outcomes.count('completed')} of 32 ran to the end"
@@ -91,10 +101,14 @@ async def test_aclose_cancel_cancels_every_execution_in_flight() -> None:
 
 async def test_aclose_cancel_cancels_executions_holding_frames() -> None:
     """The part of cancel=True that works today: callers holding a frame are cancelled."""
-    ex = Executor(sleepy_graph(0.05), _config())
+    gate = threading.Event()
+    ex = Executor(sleepy_graph(gate=gate), _config())
     tasks = [asyncio.create_task(ex.execute(i)) for i in range(8)]
     await _all_inside(ex, 8)
-    await ex.aclose(cancel=True)
+    closing = asyncio.create_task(ex.aclose(cancel=True))
+    await asyncio.sleep(0)
+    gate.set()
+    await closing
     assert all(t.cancelled() for t in tasks)
     assert ex.statistics().cancelled == 8 and ex.statistics().frames.in_use == 0
 
@@ -111,7 +125,8 @@ async def test_aclose_is_idempotent_and_concurrent_closes_agree() -> None:
 
 
 async def test_new_calls_fail_at_once_with_a_clear_error() -> None:
-    ex = Executor(sleepy_graph(0.01), _config())
+    gate = threading.Event()
+    ex = Executor(sleepy_graph(gate=gate), _config())
     running = [asyncio.create_task(ex.execute(i)) for i in range(10)]
     await _all_inside(ex, 10)
     closing = asyncio.create_task(ex.aclose())
@@ -131,6 +146,7 @@ async def test_new_calls_fail_at_once_with_a_clear_error() -> None:
                 pass
         assert ex.statistics().started == started, f"a call {when} took a frame"
         if when == "while closing":
+            gate.set()
             await closing
     assert [t.result() for t in running] == [i + 2 for i in range(10)]
 
