@@ -1,12 +1,19 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 # Each creates .venv on first use and installs the project with the pinned CPU torch.
+#
+# Tiers:
+#   make test      before every commit: ruff, mypy, the suite (pytest-xdist on every core, then
+#                  the `serial` tests alone), the soaks at CI_SOAK_SCALE; the main venv only.
+#   make test-all  what CI runs (.ci/run): every leg even when one fails, then one table
+#                  (scripts/test_legs.py): lint, types, the suite, the full soaks, the suite on
+#                  torch 2.11 and on Python 3.12 (PyPI's wheels, ~5 GB of venv each).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The soak tests (marker `slow`) scale their executions and examples by this (tests/soak.py):
-# `make soak` runs them in full (about 2 minutes on 2 cores); `make test` runs them at CI_SOAK_SCALE.
+# The soak tests (marker `slow`) scale their executions and examples by this (tests/support/soak.py):
+# `make soak` runs them in full (test-all's leg); `make test` runs them at CI_SOAK_SCALE.
 SOAK_SCALE ?= 1
-CI_SOAK_SCALE ?= 0.25
+CI_SOAK_SCALE ?= 0.1
 
 # The lowest torch pyproject admits gets the whole suite too, in a venv of its own: PyPI's wheel
 # (a CUDA build, about 4.6 GB with its libraries, which runs on the CPU here) and the same pins
@@ -22,7 +29,19 @@ PYTHON_312 ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/pyth
 TORCH_312 ?= 2.13.0
 VENV_312 ?= .venv-py312
 
-.PHONY: demo test lint typecheck unit soak test-torch-min test-py312 bench-nativert install clean
+.PHONY: demo test test-all lint typecheck unit soak test-torch-min test-py312 py312-suite \
+	bench-nativert install clean
+
+# pytest, as every leg runs it: the skip reasons (-rs) and the 25 slowest tests. With JUNIT_DIR
+# (set by scripts/test_legs.py) each run also writes JUnit XML there, for the summary table.
+PYTEST_FLAGS = -q -p no:cacheprovider -rs --durations=25
+junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
+# The suite in two runs: everything that may share the cores on xdist's workers, then the tests
+# marked `serial` (they measure loop lag, wall time or overlap) alone.
+define suite
+	$(1) -m pytest $(PYTEST_FLAGS) -n auto -m "not serial and not slow" $(call junit,$(2)-parallel)
+	$(1) -m pytest $(PYTEST_FLAGS) -m "serial and not slow" $(call junit,$(2)-serial)
+endef
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -54,27 +73,35 @@ demo: install
 
 test: lint typecheck unit
 	$(MAKE) soak SOAK_SCALE=$(CI_SOAK_SCALE)
-	$(MAKE) test-torch-min
-	@if [ -n "$(PYTHON_312)" ]; then $(MAKE) test-py312; \
-	else echo "NOT RUN: the Python 3.12 leg (no Python 3.12 on this machine)"; fi
+
+test-all: install
+	$(BIN)/python scripts/test_legs.py
 
 lint: install
-	$(BIN)/ruff check asyncgraph kernels tests examples benchmarks
+	$(BIN)/ruff check asyncgraph kernels tests examples benchmarks scripts
 
 typecheck: install
 	$(BIN)/mypy asyncgraph
 
 unit: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(call suite,$(BIN)/python,suite)
 
 soak: install
-	ASYNCGRAPH_SOAK_SCALE=$(SOAK_SCALE) $(BIN)/python -m pytest -q -p no:cacheprovider -m slow --run-slow
+	ASYNCGRAPH_SOAK_SCALE=$(SOAK_SCALE) $(BIN)/python -m pytest $(PYTEST_FLAGS) -n auto \
+		-m slow --run-slow $(call junit,soak)
 
 test-torch-min: $(VENV_MIN)/.installed
-	$(VENV_MIN)/bin/python -m pytest -q -p no:cacheprovider
+	$(call suite,$(VENV_MIN)/bin/python,torch-min)
 
-test-py312: $(VENV_312)/.installed
-	$(VENV_312)/bin/python -m pytest -q -p no:cacheprovider
+# Without a Python 3.12 the leg says so (and test_legs.py's table shows NOT RUN) instead of failing.
+test-py312:
+	@if [ -z "$(PYTHON_312)" ]; then \
+		echo "NOT RUN: no Python 3.12 on this machine (python3.12 or pyenv's)"; \
+		if [ -n "$(JUNIT_DIR)" ]; then echo "NOT RUN: no Python 3.12" > $(JUNIT_DIR)/NOT-RUN; fi; \
+	else $(MAKE) $(VENV_312)/.installed && $(MAKE) py312-suite; fi
+
+py312-suite:
+	$(call suite,$(VENV_312)/bin/python,py312)
 
 # asyncgraph against nativert (torch._C._nativert.PyModelRunner, whose run() only PyPI's torch
 # 2.9-2.11 wheels have), AOTInductor and eager, in the torch 2.11 venv: benchmarks/nativert_compare.py.

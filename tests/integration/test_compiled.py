@@ -42,6 +42,9 @@ from asyncgraph.kernels.base import KernelKind
 from asyncgraph.runtime.plan import Placement
 from asyncgraph.testing.reference import perturbed_weights
 
+# the session fixtures compile AOTI packages: one xdist worker compiles them for every test here
+pytestmark = pytest.mark.xdist_group("aoti")
+
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 # every segment on a worker thread: the tests that hold a segment's call must not hold the loop
 ON_WORKERS = ExecutorConfig(heavy_op_flops=1, adaptive_placement=False)

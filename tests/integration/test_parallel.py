@@ -18,7 +18,7 @@ import asyncgraph
 from asyncgraph import ExecutorConfig, GraphBuilder
 from asyncgraph.kernels import KernelFactory, OpKernel
 
-pytestmark = pytest.mark.usefixtures("leak_check")
+pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.serial]
 
 
 def _wide_builder(branches: int, barrier: threading.Barrier) -> asyncgraph.Graph:

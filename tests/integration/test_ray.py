@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import numpy as np
 import pytest
@@ -38,6 +39,9 @@ from asyncgraph.ray.proxy import (  # noqa: E402
     ReplicaLostMiddleware,
 )
 from asyncgraph.runtime.config import ExecutorConfig  # noqa: E402
+
+# one module-scoped Ray instance: one xdist worker starts it for every test here
+pytestmark = pytest.mark.xdist_group("ray")
 
 APP = "ag"
 WAIT_S = 60.0
@@ -365,13 +369,28 @@ def test_deleting_the_app_drains_requests_in_flight(cluster: str, models: dict[s
     asyncio.run(_drain(cluster, models))
 
 
+async def _arrived(client: httpx.AsyncClient) -> tuple[float, float]:
+    """(requests running, requests answered) summed over the replicas: a scrape reports both."""
+    text = (await client.get("/metrics")).text
+    return (sum(metric_values(text, "asyncgraph_running_requests")),
+            sum(metric_values(text, "nv_inference_request_success")))
+
+
 async def _drain(cluster: str, models: dict[str, Any]) -> None:
     async with httpx.AsyncClient(base_url=cluster, timeout=WAIT_S) as client:
+        _, answered_before = await _arrived(client)
         xs = [torch.randn(1, 256) for _ in range(8)]
         sent = [asyncio.create_task(client.post("/v2/models/slow/infer", json=affine_body(x)))
                 for x in xs]
-        await asyncio.sleep(0.05)  # sent, not answered: ~20-50 ms each, 4 at once
-        assert not all(t.done() for t in sent), "nothing was in flight to drain"
+        # delete only once all 8 reached a replica (running or answered): a request still on
+        # its way to the proxy when the app goes is rightly a 404, and no test of draining
+        with anyio.fail_after(WAIT_S):
+            while True:
+                running, answered = await _arrived(client)
+                if running + answered - answered_before >= 8:
+                    break
+                await asyncio.sleep(0.005)
+        assert running > 0, "nothing was in flight to drain"
         await asyncio.to_thread(serve.delete, APP)
         responses = await asyncio.gather(*sent)
     assert [r.status_code for r in responses] == [200] * 8

@@ -13,9 +13,9 @@ import pytest
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.runtime.loop_budget import _BUDGETS, LoopBudget, _shows_its_queues, loop_budget
 from asyncgraph.testing import LeakChecker, LeakError
-from tests.loop_turns import LoopTurns
+from tests.support.loop_turns import LoopTurns
 
-pytestmark = pytest.mark.usefixtures("leak_check")
+pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.serial]
 
 
 async def test_a_slice_lasts_until_the_next_iteration() -> None:
@@ -362,7 +362,7 @@ async def test_a_lone_caller_runs_a_long_straight_line_in_one_call() -> None:
     """Nothing else on the loop: a straight line longer than the slice runs through in the
     call, its slices extended, none deferred to a later iteration (on uvloop, whose queues
     are not shown, the slices end and the rest is deferred)."""
-    from tests.test_straight_line import _Spin, _spin_chain
+    from tests.unit.test_straight_line import _Spin, _spin_chain
 
     kernel = _Spin(0.0004)
     async with Executor(_spin_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:

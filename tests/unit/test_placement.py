@@ -11,7 +11,7 @@ import asyncgraph
 from asyncgraph import ExecutorConfig, Placement
 from asyncgraph.runtime.placement import AdaptivePlacement
 
-pytestmark = pytest.mark.usefixtures("leak_check")
+pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.serial]
 
 
 class Mixed(torch.nn.Module):
