@@ -65,6 +65,8 @@ def uncompilable_reason(node: Node, graph: Graph) -> str | None:
 
     if not isinstance(target, torch._ops.OpOverload):
         return f"{node.target_name()} is not an aten operator"
+    if node.index in graph.effect_nodes:  # its order with them is kept by edges (effects.py)
+        return f"{target} touches state that side effects change"
     if torch.Tag.nondeterministic_seeded in target.tags and not draws_nothing(node, target):
         return f"{target} is random (compiled code would draw other numbers)"
     for vid in [node.output, *node.inputs()]:

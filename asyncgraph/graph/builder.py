@@ -12,7 +12,7 @@ For non-torch dataflow and for tests (fault-injecting graphs):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from torch.utils import _pytree as pytree
@@ -55,15 +55,22 @@ class GraphBuilder:
         *args: Any,
         name: str | None = None,
         placement: str | None = None,
+        effects: Hashable | Sequence[Hashable] | None = None,
         **kwargs: Any,
     ) -> Ref:
         """Add a node calling `fn(*args, **kwargs)`; Refs in the arguments are graph values.
 
         `placement` overrides where it runs: "inline" (on the loop), "worker" (a thread; the
         default for sync callables) or "task" (async functions always run as tasks).
+        `effects` names the state the call changes (a name, a Ref for the object a value
+        holds, or a tuple of them): nodes naming one state run in the order they were added
+        (asyncgraph/graph/effects.py), which a dataflow schedule does not keep otherwise.
         """
         if placement is not None and placement not in _PLACEMENTS:
             raise ValueError(f"placement must be one of {_PLACEMENTS}, got {placement!r}")
+        declared: tuple[Any, ...] = ()
+        if effects is not None:
+            declared = tuple(effects) if isinstance(effects, (tuple, list)) else (effects,)
         base = str(name or getattr(fn, "__name__", None) or "node")
         unique = base
         k = 1
@@ -73,7 +80,8 @@ class GraphBuilder:
         index = len(self._nodes)
         ref = self._new_value(unique, index)
         self._nodes.append(
-            Node(index, unique, fn, tuple(args), dict(kwargs), ref.id, placement_hint=placement)
+            Node(index, unique, fn, tuple(args), dict(kwargs), ref.id, placement_hint=placement,
+                 effects=declared)
         )
         return ref
 

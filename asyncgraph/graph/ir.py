@@ -89,9 +89,18 @@ class Node:
     output: int
     stack_trace: str | None = None
     placement_hint: str | None = None
+    effects: tuple[Any, ...] = ()  # declared states it touches (GraphBuilder's `effects=`)
+    after: tuple[int, ...] = ()  # set by the Graph: outputs of earlier side effects (effects.py)
 
     def inputs(self) -> list[int]:
-        """The ids of the values this node reads, each once, in first-use order."""
+        """The ids of the values this node waits for, each once: those it reads, in first-use
+        order, then `after`, the outputs of the side effects it must follow."""
+        seen = dict.fromkeys(self.data_inputs())
+        seen.update(dict.fromkeys(self.after))
+        return list(seen)
+
+    def data_inputs(self) -> list[int]:
+        """The ids of the values its arguments read, each once, in first-use order."""
         seen: dict[int, None] = {}
         for ref in iter_refs((self.args, self.kwargs)):
             seen.setdefault(ref.id, None)
@@ -192,9 +201,11 @@ class Graph:
         values: every value, indexed by its dense id.
         nodes: the nodes, in a topological order (index == position).
         signature: inputs (user inputs and weights), outputs and pytree specs.
+        effect_nodes: the nodes that touch a state some node writes (effects.py); each
+            node's `after` keeps them in graph order.
     """
 
-    __slots__ = ("_by_name", "nodes", "signature", "values")
+    __slots__ = ("_by_name", "effect_nodes", "nodes", "signature", "values")
 
     def __init__(self, values: Sequence[Value], nodes: Sequence[Node], signature: Signature):
         self.values = list(values)
@@ -233,8 +244,10 @@ class Graph:
                 [_format_arg(a, self.values) for a in node.args]
                 + [f"{k}={_format_arg(v, self.values)}" for k, v in node.kwargs.items()]
             )
+            after = ", ".join(f"%{self.values[v].name}" for v in node.after)
             lines.append(
                 f"    %{self.values[node.output].name} = {node.target_name()}({args})"
+                + (f"  # after {after}" if after else "")
             )
         outs = ", ".join(_format_arg(o.arg, self.values) for o in self.signature.outputs)
         lines.append(f"    return ({outs})")
@@ -285,6 +298,9 @@ class Graph:
             for ref in iter_refs(out.arg):
                 if not 0 <= ref.id < len(self.values):
                     raise self._fail(f"graph output reads value id {ref.id}, which does not exist")
+        from asyncgraph.graph.effects import order_effects  # effects.py imports this module
+
+        self.effect_nodes = order_effects(self.nodes)
         self._check_acyclic()
 
     def _check_acyclic(self) -> None:

@@ -49,7 +49,8 @@ def rebuild(
     live: set[int] = {s.value for s in sig.inputs} | set(constants)
     for node in nodes:
         live.add(node.output)
-        live.update(node.inputs())
+        live.update(node.data_inputs())
+        live.update(ref.id for ref in iter_refs(node.effects))
     for out in sig.outputs:
         live.update(ref.id for ref in iter_refs(out.arg))
     ids = {old: new for new, old in enumerate(sorted(live))}
@@ -62,6 +63,7 @@ def rebuild(
         dataclasses.replace(
             n, index=i, output=ids[n.output],
             args=remap(n.args, ids), kwargs=remap(n.kwargs, ids),
+            effects=remap(n.effects, ids), after=(),  # the Graph orders effects anew
         )
         for i, n in enumerate(nodes)
     ]
