@@ -5,8 +5,9 @@
 #   make test      before every commit: ruff, mypy, the suite (pytest-xdist on every core, then
 #                  the `serial` tests alone), the soaks at CI_SOAK_SCALE; the main venv only.
 #   make test-all  what CI runs (.ci/run): every leg even when one fails, then one table
-#                  (scripts/test_legs.py): lint, types, the suite, the full soaks, the suite on
-#                  torch 2.11 and on Python 3.12 (PyPI's wheels, ~5 GB of venv each).
+#                  (scripts/test_legs.py): `make demo` and `make test` in a fresh clone without
+#                  a pip cache, the full soaks, the suite on torch 2.11 and on Python 3.12
+#                  (PyPI's wheels, ~5 GB of venv each).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -30,6 +31,7 @@ TORCH_312 ?= 2.13.0
 VENV_312 ?= .venv-py312
 
 .PHONY: demo test test-all lint typecheck unit soak test-torch-min test-py312 py312-suite \
+	fresh-clone \
 	bench-nativert install clean
 
 # pytest, as every leg runs it: the skip reasons (-rs) and the 25 slowest tests. With JUNIT_DIR
@@ -74,8 +76,8 @@ demo: install
 test: lint typecheck unit
 	$(MAKE) soak SOAK_SCALE=$(CI_SOAK_SCALE)
 
-test-all: install
-	$(BIN)/python scripts/test_legs.py
+test-all:
+	$(PYTHON) scripts/test_legs.py
 
 lint: install
 	$(BIN)/ruff check asyncgraph kernels tests examples benchmarks scripts
@@ -102,6 +104,16 @@ test-py312:
 
 py312-suite:
 	$(call suite,$(VENV_312)/bin/python,py312)
+
+# The README's two commands as a newcomer runs them: a fresh clone (the committed tree plus
+# uncommitted changes to tracked files), no pip cache, `make demo`, then `make test`.
+FRESH ?= build/fresh-clone
+fresh-clone:
+	rm -rf $(FRESH)
+	git clone -q . $(FRESH)
+	git diff HEAD --binary | git -C $(FRESH) apply --allow-empty
+	cd $(FRESH) && PIP_NO_CACHE_DIR=1 $(MAKE) demo
+	cd $(FRESH) && PIP_NO_CACHE_DIR=1 $(MAKE) test
 
 # asyncgraph against nativert (torch._C._nativert.PyModelRunner, whose run() only PyPI's torch
 # 2.9-2.11 wheels have), AOTInductor and eager, in the torch 2.11 venv: benchmarks/nativert_compare.py.

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LEGS = {
-    "lint": "lint",
-    "types": "typecheck",
-    "suite": "unit",
+    "fresh clone: make demo, make test": "fresh-clone",
     "soaks (full)": "soak",
     "torch 2.11": "test-torch-min",
     "python 3.12": "test-py312",
@@ -58,7 +56,7 @@ def count(leg: Leg, folder: Path) -> None:
 
 
 def run(name: str, target: str, root: Path, make_args: list[str]) -> Leg:
-    folder = root / name.replace(" ", "-").replace("(", "").replace(")", "")
+    folder = root.resolve() / "".join(c if c.isalnum() else "-" for c in name)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     print(f"\n===== leg: {name} (make {target}) =====", flush=True)
