@@ -1,4 +1,9 @@
-"""Test matrix and fixtures: every async test runs on asyncio (debug mode) and on uvloop."""
+"""Test matrix and fixtures.
+
+Every async test runs on asyncio (debug mode) and on uvloop (pytest-asyncio's loop factories,
+`LOOP_FACTORIES`). A sync test that takes `backend` runs its async body with anyio on each of
+tests/support/backends.py's BACKENDS, asyncio (debug mode) and trio: `run(body, backend)`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 import uvloop
 
 from asyncgraph.testing import LeakChecker
+from tests.support.backends import BACKENDS
 
 torch.set_num_threads(1)
 
@@ -30,6 +36,15 @@ LOOP_FACTORIES: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
     return dict(LOOP_FACTORIES)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The anyio backend a sync test runs its body on: `run(body, backend)` (the ids
+    `[asyncio]`, `[trio]`). A test that holds for one backend only parametrizes `backend`
+    itself, which overrides this."""
+    param: str = request.param
+    return param
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

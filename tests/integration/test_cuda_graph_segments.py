@@ -22,10 +22,6 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from test_cuda_graphs import make_executor, running, stats
-from test_streams import needs_gpu
-from test_trio import BACKENDS, run, settle, until
-from test_trio_gpu import gpu_running
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.cuda import graphs as cuda_graphs
@@ -33,10 +29,20 @@ from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, ScalarSpec
 from asyncgraph.testing import LeakChecker
-from tests.support.cuda_graph_fake import CaptureBackend, CaptureGpu, with_parameters
+from tests.support.backends import run, settle, until
+from tests.support.cuda_graph_fake import (
+    CaptureBackend,
+    CaptureGpu,
+    diamond_program,
+    make_executor,
+    running,
+    stats,
+    with_parameters,
+)
+from tests.support.fake_gpu import gpu_running
+from tests.support.real_gpu import needs_gpu
 
 aten = torch.ops.aten
-backends = pytest.mark.parametrize("backend", BACKENDS)
 
 
 def host_scale(x: torch.Tensor, s: float) -> torch.Tensor:
@@ -178,7 +184,6 @@ def test_a_lone_cuda_node_a_host_scalar_and_a_denied_op_are_left_out_with_reason
 
 
 def test_no_segments_for_a_wholly_captured_program_or_without_cuda_graphs() -> None:
-    from test_cuda_graphs import diamond_program
 
     assert segments_of(diamond_program()).reason == "the whole execution is captured"
     assert segments_of(two_runs_program(), cuda_graphs=False).reason == "cuda_graphs=False"
@@ -192,7 +197,6 @@ def test_no_segments_for_a_wholly_captured_program_or_without_cuda_graphs() -> N
 # =============================================================================================
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_both_runs_around_a_host_read_are_captured_and_equal_the_uncaptured_path(
     backend: str,
@@ -239,7 +243,6 @@ def test_both_runs_around_a_host_read_are_captured_and_equal_the_uncaptured_path
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_held_outputs_and_outputs_read_by_host_nodes_survive_later_replays(backend: str) -> None:
     async def body() -> None:
@@ -275,7 +278,6 @@ def test_without_the_clone_a_later_replay_overwrites_a_held_output(
     run(body, "asyncio")
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_swap_weights_recaptures_every_segment(backend: str) -> None:
     async def body() -> None:
@@ -297,7 +299,6 @@ def test_swap_weights_recaptures_every_segment(backend: str) -> None:
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_segment_whose_capture_fails_runs_uncaptured_and_the_other_is_replayed(
     backend: str, caplog: pytest.LogCaptureFixture
@@ -323,7 +324,6 @@ def test_a_segment_whose_capture_fails_runs_uncaptured_and_the_other_is_replayed
     assert len([r for r in caplog.records if "capture of segment 1 failed" in r.getMessage()]) == 1
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_cancellation_during_the_host_wait_between_two_replayed_segments(backend: str) -> None:
     """The first segment's replay is enqueued, the GPU paused: the host read waits for it.
@@ -384,7 +384,6 @@ def test_cancellation_during_the_host_wait_between_two_replayed_segments(backend
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_an_error_in_a_segment_node_fails_the_execution_naming_the_node(
@@ -434,7 +433,6 @@ def fork_then_nonzero_graph() -> Graph:
     return b.build()
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_cuda_node_after_a_segment_on_a_side_stream_runs_after_the_replay(
     backend: str, monkeypatch: pytest.MonkeyPatch
@@ -472,7 +470,6 @@ def test_a_cuda_node_after_a_segment_on_a_side_stream_runs_after_the_replay(
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_profile_lists_the_segments_and_the_nodes_left_out(backend: str) -> None:
     from rich.console import Console

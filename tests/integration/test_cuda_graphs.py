@@ -17,16 +17,13 @@ import contextlib
 import dataclasses
 import logging
 import types
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
 import torch
-from test_streams import CUDA, RecordingCuda, needs_gpu
-from test_trio import BACKENDS, run, settle, until
-from test_trio_gpu import gpu_running
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.cuda import graphs as cuda_graphs
@@ -35,69 +32,30 @@ from asyncgraph.cuda.graphs import CapturePlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, OutputKind, OutputSpec, Signature, TensorSpec
 from asyncgraph.testing import LeakChecker
+from tests.support.backends import run, settle, until
 from tests.support.cuda_graph_fake import (
     CaptureBackend,
     CaptureEvent,
     CaptureGpu,
-    FakeCudaOps,
+    diamond_graph,
+    diamond_program,
     fake_kernel,
-    with_parameters,
+    make_executor,
+    running,
+    stats,
 )
+from tests.support.fake_gpu import RecordingCuda, gpu_running
+from tests.support.real_gpu import CUDA, needs_gpu
 
 aten = torch.ops.aten
-backends = pytest.mark.parametrize("backend", BACKENDS)
 
 
 # -- programs -------------------------------------------------------------------------------------
 
 
-def diamond_graph() -> Graph:
-    """x * w, then relu and sigmoid on two streams, joined: a fork and a join in the capture."""
-    b = GraphBuilder()
-    x, w = b.input("x"), b.input("w")
-    scaled = b.call(aten.mul.Tensor, x, w, name="gpu_scale")
-    left = b.call(aten.relu.default, scaled, name="gpu_left")
-    right = b.call(aten.sigmoid.default, scaled, name="gpu_right")
-    b.output(b.call(aten.add.Tensor, left, right, name="gpu_join"))
-    return b.build()
-
-
-def diamond_program(w: torch.Tensor | None = None) -> Program:
-    return with_parameters(diamond_graph(), {"w": torch.full((4,), 2.0) if w is None else w})
-
-
 def expected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     scaled = x * w
     return torch.relu(scaled) + torch.sigmoid(scaled)
-
-
-def make_executor(
-    program: Program | Graph, gpu: CaptureGpu, backend: CaptureBackend | None = None,
-    **config: Any,
-) -> Executor:
-    return Executor(
-        program,
-        ExecutorConfig(**{"adaptive_placement": False, **config}),
-        kernel_factory=FakeCudaOps(gpu),
-        _cuda_backend=backend or CaptureBackend(gpu),
-    )
-
-
-@contextlib.asynccontextmanager
-async def running(ex: Executor, gpu: CaptureGpu) -> AsyncIterator[Executor]:
-    """The GPU running for the block; the Executor closed with the GPU running."""
-    try:
-        async with gpu_running(gpu):
-            yield ex
-    finally:
-        async with gpu_running(gpu):
-            await ex.aclose()
-
-
-def stats(ex: Executor) -> cuda_graphs.CudaGraphStatistics:
-    s = ex.cuda_graph_statistics()
-    assert s is not None
-    return s
 
 
 def inputs(k: int, n: int = 4) -> torch.Tensor:
@@ -224,7 +182,6 @@ def test_cuda_graph_warmup_must_not_be_negative() -> None:
 # =============================================================================================
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_warm_up_then_capture_then_replays_equal_the_uncaptured_path(backend: str) -> None:
     async def body() -> None:
@@ -277,7 +234,6 @@ def test_an_input_that_requires_grad_leaves_the_static_buffers_out_of_autograd()
     run(body, "asyncio")
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_each_input_signature_warms_up_and_captures_on_its_own(backend: str) -> None:
     async def body() -> None:
@@ -295,7 +251,6 @@ def test_each_input_signature_warms_up_and_captures_on_its_own(backend: str) -> 
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_size_read_by_a_meta_node_is_a_static_output_of_its_signature(backend: str) -> None:
     """A META node (sym_size) runs on the host during the capture; its int is the capture's
@@ -338,7 +293,6 @@ def test_executions_profiled_by_adaptive_placement_count_as_warm_up() -> None:
     run(body, "asyncio")
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_held_output_is_not_overwritten_by_later_replays(backend: str) -> None:
     async def body() -> None:
@@ -374,7 +328,6 @@ def test_without_the_clone_a_later_replay_overwrites_a_held_output(
     run(body, "asyncio")
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_concurrent_executions_on_different_frames_each_capture_their_own(backend: str) -> None:
     async def body() -> None:
@@ -411,7 +364,6 @@ def test_concurrent_executions_on_different_frames_each_capture_their_own(backen
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_swap_weights_recaptures_and_results_use_the_new_weights(backend: str) -> None:
     async def body() -> None:
@@ -441,7 +393,6 @@ def syncing_graph() -> Graph:
     return b.build()
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_capture_that_fails_falls_back_with_the_reason(
     backend: str, caplog: pytest.LogCaptureFixture
@@ -470,7 +421,6 @@ def test_a_capture_that_fails_falls_back_with_the_reason(
     assert len(warnings) == 1
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_cancellation_during_a_replay_returns_the_frame_only_after_the_gpu(backend: str) -> None:
     async def body() -> None:
@@ -519,7 +469,6 @@ def test_cancellation_during_a_replay_returns_the_frame_only_after_the_gpu(backe
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_the_least_recently_used_signature_is_evicted_past_the_cap(backend: str) -> None:
     async def body() -> None:
@@ -617,7 +566,6 @@ class StreamRecordingBackend(CaptureBackend):
             self.recorded_on.append({s.name for s in capture.last_work} | {handle.name})
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_capture_records_only_on_capture_streams_no_stream_set_uses(backend: str) -> None:
     """Capture records every launch on its streams, from any thread; the stream sets come
@@ -773,7 +721,6 @@ def test_real_gpu_tests_skip_without_cuda_with_a_reason() -> None:
 # -- asyncgraph profile -------------------------------------------------------------------------
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_profile_says_whether_the_program_is_captured_and_why_not(backend: str) -> None:
     import io

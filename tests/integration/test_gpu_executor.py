@@ -1,6 +1,6 @@
 """The Executor with CUDA nodes: end to end on a simulated GPU, and on a real one.
 
-On the simulated GPU (the fake in-order streams and events of test_streams.py), the graphs are
+On the simulated GPU (the fake in-order streams and events of support/fake_gpu.py), the graphs are
 GraphBuilder graphs whose `gpu*` nodes a KernelFactory marks as CUDA kernels, so the real
 placement (STREAM), StreamPlan, CudaRuntime, schedules and scheduler run them. A CUDA node's
 callable enqueues a fake kernel on the current stream that needs the kernels which wrote its
@@ -18,31 +18,40 @@ import asyncio
 import contextlib
 import itertools
 import textwrap
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 import torch
-from test_streams import (
-    CUDA,
-    FakeBackend,
-    FakeEvent,
-    FakeGpu,
-    FakeStream,
-    assert_sanitizer_clean,
-    needs_gpu,
-)
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder, InputValidationError
 from asyncgraph.cuda.device import FrameStreams, move_inputs_to_device
-from asyncgraph.graph.ir import Graph, Node, Ref, TensorSpec
-from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
+from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.runtime.frame import HOST_WAIT
 from asyncgraph.runtime.plan import Placement
 from asyncgraph.testing import LeakChecker
+from tests.support.fake_gpu import (
+    CudaNodes,
+    FakeBackend,
+    FakeEvent,
+    FaultyBackend,
+    Sim,
+    ThreadGpu,
+)
+from tests.support.gpu_graphs import (
+    add,
+    add_one,
+    chain,
+    diamond,
+    double,
+    host_reader_graph,
+    index,
+    reference,
+    wide,
+)
 from tests.support.loop_turns import LoopTurns
+from tests.support.real_gpu import CUDA, TwoBranches, assert_sanitizer_clean, needs_gpu
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -81,32 +90,6 @@ def test_the_cuda_memory_reading_leaves_out_torchs_own_caches(
 # =============================================================================================
 
 
-class ThreadGpu(FakeGpu):
-    """The fake GPU with a current stream per thread, as torch.cuda's: CUDA units may be
-    enqueued from worker threads while the loop enqueues others."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self._local = threading.local()
-        super().__init__(seed, devices=1)
-
-    @property  # type: ignore[override]
-    def current(self) -> FakeStream | None:
-        stream: FakeStream | None = getattr(self._local, "stream", None)
-        return stream
-
-    @current.setter
-    def current(self, stream: FakeStream | None) -> None:
-        self._local.stream = stream
-
-    def drain(self) -> None:
-        while self.step():
-            pass
-
-    def pending_kernels(self) -> set[Any]:
-        """Kernels of CUDA nodes enqueued and not yet run."""
-        return {k for k in self.launched if k[0] == "k"} - self.done_kernels
-
-
 class EagerEvent(FakeEvent):
     """An event of a GPU that is always idle by the time the host asks: `query` first runs
     everything enqueued."""
@@ -120,113 +103,6 @@ class EagerEvent(FakeEvent):
 class EagerBackend(FakeBackend):
     def new_event(self) -> EagerEvent:
         return EagerEvent(self.gpu)
-
-
-class FaultyEvent(FakeEvent):
-    """An event whose query reports a CUDA error once the GPU has faulted, as cudaEventQuery
-    reports an earlier kernel's illegal memory access."""
-
-    def query(self) -> bool:
-        if getattr(self.gpu, "fault", False):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return super().query()
-
-
-class FaultyBackend(FakeBackend):
-    def new_event(self) -> FaultyEvent:
-        return FaultyEvent(self.gpu)
-
-
-class FakeCudaTensor:
-    """A value on the simulated GPU: `data` (computed at once) and the kernel writing it."""
-
-    __slots__ = ("data", "writer")
-
-    def __init__(self, data: Any, writer: Any) -> None:
-        self.data = data
-        self.writer = writer
-
-    def __repr__(self) -> str:
-        return f"FakeCudaTensor({self.data!r}, writer={self.writer!r})"
-
-
-def unwrap(value: Any) -> Any:
-    return value.data if isinstance(value, FakeCudaTensor) else value
-
-
-class Sim:
-    """Makes node callables for the simulated GPU and records where host nodes ran."""
-
-    def __init__(self, gpu: ThreadGpu) -> None:
-        self.gpu = gpu
-        self.ids = itertools.count()
-        self.host_threads: dict[str, str] = {}
-
-    def kernel(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """A CUDA node: enqueue a kernel that needs the writers of its inputs."""
-
-        def enqueue(*args: Any) -> FakeCudaTensor:
-            assert self.gpu.current is not None, "a CUDA node ran outside its stream"
-            needs = {a.writer for a in args if isinstance(a, FakeCudaTensor)}
-            name = ("k", fn.__name__, next(self.ids))
-            self.gpu.launch(name, needs)
-            return FakeCudaTensor(fn(*map(unwrap, args)), name)
-
-        enqueue.raw = fn  # type: ignore[attr-defined]
-        return enqueue
-
-    def host(self, fn: Callable[..., Any], makes_gpu_tensor: bool = False) -> Callable[..., Any]:
-        """A CPU node: reads GPU values (they must have been written by then); with
-        `makes_gpu_tensor` it returns a GPU tensor made on its thread's current stream."""
-
-        def run(*args: Any) -> Any:
-            self._check_reads(fn.__name__, args)
-            out = fn(*map(unwrap, args))
-            if makes_gpu_tensor:
-                name = ("h", fn.__name__, next(self.ids))
-                self.gpu.launch(name, set())  # no stream set: the default stream
-                return FakeCudaTensor(out, name)
-            return out
-
-        run.raw = fn  # type: ignore[attr-defined]
-        return run
-
-    def host_async(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """An async CPU node (a task on the loop) reading GPU values."""
-
-        async def run(*args: Any) -> Any:
-            await asyncio.sleep(0)
-            self._check_reads(fn.__name__, args)
-            return fn(*map(unwrap, args))
-
-        run.raw = fn  # type: ignore[attr-defined]
-        return run
-
-    def _check_reads(self, name: str, args: tuple[Any, ...]) -> None:
-        self.host_threads[name] = threading.current_thread().name
-        for a in args:
-            written = not isinstance(a, FakeCudaTensor) or a.writer[0] != "k" or (
-                a.writer in self.gpu.done_kernels
-            )
-            if not written:
-                self.gpu.errors.append(f"host node {name} read {a.writer} before it ran")
-
-    def upload(self, data: Any) -> FakeCudaTensor:
-        """A caller's input, still being written on the caller's (default) stream."""
-        name = ("in", next(self.ids))
-        self.gpu.launch(name, set(), self.gpu.default[0])
-        return FakeCudaTensor(data, name)
-
-
-class CudaNodes(KernelFactory):
-    """Builder graphs' kernels, with every node named `gpu*` a CUDA kernel, as an aten op on
-    a CUDA tensor is (so its placement is STREAM)."""
-
-    def kernel_for(self, node: Node, graph: Graph) -> OpKernel | None:
-        kernel = super().kernel_for(node, graph)
-        if kernel is not None and node.name.startswith("gpu"):
-            return OpKernel(kernel.fn, KernelKind.CUDA, kernel.name, cost=1000)
-        return kernel
 
 
 @contextlib.asynccontextmanager
@@ -260,71 +136,11 @@ async def gpu_executor(
             await ex.aclose()
 
 
-def reference(graph: Graph, *inputs: Any) -> list[Any]:
-    """The graph's flat outputs computed directly from the node functions' host halves."""
-    env: dict[int, Any] = {}
-    for spec, value in zip(graph.signature.inputs, inputs, strict=True):
-        env[spec.value] = value
-    for node in graph.nodes:
-        args = [env[a.id] if isinstance(a, Ref) else a for a in node.args]
-        env[node.output] = node.target.raw(*args)
-    return [env[o.arg.id] for o in graph.signature.outputs]
-
-
-def index(graph: Graph, name: str) -> int:
-    return graph.node(name).index
-
-
-def add(*xs: int) -> int:
-    return sum(xs)
-
-
-def double(x: int) -> int:
-    return 2 * x
-
-
-def add_one(x: int) -> int:
-    return x + 1
-
-
-def times_ten(x: int) -> int:
-    return 10 * x
-
-
 def fail(x: int) -> int:
     raise ValueError("bad kernel")
 
 
 # -- graphs ------------------------------------------------------------------------------------
-
-
-def diamond(sim: Sim) -> Graph:
-    b = GraphBuilder()
-    x = b.input("x")
-    src = b.call(sim.kernel(add_one), x, name="gpu_src")
-    left = b.call(sim.kernel(double), src, name="gpu_left")
-    right = b.call(sim.kernel(add_one), src, name="gpu_right")
-    b.output(b.call(sim.kernel(add), left, right, name="gpu_join"))
-    return b.build()
-
-
-def wide(sim: Sim, width: int = 6, depth: int = 3) -> Graph:
-    """`width` chains of CUDA nodes joined by one; a CPU node reads a chain's GPU value (a
-    host wait) and a worker node turns its result back into a GPU tensor that a CUDA node
-    reads (a fence on the host's streams)."""
-    b = GraphBuilder()
-    x = b.input("x")
-    tails = []
-    for k in range(width):
-        v = x
-        for d in range(depth):
-            v = b.call(sim.kernel(add), v, k + d, name=f"gpu_b{k}_{d}")
-        tails.append(v)
-    read = b.call(sim.host(times_ten), tails[0], name="host_read", placement="inline")
-    made = b.call(sim.host(add_one, True), read, name="host_make", placement="worker")
-    mixed = b.call(sim.kernel(add), made, tails[1], name="gpu_mix")
-    b.output((b.call(sim.kernel(add), *tails, mixed, name="gpu_total"), read))
-    return b.build()
 
 
 # =============================================================================================
@@ -527,18 +343,6 @@ async def test_an_error_inside_a_fused_cuda_run_names_its_node_and_restores_the_
 # =============================================================================================
 
 
-def host_reader_graph(sim: Sim, placement: str) -> Graph:
-    b = GraphBuilder()
-    x = b.input("x")
-    g = b.call(sim.kernel(double), x, name="gpu_double")
-    if placement == "task":
-        h = b.call(sim.host_async(add_one), g, name="host_add")
-    else:
-        h = b.call(sim.host(add_one), g, name="host_add", placement=placement)
-    b.output(h)
-    return b.build()
-
-
 @pytest.mark.parametrize("placement", ["inline", "worker", "task"])
 async def test_a_cpu_node_awaits_its_gpu_input_without_blocking_the_loop(placement: str) -> None:
     gpu = ThreadGpu()
@@ -635,15 +439,6 @@ async def test_concurrent_executions_each_get_a_stream_set_of_their_own() -> Non
     assert all(not (a & b) for a, b in itertools.combinations(streams, 2))
     assert pool.in_use == 0
     assert gpu.errors == []
-
-
-def chain(sim: Sim, length: int = 4) -> Graph:
-    b = GraphBuilder()
-    v = b.input("x")
-    for i in range(length):
-        v = b.call(sim.kernel(add_one), v, name=f"gpu_{i}")
-    b.output(v)
-    return b.build()
 
 
 async def test_cancellation_waits_for_the_gpu_before_the_frame_is_reused(
@@ -846,23 +641,11 @@ def test_move_inputs_to_device_blocks_only_for_copies_to_the_cpu(
 # =============================================================================================
 
 
-class Branches(torch.nn.Module):
-    """Two independent branches of small matmuls, summed."""
-
-    def __init__(self, dim: int = 64, depth: int = 3) -> None:
-        super().__init__()
-        self.left = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(depth)])
-        self.right = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(depth)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.left(x)) + torch.sigmoid(self.right(x))
-
-
 @needs_gpu
 @pytest.mark.parametrize("streams", [1, 4])
 async def test_gpu_exported_model_matches_eager(streams: int) -> None:
     torch.manual_seed(0)
-    model = Branches().cuda().eval()
+    model = TwoBranches().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
     config = ExecutorConfig(cuda_streams=streams, max_concurrent_executions=4)
     async with Executor(ep, config) as ex:
@@ -931,7 +714,7 @@ async def test_gpu_cancellation_returns_only_after_the_kernels() -> None:
 _SANITIZER_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys, torch
-    sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {root!r})
     from asyncgraph import Executor, ExecutorConfig
 
     async def main():
@@ -951,7 +734,7 @@ _SANITIZER_SCRIPT = textwrap.dedent(
 @needs_gpu
 @pytest.mark.timeout(600)
 def test_gpu_executor_under_the_cuda_sanitizer() -> None:
-    assert_sanitizer_clean(_SANITIZER_SCRIPT, "test_gpu_executor", (16, 64))
+    assert_sanitizer_clean(_SANITIZER_SCRIPT, "TwoBranches", (16, 64))
 
 
 @pytest.mark.timeout(300)

@@ -1,16 +1,15 @@
-"""GPU streams (CUDA execution): the pure stream plan, the cuda layer on a simulated GPU, real GPUs.
+"""GPU streams (CUDA execution): the cuda layer on a simulated GPU, and on real GPUs.
 
-Three parts:
+Two parts (the pure stream plan it runs is tested in tests/unit/test_stream_plan.py):
 
-1. `plan_streams` on hand-written graphs: chains, forks, diamonds, wide graphs, mixed CPU/GPU,
-   aliases and metadata, outputs, several devices, and the transitive reduction of waits.
-2. The cuda layer (`asyncgraph.cuda.device`) driven with fake streams and events over a simulated
-   GPU that runs each stream in order, honours `wait_event`, and interleaves streams at random.
-   A hypothesis test runs random graphs, concurrently and with several executions at once, and
-   checks every kernel starts after the kernels whose values it reads, every host read comes
-   after the GPU wrote the value, record_stream is issued for every cross-stream tensor, and
-   `finish` returns only when all of an execution's GPU work is done.
-3. Real-GPU tests, skipped without CUDA: results equal eager on 1 and several streams,
+1. The cuda layer (`asyncgraph.cuda.device`) driven with fake streams and events over a simulated
+   GPU (support/fake_gpu.py) that runs each stream in order, honours `wait_event`, and
+   interleaves streams at random. A hypothesis test runs random graphs, concurrently and with
+   several executions at once, and checks every kernel starts after the kernels whose values it
+   reads, every host read comes after the GPU wrote the value, record_stream is issued for
+   every cross-stream tensor, and `finish` returns only when all of an execution's GPU work is
+   done.
+2. Real-GPU tests, skipped without CUDA: results equal eager on 1 and several streams,
    branches overlap, the loop stays responsive, mixed CPU/GPU graphs, cancellation, and a
    TORCH_CUDA_SANITIZER run.
 
@@ -21,15 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import textwrap
 import threading
 import types
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,7 +33,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncgraph.cuda.device import (
-    CudaFunctions,
     CudaRuntime,
     FrameStreams,
     PollPolicy,
@@ -49,477 +42,32 @@ from asyncgraph.cuda.device import (
     run_in_order,
     wait_events,
 )
-from asyncgraph.cuda.streams import Role, StreamPlan, node_role, plan_streams, stream_plan_for
+from asyncgraph.cuda.streams import Role, StreamPlan, plan_streams, stream_plan_for
 from asyncgraph.graph.builder import GraphBuilder
-from asyncgraph.graph.ir import ScalarSpec, TensorSpec
+from asyncgraph.graph.ir import TensorSpec
 from asyncgraph.kernels import KernelFactory
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
+from tests.support.fake_gpu import FakeBackend, FakeEvent, FakeGpu, FakeStream, RecordingCuda
 from tests.support.loop_turns import LoopTurns
+from tests.support.real_gpu import (
+    CUDA,
+    Branches,
+    assert_sanitizer_clean,
+    export_in_subprocess,
+    gpu_program,
+    needs_gpu,
+    run_gpu,
+)
 
 C, A, M, S, H = Role.CUDA, Role.ALIAS, Role.META, Role.SCALAR, Role.HOST
 
-CUDA = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available())")
-
-
-def chain_producers(n: int) -> list[list[int]]:
-    return [[]] + [[i - 1] for i in range(1, n)]
-
-
-# =============================================================================================
-# 1. The pure plan
-# =============================================================================================
-
-
-def test_chain_stays_on_one_stream_without_events() -> None:
-    plan = plan_streams(chain_producers(6), [C] * 6, 4, outputs=[5])
-    assert plan.stream == (0,) * 6
-    assert plan.waits == ((),) * 6
-    assert plan.record_stream == ((),) * 6
-    assert plan.output_waits == (5,)
-    assert plan.records_event == (False,) * 5 + (True,)
-    assert plan.streams_used == ((0, 0),)
-
-
-def test_fork_puts_the_second_branch_on_a_new_stream() -> None:
-    # 0 -> 1, 0 -> 2
-    plan = plan_streams([[], [0], [0]], [C, C, C], 2)
-    assert plan.stream == (0, 0, 1)
-    assert plan.waits == ((), (), (0,))
-    assert plan.record_stream == ((), (), (0,))
-    assert plan.records_event == (True, False, False)
-
-
-def test_diamond_joins_with_one_cross_stream_wait() -> None:
-    # 0 -> 1 -> 3, 0 -> 2 -> 3
-    plan = plan_streams([[], [0], [0], [1, 2]], [C] * 4, 2, outputs=[3])
-    assert plan.stream == (0, 0, 1, 1)  # the join continues the latest producer's stream
-    assert plan.waits == ((), (), (0,), (1,))
-    assert plan.record_stream == ((), (), (0,), (1,))
-    assert plan.records_event == (True, True, False, True)
-    assert plan.output_waits == (3,)
-
-
-def test_diamond_on_one_stream_needs_no_event_between_nodes() -> None:
-    plan = plan_streams([[], [0], [0], [1, 2]], [C] * 4, 1, outputs=[3])
-    assert plan.stream == (0, 0, 0, 0)
-    assert plan.waits == ((),) * 4
-    assert plan.record_stream == ((),) * 4
-    assert plan.records_event == (False, False, False, True)
-
-
-def test_wide_graph_listed_branch_by_branch_spreads_branches() -> None:
-    # 8 independent chains of 3 reading a graph input, then a join of the 8 tails.
-    producers: list[list[int]] = []
-    for _ in range(8):
-        start = len(producers)
-        producers += [[], [start], [start + 1]]
-    tails = [3 * b + 2 for b in range(8)]
-    producers.append(tails)
-    plan = plan_streams(producers, [C] * 25, 4, outputs=[24])
-    for b in range(8):
-        assert {plan.stream[3 * b + k] for k in range(3)} == {b % 4}
-    assert all(plan.waits[i] == () for i in range(24))
-    assert plan.stream[24] == 3  # continues branch 7
-    # tails on other streams are waited on; branch 3's tail shares the join's stream
-    assert plan.waits[24] == tuple(t for b, t in enumerate(tails) if b % 4 != 3)
-    assert len(plan.streams_used) == 4
-
-
-def test_wide_graph_listed_layer_by_layer_spreads_branches() -> None:
-    width, depth = 6, 3
-    producers: list[list[int]] = [[] for _ in range(width)]
-    for layer in range(1, depth):
-        producers += [[(layer - 1) * width + b] for b in range(width)]
-    plan = plan_streams(producers, [C] * (width * depth), 3)
-    for b in range(width):
-        assert {plan.stream[layer * width + b] for layer in range(depth)} == {b % 3}
-    assert plan.waits == ((),) * (width * depth)
-
-
-def test_costs_balance_branches() -> None:
-    # four independent roots; the first is as heavy as all the others together
-    plan = plan_streams([[], [], [], []], [C] * 4, 2, costs=[100, 1, 1, 1])
-    assert plan.stream == (0, 1, 1, 1)
-
-
-def test_waits_implied_by_another_wait_are_dropped() -> None:
-    # 0(s0) -> 1(s0); 0 -> 2(s1); 3 = f(1, 2) on s1 waits on 1; 4 = g(0, 3) continues 3's
-    # stream: 0 is ordered before 3, so 4 needs no wait on 0 (but still record_stream).
-    plan = plan_streams([[], [0], [0], [1, 2], [0, 3]], [C] * 5, 2)
-    assert plan.stream == (0, 0, 1, 1, 1)
-    assert plan.waits[3] == (1,)
-    assert plan.waits[4] == ()
-    assert plan.record_stream[4] == (0,)
-
-
-def test_host_waits_only_for_the_latest_of_ordered_producers() -> None:
-    # a host node reading 0 and 3, where 0 is ordered before 3, awaits 3 alone
-    plan = plan_streams([[], [0], [0], [1, 2], [0, 3]], [C, C, C, C, H], 2)
-    assert plan.host_waits[4] == (3,)
-    assert plan.records_event[3]
-
-
-def test_mixed_cpu_gpu_host_node_waits_and_fences_its_gpu_readers() -> None:
-    # 0 cuda -> 1 host -> 2 cuda
-    plan = plan_streams([[], [0], [1]], [C, H, C], 2, outputs=[2])
-    assert plan.host_waits == ((), (0,), ())
-    assert plan.records_event[0]
-    assert plan.fence == (False, False, True)
-    assert plan.waits[2] == ()  # a host value carries no GPU event; the fence orders it
-
-
-def test_host_node_without_gpu_inputs_waits_for_nothing() -> None:
-    plan = plan_streams([[], [0], [1]], [H, H, C], 2)
-    assert plan.host_waits == ((), (), ())
-    assert plan.fence == (False, False, True)
-    assert plan.records_event == (False, False, False)
-
-
-def test_host_wait_upstream_makes_a_gpu_wait_unnecessary() -> None:
-    # 0 c; 1 c(0) continues s0; 2 scalar(0) waits 0 on the host; 3 c(0, 2) on s1: no wait
-    plan = plan_streams([[], [0], [0], [0, 2]], [C, C, S, C], 2)
-    assert plan.stream == (0, 0, None, 1)
-    assert plan.host_waits[2] == (0,)
-    assert plan.waits[3] == ()
-    assert plan.record_stream[3] == (0,)  # memory safety does not depend on the host wait
-    assert plan.fence[3] is False  # a SCALAR result is a host value, never a GPU tensor
-
-
-def test_metadata_reads_never_wait() -> None:
-    # 0 c -> 1 sym_size (meta) -> 2 mul (scalar) -> 3 view(0, 2) (cuda)
-    plan = plan_streams([[], [0], [1], [0, 2]], [C, M, S, C], 2, outputs=[3])
-    assert plan.host_waits == ((),) * 4
-    assert plan.waits == ((),) * 4
-    assert plan.stream[3] == plan.stream[0]
-    assert plan.records_event == (False, False, False, True)
-
-
-def test_aliases_pass_gpu_values_through() -> None:
-    # 0 c (tuple) -> 1 getitem, 2 getitem; 3 c(1), 4 c(2), 5 host(1), output 2
-    plan = plan_streams([[], [0], [0], [1], [2], [1]], [C, A, A, C, C, H], 2, outputs=[2])
-    assert plan.stream[3] == 0 and plan.stream[4] == 1
-    assert plan.waits[4] == (0,)
-    assert plan.record_stream[4] == (2,)  # the getitem's value: a view of 0's memory
-    assert plan.host_waits[5] == (0,)
-    assert plan.output_waits == (0,)
-
-
-def test_alias_of_a_host_value_fences() -> None:
-    plan = plan_streams([[], [0], [1]], [H, A, C], 2)
-    assert plan.fence[2] is True
-
-
-def test_outputs_are_reduced_to_the_latest_ordered_nodes() -> None:
-    plan = plan_streams([[], [0], [0], [1, 2]], [C] * 4, 2, outputs=[0, 1, 3])
-    assert plan.output_waits == (3,)
-    plan = plan_streams([[], [0], [0]], [C] * 3, 2, outputs=[1, 2])
-    assert plan.output_waits == (1, 2)
-    plan = plan_streams([[], [0]], [C, H], 2, outputs=[1])
-    assert plan.output_waits == ()  # a host value needs no GPU wait
-
-
-def test_several_devices_get_their_own_streams_and_cross_device_waits() -> None:
-    # 0 on cuda:0 -> 1 copy on cuda:1 -> 2 on cuda:1; 3 on cuda:0 reads 0
-    plan = plan_streams(
-        [[], [0], [1], [0]], [C] * 4, 2, devices={0: 0, 1: 1, 2: 1, 3: 0}
-    )
-    assert plan.device == (0, 1, 1, 0)
-    assert plan.stream == (0, 0, 0, 0)
-    assert plan.waits == ((), (0,), (), ())
-    assert plan.record_stream[1] == (0,)
-    assert plan.streams_used == ((0, 0), (1, 0))
-    assert plan.devices == (0, 1)
-
-
-def test_one_stream_random_graphs_never_wait_between_cuda_nodes() -> None:
-    rng = random.Random(7)
-    for _ in range(50):
-        n = rng.randint(1, 20)
-        producers = [rng.sample(range(i), k=min(i, rng.randint(0, 3))) for i in range(n)]
-        roles = [rng.choice([C, C, C, A, H]) for _ in range(n)]
-        plan = plan_streams(producers, roles, 1)
-        assert all(not w for w in plan.waits)
-        assert all(not r for r in plan.record_stream)
-        assert all(s in (None, 0) for s in plan.stream)
-
-
-def test_plans_are_deterministic_and_frozen() -> None:
-    args = ([[], [0], [0], [1, 2]], [C] * 4, 3)
-    first = plan_streams(*args, outputs=[3])
-    assert first == plan_streams(*args, outputs=[3])
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        first.stream = ()  # type: ignore[misc]
-
-
-def test_describe_names_streams_waits_and_host_waits() -> None:
-    plan = plan_streams([[], [0], [0], [1, 2], [3]], [C, C, C, C, H], 2, outputs=[4])
-    text = plan.describe()
-    assert "2: cuda:0 stream 1 waits=[0]" in text
-    assert "4: host host waits [3]" in text
-
-
-@pytest.mark.parametrize(
-    ("producers", "roles", "streams", "message"),
-    [
-        ([[], [1]], [C, C], 2, "topological"),
-        ([[], [5]], [C, C], 2, "topological"),
-        ([[]], [C, C], 2, "producer lists"),
-        ([[]], [C], 0, "streams_per_device"),
-    ],
-)
-def test_invalid_input_is_rejected(
-    producers: list[list[int]], roles: list[Role], streams: int, message: str
-) -> None:
-    with pytest.raises(ValueError, match=message):
-        plan_streams(producers, roles, streams)
-
-
-def test_invalid_device_costs_and_outputs_are_rejected() -> None:
-    with pytest.raises(ValueError, match="device index"):
-        plan_streams([[]], [C], 1, devices={0: -1})
-    with pytest.raises(ValueError, match="costs"):
-        plan_streams([[]], [C], 1, costs=[1.0, 2.0])
-    with pytest.raises(ValueError, match="output node"):
-        plan_streams([[]], [C], 1, outputs=[3])
-
-
-# -- from a Graph and its ExecutionPlan ---------------------------------------------------------
-
-
-def _double(x: Any) -> Any:
-    return x * 2
-
-
-def _pair(x: Any) -> Any:
-    return (x + 1, x - 1)
-
-
-def _combine(a: Any, b: Any) -> Any:
-    return a + b
-
-
-def _graph_with_stream_nodes(streams: Sequence[str]) -> tuple[Any, ExecutionPlan]:
-    """A builder graph whose `streams` nodes are marked STREAM, as CUDA nodes would be."""
-    import operator
-
-    b = GraphBuilder()
-    x = b.input("x")
-    p = b.call(_pair, x, name="pair")
-    first = b.call(operator.getitem, p, 0, name="first")
-    second = b.call(operator.getitem, p, 1, name="second")
-    left = b.call(_double, first, name="left")
-    right = b.call(_double, second, name="right")
-    host = b.call(_double, right, name="host")
-    out = b.call(_combine, left, host, name="out")
-    b.output(out)
-    graph = b.build()
-    plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
-    placement = tuple(
-        Placement.STREAM if n.name in streams else plan.placement[n.index] for n in graph.nodes
-    )
-    return graph, dataclasses.replace(plan, placement=placement)
-
-
-def test_stream_plan_for_takes_roles_from_placement_and_targets() -> None:
-    graph, plan = _graph_with_stream_nodes(["pair", "left", "right", "out"])
-    sp = stream_plan_for(graph, plan, 2, default_device=1)
-    idx = {n.name: n.index for n in graph.nodes}
-    assert [sp.roles[idx[k]] for k in ("pair", "first", "left", "host", "out")] == [
-        C, A, C, H, C,
-    ]
-    assert {sp.device[idx[k]] for k in ("pair", "left", "right", "out")} == {1}
-    assert sp.stream[idx["left"]] == sp.stream[idx["pair"]]
-    assert sp.stream[idx["right"]] != sp.stream[idx["pair"]]
-    assert sp.host_waits[idx["host"]] == (idx["right"],)
-    assert sp.fence[idx["out"]]
-    assert sp.output_waits == (idx["out"],)
-
-
-def test_stream_plan_for_without_stream_nodes_is_empty() -> None:
-    graph, plan = _graph_with_stream_nodes([])
-    sp = stream_plan_for(graph, plan, 4)
-    assert not sp.has_cuda
-    assert sp.streams_used == ()
-    assert all(not w for w in sp.host_waits)
-
-
-def test_node_role_of_aten_prim_ops() -> None:
-    b = GraphBuilder()
-    x = b.input("x")
-    size = b.call(torch.ops.aten.sym_size.int, x, 0, name="size")
-    item = b.call(torch.ops.aten._local_scalar_dense.default, x, name="item")
-    scal = b.call(torch.ops.aten.scalar_tensor.default, 1.0, name="scal")
-    n = b.call(len, x, name="n")
-    b.output((size, item, scal, n))
-    graph = b.build()
-    graph.values[graph.node("item").output].spec = ScalarSpec(float, None, fixed=False)
-    plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
-    roles = {node.name: node_role(graph, plan, node.index) for node in graph.nodes}
-    assert roles == {"size": M, "item": S, "scal": H, "n": M}
-
-
-# =============================================================================================
-# 2. The cuda layer on a simulated GPU
-# =============================================================================================
-
-
-class FakeEvent:
-    """A CUDA event: `record` enqueues a marker; `query` is true once the marker has run."""
-
-    def __init__(self, gpu: FakeGpu) -> None:
-        self.gpu = gpu
-        self.token: int | None = None
-        self.synchronized = 0
-
-    def record(self, stream: FakeStream) -> None:
-        self.token = self.gpu.new_token()
-        stream.queue.append(("record", self.token))
-
-    def query(self) -> bool:
-        # a broken (deadlocked) simulation completes everything, so the test ends and reports
-        return self.token is None or self.token in self.gpu.done_tokens or self.gpu.broken
-
-    def synchronize(self) -> None:
-        assert self.query(), "synchronize() on a pending event would block the host"
-        self.synchronized += 1
-
-
-class FakeStream:
-    """An in-order queue of records, waits and kernels."""
-
-    def __init__(self, gpu: FakeGpu, name: str) -> None:
-        self.gpu = gpu
-        self.name = name
-        self.queue: deque[tuple[Any, ...]] = deque()
-
-    def wait_event(self, event: FakeEvent) -> None:
-        self.queue.append(("wait", event.token))  # waits for the record made before the call
-
-    def wait_stream(self, other: FakeStream) -> None:
-        event = FakeEvent(self.gpu)
-        event.record(other)
-        self.wait_event(event)
-
-    def __repr__(self) -> str:
-        return f"<FakeStream {self.name}>"
-
-
-class FakeGpu:
-    """Streams run in order; at each step one random runnable stream advances by one op."""
-
-    def __init__(self, seed: int = 0, devices: int = 2) -> None:
-        self.rng = random.Random(seed)
-        self.streams: list[FakeStream] = []
-        self.default = [self.stream(f"default{d}") for d in range(devices)]
-        self.current: FakeStream | None = None
-        self.done_tokens: set[int] = set()
-        self.done_kernels: set[Any] = set()
-        self.launched: set[Any] = set()
-        self.errors: list[str] = []
-        self._tokens = 0
-
-    def stream(self, name: str) -> FakeStream:
-        s = FakeStream(self, name)
-        self.streams.append(s)
-        return s
-
-    def new_token(self) -> int:
-        self._tokens += 1
-        return self._tokens
-
-    def launch(self, name: Any, needs: set[Any], stream: FakeStream | None = None) -> None:
-        target = stream or self.current or self.default[0]
-        self.launched.add(name)
-        target.queue.append(("kernel", name, frozenset(needs)))
-
-    def runnable(self) -> list[FakeStream]:
-        out = []
-        for s in self.streams:
-            if s.queue:
-                op = s.queue[0]
-                if op[0] != "wait" or op[1] is None or op[1] in self.done_tokens:
-                    out.append(s)
-        return out
-
-    def step(self) -> bool:
-        ready = self.runnable()
-        if not ready:
-            if any(s.queue for s in self.streams) and not self.errors:
-                self.errors.append("deadlock: every non-empty stream waits")
-            return False
-        op = self.rng.choice(ready).queue.popleft()
-        if op[0] == "record":
-            self.done_tokens.add(op[1])
-        elif op[0] == "kernel":
-            missing = op[2] - self.done_kernels
-            if missing:
-                self.errors.append(f"kernel {op[1]} ran before {sorted(map(str, missing))}")
-            self.done_kernels.add(op[1])
-        return True
-
-    @property
-    def broken(self) -> bool:
-        return bool(self.errors)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            for _ in range(self.rng.randint(0, 3)):
-                self.step()
-            await asyncio.sleep(0)
-
-
-class FakeBackend:
-    """The Backend of the simulated GPU; counts what an execution costs the host: stream
-    switches (`switches`: a set of the current stream, entering or leaving), `enters`
-    (units enqueued through the layer), `host_stream_calls` (the per-execution queries of
-    the host's streams: torch.cuda's Python helpers in the real backend)."""
-
-    def __init__(self, gpu: FakeGpu) -> None:
-        self.gpu = gpu
-        self.recorded: list[tuple[Any, FakeStream]] = []
-        self.switches = 0
-        self.enters = 0
-        self.host_stream_calls = 0
-
-    def new_stream(self, device: int) -> FakeStream:
-        return self.gpu.stream(f"d{device}#{len(self.gpu.streams)}")
-
-    def new_capture_stream(self, device: int) -> FakeStream:
-        return self.gpu.stream(f"cap{device}#{len(self.gpu.streams)}")
-
-    def new_event(self) -> FakeEvent:
-        return FakeEvent(self.gpu)
-
-    def stream_handle(self, stream: FakeStream) -> FakeStream:
-        return stream
-
-    def enter_stream(self, handle: FakeStream) -> Any:
-        self.enters += 1
-        previous = self.gpu.current
-        if previous is handle:
-            return _SAME
-        self.gpu.current = handle
-        self.switches += 1
-        return previous
-
-    def leave_stream(self, token: Any) -> None:
-        if token is not _SAME:
-            self.gpu.current = token
-            self.switches += 1
-
-    def host_streams(self, device: int) -> list[FakeStream]:
-        self.host_stream_calls += 1
-        return [self.gpu.default[device]]
-
-    def record_stream(self, value: Any, stream: FakeStream) -> None:
-        self.recorded.append((value, stream))
-
-
-_SAME = object()  # FakeBackend.enter_stream's token when the stream was current already
-
 FAST = PollPolicy(spin_s=0.0, max_delay_s=0.0)
+
+
+# =============================================================================================
+# 1. The cuda layer on a simulated GPU (support/fake_gpu.py)
+# =============================================================================================
 
 
 class Oracle:
@@ -945,46 +493,6 @@ def test_torch_backend_without_cuda_says_so_plainly() -> None:
         backend.new_stream(0)
 
 
-class RecordingCuda:
-    """torch's CUDA C functions as `TorchCudaBackend` calls them, on a fake two-device
-    machine: a current device and a current stream per device, and a log of every call."""
-
-    def __init__(self) -> None:
-        self.device = 0
-        self.current = {0: (0, 0, 1), 1: (0, 1, 1)}  # the default streams: id 0
-        self.log: list[tuple[Any, ...]] = []
-
-    def functions(self) -> CudaFunctions:
-        def get_current(device: int) -> tuple[int, int, int]:
-            self.log.append(("get_current", device))
-            return self.current[device]
-
-        def get_default(device: int) -> tuple[int, int, int]:
-            self.log.append(("get_default", device))
-            return (0, device, 1)
-
-        def set_stream(stream_id: int, device_index: int, device_type: int) -> None:
-            self.log.append(("set_stream", stream_id, device_index))
-            self.current[device_index] = (stream_id, device_index, device_type)
-            self.device = device_index  # as torch's _cuda_setStream does
-
-        def get_device() -> int:
-            self.log.append(("get_device",))
-            return self.device
-
-        def set_device(device: int) -> None:
-            self.log.append(("set_device", device))
-            self.device = device
-
-        def make_stream(**kwargs: Any) -> Any:
-            return types.SimpleNamespace(**kwargs)
-
-        return CudaFunctions(
-            get_current, get_default, set_stream, get_device, set_device, make_stream,
-            lambda: None,
-        )
-
-
 def _forbid_torch_cuda_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Python helpers the hot path must not reach (they cost more than a launch)."""
     for name in ("stream", "current_stream", "default_stream", "set_stream", "is_available",
@@ -1052,57 +560,8 @@ def test_move_inputs_to_device_moves_only_mismatched_tensors() -> None:
 
 
 # =============================================================================================
-# 3. Real GPUs (skipped without one)
+# 2. Real GPUs (skipped without one)
 # =============================================================================================
-
-
-class Branches(torch.nn.Module):
-    """Independent branches of small matmuls: on one stream they serialise; on several the
-    GPU can overlap them."""
-
-    def __init__(self, width: int = 4, depth: int = 4, dim: int = 64) -> None:
-        super().__init__()
-        self.branches = torch.nn.ModuleList(
-            torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(depth)])
-            for _ in range(width)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([torch.relu(b(x)) for b in self.branches]).sum(0)
-
-
-def gpu_program(
-    model: torch.nn.Module | torch.export.ExportedProgram, x: torch.Tensor, streams: int,
-    max_sets: int = 2,
-) -> tuple[Any, CudaRuntime]:
-    """Executor parts for a CUDA program (a model, exported here, or an exported program),
-    run by `run_in_order` (independent of the scheduler)."""
-    from asyncgraph.runtime.executor import Executor
-
-    if isinstance(model, torch.export.ExportedProgram):
-        ep = model
-    else:
-        ep = torch.export.export(model, (x,))
-    ex = Executor(ep, ExecutorConfig())
-    costs = [float(k.cost) for k in ex.kernels]
-    sp = stream_plan_for(ex.graph, ex.plan, streams, costs=costs,
-                         default_device=torch.cuda.current_device())
-    runtime = CudaRuntime(sp, ex.plan.outputs, max_stream_sets=max_sets)
-    return ex, runtime
-
-
-async def run_gpu(ex: Any, state: FrameStreams, x: torch.Tensor) -> list[Any]:
-    plan = ex.plan
-    values = list(ex.weights.template(plan.weight_slots, plan.num_values))
-    for slot in plan.token_slots:
-        values[slot] = torch.empty(0)
-    (slot,) = plan.user_input_slots
-    values[slot] = x
-    with torch.inference_mode():
-        await run_in_order(state, values)
-    outputs = [values[o.arg.id] for o in ex.graph.signature.user_outputs]
-    state.protect_outputs(outputs)
-    return outputs
 
 
 @needs_gpu
@@ -1309,8 +768,8 @@ async def test_gpu_cancellation_waits_for_kernels_in_flight() -> None:
 _SANITIZER_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys, torch
-    sys.path.insert(0, {tests!r})
-    from test_streams import gpu_program, run_gpu
+    sys.path.insert(0, {root!r})
+    from tests.support.real_gpu import gpu_program, run_gpu
 
     async def main():
         ep = torch.export.load({program!r})
@@ -1328,57 +787,6 @@ _SANITIZER_SCRIPT = textwrap.dedent(
 )
 
 
-_EXPORT_SCRIPT = textwrap.dedent(
-    """
-    import os, sys, torch
-    sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
-    from {module} import Branches
-
-    torch.manual_seed(0)
-    model = Branches().to({device!r}).eval()
-    x = torch.randn({shape!r}, device={device!r})
-    torch.export.save(torch.export.export(model, (x,)), {program!r})
-    """
-)
-
-
-def export_in_subprocess(
-    module: str, shape: tuple[int, ...], device: str, program: str
-) -> None:
-    """Export `module`'s Branches (seed 0) to the .pt2 file `program`, in a process without
-    TORCH_CUDA_SANITIZER: on torch 2.11 the sanitizer aborts inside torch.export.export
-    ("terminate called after throwing an instance of 'python_error'"), before any of our
-    code runs, so the program is exported first and only loaded and run under it."""
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_SANITIZER"}
-    script = _EXPORT_SCRIPT.format(
-        tests=os.path.dirname(__file__), module=module, shape=shape, device=device,
-        program=program,
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def assert_sanitizer_clean(script: str, module: str, shape: tuple[int, ...]) -> None:
-    """Export `module`'s Branches without the sanitizer (`export_in_subprocess`), then run
-    `script` (formatted with `tests`, this folder, and `program`, the .pt2 file) under
-    TORCH_CUDA_SANITIZER in another subprocess: it must succeed, print "ok" last, and the
-    sanitizer must report nothing."""
-    with tempfile.TemporaryDirectory() as folder:
-        program = os.path.join(folder, "program.pt2")
-        export_in_subprocess(module, shape, "cuda", program)
-        env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
-        proc = subprocess.run(
-            [sys.executable, "-c",
-             script.format(tests=os.path.dirname(__file__), program=program)],
-            env=env, capture_output=True, text=True, timeout=300,
-        )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "CSAN" not in proc.stderr, proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("ok")
-
-
 @pytest.mark.timeout(300)
 def test_the_sanitizer_runs_export_in_a_process_of_its_own(tmp_path: Any) -> None:
     """The export half of the sanitizer tests, on the CPU: a .pt2 made in a subprocess
@@ -1386,7 +794,7 @@ def test_the_sanitizer_runs_export_in_a_process_of_its_own(tmp_path: Any) -> Non
     program = str(tmp_path / "program.pt2")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_CUDA_SANITIZER", "1")  # must not reach the export
-        export_in_subprocess("test_streams", (32, 64), "cpu", program)
+        export_in_subprocess("Branches", (32, 64), "cpu", program)
     ep = torch.export.load(program)
     torch.manual_seed(0)
     model = Branches().eval()
@@ -1398,4 +806,4 @@ def test_the_sanitizer_runs_export_in_a_process_of_its_own(tmp_path: Any) -> Non
 @needs_gpu
 @pytest.mark.timeout(600)
 def test_gpu_sanitizer_finds_no_race() -> None:
-    assert_sanitizer_clean(_SANITIZER_SCRIPT, "test_streams", (32, 64))
+    assert_sanitizer_clean(_SANITIZER_SCRIPT, "Branches", (32, 64))

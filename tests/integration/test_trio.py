@@ -1,10 +1,11 @@
 """The Executor's contract on trio, beside asyncio: the same test bodies run on both.
 
 Each test is a plain function that runs its body with `anyio.run(body, backend=...)`, for
-"asyncio" (debug mode) and "trio". Not pytest's anyio plugin nor pytest-trio: the suite runs
-pytest-asyncio in auto mode (tests/conftest.py's asyncio + uvloop matrix), which claims every
-`async def` test and fixture, so an anyio-marked test's "trio" case ran on asyncio. A sync test
-that starts its own run is unambiguous. Every body ends with the leak check.
+"asyncio" (debug mode) and "trio": it takes tests/conftest.py's `backend` fixture and calls
+`run(body, backend)` (tests/support/backends.py). Not pytest's anyio plugin nor pytest-trio:
+the suite runs pytest-asyncio in auto mode (tests/conftest.py's asyncio + uvloop matrix),
+which claims every `async def` test and fixture, so an anyio-marked test's "trio" case ran on
+asyncio. A sync test that starts its own run is unambiguous. Every body ends with the leak check.
 
 On trio: results (inline, worker and async kernels), kernel errors, cancellation by cancel
 scopes (`CancelScope.cancel`, `move_on_after`, `fail_after`) while a worker blocks or an async
@@ -24,7 +25,7 @@ import random
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -35,44 +36,20 @@ import torch
 from torch.export import Dim
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.config import usable_cpus
 from asyncgraph.runtime.loop_budget import loop_budget
 from asyncgraph.testing import FaultInjector, LeakChecker
 from asyncgraph.testing.leaks import LeakError
+from tests.support.backends import (
+    closed_by_cancel,
+    outcome_of,
+    run,
+    settle,
+    until,
+)
 from tests.support.soak import soak
-
-BACKENDS = ["asyncio", "trio"]
-backends = pytest.mark.parametrize("backend", BACKENDS)
-
-
-def run(body: Callable[[], Awaitable[None]], backend: str) -> None:
-    """Run `body` on `backend` inside a leak check."""
-
-    async def checked() -> None:
-        async with LeakChecker():
-            await body()
-
-    options = {"debug": True} if backend == "asyncio" else {}
-    anyio.run(checked, backend=backend, backend_options=options)
-
-
-def cancelled_exc() -> type[BaseException]:
-    return anyio.get_cancelled_exc_class()
-
-
-async def settle(turns: int = 10) -> None:
-    for _ in range(turns):
-        await anyio.lowlevel.checkpoint()
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    with anyio.fail_after(30):
-        while not condition():  # noqa: ASYNC110 (set by a thread: no event to await)
-            await anyio.sleep(0.001)
-    assert condition(), what
 
 
 def add_one(x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +113,6 @@ class Blocker:
 # -- results and errors --------------------------------------------------------------------
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_results_of_inline_worker_and_async_kernels(backend: str) -> None:
     async def body() -> None:
@@ -151,7 +127,6 @@ def test_results_of_inline_worker_and_async_kernels(backend: str) -> None:
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_an_exported_program(backend: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -166,7 +141,6 @@ def test_an_exported_program(backend: str) -> None:
     run(body, backend)
 
 
-@backends
 @pytest.mark.parametrize("placement", ["inline", "worker", "async"])
 @pytest.mark.timeout(60)
 def test_a_kernel_error_names_its_node(backend: str, placement: str) -> None:
@@ -198,7 +172,6 @@ def test_a_kernel_error_names_its_node(backend: str, placement: str) -> None:
 # -- cancellation --------------------------------------------------------------------------
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_cancel_scope_waits_for_the_blocked_worker_then_reraises(backend: str) -> None:
     """Cancelled while a worker blocks: the execution neither returns nor releases its frame
@@ -270,7 +243,6 @@ class SpinChain:
         return b.build()
 
 
-@backends
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(usable_cpus() < 2, reason="a straight line goes to a worker only beside "
                     "a CPU for the loop")
@@ -326,7 +298,6 @@ def test_an_overlapping_straight_line_on_a_worker_and_its_cancel_scope(backend: 
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_fail_after_while_a_worker_blocks(backend: str) -> None:
     """`fail_after` expires while the worker blocks: TimeoutError only once the thread ended."""
@@ -351,7 +322,6 @@ def test_fail_after_while_a_worker_blocks(backend: str) -> None:
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_move_on_after_cancels_an_async_kernel(backend: str) -> None:
     log: list[str] = []
@@ -379,7 +349,6 @@ def test_move_on_after_cancels_an_async_kernel(backend: str) -> None:
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_call_made_in_a_cancelled_scope_does_not_run(backend: str) -> None:
     async def body() -> None:
@@ -399,29 +368,6 @@ def test_a_call_made_in_a_cancelled_scope_does_not_run(backend: str) -> None:
 # -- aclose(cancel=True) ------------------------------------------------------------------
 
 
-def closed_by_cancel(backend: str) -> str:
-    """What a caller whose execution aclose(cancel=True) cancelled sees: on asyncio its task
-    is cancelled (CancelledError); on trio, where a cancellation belongs to a cancel scope,
-    ExecutorClosedError naming aclose(cancel=True)."""
-    return "cancelled" if backend == "asyncio" else "closed"
-
-
-async def outcome_of(call: Awaitable[Any], outcomes: dict[str, str], name: str) -> None:
-    """Record how `call` ended: "value", "closed" (ExecutorClosedError), "cancelled" (the
-    backend's cancellation) or the name of any other exception type."""
-    try:
-        await call
-        outcomes[name] = "value"
-    except ExecutorClosedError as exc:
-        assert "aclose(cancel=True)" in str(exc), str(exc)
-        outcomes[name] = "closed"
-    except cancelled_exc():
-        outcomes[name] = "cancelled"
-    except BaseException as exc:  # concurrent.futures.CancelledError would land here
-        outcomes[name] = type(exc).__qualname__
-
-
-@backends
 @pytest.mark.timeout(60)
 def test_aclose_cancel_cancels_a_running_execution_and_a_frame_waiter(backend: str) -> None:
     """aclose(cancel=True) cancels the execution that holds the frame and the one waiting for
@@ -496,7 +442,6 @@ def test_the_callers_own_cancel_scope_wins_over_aclose_cancel(backend: str) -> N
 # -- the frame pool ------------------------------------------------------------------------
 
 
-@backends
 @pytest.mark.timeout(120)
 def test_the_frame_pool_under_contention_with_cancelled_waiters(backend: str) -> None:
     """40 callers on 2 frames, every fifth cancelled while it waits or runs: every other
@@ -526,7 +471,6 @@ def test_the_frame_pool_under_contention_with_cancelled_waiters(backend: str) ->
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_waiter_cancelled_while_it_waits_leaves_the_queue(backend: str) -> None:
     blocker = Blocker()
@@ -565,7 +509,6 @@ class Rows(torch.nn.Module):
         return x * 2 + 1
 
 
-@backends
 @pytest.mark.timeout(120)
 def test_batching_stacks_concurrent_requests(backend: str) -> None:
     with warnings.catch_warnings():
@@ -611,7 +554,6 @@ def batched_rows_with_a_gate(**batching: Any) -> tuple[Executor, Any]:
     return Executor(program, config, kernel_factory=faults.kernel_factory()), gate
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_aclose_cancel_ends_running_and_queued_batched_requests(backend: str) -> None:
     """A request in a running batch and one still queued, both cancelled by the runtime
@@ -667,7 +609,6 @@ def spin(x: int) -> int:
     return x + 1
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_many_callers_share_one_slice_per_loop_turn(backend: str) -> None:
     """Slices shorter than a unit: a heartbeat task gets a turn between units, whatever the
@@ -716,7 +657,6 @@ def test_many_callers_share_one_slice_per_loop_turn(backend: str) -> None:
 # -- the leak check ------------------------------------------------------------------------
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_the_leak_check_finds_a_pending_kernel_task(backend: str) -> None:
     """A runtime task left pending (an async kernel's) fails the leak check on both loops."""
@@ -739,7 +679,6 @@ def test_the_leak_check_finds_a_pending_kernel_task(backend: str) -> None:
 # -- soak ----------------------------------------------------------------------------------
 
 
-@backends
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_soak_with_random_cancellations(backend: str) -> None:

@@ -1,11 +1,12 @@
 """Programs with CUDA nodes on trio, beside asyncio: the same test bodies on both backends.
 
-The simulated GPU of test_gpu_executor.py (fake in-order streams and events run in a
+The simulated GPU of support/fake_gpu.py (fake in-order streams and events run in a
 random interleaving; a kernel that starts before one it reads, or a CPU node that reads a GPU
 value before it was written, is reported) drives the real placement, StreamPlan, CudaRuntime,
 schedules and scheduler. Each test runs its body with `anyio.run` on "asyncio" (debug mode)
-and "trio", inside a leak check, as test_trio.py does. Nothing here runs on a real GPU:
-the real-GPU tests are in test_gpu_executor.py and test_streams.py (skipped without CUDA).
+and "trio" (tests/conftest.py's `backend` fixture), inside a leak check, as test_trio.py
+does. Nothing here runs on a real GPU: the real-GPU tests are in test_gpu_executor.py and
+test_streams.py (skipped without CUDA).
 
 Covered on both: results and GPU ordering, a CPU node awaiting its GPU input while the loop
 runs other tasks, concurrent executions, cancellation by a cancel scope while the GPU works
@@ -15,53 +16,24 @@ fault seen by an event, and aclose(cancel=True) with GPU work in flight.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
-from test_gpu_executor import (
-    CudaNodes,
-    FaultyBackend,
-    Sim,
-    ThreadGpu,
-    chain,
-    diamond,
-    host_reader_graph,
-    index,
-    reference,
-    wide,
-)
-from test_streams import FakeBackend
-from test_trio import BACKENDS, closed_by_cancel, outcome_of, run, settle, until
 
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.graph.ir import Graph
-
-backends = pytest.mark.parametrize("backend", BACKENDS)
-
-
-async def _steps(gpu: ThreadGpu, stop: anyio.Event) -> None:
-    """The simulated GPU's progress: a few ops per loop turn, in a random stream order."""
-    while not stop.is_set():
-        for _ in range(gpu.rng.randint(0, 3)):
-            gpu.step()
-        await anyio.lowlevel.checkpoint()
-
-
-@contextlib.asynccontextmanager
-async def gpu_running(gpu: ThreadGpu) -> AsyncIterator[None]:
-    """The simulated GPU making progress in the background until the block ends (any
-    backend: test_gpu_executor's helper is asyncio's)."""
-    stop = anyio.Event()
-    async with anyio.create_task_group() as group:
-        group.start_soon(_steps, gpu, stop)
-        try:
-            yield
-        finally:
-            stop.set()
+from tests.support.backends import closed_by_cancel, outcome_of, run, settle, until
+from tests.support.fake_gpu import (
+    CudaNodes,
+    FakeBackend,
+    FaultyBackend,
+    Sim,
+    ThreadGpu,
+    gpu_running,
+)
+from tests.support.gpu_graphs import chain, diamond, host_reader_graph, index, reference, wide
 
 
 def executor(graph: Graph, gpu: ThreadGpu, backend: FakeBackend | None = None,
@@ -83,7 +55,6 @@ async def closed(ex: Executor, gpu: ThreadGpu) -> None:
 # -- results -------------------------------------------------------------------------------
 
 
-@backends
 @pytest.mark.parametrize("config", [{}, {"max_fused_nodes": 1}, {"cuda_streams": 1}],
                          ids=["fused", "unfused", "one-stream"])
 @pytest.mark.timeout(60)
@@ -113,7 +84,6 @@ def test_results_follow_the_gpu_order(backend: str, config: dict[str, Any]) -> N
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_concurrent_executions_on_the_gpu(backend: str) -> None:
     async def body() -> None:
@@ -143,7 +113,6 @@ def test_concurrent_executions_on_the_gpu(backend: str) -> None:
 # -- host waits ------------------------------------------------------------------------------
 
 
-@backends
 @pytest.mark.parametrize("placement", ["inline", "worker"])
 @pytest.mark.timeout(60)
 def test_a_cpu_node_awaits_its_gpu_input_while_the_loop_runs(
@@ -177,7 +146,6 @@ def test_a_cpu_node_awaits_its_gpu_input_while_the_loop_runs(
     run(body, backend)
 
 
-@backends
 @pytest.mark.parametrize("when", ["before the host wait", "during the host wait"])
 @pytest.mark.timeout(60)
 def test_a_gpu_fault_seen_by_an_event_fails_the_execution(backend: str, when: str) -> None:
@@ -213,7 +181,6 @@ def test_a_gpu_fault_seen_by_an_event_fails_the_execution(backend: str, when: st
 # -- cancellation ----------------------------------------------------------------------------
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_cancel_scope_waits_for_the_gpu_before_the_frame_is_reused(backend: str) -> None:
     """Cancelled once every kernel is enqueued and none has run: the execution ends, and its
@@ -264,7 +231,6 @@ def test_a_cancel_scope_waits_for_the_gpu_before_the_frame_is_reused(backend: st
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_a_cancel_scope_during_a_host_wait_finishes_the_gpu(backend: str) -> None:
     async def body() -> None:
@@ -296,7 +262,6 @@ def test_a_cancel_scope_during_a_host_wait_finishes_the_gpu(backend: str) -> Non
     run(body, backend)
 
 
-@backends
 @pytest.mark.timeout(60)
 def test_aclose_cancel_with_gpu_work_in_flight(backend: str) -> None:
     """aclose(cancel=True) while the kernels are in flight: the caller is cancelled (asyncio)

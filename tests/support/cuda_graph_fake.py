@@ -1,7 +1,8 @@
-"""A simulated GPU that can capture CUDA graphs, for tests/integration/test_cuda_graphs.py.
+"""A simulated GPU that can capture CUDA graphs, for tests/integration/test_cuda_graphs.py and
+test_cuda_graph_segments.py.
 
-It extends the simulated GPU of test_gpu_executor.py (fake in-order streams and events, a
-current stream per thread) with what capture requires of the host, as CUDA enforces it:
+It extends the simulated GPU of support/fake_gpu.py (fake in-order streams and events, a
+current stream per thread: `ThreadGpu`) with what capture requires of the host, as CUDA enforces it:
 
 - While a capture is open on a thread, an event query or synchronize and a host read of a GPU
   value from that thread raise ("operation not permitted when stream is capturing"); so does
@@ -22,6 +23,9 @@ current stream per thread) with what capture requires of the host, as CUDA enfor
   wrote the tensors it reads (the last kernel, or replay, that wrote each one) to have run
   before it; a violation is one of `gpu.errors`. Host-side copies (static inputs, clones) are
   not kernels of the fake: `adopt` attributes a copy to the writer of its source.
+
+Also the Executor on it (`make_executor`, `running`, `stats`) and the diamond program both
+test files run.
 """
 
 from __future__ import annotations
@@ -31,16 +35,17 @@ import dataclasses
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
-from test_gpu_executor import ThreadGpu
-from test_streams import FakeBackend, FakeEvent, FakeStream
 
+from asyncgraph import Executor, ExecutorConfig, GraphBuilder
+from asyncgraph.cuda import graphs as cuda_graphs
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, InputKind, Node, Signature
 from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
+from tests.support.fake_gpu import FakeBackend, FakeEvent, FakeStream, ThreadGpu, gpu_running
 
 NOT_PERMITTED = "operation not permitted when stream is capturing"
 
@@ -335,3 +340,50 @@ def with_parameters(graph: Graph, weights: dict[str, torch.Tensor]) -> Program:
     )
     signature = Signature(inputs, graph.signature.outputs, None, graph.signature.out_spec)
     return Program(Graph(list(graph.values), list(graph.nodes), signature), dict(weights))
+
+
+aten = torch.ops.aten
+
+
+def diamond_graph() -> Graph:
+    """x * w, then relu and sigmoid on two streams, joined: a fork and a join in the capture."""
+    b = GraphBuilder()
+    x, w = b.input("x"), b.input("w")
+    scaled = b.call(aten.mul.Tensor, x, w, name="gpu_scale")
+    left = b.call(aten.relu.default, scaled, name="gpu_left")
+    right = b.call(aten.sigmoid.default, scaled, name="gpu_right")
+    b.output(b.call(aten.add.Tensor, left, right, name="gpu_join"))
+    return b.build()
+
+
+def diamond_program(w: torch.Tensor | None = None) -> Program:
+    return with_parameters(diamond_graph(), {"w": torch.full((4,), 2.0) if w is None else w})
+
+
+def make_executor(
+    program: Program | Graph, gpu: CaptureGpu, backend: CaptureBackend | None = None,
+    **config: Any,
+) -> Executor:
+    return Executor(
+        program,
+        ExecutorConfig(**{"adaptive_placement": False, **config}),
+        kernel_factory=FakeCudaOps(gpu),
+        _cuda_backend=backend or CaptureBackend(gpu),
+    )
+
+
+@contextlib.asynccontextmanager
+async def running(ex: Executor, gpu: CaptureGpu) -> AsyncIterator[Executor]:
+    """The GPU running for the block; the Executor closed with the GPU running."""
+    try:
+        async with gpu_running(gpu):
+            yield ex
+    finally:
+        async with gpu_running(gpu):
+            await ex.aclose()
+
+
+def stats(ex: Executor) -> cuda_graphs.CudaGraphStatistics:
+    s = ex.cuda_graph_statistics()
+    assert s is not None
+    return s
