@@ -184,8 +184,9 @@ def gpu_tests_command(*extra: str) -> list[str]:
     """
     return [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark",
-        "--rootdir", str(ROOT), "tests/integration/test_streams.py",
-        "tests/integration/test_gpu_executor.py", "tests/integration/test_cuda_graphs.py",
+        "--rootdir", str(ROOT), "tests/unit/test_stream_plan.py",
+        "tests/integration/test_streams.py", "tests/integration/test_gpu_executor.py",
+        "tests/integration/test_cuda_graphs.py",
         "-rs", *extra,
     ]
 
