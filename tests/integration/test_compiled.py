@@ -39,6 +39,7 @@ from asyncgraph.graph.importers import Node, load_pt2
 from asyncgraph.graph.ir import Graph
 from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.kernels.base import KernelKind
+from asyncgraph.runtime.placement import AdaptivePlacement
 from asyncgraph.runtime.plan import Placement
 from asyncgraph.testing.reference import perturbed_weights
 
@@ -356,8 +357,9 @@ async def test_a_segment_is_placed_like_any_kernel(compiled: Compiled, leak_chec
     assert placements == {1: Placement.WORKER, 10**12: Placement.INLINE}
     ex = Executor(program)
     try:
-        assert ex._adaptive is not None
-        assert ex._adaptive.movable[ex.graph.node("aoti_segment_0").index]
+        assert ex.placement_statistics() is not None  # adaptive placement is on
+        adaptive = AdaptivePlacement(ex.graph, ex.plan, ex.kernels)  # as the Executor's
+        assert adaptive.movable[ex.graph.node("aoti_segment_0").index]
     finally:
         await ex.aclose()
 

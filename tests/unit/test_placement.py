@@ -10,6 +10,7 @@ import torch
 import asyncgraph
 from asyncgraph import ExecutorConfig, Placement
 from asyncgraph.runtime.placement import AdaptivePlacement
+from asyncgraph.runtime.validation import InputValidator
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.serial]
 
@@ -185,7 +186,8 @@ def test_a_signature_finds_the_entry_its_shape_key_finds_until_that_entry_is_evi
         ex.graph, ex.plan, ex.kernels, profile_executions=1, max_signatures=1
     )
     first = [torch.randn(8, 8), torch.randn(4)]
-    signature = ex._validator.check(first)
+    validator = InputValidator(ex.graph, ex.config.max_unbounded_int)  # as the Executor's
+    signature = validator.check(first)
     assert signature is not None
     assert adaptive.choose(first, signature=signature)[1] is None  # warm-up
     _, times = adaptive.choose(first)  # without the signature: the same entry, profiled
@@ -194,7 +196,7 @@ def test_a_signature_finds_the_entry_its_shape_key_finds_until_that_entry_is_evi
     decided, times = adaptive.choose(first, signature=signature)
     assert times is None and decided is adaptive.choose(first)[0]
     second = [torch.randn(16, 16), torch.randn(4)]
-    adaptive.choose(second, signature=ex._validator.check(second))  # evicts the first entry
+    adaptive.choose(second, signature=validator.check(second))  # evicts the first entry
     assert adaptive.choose(first, signature=signature)[1] is None  # a new entry's warm-up
     assert adaptive.choose(first, signature=signature)[1] is not None  # profiled afresh
 

@@ -32,7 +32,10 @@ def chain(length: int, placement: str = "inline") -> Graph:
 
 
 def schedule_of(ex: Executor, fused: bool = True) -> Any:
-    return ex._schedules.get(ex.plan.placement, fused)
+    """The schedule of the plan's placement, built as the Executor builds it for these CPU
+    graphs (no stream plan, no segments, no adaptive decision for the plan's own tuple)."""
+    cache = ScheduleCache(ex.graph, ex.plan, ex.kernels, ex.config.max_fused_nodes)
+    return cache.get(ex.plan.placement, fused)
 
 
 async def test_a_chain_fuses_into_runs_of_max_fused_nodes() -> None:

@@ -86,7 +86,7 @@ async def test_the_straight_path_drops_values_after_their_last_reader() -> None:
         line = straight_line(schedule)
         assert line is not None
         dropped = {v for drops in line.drops for v in drops}
-        outputs = {a.id for a in ex._user_outputs}
+        outputs = {o.arg.id for o in ex.graph.signature.user_outputs}
         assert dropped and not dropped & outputs  # intermediates go, outputs stay
 
 

@@ -8,6 +8,7 @@ from torch.export import Dim
 
 import asyncgraph
 from asyncgraph import InputValidationError
+from asyncgraph.runtime.validation import InputValidator
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -178,7 +179,8 @@ def test_check_returns_the_signature_that_inputs_alike_share() -> None:
     ep = torch.export.export(
         Single(), (torch.randn(2, 3),), dynamic_shapes=({0: Dim("n")},)
     )
-    validator = asyncgraph.Executor(ep)._validator
+    ex = asyncgraph.Executor(ep)  # the graph as the Executor runs it
+    validator = InputValidator(ex.graph, ex.config.max_unbounded_int)
     signature = validator.check([torch.randn(2, 3)])
     assert signature is not None
     assert validator.check([torch.randn(2, 3)]) is signature  # a repeat: the same object
