@@ -9,12 +9,28 @@ field (names, datatypes, every dimension against the signature, data lengths, th
 layout) using only the numbers in the header; the second makes the tensors. A shape of
 10^12 elements is refused because it does not match the bytes that came, not after trying to
 allocate it.
+
+JSON is parsed so that no body the limits admit holds the event loop for long (issue 39):
+`json.loads` holds the GIL for its whole run even on a thread (64 MB of JSON floats: 1.2 s;
+64 MB of `[],`: 12 s with 2 GB of lists). So the numeric `"data"` arrays of the inputs are cut
+out of the document first (bytes.find, C speed) and parsed apart, in pieces of
+`PIECE_BYTES` (each piece a short `json.loads`, so a decode on a thread lets the loop run
+between pieces, and only one piece's Python list lives at a time); the rest, the document's
+skeleton, and any array that is not a plain or evenly nested array of values, is parsed by
+`json.loads` whole and may be at most `max_json_bytes` (413 beyond; `--max-json-bytes`).
+The result is the same as `json.loads` of the whole body: a piece that fails to parse falls
+back to the exact parse (within `max_json_bytes`).
+
+Every malformed value gets a ProtocolError (400, or 413 for a size limit), never another
+exception: values are shown shortened (`_show`), sizes are bounded (`MAX_DIM`), and the
+request-level parameters are range-checked.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +46,44 @@ from asyncgraph.serve.interface import ModelInterface, TensorInfo, describe
 HEADER = "Inference-Header-Content-Length"
 JSON_CONTENT_TYPE = "application/json"
 BINARY_CONTENT_TYPE = "application/octet-stream"
+
+#: JSON parsed by `json.loads` as a whole, per request: the document without its numeric data
+#: arrays (its skeleton), and any data array that is not a plain or evenly nested array. At
+#: ~190 ms per MB for the worst JSON (`[],` repeated) on 2 loaded cores, 1 MB bounds the time
+#: one body holds the GIL; real skeletons (names, shapes, parameters) are a few hundred bytes.
+DEFAULT_MAX_JSON_BYTES = 1 << 20
+
+#: A data array is parsed in pieces of about this many bytes (~5 ms of `json.loads` each).
+PIECE_BYTES = 256 << 10
+
+#: Data arrays shorter than this stay in the skeleton (one parse is cheaper than cutting).
+CUT_BYTES = 4096
+
+#: The largest dimension or element count a request may name (torch's int64 sizes).
+MAX_DIM = (1 << 63) - 1
+
+#: The largest `parameters.timeout` (microseconds): Triton's uint64.
+MAX_TIMEOUT_US = (1 << 64) - 1
+
+#: How many characters of a client's value an error message quotes.
+SHOW_CHARS = 80
+
+#: The most dimensions a tensor has (PyTorch's limit).
+MAX_RANK = 64
+
+#: The numpy dtype JSON values of a non-float datatype are gathered in.
+NUMPY_DTYPES: dict[str, Any] = {
+    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
+    "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
+    "INT64": np.int64,
+}
+
+_DATA_KEY = b'"data"'
+_BRACKETS_TO_SPACES = bytes.maketrans(b"[]", b"  ")
+_JSON_SPACE = b" \t\n\r"
+_NUMBER_CHARS = b"0123456789.eE+-," + _JSON_SPACE
+_INTEGER_CHARS = b"0123456789-," + _JSON_SPACE
+_BOOL_CHARS = b"truefals," + _JSON_SPACE
 
 
 @dataclass(slots=True)
@@ -55,7 +109,7 @@ class _Planned:
 
     info: TensorInfo
     shape: tuple[int, ...]
-    data: list[Any] | None = None
+    data: np.ndarray | None = None
     offset: int = 0
     size: int = 0
 
@@ -64,21 +118,23 @@ class _Planned:
 
 
 def decode_request(
-    body: bytes, header_length: str | None, iface: ModelInterface
+    body: bytes,
+    header_length: str | None,
+    iface: ModelInterface,
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
 ) -> InferRequest:
     """Check and decode an inference request body (see the module docstring)."""
     header, binary_start = _split(body, header_length)
-    try:
-        doc = json.loads(header)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"request body: not valid JSON ({exc})") from None
+    doc = parse_document(header, max_json_bytes)
     if not isinstance(doc, dict):
         raise ProtocolError(f"request body: expected a JSON object, got {_kind(doc)}")
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"id: expected a string, got {_kind(request_id)}")
     parameters = _object(doc.get("parameters", {}), "parameters")
-    planned = _plan_inputs(doc.get("inputs"), iface, len(body) - binary_start, binary_start)
+    planned = _plan_inputs(
+        doc.get("inputs"), iface, len(body) - binary_start, binary_start, max_json_bytes
+    )
     outputs = _requested_outputs(doc.get("outputs"), parameters, iface)
     timeout_s = request_timeout_s(parameters)
     flat: list[Any] = [None] * iface.count
@@ -91,18 +147,174 @@ def decode_request(
 
 def request_timeout_s(parameters: Mapping[str, Any]) -> float | None:
     """The request's own timeout in seconds, from Triton's `parameters.timeout` (an integer
-    number of microseconds, what `tritonclient`'s `infer(timeout=...)` sends); 0 or absent:
-    none of its own."""
+    number of microseconds, what `tritonclient`'s `infer(timeout=...)` sends; Triton's
+    uint64); 0 or absent: none of its own."""
     timeout = parameters.get("timeout")
     if timeout is None:
         return None
-    if not _is_int(timeout) or timeout < 0:
+    if not _is_int(timeout) or not 0 <= timeout <= MAX_TIMEOUT_US:
         raise ProtocolError(
-            f"parameters.timeout: expected a non-negative integer (microseconds), "
-            f"got {timeout!r}"
+            f"parameters.timeout: expected an integer number of microseconds in "
+            f"[0, {MAX_TIMEOUT_US}], got {_show(timeout)}"
         )
     return timeout / 1e6 if timeout else None
 
+
+# -- JSON -----------------------------------------------------------------------------------
+
+
+class RawArray:
+    """A JSON data array cut out of the document, parsed once its datatype is known
+    (`parse_values`): `text` is the array's JSON text, brackets included."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+
+    def count(self) -> int:
+        """The number of values, if the array is well formed: commas + 1, or 0 when empty."""
+        commas = self.text.count(b",")
+        if commas:
+            return commas + 1
+        return 0 if not self.text.translate(None, b"[]" + _JSON_SPACE) else 1
+
+
+def parse_document(text: bytes, max_json_bytes: int = DEFAULT_MAX_JSON_BYTES) -> Any:
+    """`json.loads(text)`, with each input's large `"data"` array left as a RawArray (see
+    the module docstring); ProtocolError (400, 413 past `max_json_bytes`) for anything else
+    than a JSON document within the limits."""
+    skeleton, arrays, marker = _cut_data_arrays(text)
+    if arrays:
+        if len(skeleton) > max_json_bytes:
+            raise _json_too_large(len(skeleton), max_json_bytes, "outside its data arrays")
+        try:
+            doc = json.loads(skeleton)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            if len(text) > max_json_bytes:  # else parsed whole below, for its exact error
+                raise ProtocolError(
+                    f"request body: not valid JSON outside its data arrays ("
+                    f"{_show(str(exc), 200)})"
+                ) from None
+            doc = None
+        if doc is not None and _attach(doc, arrays, marker):
+            return doc
+    if len(text) > max_json_bytes:
+        raise _json_too_large(len(text), max_json_bytes, "that is not plain data arrays")
+    return _loads(text, "request body")
+
+
+def _loads(text: bytes, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ProtocolError(f"{where}: JSON nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"{where}: not valid JSON ({_show(str(exc), 200)})") from None
+
+
+def _json_too_large(size: int, limit: int, what: str) -> ProtocolError:
+    return ProtocolError(
+        f"request body: {size} bytes of JSON {what}, over the limit of {limit} bytes "
+        f"(--max-json-bytes): send each input's data as a flat (or evenly nested) array of "
+        f"values, or as binary tensor data",
+        413,
+    )
+
+
+def _cut_data_arrays(text: bytes) -> tuple[bytes, list[bytes], str]:
+    """The document with each large `"data": [...]` array replaced by a marker string, the
+    arrays' texts, and the marker's prefix (random per call, so no client can forge it)."""
+    arrays: list[bytes] = []
+    parts: list[bytes] = []
+    marker = "\x00asyncgraph-" + secrets.token_hex(8) + ":"
+    start = 0
+    at = text.find(_DATA_KEY)
+    while at >= 0:
+        i = at + len(_DATA_KEY)
+        n = len(text)
+        while i < n and text[i] in b" \t\n\r":
+            i += 1
+        if i < n and text[i] == 0x3A:  # ':'
+            i += 1
+            while i < n and text[i] in b" \t\n\r":
+                i += 1
+            if i < n and text[i] == 0x5B:  # '['
+                end = _array_end(text, i)
+                if end is None:
+                    break
+                if end - i >= CUT_BYTES:
+                    parts.append(text[start:i])
+                    parts.append(json.dumps(marker + str(len(arrays))).encode())
+                    arrays.append(text[i:end])
+                    start = end
+                at = text.find(_DATA_KEY, end)
+                continue
+        at = text.find(_DATA_KEY, i)
+    if not arrays:
+        return text, arrays, marker
+    parts.append(text[start:])
+    return b"".join(parts), arrays, marker
+
+
+#: A data array is given up on (parsed whole, within --max-json-bytes) past this many rows.
+_MAX_ROWS_SCANNED = 1 << 20
+
+
+def _array_end(text: bytes, start: int) -> int | None:
+    """The index after the bracket closing the array opened at `start` (brackets inside
+    strings are not told apart: such an array fails to parse in pieces and is parsed whole);
+    None if there is none within `_MAX_ROWS_SCANNED` closing brackets."""
+    depth = 1
+    i = start + 1
+    for _ in range(_MAX_ROWS_SCANNED):
+        close = text.find(b"]", i)
+        if close < 0:
+            return None
+        depth += text.count(b"[", i, close) - 1
+        if depth <= 0:
+            return close + 1
+        i = close + 1
+    return None
+
+
+def _attach(doc: Any, arrays: list[bytes], marker: str) -> bool:
+    """Put each cut array back where its marker is, as a RawArray: True when every marker
+    is an input's `data` (a `"data"` key anywhere else was cut too: then parse it all)."""
+    entries = doc.get("inputs") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        return False
+    found = 0
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        data = entry.get("data")
+        if isinstance(data, str) and data.startswith(marker):
+            index = data[len(marker):]
+            if not index.isdigit() or int(index) >= len(arrays):
+                return False
+            entry["data"] = RawArray(arrays[int(index)])
+            found += 1
+    return found == len(arrays)
+
+
+def _pieces(raw: RawArray) -> Any:
+    """The values of a plain or evenly nested array, in lists of a piece each, row-major;
+    ValueError when the text is not such an array."""
+    inner = raw.text[1:-1].translate(_BRACKETS_TO_SPACES)
+    n = len(inner)
+    pos = 0
+    split = False
+    while pos < n or split:
+        end = inner.find(b",", pos + PIECE_BYTES) if n - pos > PIECE_BYTES else -1
+        piece = inner[pos:] if end < 0 else inner[pos:end]
+        values = json.loads(b"[" + piece + b"]")
+        if split and not values:
+            raise ValueError("an empty value between commas")
+        yield piece, values
+        if end < 0:
+            return
+        pos, split = end + 1, True
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, int]:
     """The JSON header and where the binary data starts (len(body) when there is none)."""
@@ -112,7 +324,7 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, int]:
         n = int(header_length)
     except ValueError:
         raise ProtocolError(
-            f"{HEADER} header: expected an integer, got {header_length!r}"
+            f"{HEADER} header: expected an integer, got {_show(header_length)}"
         ) from None
     if not 0 < n <= len(body):
         raise ProtocolError(
@@ -122,7 +334,11 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, int]:
 
 
 def _plan_inputs(
-    entries: Any, iface: ModelInterface, binary_size: int, binary_start: int
+    entries: Any,
+    iface: ModelInterface,
+    binary_size: int,
+    binary_start: int,
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
 ) -> list[_Planned]:
     """Pass one: check every input entry against the interface; allocate nothing."""
     if not isinstance(entries, list):
@@ -137,24 +353,29 @@ def _plan_inputs(
         name = entry.get("name")
         if not isinstance(name, str):
             raise ProtocolError(f"{where}.name: expected a string, got {_kind(name)}")
-        where = f"inputs[{i}] ({name!r})"
         info = iface.inputs_by_name.get(name)
         if info is None:
             expected = ", ".join(repr(n) for n in iface.inputs_by_name) or "none"
             raise ProtocolError(
-                f"inputs[{i}].name: unknown input {name!r}; model {iface.model!r} expects "
-                f"{expected}"
+                f"inputs[{i}].name: unknown input {_show(name)}; model {iface.model!r} "
+                f"expects {expected}"
             )
+        where = f"inputs[{i}] ({name!r})"
         if name in seen:
             raise ProtocolError(f"inputs[{i}].name: input {name!r} given twice (also {seen[name]})")
         seen[name] = f"inputs[{i}]"
         datatype = entry.get("datatype")
         if datatype != info.datatype:
             raise ProtocolError(
-                f"{where}.datatype: expected {info.datatype!r}, got {datatype!r}"
+                f"{where}.datatype: expected {info.datatype!r}, got {_show(datatype)}"
             )
         shape = _check_shape(entry.get("shape"), info, where, iface, bound)
         numel = math.prod(shape)
+        if numel > MAX_DIM:
+            raise ProtocolError(
+                f"{where}.shape: {len(str(numel))}-digit element count of {list(shape)} "
+                f"exceeds the largest tensor ({MAX_DIM} elements)"
+            )
         params = _object(entry.get("parameters", {}), f"{where}.parameters")
         if "shared_memory_region" in params:
             raise ProtocolError(f"{where}.parameters.shared_memory_region: not supported")
@@ -166,7 +387,7 @@ def _plan_inputs(
             if not _is_int(size) or size < 0:
                 raise ProtocolError(
                     f"{where}.parameters.binary_data_size: expected a non-negative integer, "
-                    f"got {size!r}"
+                    f"got {_show(size)}"
                 )
             if binary_size == 0:
                 raise ProtocolError(
@@ -177,14 +398,14 @@ def _plan_inputs(
             if size != want:
                 raise ProtocolError(
                     f"{where}.parameters.binary_data_size: expected {want} bytes for "
-                    f"{info.datatype} {list(shape)}, got {size}"
+                    f"{info.datatype} {list(shape)}, got {_show(size)}"
                 )
             plan.offset, plan.size = offset, size
             offset += size
         else:
             if "data" not in entry:
                 raise ProtocolError(f"{where}.data: missing (and no binary_data_size)")
-            plan.data = _check_data(entry["data"], info, shape, numel, where)
+            plan.data = _check_data(entry["data"], info, shape, numel, where, max_json_bytes)
         planned.append(plan)
     missing = [i for i in iface.inputs if i.name not in seen]
     if missing:
@@ -209,10 +430,15 @@ def _check_shape(
     """Check a requested shape against the signature: rank, static sizes, symbol ranges."""
     if not isinstance(shape, list):
         raise ProtocolError(f"{where}.shape: expected a list of integers, got {_kind(shape)}")
+    if len(shape) > MAX_RANK:
+        raise ProtocolError(
+            f"{where}.shape: {len(shape)} dimensions, more than any tensor has ({MAX_RANK})"
+        )
     for axis, size in enumerate(shape):
-        if not _is_int(size) or size < 0:
+        if not _is_int(size) or not 0 <= size <= MAX_DIM:
             raise ProtocolError(
-                f"{where}.shape[{axis}]: expected a non-negative integer, got {size!r}"
+                f"{where}.shape[{axis}]: expected an integer in [0, {MAX_DIM}], "
+                f"got {_show(size)}"
             )
     if info.scalar is not None:
         if shape not in ([], [1]):
@@ -243,35 +469,104 @@ def _check_shape(
     return tuple(shape)
 
 
-def _check_data(data: Any, info: TensorInfo, shape: tuple[int, ...], numel: int, where: str
-                ) -> list[Any]:
-    """Flatten JSON data (flat or nested, row-major), check its length and element types."""
+def _check_data(
+    data: Any,
+    info: TensorInfo,
+    shape: tuple[int, ...],
+    numel: int,
+    where: str,
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
+) -> np.ndarray:
+    """The values of JSON data (flat or nested, row-major), checked for their count and
+    types, as a numpy array (float64 for the float datatypes, cast to the datatype later)."""
+    if isinstance(data, RawArray) and data.count() != numel:
+        if len(data.text) > max_json_bytes:  # else parsed whole below, for the exact count
+            raise ProtocolError(
+                f"{where}.data: expected {numel} element(s) for shape {list(shape)}, "
+                f"got {data.count()}"
+            )
+        data = _loads(data.text, f"{where}.data")
+    if isinstance(data, RawArray):
+        try:
+            arrays = []
+            done = 0
+            for piece, values in _pieces(data):
+                arrays.append(_values(values, info.datatype, where, done, piece))
+                done += len(values)
+        except (ValueError, RecursionError):
+            # not a plain or evenly nested array (an empty row, a string with a bracket,
+            # invalid JSON): parse it whole, within the JSON limit, for its exact error
+            if len(data.text) > max_json_bytes:
+                raise ProtocolError(
+                    f"{where}.data: not a flat or evenly nested JSON array of values, and "
+                    f"{len(data.text)} bytes, over the limit of {max_json_bytes} bytes for "
+                    f"other JSON (--max-json-bytes)", 413,
+                ) from None
+            data = _loads(data.text, f"{where}.data")
+        else:
+            if done != numel:
+                raise ProtocolError(
+                    f"{where}.data: expected {numel} element(s) for shape {list(shape)}, "
+                    f"got {done}"
+                )
+            return np.concatenate(arrays) if len(arrays) != 1 else arrays[0]
     flat = _flatten(data, numel, where)
     if len(flat) != numel:
         raise ProtocolError(
             f"{where}.data: expected {numel} element(s) for shape {list(shape)}, got {len(flat)}"
         )
-    datatype = info.datatype
+    return _values(flat, info.datatype, where, 0, None)
+
+
+def _values(
+    values: list[Any], datatype: str, where: str, offset: int, text: bytes | None
+) -> np.ndarray:
+    """`values` (the elements `offset`... of an input's data) as a numpy array of the
+    datatype (float64 for a float datatype), or a 400 naming the first bad element. `text`,
+    the JSON they came from, tells at C speed that every element has the right type."""
+    allowed = (_BOOL_CHARS if datatype == "BOOL" else
+               _INTEGER_CHARS if datatype in dt.INTEGER_DATATYPES else _NUMBER_CHARS)
+    if text is None or text.translate(None, allowed):
+        _check_types(values, datatype, where, offset)
+    dtype = np.float64 if datatype in dt.FLOAT_DATATYPES else NUMPY_DTYPES[datatype]
+    try:
+        return np.array(values, dtype=dtype)
+    except OverflowError:
+        pass
+    lo, hi = ((-math.inf, math.inf) if datatype in dt.FLOAT_DATATYPES
+              else dt.integer_range(datatype))
+    for k, v in enumerate(values):
+        try:
+            out = not lo <= (float(v) if datatype in dt.FLOAT_DATATYPES else v) <= hi
+        except OverflowError:
+            out = True
+        if out:
+            raise ProtocolError(
+                f"{where}.data[{offset + k}]: {_show(v)} is out of range for {datatype}"
+                + ("" if datatype in dt.FLOAT_DATATYPES else f" [{lo}, {hi}]")
+            )
+    raise ProtocolError(f"{where}.data: out of range for {datatype}")  # not reached
+
+
+def _check_types(values: list[Any], datatype: str, where: str, offset: int) -> None:
     if datatype == "BOOL":
-        for k, v in enumerate(flat):
+        for k, v in enumerate(values):
             if type(v) is not bool:
-                raise ProtocolError(f"{where}.data[{k}]: expected true or false, got {v!r}")
+                raise ProtocolError(
+                    f"{where}.data[{offset + k}]: expected true or false, got {_show(v)}"
+                )
     elif datatype in dt.INTEGER_DATATYPES:
-        for k, v in enumerate(flat):
+        for k, v in enumerate(values):
             if type(v) is not int:
-                raise ProtocolError(f"{where}.data[{k}]: expected an integer, got {v!r}")
-        if flat:
-            lo, hi = dt.integer_range(datatype)
-            for k, v in enumerate(flat):
-                if not lo <= v <= hi:
-                    raise ProtocolError(
-                        f"{where}.data[{k}]: {v} is out of range for {datatype} [{lo}, {hi}]"
-                    )
+                raise ProtocolError(
+                    f"{where}.data[{offset + k}]: expected an integer, got {_show(v)}"
+                )
     else:
-        for k, v in enumerate(flat):
+        for k, v in enumerate(values):
             if type(v) is not float and type(v) is not int:
-                raise ProtocolError(f"{where}.data[{k}]: expected a number, got {v!r}")
-    return flat
+                raise ProtocolError(
+                    f"{where}.data[{offset + k}]: expected a number, got {_show(v)}"
+                )
 
 
 def _flatten(data: Any, limit: int, where: str) -> list[Any]:
@@ -299,7 +594,7 @@ def _materialize(plan: _Planned, body: bytes) -> Any:
     info = plan.info
     dtype = dt.TORCH_DTYPES[info.datatype]
     if plan.data is not None:
-        tensor = torch.tensor(plan.data, dtype=dtype).reshape(plan.shape)
+        tensor = torch.from_numpy(plan.data).to(dtype).reshape(plan.shape)
     else:
         raw = torch.empty(plan.size, dtype=torch.uint8)
         if plan.size:
@@ -320,13 +615,14 @@ def _requested_outputs(
     default = parameters.get("binary_data_output", False)
     if not isinstance(default, bool):
         raise ProtocolError(
-            f"parameters.binary_data_output: expected true or false, got {default!r}"
+            f"parameters.binary_data_output: expected true or false, got {_show(default)}"
         )
     if entries is None:
         return [RequestedOutput(o, default) for o in iface.outputs]
     if not isinstance(entries, list):
         raise ProtocolError(f"outputs: expected a list, got {_kind(entries)}")
     requested: list[RequestedOutput] = []
+    seen: dict[str, int] = {}
     for i, entry in enumerate(entries):
         entry = _object(entry, f"outputs[{i}]")
         name = entry.get("name")
@@ -334,9 +630,15 @@ def _requested_outputs(
         if info is None:
             expected = ", ".join(repr(n) for n in iface.outputs_by_name)
             raise ProtocolError(
-                f"outputs[{i}].name: unknown output {name!r}; model {iface.model!r} has "
+                f"outputs[{i}].name: unknown output {_show(name)}; model {iface.model!r} has "
                 f"{expected}"
             )
+        if info.name in seen:
+            raise ProtocolError(
+                f"outputs[{i}].name: output {info.name!r} requested twice (also "
+                f"outputs[{seen[info.name]}])"
+            )
+        seen[info.name] = i
         params = _object(entry.get("parameters", {}), f"outputs[{i}].parameters")
         for unsupported in ("classification", "shared_memory_region"):
             if unsupported in params:
@@ -344,7 +646,7 @@ def _requested_outputs(
         binary = params.get("binary_data", default)
         if not isinstance(binary, bool):
             raise ProtocolError(
-                f"outputs[{i}].parameters.binary_data: expected true or false, got {binary!r}"
+                f"outputs[{i}].parameters.binary_data: expected true or false, got {_show(binary)}"
             )
         requested.append(RequestedOutput(info, binary))
     return requested
@@ -359,34 +661,87 @@ def encode_response(
     outputs: list[Any],
     version: str = "1",
 ) -> tuple[bytes, dict[str, str]]:
-    """The response body and its headers; binary outputs follow the JSON header."""
-    tensors: list[dict[str, Any]] = []
+    """The response body and its headers; binary outputs follow the JSON header. JSON data
+    is written in pieces of `ENCODE_PIECE` values, so an encode on a thread lets the loop run
+    between pieces (one `tolist` + `json.dumps` of a large output held the GIL for seconds)."""
+    texts: list[str] = []
     blobs: list[bytes] = []
     for wanted in request.outputs:
         value = outputs[wanted.info.position]
-        entry, blob = _encode_output(wanted.info.name, value, wanted.binary)
-        tensors.append(entry)
+        entry, blob, values = _encode_output(wanted.info.name, value, wanted.binary)
+        text = json.dumps(entry, separators=(",", ":"))
+        if values is not None:
+            text = text[:-1] + ',"data":' + _json_values(values) + "}"
+        texts.append(text)
         if blob is not None:
             blobs.append(blob)
     doc: dict[str, Any] = {"model_name": model, "model_version": version}
     if request.id is not None:
         doc["id"] = request.id
-    doc["outputs"] = tensors
-    header = json.dumps(doc, separators=(",", ":")).encode()
+    head = json.dumps(doc, separators=(",", ":"))
+    header = (head[:-1] + ',"outputs":[' + ",".join(texts) + "]}").encode()
     if not blobs:
         return header, {"content-type": JSON_CONTENT_TYPE}
     headers = {"content-type": BINARY_CONTENT_TYPE, HEADER: str(len(header))}
     return b"".join([header, *blobs]), headers
 
 
+#: Values per piece of a JSON output's data (about 1 ms of `tolist` + `json.dumps`).
+ENCODE_PIECE = 1 << 15
+
+
+def _json_values(tensor: torch.Tensor) -> str:
+    """`json.dumps(tensor.reshape(-1).tolist())` (compact), in pieces."""
+    flat = tensor.reshape(-1)
+    n = flat.numel()
+    if n <= ENCODE_PIECE:
+        return json.dumps(flat.tolist(), separators=(",", ":"))
+    parts = [json.dumps(flat[i:i + ENCODE_PIECE].tolist(), separators=(",", ":"))[1:-1]
+             for i in range(0, n, ENCODE_PIECE)]
+    return "[" + ",".join(parts) + "]"
+
+
+#: Bytes of JSON per element at most, by datatype ("-1.2345678901234567e-308," for a float:
+#: Python's repr of a double), and per output entry besides its data (name, datatype, shape).
+JSON_ELEMENT_BYTES = {
+    "BOOL": 6, "UINT8": 4, "UINT16": 6, "UINT32": 11, "UINT64": 21, "INT8": 5, "INT16": 7,
+    "INT32": 12, "INT64": 21, "FP16": 25, "FP32": 25, "FP64": 25, "BF16": 25,
+}
+ENTRY_BYTES = 160
+
+
+def response_bytes(request: InferRequest, outputs: list[Any]) -> int:
+    """An upper bound of the response body's size, from the requested outputs' shapes and
+    encodings (binary: their bytes; JSON: `JSON_ELEMENT_BYTES` per element): what the server
+    checks against --max-response-bytes and what decides to encode off the loop."""
+    total = 128
+    for wanted in request.outputs:
+        value = outputs[wanted.info.position]
+        if isinstance(value, torch.Tensor):
+            numel, datatype = value.numel(), dt.DATATYPES.get(value.dtype, "FP64")
+        else:
+            numel, datatype = 1, "FP64"
+        per = dt.itemsize(datatype) if wanted.binary else JSON_ELEMENT_BYTES[datatype]
+        total += ENTRY_BYTES + len(wanted.info.name) + numel * per
+    return total
+
+
 def json_request_body(inputs: Mapping[str, Any]) -> bytes:
     """A JSON inference request body carrying these named values (tensors or scalars), as a
     client sends it: what the server's start-up calibration decodes (calibration.py)."""
-    entries = [_encode_output(name, value, binary=False)[0] for name, value in inputs.items()]
+    entries = []
+    for name, value in inputs.items():
+        entry, _, values = _encode_output(name, value, binary=False)
+        assert values is not None
+        entries.append({**entry, "data": values.reshape(-1).tolist()})
     return json.dumps({"inputs": entries}, separators=(",", ":")).encode()
 
 
-def _encode_output(name: str, value: Any, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+def _encode_output(
+    name: str, value: Any, binary: bool
+) -> tuple[dict[str, Any], bytes | None, torch.Tensor | None]:
+    """An output's entry without its data, and its data: the binary blob, or the tensor
+    to write as JSON."""
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu().contiguous()
         datatype = dt.datatype_of(tensor.dtype)
@@ -401,9 +756,8 @@ def _encode_output(name: str, value: Any, binary: bool) -> tuple[dict[str, Any],
         raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
         blob = raw.numpy().tobytes()
         entry["parameters"] = {"binary_data_size": len(blob)}
-        return entry, blob
-    entry["data"] = tensor.reshape(-1).tolist()
-    return entry, None
+        return entry, blob, None
+    return entry, None, tensor
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -413,6 +767,21 @@ def _object(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ProtocolError(f"{where}: expected a JSON object, got {_kind(value)}")
     return value
+
+
+def _show(value: Any, limit: int = SHOW_CHARS) -> str:
+    """A client's value for an error message: its repr, shortened, and never an error (an
+    int past Python's 4300-digit str limit is described by its length)."""
+    if type(value) is int and value.bit_length() > 4000:
+        return f"a {len(format(value, 'x'))}-hex-digit integer"
+    if isinstance(value, (list, dict)):
+        text = f"{_kind(value)} of {len(value)}"
+    else:
+        try:
+            text = repr(value)
+        except ValueError:
+            text = _kind(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_int(value: Any) -> bool:
