@@ -83,6 +83,19 @@ def serve(
     max_request_bytes: Annotated[
         int, typer.Option(min=1, help="Larger request bodies get 413.")
     ] = 64 << 20,
+    max_json_bytes: Annotated[
+        int, typer.Option(min=1, help="JSON parsed whole per request (all but flat or evenly "
+                          "nested numeric data arrays, which are parsed in pieces) may be at "
+                          "most this long; more gets 413.")
+    ] = 1 << 20,
+    max_response_bytes: Annotated[
+        int, typer.Option(min=1, help="A response estimated larger (outputs x their encoded "
+                          "size) gets 400.")
+    ] = 64 << 20,
+    body_timeout_s: Annotated[
+        float, typer.Option(min=0.001, help="Seconds a request body may take to arrive after "
+                            "its headers; a slower one gets 408.")
+    ] = 30.0,
     frames: Annotated[
         int, typer.Option(min=1, help="Concurrent executions per model (frames).")
     ] = 8,
@@ -172,6 +185,9 @@ def serve(
         max_queue_bytes=max_queue_bytes or None,
         timeout_ms=timeout_ms or None,
         max_request_bytes=max_request_bytes,
+        max_json_bytes=max_json_bytes,
+        max_response_bytes=max_response_bytes,
+        body_timeout_s=body_timeout_s,
         close_executors=True,
     )
     table = Table(title=f"asyncgraph serve on http://{host}:{port}")

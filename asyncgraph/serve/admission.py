@@ -56,7 +56,9 @@ request of it 504).
 **Memory.** Hard caps bound what waiting requests hold: `max_queue` requests waiting beyond
 the free slots (reason `max_queue`) and `max_queue_bytes` bytes of request bodies not yet
 running (reason `max_queue_bytes`; a lone request is always let in, it is bounded by the body
-size limit already).
+size limit already). The server charges a body's bytes as they arrive (`Ticket.grow`), not
+its declared Content-Length: four idle connections declaring 64 MB each filled the default
+256 MB cap and every other request got 503 for as long as they stayed open (issue 39).
 
 A request enters the gate (`enter`, a `Ticket`) before its body is read, so a refusal costs
 no read, and holds its place and its bytes until it takes a slot (`slot`) or fails. Once its
@@ -220,6 +222,8 @@ class Admission:
         self.running = 0
         self.pending = 0
         self.pending_bytes = 0
+        #: the pending bodies' sizes as priced: declared (Content-Length) or arrived, larger
+        self.pending_priced_bytes = 0
         self.in_lane = 0  # requests in the decode lane or waiting for it
         self.admitted = 0
         self.completed = 0
@@ -287,7 +291,7 @@ class Admission:
     def _loop_s_ahead(self) -> float:
         """The loop time of each request ahead: priced at the mean size of the bodies
         admitted and not yet running."""
-        return self.loop_s_for(self.pending_bytes // self.pending if self.pending else 0)
+        return self.loop_s_for(self.pending_priced_bytes // self.pending if self.pending else 0)
 
     @property
     def slot_rate(self) -> float | None:
@@ -338,9 +342,14 @@ class Admission:
 
     # -- entering ---------------------------------------------------------------------------
 
-    def enter(self, nbytes: int = 0, remaining_s: float | None = None) -> Ticket:
+    def enter(
+        self, nbytes: int = 0, remaining_s: float | None = None, *,
+        expected_bytes: int | None = None,
+    ) -> Ticket:
         """Admit a request holding `nbytes` of body with `remaining_s` to its deadline (None:
-        no deadline), or refuse it now with 503 naming the reason."""
+        no deadline), or refuse it now with 503 naming the reason. `expected_bytes` (its
+        Content-Length, when the server charges the body as it arrives with `Ticket.grow`)
+        prices its decode; it defaults to `nbytes`."""
         self.arrived += 1
         ahead = self.pending
         free = self.capacity - self.running
@@ -349,11 +358,16 @@ class Admission:
                                     f"(max queue {self.max_queue}, --max-queue)")
         if ahead and self.pending_bytes + nbytes > self.max_queue_bytes:
             self._refuse(MAX_QUEUE_BYTES, self._bytes_message(nbytes))
-        self._check_deadline(ahead, remaining_s, to_decode=self._to_decode(), nbytes=nbytes)
+        self._check_deadline(
+            ahead, remaining_s, to_decode=self._to_decode(),
+            nbytes=nbytes if expected_bytes is None else expected_bytes,
+        )
         self.pending += 1
+        priced = max(nbytes, expected_bytes or 0)
         self.pending_bytes += nbytes
+        self.pending_priced_bytes += priced
         self.admitted += 1
-        return Ticket(self, nbytes)
+        return Ticket(self, nbytes, priced)
 
     def _check_deadline(
         self, ahead: int, remaining_s: float | None, to_decode: int = 0, nbytes: int = 0
@@ -521,11 +535,12 @@ class Ticket:
     `queued` and its body's bytes in `queued_bytes`. Close it (or use it as a context
     manager) on every path; closing twice is harmless."""
 
-    __slots__ = ("admission", "nbytes", "open")
+    __slots__ = ("admission", "nbytes", "open", "priced")
 
-    def __init__(self, admission: Admission, nbytes: int) -> None:
+    def __init__(self, admission: Admission, nbytes: int, priced: int | None = None) -> None:
         self.admission = admission
         self.nbytes = nbytes
+        self.priced = nbytes if priced is None else priced  # its size for the estimate
         self.open = True
 
     def resize(self, nbytes: int) -> None:
@@ -541,12 +556,22 @@ class Ticket:
                 f"(--max-queue-bytes)"))
         gate.pending_bytes += grow
         self.nbytes = nbytes
+        if nbytes > self.priced:
+            gate.pending_priced_bytes += nbytes - self.priced
+            self.priced = nbytes
+
+    def grow(self, nbytes: int) -> None:
+        """`nbytes` more of the body arrived: charge them (`resize`), as the server does
+        while it reads a body, so a client that declares a large body and sends it slowly
+        (or not at all) holds only what it sent."""
+        self.resize(self.nbytes + nbytes)
 
     def close(self) -> None:
         if self.open:
             self.open = False
             self.admission.pending -= 1
             self.admission.pending_bytes -= self.nbytes
+            self.admission.pending_priced_bytes -= self.priced
 
     def __enter__(self) -> Ticket:
         return self

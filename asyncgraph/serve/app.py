@@ -45,7 +45,14 @@ from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve import metrics as m
 from asyncgraph.serve.admission import Admission, Ticket, capacity_for
 from asyncgraph.serve.calibration import calibrate as calibrate_model
-from asyncgraph.serve.codec import HEADER, InferRequest, decode_request, encode_response
+from asyncgraph.serve.codec import (
+    DEFAULT_MAX_JSON_BYTES,
+    HEADER,
+    InferRequest,
+    decode_request,
+    encode_response,
+    response_bytes,
+)
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
 
@@ -68,6 +75,12 @@ RETRY_AFTER_S = 1
 #: far above a burst a small model drains in time (the deadline decides before it matters).
 DEFAULT_MAX_QUEUE = 4096
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+#: Responses larger than this (estimated before encoding, codec.response_bytes) get 400:
+#: a response is bounded as a request is (a request for one output 20,000 times got 105 MB).
+DEFAULT_MAX_RESPONSE_BYTES = 64 << 20
+#: Seconds a request body may take to arrive once its headers came (408 past it): a client
+#: that declares a large body and sends it slowly, or never, holds its connection no longer.
+DEFAULT_BODY_TIMEOUT_S = 30.0
 #: Without --max-queue-bytes, waiting request bodies may hold this many maximal bodies.
 QUEUE_BYTES_PER_MAX_REQUEST = 4
 
@@ -128,6 +141,9 @@ class InferenceServer:
         timeout_ms: float | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         version: str = "1",
+        max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
@@ -137,6 +153,15 @@ class InferenceServer:
             raise ValueError(f"timeout_ms must be > 0 (or None for no timeout), got {timeout_ms}")
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        if max_json_bytes < 1:
+            raise ValueError(f"max_json_bytes must be >= 1, got {max_json_bytes}")
+        if max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes}")
+        if not body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
+        self.max_json_bytes = max_json_bytes
+        self.max_response_bytes = max_response_bytes
+        self.body_timeout_s = body_timeout_s
         self.models = models
         self.max_queue = max_queue
         self.max_queue_bytes = (
@@ -241,15 +266,16 @@ class InferenceServer:
             server_deadline = deadline_for(arrival, self.timeout_s, None)
             # refused (503) before the body is read if it cannot make the server's deadline
             # or the queue's memory caps are reached
+            # the body's bytes are charged as they arrive (Ticket.grow), not as declared
             with served.admission.enter(
-                declared or 0, server_deadline.remaining() if server_deadline else None
+                0, server_deadline.remaining() if server_deadline else None,
+                expected_bytes=declared or 0,
             ) as ticket:
-                body = await self._read_body(request)
-                ticket.resize(len(body))
+                body = await self._read_body(request, ticket, declared)
                 async with served.admission.decoding(ticket):  # one decode per loop turn
                     decoded = await _maybe_offload(
                         len(body), decode_request, body, request.headers.get(HEADER),
-                        served.interface,
+                        served.interface, self.max_json_bytes,
                     )
                 deadline = deadline_for(arrival, self.timeout_s, decoded.timeout_s)
                 del body  # freed while it queues; the ticket keeps its size as the estimate
@@ -257,14 +283,24 @@ class InferenceServer:
                     request, served, decoded, ticket, deadline
                 )
             timing += [queue_s, compute_s]
+            size = response_bytes(decoded, outputs)
+            if size > self.max_response_bytes:
+                raise ProtocolError(
+                    f"model {name!r}: the response would be up to {size} bytes "
+                    f"({len(decoded.outputs)} output(s)), over the limit of "
+                    f"{self.max_response_bytes} bytes (--max-response-bytes); request fewer "
+                    f"outputs, binary data, or a smaller batch"
+                )
             with served.admission.encoding():
                 payload, headers = await _maybe_offload(
-                    sum(o.numel() * o.element_size() for o in outputs if hasattr(o, "numel")),
-                    encode_response, name, decoded, outputs, self.version,
+                    size, encode_response, name, decoded, outputs, self.version,
                 )
             return Response(payload, 200, headers=headers), None
         except ProtocolError as exc:
-            return error_response(exc), m.REJECTED if exc.status == 503 else m.OTHER
+            response = error_response(exc)
+            if exc.status == 408:  # the rest of the body may still come: do not read it
+                response.headers["connection"] = "close"
+            return response, m.REJECTED if exc.status == 503 else m.OTHER
         except InputValidationError as exc:
             return error_response(ProtocolError(f"model {name!r}: {exc}")), m.OTHER
         except (ExecutorClosedError, OverloadedError) as exc:
@@ -293,19 +329,32 @@ class InferenceServer:
             raise _too_large(size, self.max_request_bytes)
         return size
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: Request, ticket: Ticket, declared: int | None) -> bytes:
+        """The body, within the size limit (413) and `body_timeout_s` (408), its bytes
+        charged to the ticket as they arrive (503 past --max-queue-bytes), then inflated."""
         limit = self.max_request_bytes
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _too_large(size, limit)
+                    ticket.grow(len(chunk))
+                    chunks.append(chunk)
+        except TimeoutError:
+            of = "" if declared is None else f" of {declared}"
+            raise ProtocolError(
+                f"request body: {size}{of} bytes arrived in {self.body_timeout_s:g} s, the "
+                f"limit for a body (--body-timeout-s)", 408,
+            ) from None
         body = b"".join(chunks)
+        del chunks
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding in ("gzip", "deflate"):
             body = await _decompress(body, encoding, limit)
+            ticket.resize(len(body))
         elif encoding != "identity":
             raise ProtocolError(
                 f"Content-Encoding header: unsupported {encoding!r}; expected gzip or deflate",
@@ -366,6 +415,9 @@ def create_app(
     close_executors: bool = False,
     version: str = "1",
     calibrate: bool = True,
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> Starlette:
     """A Starlette app serving `models` (name -> Executor) over the Open Inference Protocol.
 
@@ -386,10 +438,17 @@ def create_app(
             starts, so admission predicts waits from the first request (calibration.py).
             A mounted app's lifespan does not run: call `app.state.asyncgraph.calibrate()`
             from the parent's lifespan for the same.
+        max_json_bytes: JSON parsed whole per request (the document outside its data
+            arrays, and any data array that is not a flat or evenly nested array of values)
+            may be at most this long; more gets 413 (codec.py: `json.loads` holds the GIL).
+        max_response_bytes: a response estimated larger (codec.response_bytes) gets 400.
+        body_timeout_s: a request body must arrive within this many seconds of its headers;
+            a slower one gets 408 and its connection is closed.
     """
     server = InferenceServer(
         models, max_queue=max_queue, max_queue_bytes=max_queue_bytes, timeout_ms=timeout_ms,
-        max_request_bytes=max_request_bytes, version=version,
+        max_request_bytes=max_request_bytes, version=version, max_json_bytes=max_json_bytes,
+        max_response_bytes=max_response_bytes, body_timeout_s=body_timeout_s,
     )
 
     @asynccontextmanager
@@ -406,6 +465,8 @@ def create_app(
 
     routes = _routes(server)
     app = Starlette(routes=routes, lifespan=lifespan)
+    # a trailing slash is a 404 in the protocol's format, not a 307 to the path without it
+    app.router.redirect_slashes = False
     app.add_exception_handler(ProtocolError, _protocol_error_handler)
     app.add_exception_handler(HTTPException, _http_error_handler)
     app.state.asyncgraph = server
