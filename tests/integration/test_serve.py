@@ -372,10 +372,17 @@ async def test_client_disconnect_cancels_the_execution() -> None:
         await eventually(lambda: ex.statistics().frames.in_use == 0, "the frame came back")
         await eventually(lambda: ex.statistics().cancelled == 1, "the execution was cancelled")
         assert gate.cancelled == 1
+        # the failure is counted when the cancelled request's handler returns, after the
+        # frame is back: wait for that event, not for a time
+        await eventually(
+            lambda: metric(server.metrics.render().decode(), "nv_inference_request_failure",
+                           model="g", reason="CANCELED") == 1,
+            "the cancellation is counted as CANCELED",
+        )
         served = server.served("g")
         assert served.admission.running == 0 and served.admission.queued == 0
         text = server.metrics.render().decode()
-        assert metric(text, "nv_inference_request_failure", model="g", reason="CANCELED") == 1
+        assert metric(text, "nv_inference_request_failure", model="g", reason="BACKEND") == 0
 
 
 async def test_overload_answers_503_at_once() -> None:
@@ -987,7 +994,7 @@ MALFORMED: dict[str, tuple[tuple[bytes, dict[str, str]], str]] = {
         "inputs[0] ('x').shape[0]: expected a size in [1, 64], got 65"),
     "negative dimension": (
         _json(_x(shape=[-1, 4])),
-        "inputs[0] ('x').shape[0]: expected a non-negative integer, got -1"),
+        "inputs[0] ('x').shape[0]: expected an integer in [0, 9223372036854775807], got -1"),
     "huge shape": (
         _json(_x(shape=[10**15, 4])),
         "inputs[0] ('x').shape[0]: expected a size in [1, 64], got 1000000000000000"),
@@ -1000,7 +1007,26 @@ MALFORMED: dict[str, tuple[tuple[bytes, dict[str, str]], str]] = {
     "no data": (_json(_x(data=None)), "inputs[0] ('x').data: missing"),
     "bad timeout": (
         _json({**_x(), "parameters": {"timeout": 1.5}}),
-        "parameters.timeout: expected a non-negative integer (microseconds), got 1.5"),
+        "parameters.timeout: expected an integer number of microseconds in [0, "
+        "18446744073709551615], got 1.5"),
+    # issue 39: each of these was a 500 counted as a BACKEND failure
+    "nested 1000 deep": (
+        (b'{"inputs": ' + b"[" * 1000 + b"]" * 1000 + b"}", {}),
+        "request body: JSON nested too deeply"),
+    "integer beyond float range": (
+        _json(_x(data=[10**310, 1.0, 1.0, 1.0])),
+        "inputs[0] ('x').data[0]: 1000000000"),
+    "timeout beyond uint64": (
+        _json({**_x(), "parameters": {"timeout": 10**400}}),
+        "parameters.timeout: expected an integer number of microseconds in [0, "
+        "18446744073709551615], got 1000000000"),
+    "dimension of 4300 digits": (
+        _json(_x(shape=[10**4299, 4])),
+        "inputs[0] ('x').shape[0]: expected an integer in [0, 9223372036854775807], got a "
+        "3571-hex-digit integer"),
+    "output requested twice": (
+        _json({**_x(), "outputs": [{"name": "output_0"}, {"name": "output_0"}]}),
+        "outputs[1].name: output 'output_0' requested twice (also outputs[0])"),
     "unknown output": (
         _json({**_x(), "outputs": [{"name": "z"}]}),
         "outputs[0].name: unknown output 'z'"),
@@ -1031,6 +1057,9 @@ async def test_malformed_request_gets_400_naming_the_field(linear: Any, case: st
         assert r.status_code == 400, r.text
         assert message in r.json()["error"]
         assert ex.statistics().started == 0  # no frame taken, no kernel reached
+        text = (await client.get("/metrics")).text
+    assert metric(text, "nv_inference_request_failure", model="lin", reason="OTHER") == 1
+    assert metric(text, "nv_inference_request_failure", model="lin", reason="BACKEND") == 0
 
 
 async def test_request_size_limit_and_compressed_bodies(linear: Any) -> None:
