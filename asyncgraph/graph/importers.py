@@ -10,6 +10,8 @@ nodes change thread-local state (torch.vmap levels, grad mode).
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import warnings
 import weakref
@@ -36,6 +38,7 @@ from asyncgraph.graph.archive import (
 )
 from asyncgraph.graph.ir import (
     Graph,
+    InputGuard,
     InputKind,
     InputSpec,
     Node,
@@ -197,11 +200,88 @@ def from_exported_program(ep: ExportedProgram) -> Program:
     ranges = {
         sym: (_lower(vr.lower), _upper(vr.upper)) for sym, vr in ep.range_constraints.items()
     }
+    reference = ep.module()
+    guards, dim_names = _input_guards(ep, reference)
     signature = Signature(
-        tuple(inputs), tuple(outputs), ep.call_spec.in_spec, ep.call_spec.out_spec, ranges
+        tuple(inputs), tuple(outputs), ep.call_spec.in_spec, ep.call_spec.out_spec, ranges,
+        guards, dim_names,
     )
     graph = Graph(builder.values, builder.nodes, signature)
-    return Program(graph, weights, name="exported_program", reference=ep.module(), exported=ep)
+    return Program(graph, weights, name="exported_program", reference=reference, exported=ep)
+
+
+def _input_guards(
+    ep: ExportedProgram, module: torch.nn.Module
+) -> tuple[tuple[InputGuard, ...], dict[tuple[int, int], str]]:
+    """The guards ep.module() checks on its inputs, made as torch makes its `_guards_fn`
+    (torch.export._unlift), and the user's names of the dims (`Dim("batch")`), where the
+    program still has its shape environment.
+
+    Without them a program specialised on, say, an even size silently runs the branch it was
+    traced with on an odd one. Guard code from a .pt2 was checked by archive.py (plain
+    arithmetic over input sizes) before torch loaded it; ep.module() already compiled it.
+    """
+    try:
+        from torch.export import _unlift
+
+        graph: Any = module.graph
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        if not placeholders or not ep.example_inputs:
+            return (), {}
+        sig = inspect.signature(module.forward)
+        paths = _unlift._get_input_paths(ep.example_inputs, sig)  # type: ignore[no-untyped-call]
+        code = list(_unlift._get_input_guards_for_graph(
+            placeholders, ep.range_constraints, paths
+        ))
+        recorded = _unlift._force_ep_signature_match(getattr(ep, "_guards_code", []), paths)
+        code += _unlift._force_gm_signature_match(recorded, sig)
+        sources = ["L" + pytree.keystr(path) for path in paths]
+        texts = [str(path[0].key) + pytree.keystr(path[1:]) for path in paths]
+    except Exception:  # private helpers another torch may lack or change
+        return (), {}  # then ranges and equal dims are still checked, as before
+    order = sorted(range(len(paths)), key=lambda i: -len(sources[i]))  # L['x'][0] before L['x']
+
+    def rewrite(guard: str, names: list[str]) -> str:
+        for i in order:
+            guard = guard.replace(sources[i], names[i])
+        return guard
+
+    flat = [f"args[{i}]" for i in range(len(paths))]
+    guards = tuple(dict.fromkeys(
+        InputGuard(rewrite(c, flat), _readable(rewrite(c, texts))) for c in code
+    ))
+    return guards, _dim_names(ep, sources)
+
+
+def _readable(guard: str) -> str:
+    """A guard as ep.module()'s message words it: one line, without redundant parentheses."""
+    try:
+        return ast.unparse(ast.parse(guard.replace("\n", " "), mode="eval"))
+    except SyntaxError:
+        return guard.replace("\n", " ")
+
+
+def _dim_names(ep: ExportedProgram, sources: list[str]) -> dict[tuple[int, int], str]:
+    """(input, dim) -> the name the user gave that dim, from the shape environment export
+    left on the placeholders' fake tensors (a loaded .pt2 has none)."""
+    names: dict[str, str] = {}
+    for node in ep.graph_module.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        for d in getattr(val, "shape", ()):
+            if isinstance(d, torch.SymInt):
+                names = getattr(d.node.shape_env, "source_name_to_debug_name", None) or {}
+                break
+        if names:
+            break
+    found: dict[tuple[int, int], str] = {}
+    for source, name in names.items():
+        for i, base in enumerate(sources):
+            prefix = base + ".size()["
+            if source.startswith(prefix) and source.endswith("]"):
+                dim = source[len(prefix):-1]
+                if dim.isdigit():
+                    found[(i, int(dim))] = str(name)
+    return found
 
 
 def from_graph_module(gm: torch.fx.GraphModule) -> Program:

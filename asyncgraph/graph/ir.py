@@ -147,6 +147,17 @@ class OutputSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class InputGuard:
+    """A condition on the user inputs that export recorded and ep.module() checks (divisible
+    sizes, derived dims, specializations, `ep._guards_code`): `code` is Python over the flat
+    inputs `args[i]` (as torch generates it for ep.module()), `text` the same over the user's
+    argument names, for messages."""
+
+    code: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class Signature:
     """The program's interface, as torch.export's ExportGraphSignature describes it."""
 
@@ -155,6 +166,8 @@ class Signature:
     in_spec: TreeSpec | None = None
     out_spec: TreeSpec | None = None
     range_constraints: dict[sympy.Symbol, tuple[int, float]] = field(default_factory=dict)
+    guards: tuple[InputGuard, ...] = ()
+    dim_names: dict[tuple[int, int], str] = field(default_factory=dict)  # (input, dim) -> Dim
 
     @property
     def user_inputs(self) -> list[InputSpec]:

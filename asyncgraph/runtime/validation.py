@@ -2,13 +2,18 @@
 
 nativert checks count, dtype and device. We check those, the pytree structure, and every static
 or symbolic dimension against its range, binding each symbol on first sight so that two inputs
-sharing a dimension must agree. Messages name the input path and say expected versus actual,
-e.g. `args[0].shape[1]: expected 64, got 32`.
+sharing a dimension must agree, then every guard export recorded that ep.module() checks
+(divisible sizes, derived dims, specializations: Signature.guards). Messages name the input path
+and say expected versus actual, e.g. `args[0].shape[1]: expected 64, got 32`, or the guard and
+the dim by the user's name. All of it runs once per input signature (shapes, dtypes, scalar
+values): later calls with a signature that passed cost one dict lookup.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import sympy
@@ -16,7 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from asyncgraph.errors import InputValidationError
-from asyncgraph.graph.ir import Graph, InputKind, ScalarSpec, TensorSpec, ValueSpec
+from asyncgraph.graph.ir import Graph, InputGuard, InputKind, ScalarSpec, TensorSpec, ValueSpec
 
 _MAX_PASSED = 256
 _PLAIN_SCALARS = (int, float, bool, str, type(None))
@@ -39,6 +44,23 @@ def _signature(flat: Sequence[Any]) -> Signature | None:
         else:
             return None
     return tuple(parts)
+
+
+def _compile_guard(guard: InputGuard) -> Callable[[Sequence[Any]], bool]:
+    """`guard.code` as a function of the flat inputs, in the namespace torch compiles
+    ep.module()'s guards in; a guard that cannot be evaluated on an input counts as broken."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    namespace: dict[str, Any] = {**SYMPY_INTERP, "math": math, "inf": math.inf}
+    fn = eval(compile(f"lambda args: {guard.code}", "<export guard>", "eval"), namespace)
+
+    def holds(flat: Sequence[Any]) -> bool:
+        try:
+            return bool(fn(flat))
+        except Exception:
+            return False
+
+    return holds
 
 
 def _is_none(x: Any) -> bool:
@@ -71,6 +93,8 @@ class InputValidator:
         self.in_spec = sig.in_spec
         self.ranges = {str(k): v for k, v in sig.range_constraints.items()}
         self.count = len(users)
+        self.guards = [(guard, _compile_guard(guard)) for guard in sig.guards]
+        self.dim_names = sig.dim_names
         self._passed: dict[tuple[Any, ...], None] = {}  # signatures of inputs that passed
         self._last: Signature | None = None  # the last of them: returned as the same object
         # Most programs take plain positional leaves: flatten those without pytree (~10 us).
@@ -192,6 +216,29 @@ class InputValidator:
                     raise InputValidationError(
                         f"{where}: expected {int(expected)} (= {expr}), got {got}", where
                     )
+        for guard, holds in self.guards:
+            if not holds(flat):
+                raise self._guard_failed(guard, flat)
+
+    def _guard_failed(self, guard: InputGuard, flat: Sequence[Any]) -> InputValidationError:
+        """The error for a broken guard: the input and dim it reads first, by the user's name
+        of the dim where export kept it, and the guard as ep.module() words it."""
+        text = f"fails the guard {guard.text} the program was exported with"
+        found = re.search(r"args\[(\d+)\]\.size\(\)\[(\d+)\]", guard.code)
+        if found is not None:
+            i, dim = int(found[1]), int(found[2])
+            spec = self.specs[i]
+            name = self.dim_names.get((i, dim)) or (
+                str(spec.shape[dim]) if isinstance(spec, TensorSpec) else "?")
+            return InputValidationError(
+                f"{self.paths[i]}.shape[{dim}] = {flat[i].shape[dim]} (dimension {name}) {text}",
+                self.paths[i],
+            )
+        found = re.search(r"args\[(\d+)\]", guard.code)
+        if found is None:
+            return InputValidationError(f"the inputs {text}")
+        i = int(found[1])
+        return InputValidationError(f"{self.paths[i]} = {flat[i]!r} {text}", self.paths[i])
 
     def _check_tensor(
         self,
