@@ -24,6 +24,14 @@ _CPU_KEYS = ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
              "CompositeExplicitAutogradNonFunctional")
 _CUDA_KEYS = ("CUDA", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
               "CompositeExplicitAutogradNonFunctional")
+# Ops such as aten._to_dense (core ATen's to_dense) have kernels only for the layouts they take:
+# sparse, quantized, mkldnn, nested. Their node calls the operator, which dispatches on the
+# actual inputs' keys, as ep.module() does; a strided input then fails in that node, named.
+_LAYOUT_KEYS = {
+    KernelKind.CPU: ("SparseCPU", "SparseCsrCPU", "QuantizedCPU", "MkldnnCPU",
+                     "NestedTensorCPU"),
+    KernelKind.CUDA: ("SparseCUDA", "SparseCsrCUDA", "QuantizedCUDA", "NestedTensorCUDA"),
+}
 
 
 class KernelFactory:
@@ -95,7 +103,7 @@ class KernelFactory:
             return OpKernel(fn, KernelKind.PRIM, str(op))
         kind = KernelKind.CUDA if _on_cuda(node, graph) else KernelKind.CPU
         keys = _CUDA_KEYS if kind is KernelKind.CUDA else _CPU_KEYS
-        if not _has_kernel(op, keys):
+        if not _has_kernel(op, keys + _LAYOUT_KEYS[kind]):
             return None
         return OpKernel(fn, kind, str(op), estimate_cost(node, graph))
 
