@@ -22,6 +22,7 @@ from torch._higher_order_ops.while_loop import while_loop
 from torch.export import Dim
 
 from conformance.harness import TorchExportLimit
+from tests.support import torchbind
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -39,6 +40,9 @@ class Case:
     seed: int = 0
     architecture: bool = False  # a real architecture: heavier, run on one event loop
     export_limit: TorchExportLimit | None = None  # torch versions that cannot export it
+    skip: str | None = None  # why it cannot run here (a torch without torchbind's test class)
+    # inputs that break a guard export recorded, and what the InputValidationError must say
+    invalid: Callable[[], list[tuple[Inputs, str]]] | None = None
 
 
 def g(seed: int) -> torch.Generator:
@@ -337,6 +341,142 @@ class ParameterOutput(nn.Module):
         return self.w, self.b, x * self.w + self.b
 
 
+# -- 6. script objects, more effects, guards beyond ranges, layouts, signature features ---------
+
+
+class QueueMethods(nn.Module):
+    """Stateful methods of a torchbind object passed in (call_torchbind, no effect tokens as
+    exported; with_effects after run_decompositions): each result depends on their order."""
+
+    def forward(self, tq: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tq.push(x * 2)
+        first = tq.pop()
+        second = tq.pop()
+        third = tq.pop()
+        return first - second * 3, torch.mm(x.unsqueeze(1), third.unsqueeze(0))
+
+
+class QueueOps(nn.Module):
+    """Operators taking a script object (`_TorchScriptTesting::queue_push/pop`)."""
+
+    def forward(self, tq: Any, x: torch.Tensor) -> torch.Tensor:
+        torch.ops._TorchScriptTesting.queue_push(tq, x.cos())
+        a = torch.ops._TorchScriptTesting.queue_pop(tq)
+        b = torch.ops._TorchScriptTesting.queue_pop(tq)
+        return a * 10 - b
+
+
+class QueueAttribute(nn.Module):
+    """A torchbind object held by the module (a CUSTOM_OBJ constant). Each call leaves the queue
+    as it found it, so calls on a shared program stay independent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tq = torchbind.tensor_queue() if torchbind.SKIP_REASON is None else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.tq.push(x + 1)
+        self.tq.push(torch.mm(x, x))
+        return self.tq.pop() * 2, self.tq.pop() - x
+
+
+def _queue_calls(sizes: tuple[int, ...] = (3, 3, 3)) -> list[Inputs]:
+    """Fresh queues of two tensors, and an x of each size."""
+    if torchbind.SKIP_REASON is not None:
+        return []
+    return [((torchbind.tensor_queue(randn(3, seed=s), randn(3, seed=s + 1)),
+              randn(n, seed=s + 2)), {}) for s, n in enumerate(sizes)]
+
+
+class EffectsInterleaved(nn.Module):
+    """Effectful ops on independent branches of uneven cost: only the effect token orders them."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = torch.ops.agconf.record(torch.mm(x, x).sum(0))
+        b = torch.ops.agconf.record(y * 2)
+        c = torch.ops.agconf.record(x[0] - 1)
+        return a + b + c
+
+
+class ParityBranch(nn.Module):
+    """Specialised on an even size (the issue's guard: x.size(0) % 2 == 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.size(0) % 2 == 0 else x * 0
+
+
+class MultipleOfFour(nn.Module):
+    """A dim declared as 4*k: sizes must be multiples of 4."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, 4).sum(1)
+
+
+class DerivedDims(nn.Module):
+    """y's dim is x's minus one (Dim arithmetic)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x[1:] * y
+
+
+class CheckedDivisible(nn.Module):
+    """A runtime assert on an input size (torch._check), recorded as export guards."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check(x.shape[0] % 3 == 0)
+        return x.view(-1, 3).sum(1)
+
+
+class SparseInput(nn.Module):
+    """A sparse COO input (to_dense; core ATen: _to_dense, whose kernels are sparse-only)."""
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x.to_dense(), w) + 1
+
+
+class ChannelsLast(nn.Module):
+    """A channels-last input: strided, but not contiguous."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.avg_pool2d(x.relu(), 2) + x.mean()
+
+
+class KeywordsAndDefaults(nn.Module):
+    """Keyword-only inputs, a None input, an optional input given and omitted, specialised
+    int/float/bool scalars."""
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None, scale: float = 2.0,
+                shift: int = 1, flip: bool = False) -> torch.Tensor:
+        y = x * scale + shift
+        if mask is not None:
+            y = y.masked_fill(mask, 0.0)
+        return -y if flip else y
+
+
+class ConstantsAndSharing(nn.Module):
+    """A lifted tensor constant, a non-persistent buffer, and one weight used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.arange(4.0), persistent=False)
+        self.table = torch.tensor([1.0, -1.0, 0.5, 2.0])  # a plain attribute: a constant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.lin(x) + self.offset) * self.table
+
+
+class AutoDims(nn.Module):
+    """Dim.AUTO dims, one of which export finds equal to another input's."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x @ y).softmax(-1)
+
+
+def _sparse(seed: int, rows: int = 4) -> torch.Tensor:
+    return randn(rows, 5, seed=seed).relu().to_sparse()
+
+
 # -- real architectures ------------------------------------------------------------------------
 
 
@@ -558,6 +698,83 @@ CASES: list[Case] = [
         "gru", "architecture: 2-layer GRU", lambda: _eval(Recurrent("gru")),
         lambda: [((randn(3, 6, 8, seed=s),), {}) for s in (0, 1)],
         architecture=True,
+    ),
+]
+
+_NO_TORCHBIND = torchbind.SKIP_REASON
+
+CASES += [
+    Case(
+        "torchbind_methods", "6: script object with stateful methods (call_torchbind)",
+        QueueMethods, lambda: _queue_calls((3, 5, 2)),
+        dynamic_shapes=(None, {0: Dim("q", min=2, max=8)}),
+        hops=frozenset({"call_torchbind"}), skip=_NO_TORCHBIND,
+    ),
+    Case(
+        "torchbind_ops", "6: operators taking a script object", QueueOps, _queue_calls,
+        skip=_NO_TORCHBIND,
+    ),
+    Case(
+        "torchbind_attribute", "6: a script object the module holds (CUSTOM_OBJ)",
+        QueueAttribute, lambda: [((randn(3, 3, seed=s),), {}) for s in range(3)],
+        hops=frozenset({"call_torchbind"}), skip=_NO_TORCHBIND,
+    ),
+    Case(
+        "effects_interleaved", "6: effectful ops on independent branches (effect tokens)",
+        EffectsInterleaved, lambda: [((randn(4, 4, seed=s), randn(4, seed=s + 1)), {})
+                                     for s in range(3)],
+    ),
+    Case(
+        "guard_parity", "6: a guard on divisibility (x.size(0) % 2 == 0)", ParityBranch,
+        lambda: [((randn(n, seed=n),), {}) for n in (4, 2, 10)],
+        dynamic_shapes=({0: Dim.DYNAMIC},),
+        invalid=lambda: [(((torch.ones(5),), {}), r"args\[0\]\.shape\[0\] = 5 .*% 2 == 0")],
+    ),
+    Case(
+        "guard_multiple_of", "6: a dim declared 4*k", MultipleOfFour,
+        lambda: [((randn(n, seed=n),), {}) for n in (8, 12, 20)],
+        dynamic_shapes=({0: 4 * Dim("k")},),
+        invalid=lambda: [(((torch.ones(6),), {}), r"args\[0\]\.shape\[0\] = 6 \(dimension 4\*k\)"),
+                         (((torch.ones(4),), {}), r"args\[0\]\.shape\[0\] = 4 .*// 4 != 1")],
+    ),
+    Case(
+        "guard_derived_dims", "6: derived dims (dy = dx - 1)", DerivedDims,
+        lambda: [((randn(n, seed=n), randn(n - 1, seed=n + 1)), {}) for n in (5, 3, 9)],
+        dynamic_shapes=({0: Dim("dx", min=3, max=32)}, {0: Dim("dx", min=3, max=32) - 1}),
+        invalid=lambda: [(((torch.ones(5), torch.ones(5)), {}), r"args\[\d\]\.shape\[0\]"),
+                         (((torch.ones(40), torch.ones(39)), {}), r"args\[\d\]\.shape\[0\]")],
+    ),
+    Case(
+        "guard_runtime_assert", "6: torch._check on an input size", CheckedDivisible,
+        lambda: [((randn(n, seed=n),), {}) for n in (9, 6, 15)],
+        dynamic_shapes=({0: Dim.DYNAMIC},),
+        invalid=lambda: [(((torch.ones(7),), {}), r"args\[0\]\.shape\[0\] = 7 .*% 3 == 0")],
+    ),
+    Case(
+        "sparse_input", "6: a sparse COO input", SparseInput,
+        lambda: [((_sparse(s), randn(5, 2, seed=s + 1)), {}) for s in range(3)],
+    ),
+    Case(
+        "channels_last", "6: a channels-last input", ChannelsLast,
+        lambda: [((randn(n, 3, 4, 4, seed=n).to(memory_format=torch.channels_last),), {})
+                 for n in (2, 3, 5)],
+        dynamic_shapes=({0: batch},),
+    ),
+    Case(
+        "keywords_and_defaults", "6: keyword-only, None and specialised scalar inputs",
+        KeywordsAndDefaults,
+        lambda: [((randn(3, 4, seed=s),), {"mask": randn(3, 4, seed=s + 1) > 0, "scale": 2.0,
+                                           "shift": 1, "flip": False}) for s in range(3)],
+    ),
+    Case(
+        "constants_and_sharing", "6: lifted constant, non-persistent buffer, shared weight",
+        ConstantsAndSharing, lambda: [((randn(n, 4, seed=n),), {}) for n in (2, 5, 3)],
+        dynamic_shapes=({0: batch},),
+    ),
+    Case(
+        "auto_dims", "6: Dim.AUTO", AutoDims,
+        lambda: [((randn(n, 3, seed=n), randn(3, m, seed=m)), {}) for n, m in ((2, 4), (5, 3))],
+        dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO}, {0: Dim.AUTO, 1: Dim.AUTO}),
     ),
 ]
 

@@ -1,8 +1,9 @@
 """torch's torchbind test class `_TorchScriptTesting::_TensorQueue`, for tests of script objects.
 
-torch.testing._internal.torchbind_impls loads the same library, but through common_utils,
-which needs `expecttest` (not a dependency here); so this loads `libtorchbind_test.so` from
-torch's own lib folder and registers the fake class and fake ops export traces with.
+torch.testing._internal.torchbind_impls.init_torchbind_implementations loads the library
+through common_utils, which needs `expecttest` (not a dependency here); so this loads
+`libtorchbind_test.so` from torch's own lib folder, then registers torch's fake classes and
+fake ops (export traces with them; the ops insist their fakes live in torchbind_impls).
 `SKIP_REASON` is None when the class is available, else why not (the tests skip with it).
 """
 
@@ -22,37 +23,15 @@ def _load() -> str | None:
         return f"torch {torch.__version__} ships no libtorchbind_test.so (torchbind's test class)"
     try:
         torch.ops.load_library(path)
-    except Exception as exc:  # pragma: no cover - a broken install
-        return f"cannot load {path}: {exc}"
-    from torch._library.fake_class_registry import has_fake_class
+        from torch._library.fake_class_registry import has_fake_class
+        from torch.testing._internal import torchbind_impls
 
-    if not has_fake_class(QUALNAME):
-        torch._library.register_fake_class(QUALNAME)(FakeTensorQueue)
-        for name, fake in (("queue_pop", lambda tq: tq.pop()),
-                           ("queue_push", lambda tq, x: tq.push(x)),
-                           ("queue_size", lambda tq: tq.size())):
-            torch.library.register_fake(f"_TorchScriptTesting::{name}")(fake)
+        if not has_fake_class(QUALNAME):
+            torchbind_impls.register_fake_operators()
+            torchbind_impls.register_fake_classes()
+    except Exception as exc:  # pragma: no cover - a torch without them
+        return f"cannot set up torchbind's test classes from {path}: {exc!r}"
     return None
-
-
-class FakeTensorQueue:
-    """What export traces a _TensorQueue as: a Python list of (fake) tensors."""
-
-    def __init__(self, queue: list[Any]) -> None:
-        self.queue = queue
-
-    @classmethod
-    def __obj_unflatten__(cls, ctx: Any) -> FakeTensorQueue:
-        return cls(**dict(ctx))
-
-    def push(self, x: Any) -> None:
-        self.queue.append(x)
-
-    def pop(self) -> Any:
-        return self.queue.pop(0)
-
-    def size(self) -> int:
-        return len(self.queue)
 
 
 SKIP_REASON = _load()
