@@ -165,16 +165,24 @@ def request_timeout_s(parameters: Mapping[str, Any]) -> float | None:
 
 class RawArray:
     """A JSON data array cut out of the document, parsed once its datatype is known
-    (`parse_values`): `text` is the array's JSON text, brackets included."""
+    (`_check_data`): `source[start:end]` is the array's JSON text, brackets included (not
+    copied: a 64 MB copy holds the GIL too)."""
 
-    __slots__ = ("text",)
+    __slots__ = ("end", "source", "start")
 
-    def __init__(self, text: bytes) -> None:
-        self.text = text
+    def __init__(self, source: bytes, start: int, end: int) -> None:
+        self.source, self.start, self.end = source, start, end
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    @property
+    def text(self) -> bytes:
+        return self.source[self.start:self.end]
 
     def count(self) -> int:
         """The number of values, if the array is well formed: commas + 1, or 0 when empty."""
-        commas = self.text.count(b",")
+        commas = self.source.count(b",", self.start, self.end)
         if commas:
             return commas + 1
         return 0 if not self.text.translate(None, b"[]" + _JSON_SPACE) else 1
@@ -222,10 +230,10 @@ def _json_too_large(size: int, limit: int, what: str) -> ProtocolError:
     )
 
 
-def _cut_data_arrays(text: bytes) -> tuple[bytes, list[bytes], str]:
+def _cut_data_arrays(text: bytes) -> tuple[bytes, list[RawArray], str]:
     """The document with each large `"data": [...]` array replaced by a marker string, the
     arrays' texts, and the marker's prefix (random per call, so no client can forge it)."""
-    arrays: list[bytes] = []
+    arrays: list[RawArray] = []
     parts: list[bytes] = []
     marker = "\x00asyncgraph-" + secrets.token_hex(8) + ":"
     start = 0
@@ -246,7 +254,7 @@ def _cut_data_arrays(text: bytes) -> tuple[bytes, list[bytes], str]:
                 if end - i >= CUT_BYTES:
                     parts.append(text[start:i])
                     parts.append(json.dumps(marker + str(len(arrays))).encode())
-                    arrays.append(text[i:end])
+                    arrays.append(RawArray(text, i, end))
                     start = end
                 at = text.find(_DATA_KEY, end)
                 continue
@@ -278,7 +286,7 @@ def _array_end(text: bytes, start: int) -> int | None:
     return None
 
 
-def _attach(doc: Any, arrays: list[bytes], marker: str) -> bool:
+def _attach(doc: Any, arrays: list[RawArray], marker: str) -> bool:
     """Put each cut array back where its marker is, as a RawArray: True when every marker
     is an input's `data` (a `"data"` key anywhere else was cut too: then parse it all)."""
     entries = doc.get("inputs") if isinstance(doc, dict) else None
@@ -293,7 +301,7 @@ def _attach(doc: Any, arrays: list[bytes], marker: str) -> bool:
             index = data[len(marker):]
             if not index.isdigit() or int(index) >= len(arrays):
                 return False
-            entry["data"] = RawArray(arrays[int(index)])
+            entry["data"] = arrays[int(index)]
             found += 1
     return found == len(arrays)
 
@@ -301,13 +309,13 @@ def _attach(doc: Any, arrays: list[bytes], marker: str) -> bool:
 def _pieces(raw: RawArray) -> Any:
     """The values of a plain or evenly nested array, in lists of a piece each, row-major;
     ValueError when the text is not such an array."""
-    inner = raw.text[1:-1].translate(_BRACKETS_TO_SPACES)
-    n = len(inner)
-    pos = 0
+    source = raw.source
+    n = raw.end - 1  # the closing bracket
+    pos = raw.start + 1
     split = False
     while pos < n or split:
-        end = inner.find(b",", pos + PIECE_BYTES) if n - pos > PIECE_BYTES else -1
-        piece = inner[pos:] if end < 0 else inner[pos:end]
+        end = source.find(b",", pos + PIECE_BYTES, n) if n - pos > PIECE_BYTES else -1
+        piece = source[pos:n if end < 0 else end].translate(_BRACKETS_TO_SPACES)
         values = json.loads(b"[" + piece + b"]")
         if split and not values:
             raise ValueError("an empty value between commas")
@@ -480,10 +488,11 @@ def _check_data(
     """The values of JSON data (flat or nested, row-major), checked for their count and
     types, as a numpy array (float64 for the float datatypes, cast to the datatype later)."""
     if isinstance(data, RawArray) and data.count() != numel:
-        if len(data.text) > max_json_bytes:  # else parsed whole below, for the exact count
+        if len(data) > max_json_bytes:  # else parsed whole below, for the exact count
             raise ProtocolError(
                 f"{where}.data: expected {numel} element(s) for shape {list(shape)}, "
-                f"got {data.count()}"
+                f"got {data.count()} (counted by its commas: an array past --max-json-bytes "
+                f"must be flat or evenly nested, with no empty rows)"
             )
         data = _loads(data.text, f"{where}.data")
     if isinstance(data, RawArray):
@@ -496,10 +505,10 @@ def _check_data(
         except (ValueError, RecursionError):
             # not a plain or evenly nested array (an empty row, a string with a bracket,
             # invalid JSON): parse it whole, within the JSON limit, for its exact error
-            if len(data.text) > max_json_bytes:
+            if len(data) > max_json_bytes:
                 raise ProtocolError(
                     f"{where}.data: not a flat or evenly nested JSON array of values, and "
-                    f"{len(data.text)} bytes, over the limit of {max_json_bytes} bytes for "
+                    f"{len(data)} bytes, over the limit of {max_json_bytes} bytes for "
                     f"other JSON (--max-json-bytes)", 413,
                 ) from None
             data = _loads(data.text, f"{where}.data")
@@ -509,6 +518,8 @@ def _check_data(
                     f"{where}.data: expected {numel} element(s) for shape {list(shape)}, "
                     f"got {done}"
                 )
+            if not arrays:
+                return _values([], info.datatype, where, 0, None)
             return np.concatenate(arrays) if len(arrays) != 1 else arrays[0]
     flat = _flatten(data, numel, where)
     if len(flat) != numel:

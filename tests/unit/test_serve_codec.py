@@ -15,11 +15,13 @@ import pytest
 import sympy
 import torch
 import tritonclient.http as th
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import asyncgraph
 from asyncgraph.graph.builder import GraphBuilder
 from asyncgraph.graph.ir import Graph, TensorSpec
-from asyncgraph.serve import ModelInterface, ProtocolError, decode_request, encode_response
+from asyncgraph.serve import ModelInterface, ProtocolError, codec, decode_request, encode_response
 from asyncgraph.serve.datatypes import TORCH_DTYPES
 from asyncgraph.serve.interface import output_names
 
@@ -152,3 +154,203 @@ def test_inputs_fixed_at_export_are_filled_in_and_not_listed() -> None:
                                        "data": [3.0]}]}
     with pytest.raises(ProtocolError, match="unknown input 'scale'; model 'm' expects 'x'"):
         decode_request(json.dumps(bad).encode(), None, iface)
+
+
+# -- hostile bodies (issue 39) ----------------------------------------------------------------
+#
+# The decoder's contract: any body either decodes or raises ProtocolError with a 4xx status,
+# never another exception (each was a 500 counted as a BACKEND failure). The fuzz builds
+# documents over the request schema (valid and invalid values for every field), encodes them,
+# and sometimes damages the bytes; a second fuzz checks that data arrays parsed in pieces give
+# what `json.loads` gives.
+
+_S0 = sympy.Symbol("s0", positive=True, integer=True)
+_FUZZ_DATATYPES = [*TORCH_DTYPES, "BYTES", "fp32", ""]
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(min_value=-(10**400), max_value=10**400),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+)
+_json_values = st.recursive(
+    _scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                      st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=12,
+)
+_dims = st.one_of(st.integers(min_value=-2, max_value=6), st.sampled_from([10**19, 10**4299]),
+                  _scalars)
+_data = st.one_of(
+    st.lists(st.one_of(st.floats(width=32), st.integers(-300, 300)), max_size=24),
+    st.lists(st.lists(st.floats(allow_nan=False), max_size=6), max_size=4),
+    st.lists(st.booleans(), max_size=12),
+    st.lists(_scalars, max_size=6),
+    _json_values,
+)
+_parameters = st.one_of(
+    st.fixed_dictionaries({}, optional={
+        "timeout": st.one_of(st.integers(min_value=-5, max_value=10**400), _scalars),
+        "binary_data_output": _scalars,
+        "binary_data_size": _scalars,
+    }),
+    _json_values,
+)
+_entries = st.fixed_dictionaries({}, optional={
+    "name": st.one_of(st.sampled_from(["x", "y", ""]), _scalars),
+    "datatype": st.one_of(st.sampled_from(_FUZZ_DATATYPES), _scalars),
+    "shape": st.one_of(st.lists(_dims, max_size=4), _json_values),
+    "data": _data,
+    "parameters": _parameters,
+})
+_outputs = st.one_of(
+    st.none(),
+    st.lists(st.fixed_dictionaries({}, optional={
+        "name": st.one_of(st.sampled_from(["output_0", "z"]), _scalars),
+        "parameters": _parameters,
+    }), max_size=3),
+    _json_values,
+)
+_documents = st.one_of(
+    st.fixed_dictionaries({}, optional={
+        "id": _scalars, "inputs": st.one_of(st.lists(_entries, max_size=3), _json_values),
+        "outputs": _outputs, "parameters": _parameters,
+    }),
+    _json_values,
+)
+
+
+def _fuzz_iface(datatype: str) -> ModelInterface:
+    return ModelInterface("m", identity_graph(TORCH_DTYPES[datatype], (_S0, 3)))
+
+
+_IFACES = {d: _fuzz_iface(d) for d in ("FP32", "INT8", "BOOL", "UINT64", "BF16")}
+
+
+def _decodes_or_refuses(body: bytes, header: str | None, iface: ModelInterface,
+                        **limits: Any) -> None:
+    try:
+        decode_request(body, header, iface, **limits)
+    except ProtocolError as exc:
+        assert 400 <= exc.status < 500, exc
+        assert len(exc.message) < 2000, exc.message[:200]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=_documents, datatype=st.sampled_from(list(_IFACES)),
+       damage=st.one_of(st.none(), st.tuples(st.integers(0, 400), st.binary(max_size=6))),
+       binary=st.one_of(st.none(), st.tuples(st.integers(-2, 600), st.binary(max_size=48))),
+       max_json_bytes=st.sampled_from([1 << 20, 64]))
+def test_fuzz_any_body_decodes_or_is_a_4xx(
+    doc: Any, datatype: str, damage: Any, binary: Any, max_json_bytes: int
+) -> None:
+    body = json.dumps(doc).encode()
+    if damage is not None:
+        at, junk = damage
+        body = body[:at] + junk + body[at + len(junk) // 2:]
+    header = None
+    if binary is not None:
+        length, blob = binary
+        header = str(length if length != -2 else len(body))
+        body += blob
+    _decodes_or_refuses(body, header, _IFACES[datatype], max_json_bytes=max_json_bytes)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": '
+    + b"[" * 100_000 + b"1" + b"]" * 100_000 + b"}]}",
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1'
+    + b"0" * 400 + b", 1, 1]}]}",
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1e999, 1, 1]}]}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [' + b"9" * 4300
+    + b', 3], "data": [1, 1, 1]}]}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 1, 1]}], '
+    b'"parameters": {"timeout": 1' + b"0" * 400 + b"}}",
+    b'{"inputs": [{"name": "' + b"n" * 100_000 + b'", "datatype": "FP32"}]}',
+], ids=["nested 5000", "data nested 100000", "int past float", "1e999", "4300-digit dim",
+        "timeout 10**400", "100 KB name"])
+def test_the_issues_bodies_are_4xx(body: bytes) -> None:
+    _decodes_or_refuses(body, None, _IFACES["FP32"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(datatype=st.sampled_from(["FP32", "INT8", "BOOL", "UINT64", "BF16"]),
+       rows=st.integers(0, 40), nested=st.booleans(), spaces=st.booleans(),
+       piece=st.integers(1, 64), seed=st.integers(0, 2**16))
+def test_data_parsed_in_pieces_equals_json_loads(
+    datatype: str, rows: int, nested: bool, spaces: bool, piece: int, seed: int
+) -> None:
+    """With tiny pieces, an array is cut at many commas: the tensor is what a whole parse
+    gives, for flat, nested and spaced arrays, and any malformed variant is a 4xx."""
+    x = sample(datatype, (rows, 3)) if rows else torch.empty(0, 3, dtype=TORCH_DTYPES[datatype])
+    if datatype in ("INT8", "UINT64"):
+        x = torch.randint(-128 if datatype == "INT8" else 0, 127, (rows, 3),
+                          generator=torch.Generator().manual_seed(seed)).to(x.dtype)
+    values = x.tolist() if nested else x.reshape(-1).tolist()
+    separators = (", ", ": ") if spaces else (",", ":")
+    doc = {"inputs": [{"name": "x", "datatype": datatype, "shape": [rows, 3], "data": values}]}
+    body = json.dumps(doc, separators=separators).encode()
+    iface = _IFACES[datatype]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codec, "PIECE_BYTES", piece)
+        mp.setattr(codec, "CUT_BYTES", 1)
+        got = decode_request(body, None, iface).inputs[0]
+        assert isinstance(doc_of(body)["inputs"][0]["data"], codec.RawArray) or rows == 0
+        assert torch.equal(got, x)
+        for bad in (b",]", b"[,", b", ,", b"1 1", b"][", b'"1"'):
+            damaged = body.replace(b",", bad, 1) if rows else body
+            _decodes_or_refuses(damaged, None, iface)
+
+
+def doc_of(body: bytes) -> Any:
+    return codec.parse_document(body)
+
+
+def test_json_outside_the_data_arrays_is_bounded_by_max_json_bytes() -> None:
+    iface = _IFACES["FP32"]
+    x = torch.randn(4000, 3)
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [4000, 3],
+                       "data": x.reshape(-1).tolist()}]}
+    body = json.dumps(doc).encode()
+    # the data array is 200 KB, parsed in pieces: a 1 KB limit for the rest admits it
+    assert torch.equal(decode_request(body, None, iface, max_json_bytes=1024).inputs[0], x)
+    junk = json.dumps({**doc, "junk": [[]] * 2000}).encode()
+    with pytest.raises(ProtocolError, match=r"JSON outside its data arrays, over the limit of "
+                       r"1024 bytes \(--max-json-bytes\)") as info:
+        decode_request(junk, None, iface, max_json_bytes=1024)
+    assert info.value.status == 413
+    nested_with_an_empty_row = json.dumps(
+        {"inputs": [{**doc["inputs"][0], "data": [*x.tolist(), []]}]}).encode()
+    with pytest.raises(ProtocolError, match=r"data: expected 12000 element\(s\) for shape "
+                       r"\[4000, 3\], got 12001 \(counted by its commas"):
+        decode_request(nested_with_an_empty_row, None, iface, max_json_bytes=1024)
+    irregular = [*x.reshape(-1).tolist()[:-1], []]  # as many commas as values, one empty
+    padded = json.dumps({"inputs": [{**doc["inputs"][0], "data": irregular}]}).encode()
+    with pytest.raises(ProtocolError, match=r"data: not a flat or evenly nested JSON array") \
+            as info:
+        decode_request(padded, None, iface, max_json_bytes=1024)
+    assert info.value.status == 413
+    got = decode_request(nested_with_an_empty_row, None, iface).inputs[0]  # within 1 MB
+    assert torch.equal(got, x)
+
+
+def test_outputs_requested_twice_are_refused_and_responses_are_estimated() -> None:
+    iface = _IFACES["FP32"]
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3], "data": [1.0] * 6}],
+           "outputs": [{"name": "output_0"}] * 2}
+    with pytest.raises(ProtocolError, match=r"outputs\[1\].name: output 'output_0' requested "
+                       r"twice \(also outputs\[0\]\)"):
+        decode_request(json.dumps(doc).encode(), None, iface)
+    x = torch.randn(100_000, 3)
+    for binary in (False, True):
+        doc["outputs"] = [{"name": "output_0", "parameters": {"binary_data": binary}}]
+        request = decode_request(json.dumps(doc).encode(), None, iface)
+        payload, _ = encode_response("m", request, [x])
+        estimate = codec.response_bytes(request, [x])
+        assert len(payload) <= estimate < 2 * len(payload) + 1024
+    # JSON written in pieces is what one json.dumps writes
+    doc["outputs"] = [{"name": "output_0"}]
+    request = decode_request(json.dumps(doc).encode(), None, iface)
+    payload, _ = encode_response("m", request, [x])
+    whole = {"model_name": "m", "model_version": "1", "outputs": [
+        {"name": "output_0", "datatype": "FP32", "shape": [100_000, 3],
+         "data": x.reshape(-1).tolist()}]}
+    assert payload == json.dumps(whole, separators=(",", ":")).encode()
