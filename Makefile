@@ -36,7 +36,7 @@ VENV_312 ?= .venv-py312
 
 # pytest, as every leg runs it: the skip reasons (-rs) and the 25 slowest tests. With JUNIT_DIR
 # (set by scripts/test_legs.py) each run also writes JUnit XML there, for the summary table.
-PYTEST_FLAGS = -q -p no:cacheprovider -rs --durations=25
+PYTEST_FLAGS = -q -p no:cacheprovider -rfEs --durations=25
 junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 # The suite in two runs: everything that may share the cores on xdist's workers, then the tests
 # marked `serial` (they measure loop lag, wall time or overlap) alone.

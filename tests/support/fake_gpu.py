@@ -45,8 +45,12 @@ class FakeEvent:
         self.synchronized = 0
 
     def record(self, stream: FakeStream) -> None:
-        self.token = self.gpu.new_token()
-        stream.queue.append(("record", self.token))
+        # the token is published only once its marker is queued: a stream told to wait for
+        # this event from another thread in between would otherwise wait for a marker that
+        # is not on any stream yet, which the simulator (stepping meanwhile) calls a deadlock
+        token = self.gpu.new_token()
+        stream.queue.append(("record", token))
+        self.token = token
 
     def query(self) -> bool:
         # a broken (deadlocked) simulation completes everything, so the test ends and reports
@@ -89,7 +93,7 @@ class FakeGpu:
         self.done_kernels: set[Any] = set()
         self.launched: set[Any] = set()
         self.errors: list[str] = []
-        self._tokens = 0
+        self._tokens = itertools.count(1)
 
     def stream(self, name: str) -> FakeStream:
         s = FakeStream(self, name)
@@ -97,8 +101,7 @@ class FakeGpu:
         return s
 
     def new_token(self) -> int:
-        self._tokens += 1
-        return self._tokens
+        return next(self._tokens)  # atomic: worker threads record events too (ThreadGpu)
 
     def launch(self, name: Any, needs: set[Any], stream: FakeStream | None = None) -> None:
         target = stream or self.current or self.default[0]
