@@ -3,10 +3,10 @@ effects"; asyncgraph/graph/effects.py).
 
 Issue 39: two `pop`s of one torchbind queue, with no data edge between them, ran in the other
 order from the second execution on (adaptive placement changed the schedule). The property
-test below builds random graphs whose side-effecting nodes append to a shared log, runs each
-past adaptive placement's decision (profiling, then decided schedules, fused and straight-line
-runs, worker hops), serially and in parallel with a seeded ready order, and compares the log
-with graph order.
+test below builds random graphs whose side-effecting nodes append to their execution's log,
+runs each past adaptive placement's decision (profiling, then decided schedules, fused and
+straight-line runs, worker hops), then several executions at once, serially and in parallel
+with a seeded ready order, and compares each log with graph order.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ SERIAL = ExecutorConfig(max_parallel_ops=1)
 
 
 def parallel(seed: int) -> ExecutorConfig:
-    return ExecutorConfig(max_parallel_ops=3, ready_order_seed=seed, heavy_op_flops=0)
+    return ExecutorConfig(max_parallel_ops=3, ready_order_seed=seed, heavy_op_flops=0,
+                          max_concurrent_executions=4)
 
 
 # -- torchbind: the issue's reproducer ----------------------------------------------------------
@@ -156,32 +157,33 @@ def effect_graphs(draw: st.DrawFn) -> tuple[Step, ...]:
     return tuple(steps)
 
 
-def build(steps: tuple[Step, ...], log: list[tuple[int, int]]) -> Graph:
-    """State 0 is a name, state 1 an object a graph input holds (a Ref), state 2 another name."""
+def build(steps: tuple[Step, ...]) -> Graph:
+    """Every side-effecting node appends (state, node) to the list its execution passes in
+    (`log`), so concurrent executions keep separate logs. State 0 is a name, state 1 the
+    object a graph input holds (a Ref), state 2 another name."""
     b = GraphBuilder()
     x = b.input("x")
-    box = b.input("box")
+    log = b.input("log")
     values = [x]
     for i, step in enumerate(steps):
-        fn = _node(i, step, log)
         effects: Any = None
         if step.state == 1:
-            effects = box
+            effects = log
         elif step.state is not None:
             effects = f"state{step.state}"
         placement = None if step.kind == "task" else step.kind
-        values.append(b.call(fn, *(values[s] for s in step.sources), name=f"n{i}",
-                             placement=placement, effects=effects))
+        values.append(b.call(_node(i, step), log, *(values[s] for s in step.sources),
+                             name=f"n{i}", placement=placement, effects=effects))
     b.output(tuple(values[1:]))
     return b.build()
 
 
-def _node(i: int, step: Step, log: list[tuple[int, int]]) -> Any:
+def _node(i: int, step: Step) -> Any:
     def value(xs: tuple[int, ...]) -> int:
         return (sum(xs) * 3 + i) % 1009
 
     if step.kind == "task":
-        async def run_async(*xs: int) -> int:
+        async def run_async(log: list[tuple[int, int]], *xs: int) -> int:
             await asyncio.sleep(0)
             if step.state is not None:
                 log.append((step.state, i))
@@ -189,7 +191,7 @@ def _node(i: int, step: Step, log: list[tuple[int, int]]) -> Any:
 
         return run_async
 
-    def run(*xs: int) -> int:
+    def run(log: list[tuple[int, int]], *xs: int) -> int:
         if step.state is not None:
             log.append((step.state, i))
         return value(xs)
@@ -205,21 +207,30 @@ def expected_order(steps: tuple[Step, ...]) -> dict[int, list[int]]:
     return order
 
 
-async def check_effect_order(steps: tuple[Step, ...], seed: int) -> None:
+async def run_once(ex: Executor, graph: Graph, want: dict[int, list[int]], call: int) -> None:
     log: list[tuple[int, int]] = []
-    graph = build(steps, log)
+    await ex.execute(call, log)
+    got: dict[int, list[int]] = {}
+    for state, node in log:
+        got.setdefault(state, []).append(node)
+    assert got == want, (
+        f"max_parallel_ops={ex.config.max_parallel_ops}, execution {call + 1}: effects ran "
+        f"in order {got}, graph order is {want}\n{graph.format()}"
+    )
+
+
+async def check_effect_order(steps: tuple[Step, ...], seed: int) -> None:
+    """CALLS executions one after another, then rounds of 4 at once (overlapping executions
+    take the loaded placement and worker executions), serially and in parallel."""
+    graph = build(steps)
     want = expected_order(steps)
     for config in (SERIAL, parallel(seed)):
         async with LeakChecker(), Executor(graph, config) as ex:
             for call in range(CALLS):
-                log.clear()
-                await ex.execute(call, object())
-                got: dict[int, list[int]] = {}
-                for state, node in log:
-                    got.setdefault(state, []).append(node)
-                assert got == want, (
-                    f"max_parallel_ops={config.max_parallel_ops}, execution {call + 1}: "
-                    f"effects ran in order {got}, graph order is {want}\n{graph.format()}"
+                await run_once(ex, graph, want, call)
+            for round_ in range(2):
+                await asyncio.gather(
+                    *(run_once(ex, graph, want, CALLS + 4 * round_ + k) for k in range(4))
                 )
 
 
