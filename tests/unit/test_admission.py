@@ -524,3 +524,28 @@ async def test_a_decode_cancelled_in_the_lane_or_waiting_for_it_passes_the_lane_
     await last
     assert admission.statistics().decoding == 0 and admission.queued == 0
     assert decoded == ["holder", "last"]
+
+
+def test_a_body_is_charged_as_it_arrives_and_priced_as_declared() -> None:
+    """Issue 39: the server enters a request with nothing charged and its Content-Length to
+    price its decode, then grows the ticket chunk by chunk: four requests that declared the
+    whole cap and sent 10 bytes each hold 40 bytes, and the next is admitted; bytes that do
+    arrive are refused at the cap as before."""
+    cap = 4 << 20
+    admission = gate(capacity=1, max_queue_bytes=cap)
+    tickets = [admission.enter(0, expected_bytes=cap // 4) for _ in range(4)]
+    for ticket in tickets:
+        ticket.grow(10)
+    assert admission.statistics().queued_bytes == 40
+    assert admission.pending_priced_bytes == cap  # the estimate prices them as declared
+    with admission.enter(0, expected_bytes=100) as fifth:
+        fifth.grow(100)
+        assert fifth.priced == 100
+    tickets[0].grow(cap // 2)
+    with pytest.raises(ProtocolError, match=r"would pass the cap of 4194304 bytes") as info:
+        tickets[1].grow(cap // 2)
+    assert info.value.status == 503 and admission.refused[MAX_QUEUE_BYTES] == 1
+    assert tickets[0].priced == cap // 2 + 10  # it outgrew its declared size
+    for ticket in tickets:
+        ticket.close()
+    assert admission.statistics().queued_bytes == 0 and admission.pending_priced_bytes == 0
