@@ -448,16 +448,22 @@ async def test_a_swap_loads_the_spare_buffer_before_executions(
 CPP_GEMM = {"max_autotune_gemm_backends": "CPP"}
 
 
+@pytest.fixture(scope="session")
+def tuned(compiled: Compiled, tmp_path_factory: pytest.TempPathFactory) -> CompileReport:
+    """The autotuned compile, once for both loops' tests (a compile takes tens of seconds)."""
+    return compile_program(compiled.source, tmp_path_factory.mktemp("tuned") / "tuned.pt2",
+                           "auto", autotune=True, keep_faster=False, inductor_configs=CPP_GEMM)
+
+
 @pytest.mark.timeout(600)
 async def test_autotuned_segments_swap_their_packed_weights(
-    compiled: Compiled, tmp_path: Path, leak_check: Any
+    compiled: Compiled, tuned: CompileReport, leak_check: Any
 ) -> None:
     """autotune=True: the C++ GEMM packs its weights into new constants at compile time; each
     is traced to its weight, and a swap repacks it: results match the plain graph before and
     after swaps in both directions (a swap of the weight alone would leave the kernels on the
     old values)."""
-    report = compile_program(compiled.source, tmp_path / "tuned.pt2", "auto", autotune=True,
-                             keep_faster=False, inductor_configs=CPP_GEMM)
+    report = tuned
     [segment] = report.segments
     assert segment.autotuned and not segment.frozen
     assert {(p.source, p.transposed) for p in segment.packed} == {
@@ -598,22 +604,30 @@ def test_a_failed_timing_keeps_the_default_compile(
                    "RuntimeError: Error in dlopen: undefined symbol")
 
 
-@pytest.mark.timeout(600)
-async def test_untraceable_packed_weights_refuse_a_swap(
-    compiled: Compiled, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leak_check: Any
-) -> None:
-    """A packed constant that cannot be traced to its weight leaves the segment frozen: results
-    match, a swap of its weights is refused before anything changes (the error names the
-    segment, the weights and why), and a swap to equal values in new tensors is accepted."""
+@pytest.fixture(scope="session")
+def frozen(compiled: Compiled, tmp_path_factory: pytest.TempPathFactory) -> CompileReport:
+    """An autotuned compile whose packed constants cannot be traced, once for both loops."""
     import asyncgraph.compiled.build as build
     from asyncgraph.compiled.packing import PackingError
 
     def untraceable(*_args: Any) -> None:
         raise PackingError("constant6 [2, 16, 8]: no weight packs to it")
 
-    monkeypatch.setattr(build, "find_packed", untraceable)
-    report = compile_program(compiled.source, tmp_path / "frozen.pt2", "auto", autotune=True,
-                             keep_faster=False, inductor_configs=CPP_GEMM)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "find_packed", untraceable)
+        return compile_program(compiled.source,
+                               tmp_path_factory.mktemp("frozen") / "frozen.pt2", "auto",
+                               autotune=True, keep_faster=False, inductor_configs=CPP_GEMM)
+
+
+@pytest.mark.timeout(600)
+async def test_untraceable_packed_weights_refuse_a_swap(
+    compiled: Compiled, frozen: CompileReport, leak_check: Any
+) -> None:
+    """A packed constant that cannot be traced to its weight leaves the segment frozen: results
+    match, a swap of its weights is refused before anything changes (the error names the
+    segment, the weights and why), and a swap to equal values in new tensors is accepted."""
+    report = frozen
     assert [s.frozen for s in report.segments] == [
         "packed weights not swappable: constant6 [2, 16, 8]: no weight packs to it"]
     ex = asyncgraph.load(report.path, trust_compiled=True)
