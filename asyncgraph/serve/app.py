@@ -9,11 +9,13 @@ and empties in its own lifespan; the app reads it on every request.
 
 One inference request: look the model up (404) -> enter the model's admission gate, refused at
 once (503) if it could not make its deadline or the queue's memory caps are reached ->
-read the body within the size limit (413) -> decode, in the gate's decode lane (one decode per
-loop turn, timed), and check every field against the signature (400, nothing allocated for a
-bad request) -> wait for an execution slot -> execute, cancelled at its deadline (504) or by
-the client going away -> encode JSON or binary outputs (timed: the gate counts decode and
-encode as the loop time a request costs).
+read the body within the size limit (413) and --body-timeout-s (408), its bytes charged to
+the gate as they arrive -> decode, in the gate's decode lane (one decode per loop turn, timed),
+and check every field against the signature (400, nothing allocated for a bad request; JSON
+parsed in pieces, codec.py) -> wait for an execution slot -> execute, cancelled at its
+deadline (504) or by the client going away -> check the response's estimated size against
+--max-response-bytes (400) -> encode JSON or binary outputs (timed: the gate counts decode
+and encode as the loop time a request costs).
 A request's deadline is its arrival plus the smaller of `timeout_ms` and its own
 `parameters.timeout` (Triton's, in microseconds).
 
