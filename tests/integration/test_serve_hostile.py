@@ -10,6 +10,7 @@ import asyncio
 import gzip
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -45,12 +46,12 @@ def linear() -> torch.export.ExportedProgram:
 
 @asynccontextmanager
 async def serving(
-    ex: asyncgraph.Executor, **options: Any
+    ex: asyncgraph.Executor, keep_alive_s: int = int(WAIT_S) * 3, **options: Any
 ) -> AsyncIterator[tuple[InferenceServer, httpx.AsyncClient, tuple[str, int]]]:
     options.setdefault("calibrate", False)
     app = create_app({"lin": ex}, **options)
     async with (
-        running_server(app, timeout_keep_alive=int(WAIT_S) * 3) as url,
+        running_server(app, timeout_keep_alive=keep_alive_s) as url,
         httpx.AsyncClient(base_url=url, timeout=WAIT_S) as client,
     ):
         host, port = url.removeprefix("http://").split(":")
@@ -225,3 +226,29 @@ async def test_malformed_http_gets_uvicorns_plain_text_400_and_a_close(linear: A
                 writer.close()
                 await writer.wait_closed()
         assert ex.statistics().started == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_sent_while_the_loop_is_held_past_the_keep_alive_timeout_is_answered(
+    linear: Any,
+) -> None:
+    """Issue 39 saw a keep-alive request sent during a long stall lose its connection. A
+    stall of the loop itself does not: the test holds the loop (server included) past a 1 s
+    keep-alive right after sending its second request, and the loop reads the request
+    before it runs the keep-alive timer that expired meanwhile (uvloop and asyncio alike)."""
+    body = json.dumps(infer_body(torch.ones(1, 4))).encode()
+    async with asyncgraph.Executor(linear) as ex, serving(ex, keep_alive_s=1) as (
+        _server, _client, (host, port)
+    ):
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(head(len(body)) + body)
+            assert (await read_response(reader))[0] == 200
+            writer.write(head(len(body)) + body)  # sent now, while the connection is open
+            time.sleep(1.5)  # noqa: ASYNC251 - the stall: the loop is held past the keep-alive
+            status, _, answer = await read_response(reader)
+            assert status == 200, answer
+        finally:
+            writer.close()
+            await writer.wait_closed()
+        assert ex.statistics().completed == 2
