@@ -18,8 +18,9 @@ from asyncgraph.errors import (
 from asyncgraph.graph.builder import GraphBuilder
 from asyncgraph.graph.importers import Program, to_program
 from asyncgraph.graph.ir import Graph, Node, Ref, Signature, Value
+from asyncgraph.loading import load
 from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
-from asyncgraph.runtime.executor import Executor, ExecutorStatistics, load
+from asyncgraph.runtime.executor import Executor, ExecutorStatistics
 from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.pool import FramePool, FramePoolStatistics

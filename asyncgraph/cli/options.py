@@ -50,7 +50,7 @@ ScriptSegmentsOpt = Annotated[
 
 def load_executor(model: Path, config: ExecutorConfig, trust_compiled: bool) -> Executor:
     """The Executor of a .pt2 file; a compiled package loads only with `trust_compiled`."""
-    from asyncgraph.runtime.executor import load
+    from asyncgraph.loading import load
 
     return load(model, config, trust_compiled=trust_compiled)
 

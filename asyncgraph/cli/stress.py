@@ -104,12 +104,12 @@ def stress(
         options["max_parallel_ops"] = parallel_ops
     if max_batch_size:
         options["batching"] = BatchingConfig(max_batch_size=max_batch_size)
-    from asyncgraph.graph.importers import load_pt2
+    from asyncgraph.loading import load_program
 
     started = time.perf_counter()
     with console.status(f"loading {model} ..."):
         # before the bars: a bad file is one line, nothing else
-        program = load_pt2(model, trust_compiled=trust_compiled)
+        program = load_program(model, trust_compiled=trust_compiled)
     load_s = time.perf_counter() - started
     with _progress_bars() as progress:
         report = asyncio.run(run_stress(

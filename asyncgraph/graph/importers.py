@@ -18,6 +18,7 @@ import weakref
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import sympy
@@ -89,15 +90,23 @@ def to_program(source: ProgramLike) -> Program:
     )
 
 
-def load_pt2(
-    path: str | os.PathLike[str], *, trust_compiled: bool = False, runners: int = 1
-) -> Program:
-    """Load a .pt2 written by torch.export.save, refusing anything that is not one.
+def load_pt2(path: str | os.PathLike[str]) -> Program:
+    """Load a plain .pt2 written by torch.export.save, refusing anything that is not one.
 
-    A compiled package (`asyncgraph compile`) loads native code, so it is refused unless
-    `trust_compiled`; `runners` is then how many executions each compiled segment runs at once
-    (asyncgraph/compiled/package.py).
+    A compiled package (`asyncgraph compile`) loads native code: graph/ never reads one, so it
+    is refused here; asyncgraph.load (asyncgraph/loading.py) loads it when trusted.
     """
+    p = open_pt2(path)
+    if is_compiled_package(p):
+        raise ProgramLoadError(
+            f"{p}: an AOTInductor-compiled package (asyncgraph compile), which holds "
+            f"native code that runs when loaded; {TRUST_HINT}"
+        )
+    return read_plain_pt2(p)
+
+
+def open_pt2(path: str | os.PathLike[str]) -> Path:
+    """The path of an existing, uncorrupted zip archive (a .pt2 of either kind)."""
     p = existing_file(path)
     if not zipfile.is_zipfile(p):
         raise ProgramLoadError(f"{p}: not a .pt2 archive (not a zip file)")
@@ -108,16 +117,11 @@ def load_pt2(
             raise ProgramLoadError(f"{p}: archive member {bad!r} is corrupt")
     except zipfile.BadZipFile as exc:
         raise ProgramLoadError(f"{p}: truncated or corrupt archive ({exc})") from None
-    if is_compiled_package(p):
-        if not trust_compiled:
-            raise ProgramLoadError(
-                f"{p}: an AOTInductor-compiled package (asyncgraph compile), which holds "
-                f"native code that runs when loaded; {TRUST_HINT}"
-            )
-        from asyncgraph.compiled.package import load_compiled
+    return p
 
-        compiled: Program = load_compiled(p, runners=runners)
-        return compiled
+
+def read_plain_pt2(p: Path) -> Program:
+    """A plain .pt2 checked by open_pt2, checked again member by member, then imported."""
     check_pt2_archive(p, verify_crc=False)  # nothing from the file runs (see archive.py)
     try:
         with warnings.catch_warnings():

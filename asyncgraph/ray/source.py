@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncgraph.errors import ProgramLoadError
+from asyncgraph.loading import load
 from asyncgraph.runtime.config import ExecutorConfig
-from asyncgraph.runtime.executor import Executor, load
+from asyncgraph.runtime.executor import Executor
 
 
 @dataclass(frozen=True, slots=True)

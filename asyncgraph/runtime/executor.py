@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import sys
 import threading
 import time
@@ -638,25 +637,6 @@ def _cancel_pending(task: asyncio.Task[Any] | None) -> bool:
     say, the answer is yes: the caller then takes the old checkpoint.
     """
     return task is None or bool(getattr(task, "_must_cancel", True))
-
-
-def load(
-    path: str | os.PathLike[str],
-    config: ExecutorConfig | None = None,
-    *,
-    trust_compiled: bool = False,
-) -> Executor:
-    """Load a .pt2 file written by torch.export.save into an Executor.
-
-    A package made by `asyncgraph compile` (AOTInductor segments) runs native code when loaded
-    and needs `trust_compiled=True`; each compiled segment then gets one runner per worker
-    thread, so parallel executions do not queue on it.
-    """
-    from asyncgraph.graph.importers import load_pt2
-
-    config = config if config is not None else ExecutorConfig()
-    program = load_pt2(path, trust_compiled=trust_compiled, runners=config.max_parallel_ops)
-    return Executor(program, config)
 
 
 def _prepare_compiled(kernels: Sequence[OpKernel], tensors: Mapping[str, Any]) -> None:

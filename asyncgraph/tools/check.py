@@ -62,10 +62,10 @@ def run_check(
     """Load `model`, run it eagerly and through asyncgraph, and compare (no printing).
 
     `trust_compiled` lets a package of `asyncgraph compile` load (it runs native code)."""
-    from asyncgraph.graph.importers import load_pt2
+    from asyncgraph.loading import load_program
     from asyncgraph.tools.compare import random_inputs
 
-    program = load_pt2(model, trust_compiled=trust_compiled)
+    program = load_program(model, trust_compiled=trust_compiled)
     ep = program.exported
     assert ep is not None
     sample = getattr(ep, "example_inputs", None)

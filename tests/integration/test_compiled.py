@@ -35,10 +35,11 @@ from asyncgraph.compiled import (
 from asyncgraph.compiled.package import load_source_program, read_manifest
 from asyncgraph.errors import ProgramLoadError, WeightsError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
-from asyncgraph.graph.importers import Node, load_pt2
+from asyncgraph.graph.importers import Node
 from asyncgraph.graph.ir import Graph
 from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.kernels.base import KernelKind
+from asyncgraph.loading import load_program
 from asyncgraph.runtime.placement import AdaptivePlacement
 from asyncgraph.runtime.plan import Placement
 from asyncgraph.testing.reference import perturbed_weights
@@ -299,7 +300,7 @@ async def test_swap_during_an_execution_keeps_its_version(
     compiled: Compiled, leak_check: Any
 ) -> None:
     gate = Gate("aoti_segment_0")
-    program = load_pt2(compiled.path("whole"), trust_compiled=True)
+    program = load_program(compiled.path("whole"), trust_compiled=True)
     ex = Executor(program, ON_WORKERS, kernel_factory=gate)
     plain = Executor(compiled.source)
     try:
@@ -349,7 +350,7 @@ class HoldFirst(KernelFactory):
 async def test_a_segment_is_placed_like_any_kernel(compiled: Compiled, leak_check: Any) -> None:
     """A delegate's place follows its cost as a CPU kernel's does (no forced worker hop): a
     short segment can run inline, and adaptive placement may move it."""
-    program = load_pt2(compiled.path("whole"), trust_compiled=True)
+    program = load_program(compiled.path("whole"), trust_compiled=True)
     placements = {}
     for bar in (1, 10**12):
         ex = Executor(program, ExecutorConfig(heavy_op_flops=bar, adaptive_placement=False))
@@ -392,7 +393,7 @@ async def test_old_and_new_versions_interleave_on_one_segment(
     runs through it: each gets its own version (two containers), the old one's result is the
     plain graph's on the old weights."""
     hold = HoldFirst("aoti_segment_1")
-    ex = Executor(load_pt2(compiled.path("whole"), trust_compiled=True), ON_WORKERS,
+    ex = Executor(load_program(compiled.path("whole"), trust_compiled=True), ON_WORKERS,
                   kernel_factory=hold)
     plain = Executor(compiled.source)
     segment = ex.graph.node("aoti_segment_1").target
@@ -682,7 +683,7 @@ async def test_swap_to_views_and_back(compiled: Compiled, leak_check: Any) -> No
 @pytest.mark.timeout(120)
 async def test_cancel_between_segments(compiled: Compiled, leak_check: Any) -> None:
     gate = Gate("aoti_segment_0")
-    program = load_pt2(compiled.path("whole"), trust_compiled=True)
+    program = load_program(compiled.path("whole"), trust_compiled=True)
     ex = Executor(program, ON_WORKERS, kernel_factory=gate)
     second = ex.graph.node("aoti_segment_1").target
     try:
@@ -1109,7 +1110,7 @@ def _compiled_in(path: Path, segment: str = "aoti_segment_0") -> dict[str, torch
     """The constants compiled into a segment, by name: the program's weights through the
     delegate's constant -> weight name table, as the delegate loads them (a linear's weight
     transposed)."""
-    program = load_pt2(path, trust_compiled=True)
+    program = load_program(path, trust_compiled=True)
     delegate = program.graph.node(segment).target
     return delegate.constant_tensors([program.weights[name] for name in delegate._weight_names])
 

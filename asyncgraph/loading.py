@@ -1,0 +1,56 @@
+"""Loading a .pt2 file: a plain exported program, or a compiled package.
+
+graph/ reads plain programs only (graph/importers.py); a package made by `asyncgraph compile`
+holds AOTInductor segments, native code that runs when loaded, which compiled/package.py reads
+once the caller trusts it. This module picks between them, above both layers, so neither
+imports the other. `asyncgraph.load` is `load` here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from asyncgraph.errors import ProgramLoadError
+from asyncgraph.graph.archive import TRUST_HINT, is_compiled_package
+from asyncgraph.graph.importers import Program, open_pt2, read_plain_pt2
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.executor import Executor
+
+
+def load_program(
+    path: str | os.PathLike[str], *, trust_compiled: bool = False, runners: int = 1
+) -> Program:
+    """The Program of a .pt2 written by torch.export.save or by `asyncgraph compile`.
+
+    A compiled package loads native code, so it is refused unless `trust_compiled`; `runners`
+    is then how many executions each compiled segment runs at once (compiled/package.py).
+    """
+    p = open_pt2(path)
+    if is_compiled_package(p):
+        if not trust_compiled:
+            raise ProgramLoadError(
+                f"{p}: an AOTInductor-compiled package (asyncgraph compile), which holds "
+                f"native code that runs when loaded; {TRUST_HINT}"
+            )
+        from asyncgraph.compiled.package import load_compiled  # torch's AOTI on demand
+
+        compiled: Program = load_compiled(p, runners=runners)
+        return compiled
+    return read_plain_pt2(p)
+
+
+def load(
+    path: str | os.PathLike[str],
+    config: ExecutorConfig | None = None,
+    *,
+    trust_compiled: bool = False,
+) -> Executor:
+    """Load a .pt2 file written by torch.export.save into an Executor.
+
+    A package made by `asyncgraph compile` (AOTInductor segments) runs native code when loaded
+    and needs `trust_compiled=True`; each compiled segment then gets one runner per worker
+    thread, so parallel executions do not queue on it.
+    """
+    config = config if config is not None else ExecutorConfig()
+    program = load_program(path, trust_compiled=trust_compiled, runners=config.max_parallel_ops)
+    return Executor(program, config)
