@@ -843,7 +843,8 @@ def _triton_input() -> Any:
 @pytest.mark.timeout(60)
 async def test_the_memory_cap_refuses_at_its_bound() -> None:
     """--max-queue-bytes: one request runs, one waits holding its body's bytes; the next body
-    would pass the cap and is refused before it is read."""
+    would pass the cap and is refused as it arrives (bytes are charged as they arrive, not as
+    declared: issue 39)."""
     gate = Gate()
     config = asyncgraph.ExecutorConfig(max_concurrent_executions=1)
     body = json.dumps(infer_body(torch.ones(2))).encode()
@@ -855,8 +856,9 @@ async def test_the_memory_cap_refuses_at_its_bound() -> None:
             await gate.started.wait()
         waiting = asyncio.create_task(client.post("/v2/models/g/infer", content=body))
         admission = server.served("g").admission
-        await eventually(lambda: admission.queued == 1, "the second request waits")
-        assert admission.statistics().queued_bytes == len(body)
+        await eventually(lambda: admission.statistics().queued_bytes == len(body),
+                         "the second request waits, charged its body")
+        assert admission.queued == 1
         refused = await client.post("/v2/models/g/infer", content=body)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "--max-queue-bytes" in refused.json()["error"]
