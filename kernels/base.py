@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from asyncgraph.graph.importers import Program
+    from asyncgraph.runtime.config import ExecutorConfig
 
 
 class KernelKind(enum.Enum):
@@ -22,6 +26,21 @@ class KernelKind(enum.Enum):
     CUDA = "cuda"
     ASYNC = "async"
     DELEGATE = "delegate"
+
+
+class InnerExecutor(Protocol):
+    """What a control-flow kernel needs of the executor that runs one of its subgraphs."""
+
+    plan: Any
+
+    async def execute(self, *args: Any) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+# Makes the executor of a subgraph: passed in by the runtime (runtime/executor.py), so the
+# kernels never import the executor that imports them.
+InnerExecutorFactory = Callable[["Program", "ExecutorConfig"], InnerExecutor]
 
 
 class OpKernel:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx
@@ -42,11 +42,8 @@ from torch.utils import _pytree as pytree
 
 from asyncgraph.graph.importers import Program, from_graph_module
 from asyncgraph.graph.ir import Node
-from asyncgraph.kernels.base import KernelKind, OpKernel
+from asyncgraph.kernels.base import InnerExecutor, InnerExecutorFactory, KernelKind, OpKernel
 from asyncgraph.runtime.config import ExecutorConfig
-
-if TYPE_CHECKING:
-    from asyncgraph.runtime.executor import Executor
 
 
 def subgraph_config(config: ExecutorConfig | None) -> ExecutorConfig:
@@ -60,14 +57,17 @@ class Subgraph:
 
     __slots__ = ("executor", "name")
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, config: ExecutorConfig) -> None:
-        from asyncgraph.kernels.factory import KernelFactory
-        from asyncgraph.runtime.executor import Executor  # the executor imports the kernels
-
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        name: str,
+        config: ExecutorConfig,
+        make_executor: InnerExecutorFactory,
+    ) -> None:
         imported = from_graph_module(gm)
         program = Program(imported.graph, imported.weights, name=name, reference=gm)
         self.name = name
-        self.executor: Executor = Executor(program, config, kernel_factory=KernelFactory(config))
+        self.executor: InnerExecutor = make_executor(program, config)
 
     async def __call__(self, *args: Any) -> Any:
         """Run the subgraph; returns what `gm(*args)` returns (its output structure)."""
@@ -86,7 +86,19 @@ class SubgraphKernel:
 
     roles: tuple[str, ...] = ()  # names of the subgraph arguments, in order, for messages
 
-    def __init__(self, op: Any, node: Node, config: ExecutorConfig | None) -> None:
+    def __init__(
+        self,
+        op: Any,
+        node: Node,
+        config: ExecutorConfig | None,
+        make_executor: InnerExecutorFactory | None,
+    ) -> None:
+        if make_executor is None:
+            raise TypeError(
+                f"%{node.name} ({getattr(op, '__name__', op)}): a control-flow kernel runs its "
+                "subgraphs on inner executors; the KernelFactory has no inner_executor "
+                "(the runtime sets one: asyncgraph/runtime/executor.py)"
+            )
         self.op_name = str(getattr(op, "__name__", op))
         self.node_name = node.name
         self.config = subgraph_config(config)
@@ -95,7 +107,9 @@ class SubgraphKernel:
             if id(gm) in self.subgraphs:
                 continue
             role = self.roles[position] if position < len(self.roles) else f"subgraph{position}"
-            self.subgraphs[id(gm)] = Subgraph(gm, f"{node.name}.{role}", self.config)
+            self.subgraphs[id(gm)] = Subgraph(
+                gm, f"{node.name}.{role}", self.config, make_executor
+            )
 
     def subgraph(self, gm: Any) -> Subgraph:
         try:
@@ -106,7 +120,7 @@ class SubgraphKernel:
                 f"GraphModules, got {type(gm).__name__}"
             ) from None
 
-    def executors(self) -> list[Executor]:
+    def executors(self) -> list[InnerExecutor]:
         """The inner executors, one per distinct subgraph (for statistics and tests)."""
         return [s.executor for s in self.subgraphs.values()]
 
@@ -292,15 +306,31 @@ class HintsWrapperKernel(SubgraphKernel):
         return await self.subgraph(body_fn)(*args)
 
 
-def _handler(cls: type[SubgraphKernel]) -> Callable[[Any, Node, ExecutorConfig | None], OpKernel]:
-    def make(op: Any, node: Node, config: ExecutorConfig | None) -> OpKernel:
-        kernel = cls(op, node, config)
+class SubgraphHandler:
+    """The higher-order handler of a control-flow op: like any handler `(op, node, config)`,
+    and also given the KernelFactory's maker of inner executors (kernels/higher_order.py)."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls: type[SubgraphKernel]) -> None:
+        self.cls = cls
+
+    def __call__(
+        self,
+        op: Any,
+        node: Node,
+        config: ExecutorConfig | None,
+        make_executor: InnerExecutorFactory | None = None,
+    ) -> OpKernel:
+        kernel = self.cls(op, node, config, make_executor)
         return OpKernel(kernel, KernelKind.ASYNC, f"higher_order.{kernel.op_name}")
 
-    return make
+
+def _handler(cls: type[SubgraphKernel]) -> SubgraphHandler:
+    return SubgraphHandler(cls)
 
 
-CONTROL_FLOW_KERNELS: dict[str, Callable[[Any, Node, ExecutorConfig | None], OpKernel]] = {
+CONTROL_FLOW_KERNELS: dict[str, SubgraphHandler] = {
     "cond": _handler(CondKernel),
     "while_loop": _handler(WhileLoopKernel),
     "while_loop_stack_output": _handler(WhileLoopStackOutputKernel),

@@ -13,7 +13,7 @@ import torch
 
 from asyncgraph.errors import UnsupportedOpsError
 from asyncgraph.graph.ir import Graph, Node, TensorSpec
-from asyncgraph.kernels.base import KernelKind, OpKernel
+from asyncgraph.kernels.base import InnerExecutorFactory, KernelKind, OpKernel
 from asyncgraph.kernels.cost import estimate_cost
 from asyncgraph.kernels.fast_bindings import fast_binding
 from asyncgraph.kernels.higher_order import higher_order_kernel, is_higher_order
@@ -34,19 +34,38 @@ _LAYOUT_KEYS = {
 }
 
 
+# The maker of inner executors for factories made without one; the runtime sets it.
+_DEFAULT_INNER: list[InnerExecutorFactory | None] = [None]
+
+
+def default_inner_executor(make: InnerExecutorFactory) -> None:
+    """Set the maker of control-flow subgraphs' executors for KernelFactory instances made
+    without one (the runtime calls it when it is imported)."""
+    _DEFAULT_INNER[0] = make
+
+
 class KernelFactory:
     """Creates the kernels of a graph: aten, prim, higher-order, async and Python callables,
     and delegates (a callable whose `kernel_kind` is KernelKind.DELEGATE, such as a compiled
     AOTInductor segment: asyncgraph/compiled/delegate.py).
 
     `config` is the configuration the subgraphs of higher-order ops (cond, while_loop, map)
-    run with on their own executors; None means ExecutorConfig's defaults.
+    run with on their own executors; None means ExecutorConfig's defaults. `inner_executor`
+    makes those executors; the runtime passes it in, and gives the default for factories made
+    without one (`default_inner_executor`, called by asyncgraph/runtime/executor.py), so the
+    kernels never import the executor that imports them.
     """
 
     config: ExecutorConfig | None = None  # a class default: subclasses need not call __init__
+    inner_executor: InnerExecutorFactory | None = None
 
-    def __init__(self, config: ExecutorConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: ExecutorConfig | None = None,
+        inner_executor: InnerExecutorFactory | None = None,
+    ) -> None:
         self.config = config
+        self.inner_executor = inner_executor
 
     def create(self, graph: Graph) -> list[OpKernel]:
         """One kernel per node, in node order; raises UnsupportedOpsError listing every gap."""
@@ -78,7 +97,9 @@ class KernelFactory:
         if isinstance(target, torch._ops.OpOverload):
             return self._aten(target, node, graph)
         if is_higher_order(target):
-            return higher_order_kernel(target, node, self.config)
+            return higher_order_kernel(
+                target, node, self.config, self.inner_executor or _DEFAULT_INNER[0]
+            )
         if getattr(target, "kernel_kind", None) is KernelKind.DELEGATE:  # a compiled segment
             return OpKernel(target, KernelKind.DELEGATE, name, int(getattr(target, "cost", 0)))
         if target in PRIM_FUNCTIONS:

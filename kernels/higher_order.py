@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from asyncgraph.graph.ir import Node
-from asyncgraph.kernels.base import KernelKind, OpKernel
-from asyncgraph.kernels.control_flow import CONTROL_FLOW_KERNELS
+from asyncgraph.kernels.base import InnerExecutorFactory, KernelKind, OpKernel
+from asyncgraph.kernels.control_flow import CONTROL_FLOW_KERNELS, SubgraphHandler
 from asyncgraph.runtime.config import ExecutorConfig
 
 HigherOrderHandler = Callable[[Any, Node, ExecutorConfig | None], OpKernel]
@@ -38,11 +38,20 @@ def register_higher_order(name: str, handler: HigherOrderHandler) -> None:
 
 
 def higher_order_kernel(
-    op: Any, node: Node, config: ExecutorConfig | None = None
+    op: Any,
+    node: Node,
+    config: ExecutorConfig | None = None,
+    make_executor: InnerExecutorFactory | None = None,
 ) -> OpKernel | None:
-    """The kernel for higher-order op `op` at `node`, or None when no handler is registered."""
+    """The kernel for higher-order op `op` at `node`, or None when no handler is registered.
+
+    A control-flow handler also gets `make_executor`, which makes its subgraphs' executors."""
     handler = _HANDLERS.get(getattr(op, "__name__", ""))
-    return handler(op, node, config) if handler is not None else None
+    if handler is None:
+        return None
+    if isinstance(handler, SubgraphHandler):
+        return handler(op, node, config, make_executor)
+    return handler(op, node, config)
 
 
 def eager_kernel(op: Any, node: Node, config: ExecutorConfig | None) -> OpKernel:

@@ -51,6 +51,7 @@ from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.importers import Program, ProgramLike, to_program
 from asyncgraph.graph.ir import Graph, InputKind, OutputKind, Ref
 from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.kernels.factory import default_inner_executor
 from asyncgraph.passes.epilogue import fuse_activations
 from asyncgraph.passes.folding import ConstantFolder, fold_constants
 from asyncgraph.passes.identity import drop_identities
@@ -131,7 +132,7 @@ class Executor:
         self.fused_activations = 0  # addmm + relu/gelu as one node (asyncgraph/passes/epilogue.py)
         if self.config.fuse_activations:
             self.graph, self.fused_activations = fuse_activations(self.graph)
-        factory = kernel_factory or KernelFactory(self.config)
+        factory = kernel_factory or KernelFactory(self.config, subgraph_executor)
         self.kernels: list[OpKernel] = factory.create(self.graph)
         self._folder: ConstantFolder | None = None
         if self.config.fold_constants:  # the executed graph: without what reads only weights
@@ -637,6 +638,15 @@ def _cancel_pending(task: asyncio.Task[Any] | None) -> bool:
     say, the answer is yes: the caller then takes the old checkpoint.
     """
     return task is None or bool(getattr(task, "_must_cancel", True))
+
+
+def subgraph_executor(program: Program, config: ExecutorConfig) -> Executor:
+    """The executor of a control-flow subgraph (kernels/control_flow.py): the kernels get this
+    from the runtime instead of importing the executor."""
+    return Executor(program, config, kernel_factory=KernelFactory(config, subgraph_executor))
+
+
+default_inner_executor(subgraph_executor)
 
 
 def _prepare_compiled(kernels: Sequence[OpKernel], tensors: Mapping[str, Any]) -> None:
