@@ -786,7 +786,9 @@ def _show(value: Any, limit: int = SHOW_CHARS) -> str:
     if type(value) is int and value.bit_length() > 4000:
         return f"a {len(format(value, 'x'))}-hex-digit integer"
     if isinstance(value, (list, dict)):
-        text = f"{_kind(value)} of {len(value)}"
+        text = f"{_kind(value)} of {len(value)} item(s)"
+    elif isinstance(value, str) and len(value) > limit:
+        text = repr(value[:limit]) + f" ({len(value)} characters)"
     else:
         try:
             text = repr(value)
