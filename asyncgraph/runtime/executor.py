@@ -63,6 +63,7 @@ from asyncgraph.runtime.backend import Caller, Loop, ScopeCaller, current_loop
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.frame import ExecutionFrame
+from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.placement import AdaptivePlacement, PlacementStatistics, batch_bucket_key
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
@@ -71,7 +72,6 @@ from asyncgraph.runtime.scheduler import Scheduler
 from asyncgraph.runtime.validation import InputValidator, Signature
 from asyncgraph.runtime.weights import Weights
 from asyncgraph.runtime.workers import WorkerPool, WorkerPoolStatistics
-from asyncgraph.tools.trace import TraceRecorder
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +199,8 @@ class Executor:
         self._fuse = not self.config.trace and self.config.ready_order_seed is None
         self._weights = self._with_folded(Weights(self.program.weights))
         self._validator = InputValidator(self.graph, self.config.max_unbounded_int)
-        self.recorder = TraceRecorder(self.graph) if self.config.trace else None
+        # the tracing instrument (runtime/instrument.py; tools/trace.py's TraceRecorder)
+        self.recorder: Instrument | None = make_tracer(self.graph) if self.config.trace else None
         self._workers = WorkerPool(
             self.config.max_parallel_ops, inference_mode=self.config.inference_mode,
             pin=self.config.pin_workers,

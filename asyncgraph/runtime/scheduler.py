@@ -47,12 +47,12 @@ from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.backend import Loop, TaskLike, current_loop
 from asyncgraph.runtime.config import ExecutorConfig, usable_cpus
 from asyncgraph.runtime.frame import HOST_WAIT, ExecutionFrame
+from asyncgraph.runtime.instrument import Instrument
 from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.schedule import Schedule
 from asyncgraph.runtime.straight import StraightLine, straight_line
 from asyncgraph.runtime.workers import WorkerPool
-from asyncgraph.tools.trace import TraceRecorder, runtime_shape
 
 # torch.inference_mode() is a Python context manager costing ~3 us per entry; the C++ guard
 # behind it (~0.4 us with `with`) enables the mode when made and restores it when freed, and
@@ -84,7 +84,7 @@ class Scheduler:
         plan: ExecutionPlan,
         config: ExecutorConfig,
         workers: WorkerPool,
-        recorder: TraceRecorder | None = None,
+        recorder: Instrument | None = None,
         any_thread: Sequence[bool] | None = None,
     ) -> None:
         self.graph = graph
@@ -561,9 +561,7 @@ class Scheduler:
         if frame.times is not None:
             frame.times.add(node, cpu - start[1])
         if self.recorder is not None:
-            self.recorder.node_span(
-                frame.execution_id, node, start[0], wall, shape=runtime_shape(result)
-            )
+            self.recorder.node_done(frame.execution_id, node, start[0], wall, result)
 
     def _complete(
         self, frame: ExecutionFrame, unit: int, stack: list[int], on_worker: bool

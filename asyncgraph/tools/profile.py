@@ -26,6 +26,7 @@ from asyncgraph.cuda.graphs import plan_capture, segment_plan_for
 from asyncgraph.kernels import KernelKind
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.tools.compare import random_flat_inputs
+from asyncgraph.tools.trace import TraceRecorder
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ async def collect(
 ) -> ProfileMetrics:
     """Run `ex` and aggregate its spans; `ex` must have been made with trace=True."""
     recorder = ex.recorder
-    if recorder is None:
+    if not isinstance(recorder, TraceRecorder):  # None without trace=True
         raise ValueError("profiling needs an Executor made with ExecutorConfig(trace=True)")
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from asyncgraph.graph.ir import Graph, ScalarSpec, TensorSpec, ValueSpec
+from asyncgraph.runtime.instrument import register_tracer
 
 _STREAM_TID_BASE = 1_000_000
 _WORKER_PREFIX = "asyncgraph-worker"
@@ -91,6 +92,12 @@ class TraceRecorder:
             ))
         else:
             self._drop()
+
+    def node_done(
+        self, execution: int, node: int, start_ns: int, end_ns: int, result: Any
+    ) -> None:
+        """The run loop's hook (runtime/instrument.py): one node's span, with its result's shape."""
+        self.node_span(execution, node, start_ns, end_ns, shape=runtime_shape(result))
 
     def phase(self, execution: int, name: str, start_ns: int, end_ns: int) -> None:
         """An execution-level interval, such as waiting for a frame."""
@@ -279,3 +286,6 @@ def runtime_shape(value: Any) -> Any:
     ):
         return [list(v.shape) for v in value]
     return None
+
+
+register_tracer(TraceRecorder)  # ExecutorConfig(trace=True) (runtime/instrument.py)

@@ -55,10 +55,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 
 # Known violations (importer, imported), each with its item of issue 35.
 KNOWN: dict[tuple[str, str], str] = {
-    ("asyncgraph.runtime.scheduler", "asyncgraph.tools.trace"):
-        "issue 35 (import circles): runtime/scheduler.py imports tools.trace",
-    ("asyncgraph.runtime.executor", "asyncgraph.tools.trace"):
-        "issue 35 (import circles): the executor makes the scheduler's TraceRecorder",
     ("asyncgraph.runtime.executor", "asyncgraph.compiled.scripted"):
         "issue 35 (import circles): runtime/executor.py imports compiled.scripted",
     ("asyncgraph.runtime.frame", "asyncgraph.cuda.device"):
