@@ -4,6 +4,7 @@
         out = await ex.execute(x)
 """
 
+from asyncgraph import plugins as _plugins  # noqa: F401 - the tracer, the scripted pass
 from asyncgraph.errors import (
     AsyncGraphError,
     BatchCancelledError,
@@ -25,7 +26,6 @@ from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
 from asyncgraph.runtime.weights import Weights
-from asyncgraph.tools import trace as _trace  # noqa: F401 - registers ExecutorConfig(trace=True)'s tracer
 
 __version__ = "0.1.0"
 

@@ -62,6 +62,7 @@ from asyncgraph.runtime import registry
 from asyncgraph.runtime.backend import Caller, Loop, ScopeCaller, current_loop
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.extensions import optional_pass
 from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.placement import AdaptivePlacement, PlacementStatistics, batch_bucket_key
@@ -139,7 +140,7 @@ class Executor:
             self.graph, self.kernels, self._folder = fold_constants(self.graph, self.kernels)
         self.scripted: list[str] = []  # the scripted segments' delegate nodes
         if self.config.script_segments:
-            from asyncgraph.compiled.scripted import script_segments  # torch.jit on demand
+            script_segments = optional_pass("script_segments")  # compiled/scripted.py
 
             self.graph, self.scripted = script_segments(self.graph)
             if self.scripted:

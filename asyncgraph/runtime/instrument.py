@@ -3,8 +3,8 @@
 The loop (scheduler.py) and the Executor call an instrument for each node they time and for
 each execution-level phase (the wait for a frame); they never import an implementation, which
 lives in a layer above (asyncgraph/tools/trace.py: TraceRecorder, Chrome trace JSON).
-`ExecutorConfig(trace=True)` makes the tracer registered with `register_tracer`; the tracing
-tool registers itself when it is imported, which `import asyncgraph` does.
+`ExecutorConfig(trace=True)` makes the tracer registered with `register_tracer`, which
+asyncgraph/plugins.py (run by `import asyncgraph`) registers.
 """
 
 from __future__ import annotations
@@ -40,6 +40,6 @@ def make_tracer(graph: Graph) -> Instrument:
     """The tracing instrument for an Executor of `graph` (ExecutorConfig.trace)."""
     if not _TRACER:
         raise RuntimeError(
-            "ExecutorConfig(trace=True) needs a tracer: import asyncgraph.tools.trace"
+            "ExecutorConfig(trace=True) needs a tracer: import asyncgraph"
         )
     return _TRACER[0](graph)

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from asyncgraph.graph.ir import Graph, ScalarSpec, TensorSpec, ValueSpec
-from asyncgraph.runtime.instrument import register_tracer
 
 _STREAM_TID_BASE = 1_000_000
 _WORKER_PREFIX = "asyncgraph-worker"
@@ -286,6 +285,3 @@ def runtime_shape(value: Any) -> Any:
     ):
         return [list(v.shape) for v in value]
     return None
-
-
-register_tracer(TraceRecorder)  # ExecutorConfig(trace=True) (runtime/instrument.py)
