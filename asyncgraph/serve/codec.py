@@ -235,7 +235,7 @@ def _cut_data_arrays(text: bytes) -> tuple[bytes, list[RawArray], str]:
     arrays' texts, and the marker's prefix (random per call, so no client can forge it)."""
     arrays: list[RawArray] = []
     parts: list[bytes] = []
-    marker = "\x00asyncgraph-" + secrets.token_hex(8) + ":"
+    marker = ""  # made for the first array cut
     start = 0
     at = text.find(_DATA_KEY)
     while at >= 0:
@@ -252,6 +252,7 @@ def _cut_data_arrays(text: bytes) -> tuple[bytes, list[RawArray], str]:
                 if end is None:
                     break
                 if end - i >= CUT_BYTES:
+                    marker = marker or "\x00asyncgraph-" + secrets.token_hex(8) + ":"
                     parts.append(text[start:i])
                     parts.append(json.dumps(marker + str(len(arrays))).encode())
                     arrays.append(RawArray(text, i, end))
