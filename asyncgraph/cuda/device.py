@@ -48,6 +48,8 @@ import anyio
 
 from asyncgraph.cuda.streams import StreamKey, StreamPlan
 from asyncgraph.graph.ir import TensorSpec, ValueSpec
+from asyncgraph.runtime.device import Calls, UnitSchedule
+from asyncgraph.runtime.plan import Placement
 
 
 class CudaStream(Protocol):
@@ -443,17 +445,26 @@ class CudaRuntime:
         return FrameStreams(self, calls)
 
 
+class SegmentCalls(Protocol):
+    """A frame's captured segments (graphs.py's FrameSegments): the call of each one's unit."""
+
+    def segment_call(self, index: int) -> Callable[[list[Any]], Any]: ...
+
+
 class FrameStreams:
-    """The GPU state of one frame, reused by its executions (one at a time).
+    """The GPU state of one frame, reused by its executions (one at a time): the frame's
+    Device (asyncgraph/runtime/device.py).
 
     Per execution: `begin()`, then `calls[i](values)` for every node (CUDA nodes go through
     `run`), `wait_host(i)` before a host node that reads GPU values, `await finish()` before
     the frame is returned, and `protect_outputs(outputs)` for values handed to the caller.
+    `unit_tables` gives the frame the calls and placements of a schedule's units; `segments`
+    is the frame's captured segments (set by graphs.py), whose units call them.
     """
 
     __slots__ = (
         "_backend", "_begin_events", "_end_events", "_events", "_host", "_host_waits",
-        "_outputs", "_set", "_waits", "calls", "runtime",
+        "_outputs", "_set", "_tables", "_waits", "calls", "runtime", "segments",
     )
 
     def __init__(self, runtime: CudaRuntime, calls: Sequence[Callable[[list[Any]], Any]]) -> None:
@@ -472,6 +483,9 @@ class FrameStreams:
         self._end_events = {key: backend.new_event() for key in plan.streams_used}
         self._set: StreamSet | None = None
         self._host: dict[int, tuple[Any, ...]] = {}  # per device: the caller's streams
+        self.segments: SegmentCalls | None = None
+        # id(schedule) -> (schedule, its unit calls, its unit placements): see unit_tables
+        self._tables: dict[int, tuple[UnitSchedule, Calls, tuple[int, ...]]] = {}
         # CUDA nodes run through `run`; the scheduler calls `calls[i](values)` for every node,
         # so its hot loop needs no test for placement.
         self.calls: tuple[Callable[[list[Any]], Any], ...] = tuple(
@@ -482,6 +496,45 @@ class FrameStreams:
     @property
     def stream_set(self) -> StreamSet | None:
         return self._set
+
+    def unit_tables(self, schedule: UnitSchedule) -> tuple[Calls, tuple[int, ...]]:
+        """The unit tables of `schedule` on this frame's GPU state, built on first use.
+
+        A single CUDA node's unit calls the node's stream-enqueueing call (`run`); a CUDA
+        run (consecutive CUDA nodes on one stream, schedule.py) calls its compiled code
+        through `run_unit`, which switches to the run's stream once; a segment's unit calls
+        the frame's captured segment (`segments`); a unit reading GPU values (never fused:
+        ScheduleCache's `unfusable`) is marked Placement.HOST_WAIT. Keyed by the schedule's
+        identity, as ScheduleCache keys placements: the schedules live as long as the
+        Executor, and the entry keeps its schedule alive.
+        """
+        hit = self._tables.get(id(schedule))
+        if hit is not None and hit[0] is schedule:
+            return hit[1], hit[2]
+        needs_wait = self.runtime.needs_host_wait
+        calls = list(schedule.calls)
+        where: list[int] = list(schedule.where)
+        segments = schedule.segments
+        for unit, nodes in enumerate(schedule.nodes):
+            if segments and segments[unit] >= 0:  # a segment: warm-up, capture or replay
+                captured = self.segments
+                assert captured is not None, "a segment unit without segment state"
+                calls[unit] = captured.segment_call(segments[unit])
+            elif schedule.where[unit] is Placement.STREAM:
+                if len(nodes) == 1:
+                    calls[unit] = self.calls[nodes[0]]
+                else:
+                    calls[unit] = self.unit_call(nodes[0], schedule.calls[unit])
+            elif any(needs_wait[n] for n in nodes):
+                if len(nodes) != 1:
+                    raise RuntimeError(
+                        f"unit {unit} fuses nodes {nodes} of which one waits for GPU values: "
+                        "the schedule was built without `unfusable`"
+                    )
+                where[unit] = Placement.HOST_WAIT
+        tables = (tuple(calls), tuple(where))
+        self._tables[id(schedule)] = (schedule, *tables)
+        return tables
 
     def begin(self) -> None:
         """Lease a stream set; order its streams after the caller's work (loop thread).

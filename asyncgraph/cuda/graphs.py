@@ -362,6 +362,7 @@ class CudaGraphs:
             state = FrameGraphs(self, gpu)
         elif self.segment_plan.segments:
             state = FrameSegments(self, gpu)
+            gpu.segments = state  # the GPU's unit tables call its segments
         else:
             return None
         self.frames.add(state)

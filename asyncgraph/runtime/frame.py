@@ -8,44 +8,41 @@ drops every value of the previous execution before the frame goes back to the po
 Counters are changed under `lock` because they are decremented from the loop thread and
 from worker threads; we do not rely on the GIL, which free-threaded CPython removes.
 
-A frame of a program with CUDA nodes also owns its GPU state (`gpu`, a FrameStreams: events
-and the leased stream set), created once with the frame, and per-unit call and placement
-tables for the loaded schedule in which CUDA units enqueue on their streams and CPU units that
-read GPU values are marked HOST_WAIT. The tables are built once per schedule and kept, so the
+A frame of a program with CUDA nodes also owns its device state (`gpu`, a Device:
+runtime/device.py; cuda/device.py's FrameStreams, events and the leased stream set), created
+once with the frame, which gives the frame per-unit call and placement tables for the loaded
+schedule: CUDA units enqueue on their streams and CPU units that read GPU values are marked
+Placement.HOST_WAIT. The device builds them once per schedule and keeps them, so the
 scheduler's run loop is the same for CPU and GPU programs and tests nothing per unit. A frame
-of a program captured as CUDA graphs also owns its captures (`graphs`, cuda/graphs.py): whole
-executions (FrameGraphs), or, for a program that is not wholly capturable, its segments'
-(FrameSegments), whose schedule units the GPU tables map to the segment's call.
+of a program captured as CUDA graphs also owns its captures (`graphs`, a Captures:
+cuda/graphs.py's FrameGraphs for whole executions, or FrameSegments for a program's segments,
+whose schedule units the device's tables map to the segment's call). The frame never knows
+what is behind either.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from asyncgraph.cuda.device import FrameStreams
-from asyncgraph.cuda.graphs import FrameGraphs, FrameSegments
 from asyncgraph.runtime.backend import FutureLike, TaskLike
+from asyncgraph.runtime.device import Calls, Captures, Device
 from asyncgraph.runtime.placement import NodeTimes
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.schedule import Schedule
 
-HOST_WAIT = max(Placement) + 1
+HOST_WAIT = Placement.HOST_WAIT
 """The placement of a unit in a frame's `where` table (never in a Schedule) whose node reads
-GPU values: the scheduler hands it off to await the GPU's events, then runs it where its
-schedule places it."""
-
-Calls = tuple[Callable[[list[Any]], Any], ...]
+GPU values (plan.py)."""
 
 
 class ExecutionFrame:
     """The per-execution storage of one graph's values and counters."""
 
     __slots__ = (
-        "_gpu_tables", "_nothing", "_one_input", "calls", "counts", "errors", "execution_id",
+        "_nothing", "_one_input", "calls", "counts", "errors", "execution_id",
         "finished", "gpu", "graphs", "id", "last_used", "lock", "pending", "plan", "reads", "rng",
         "schedule", "stopped", "tasks", "times", "values", "waiter", "where",
     )
@@ -54,8 +51,8 @@ class ExecutionFrame:
         self,
         plan: ExecutionPlan,
         frame_id: int,
-        gpu: FrameStreams | None = None,
-        graphs: FrameGraphs | FrameSegments | None = None,
+        gpu: Device | None = None,
+        graphs: Captures | None = None,
     ) -> None:
         self.id = frame_id
         self.plan = plan
@@ -83,7 +80,6 @@ class ExecutionFrame:
         # the schedule's own without a GPU.
         self.calls: Calls = ()
         self.where: tuple[int, ...] = ()
-        self._gpu_tables: dict[int, tuple[Schedule, Calls, tuple[int, ...]]] = {}
 
     def load(
         self,
@@ -116,7 +112,7 @@ class ExecutionFrame:
         if self.gpu is None:
             self.calls, self.where = schedule.calls, schedule.where
         else:
-            self.calls, self.where = self._gpu_units(schedule, self.gpu)
+            self.calls, self.where = self.gpu.unit_tables(schedule)
 
     def load_counters(self) -> None:
         """Fresh producer and read counts for the loaded schedule (the dataflow's)."""
@@ -124,44 +120,6 @@ class ExecutionFrame:
         assert schedule is not None, "the frame was not loaded"
         self.counts[:] = schedule.producer_counts
         self.reads[:] = self.plan.read_counts
-
-    def _gpu_units(self, schedule: Schedule, gpu: FrameStreams) -> tuple[Calls, tuple[int, ...]]:
-        """The unit tables of `schedule` on this frame's GPU state, built on first use.
-
-        A single CUDA node's unit calls the node's stream-enqueueing call (`FrameStreams.run`);
-        a CUDA run (consecutive CUDA nodes on one stream, schedule.py) calls its compiled
-        code through `FrameStreams.run_unit`, which switches to the run's stream once; a unit
-        reading GPU values (never fused: ScheduleCache's `unfusable`) is marked HOST_WAIT.
-        Keyed by the schedule's identity, as ScheduleCache keys placements: the
-        schedules live as long as the Executor, and the entry keeps its schedule alive.
-        """
-        hit = self._gpu_tables.get(id(schedule))
-        if hit is not None and hit[0] is schedule:
-            return hit[1], hit[2]
-        needs_wait = gpu.runtime.needs_host_wait
-        calls = list(schedule.calls)
-        where: list[int] = list(schedule.where)
-        segments = schedule.segments
-        for unit, nodes in enumerate(schedule.nodes):
-            if segments and segments[unit] >= 0:  # a segment: warm-up, capture or replay
-                graphs = self.graphs
-                assert isinstance(graphs, FrameSegments), "a segment unit without segment state"
-                calls[unit] = graphs.segment_call(segments[unit])
-            elif schedule.where[unit] is Placement.STREAM:
-                if len(nodes) == 1:
-                    calls[unit] = gpu.calls[nodes[0]]
-                else:
-                    calls[unit] = gpu.unit_call(nodes[0], schedule.calls[unit])
-            elif any(needs_wait[n] for n in nodes):
-                if len(nodes) != 1:
-                    raise RuntimeError(
-                        f"unit {unit} fuses nodes {nodes} of which one waits for GPU values: "
-                        "the schedule was built without `unfusable`"
-                    )
-                where[unit] = HOST_WAIT
-        tables = (tuple(calls), tuple(where))
-        self._gpu_tables[id(schedule)] = (schedule, *tables)
-        return tables
 
     def finish(self) -> None:
         """Mark the execution finished and wake its awaiting caller (loop thread only)."""

@@ -34,6 +34,10 @@ class Placement(enum.IntEnum):
     WORKER = 1
     TASK = 2
     STREAM = 3
+    # Only in a frame's unit table (runtime/device.py), never a node's placement: the unit's
+    # node reads GPU values; the scheduler hands it off to await the GPU's events, then runs
+    # it where its schedule places it.
+    HOST_WAIT = 4
 
 
 _HINTS = {"inline": Placement.INLINE, "worker": Placement.WORKER, "task": Placement.TASK}

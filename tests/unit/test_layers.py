@@ -55,10 +55,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 
 # Known violations (importer, imported), each with its item of issue 35.
 KNOWN: dict[tuple[str, str], str] = {
-    ("asyncgraph.runtime.frame", "asyncgraph.cuda.device"):
-        "issue 35 (import circles): runtime/frame.py imports FrameStreams",
-    ("asyncgraph.runtime.frame", "asyncgraph.cuda.graphs"):
-        "issue 35 (import circles): runtime/frame.py imports FrameGraphs, FrameSegments",
     ("asyncgraph.runtime.schedule", "asyncgraph.cuda.segments"):
         "issue 35 (import circles): runtime/schedule.py imports SegmentPlan",
     ("asyncgraph.runtime.schedule", "asyncgraph.cuda.streams"):
