@@ -68,7 +68,7 @@ from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.placement import AdaptivePlacement, PlacementStatistics, batch_bucket_key
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
-from asyncgraph.runtime.schedule import ScheduleCache, ScheduleStatistics
+from asyncgraph.runtime.schedule import AtomicGroups, ScheduleCache, ScheduleStatistics
 from asyncgraph.runtime.scheduler import Scheduler
 from asyncgraph.runtime.validation import InputValidator, Signature
 from asyncgraph.runtime.weights import Weights
@@ -194,7 +194,11 @@ class Executor:
             unfusable=runtime.needs_host_wait if runtime is not None else None,
             decided=self._adaptive.decision if self._adaptive is not None else None,
             stream_plan=self.stream_plan,  # CUDA nodes on one stream fuse (schedule.py)
-            segments=self.cuda_segment_plan,  # each segment one unit (cuda/segments.py)
+            segments=(  # each segment one unit (cuda/segments.py)
+                AtomicGroups(segment_plan.order, segment_plan.segment_of)
+                if (segment_plan := self.cuda_segment_plan) is not None and segment_plan.segments
+                else None
+            ),
         )
         # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
         self._fuse = not self.config.trace and self.config.ready_order_seed is None

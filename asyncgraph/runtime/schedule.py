@@ -18,12 +18,13 @@ inline, so a worker, task or stream node never waits for unrelated inline work, 
 `unfusable` (a CPU node reading GPU values, which the scheduler may have to start only once the
 GPU has written them: docs/gpu.md) is a unit of its own, and runs end before it.
 
-A *segment* (asyncgraph/cuda/segments.py: a convex group of capturable nodes of a GPU program
-that is not wholly capturable) is one unit of fused schedules, placed STREAM: its nodes run
-in the order of `SegmentPlan.order`, a topological order in which each segment is contiguous,
-so units stay consecutive nodes of that order. Its schedule call only refuses to run: the
-frame's GPU tables give it the frame's segment call (warm-up, capture or replay: cuda/graphs.py),
-and `segments[u]` names the segment of unit u (-1 for the others).
+A *segment* (an atomic group, `AtomicGroups`: asyncgraph/cuda/segments.py's convex groups of
+capturable nodes of a GPU program that is not wholly capturable) is one unit of fused
+schedules, placed STREAM: its nodes run in the order of `AtomicGroups.order`, a topological
+order in which each group is contiguous, so units stay consecutive nodes of that order. Its
+schedule call only refuses to run: the frame's device tables give it the frame's segment call
+(warm-up, capture or replay: cuda/graphs.py), and `segments[u]` names the segment of unit u
+(-1 for the others).
 
 Timed executions (adaptive-placement profiling, traces) and seeded ready orders use the
 unfused schedule, where unit i is node i (and no segment is formed).
@@ -47,12 +48,21 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan
 from asyncgraph.graph.ir import Graph, Ref
 from asyncgraph.kernels import OpKernel
 from asyncgraph.runtime.placement import Decision
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, emit_args
+
+
+@dataclass(frozen=True, slots=True)
+class AtomicGroups:
+    """Groups of nodes that fused schedules run as one unit each (cuda/segments.py's
+    segments): `order`, a topological order of all nodes in which each group is contiguous;
+    `group_of`, node -> its group, for the nodes in a group."""
+
+    order: tuple[int, ...]
+    group_of: dict[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +147,11 @@ class ScheduleCache:
         max_schedules: int = 64,
         decided: Callable[[tuple[Placement, ...]], Decision | None] | None = None,
         stream_plan: StreamPlan | None = None,
-        segments: SegmentPlan | None = None,
+        segments: AtomicGroups | None = None,
     ) -> None:
         self.graph = graph
         self.stream_plan = stream_plan  # CUDA nodes on one stream fuse into CUDA runs
-        self.segments = segments if segments is not None and segments.segments else None
+        self.segments = segments if segments is not None and segments.group_of else None
         self.max_schedules = max_schedules
         self.plan = plan
         self.kernels = kernels
@@ -271,7 +281,7 @@ def build_schedule(
     measured: bool = False,
     yield_gil: bool = False,
     stream_plan: StreamPlan | None = None,
-    segments: SegmentPlan | None = None,
+    segments: AtomicGroups | None = None,
 ) -> Schedule:
     """Group nodes into units (see the module docstring) and derive the unit graph.
 
@@ -284,7 +294,7 @@ def build_schedule(
     unit (the module docstring; fused schedules only).
     """
     keys = _stream_keys(plan, placement, stream_plan, unfusable)
-    segment_of = segments.segment_of if segments is not None and max_fused > 1 else {}
+    segment_of = segments.group_of if segments is not None and max_fused > 1 else {}
     order = segments.order if segment_of and segments is not None else range(plan.num_nodes)
     runs = _runs(plan, placement, max_fused, unfusable, keys, order, segment_of)
     unit_of = [0] * plan.num_nodes

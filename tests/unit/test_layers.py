@@ -55,8 +55,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 
 # Known violations (importer, imported), each with its item of issue 35.
 KNOWN: dict[tuple[str, str], str] = {
-    ("asyncgraph.runtime.schedule", "asyncgraph.cuda.segments"):
-        "issue 35 (import circles): runtime/schedule.py imports SegmentPlan",
     ("asyncgraph.runtime.schedule", "asyncgraph.cuda.streams"):
         "issue 35 (import circles): runtime/schedule.py writes CUDA calls from the StreamPlan",
     ("asyncgraph.cuda.segments", "asyncgraph.cuda.graphs"):
