@@ -7,11 +7,11 @@ single launch.
 
 What is captured (decided once per Executor, `plan_capture`, pure and tested on the CPU): a
 program whose every node is CUDA, ALIAS or META (asyncgraph/cuda/streams.py), whose CUDA nodes
-are aten ops that neither sync the host nor have data-dependent shapes (`DENIED`), on one
-device, and which mutates no user input and no buffer. Otherwise `CapturePlan.reason` names the
-first node (or input, or setting) that prevents it. Such a program's runs of capturable nodes
-between host nodes are captured as *segments* instead (asyncgraph/cuda/segments.py,
-`FrameSegments` below).
+are aten ops that neither sync the host nor have data-dependent shapes (capturable.py's
+`DENIED`), on one device, and which mutates no user input and no buffer. Otherwise
+`CapturePlan.reason` names the first node (or input, or setting) that prevents it. Such a
+program's runs of capturable nodes between host nodes are captured as *segments* instead
+(asyncgraph/cuda/segments.py, `FrameSegments` below).
 
 How (`FrameGraphs`, one per frame, per input signature, at most `MAX_CAPTURES` kept, least
 recently used evicted):
@@ -62,11 +62,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncgraph.cuda.capturable import node_blocker
 from asyncgraph.cuda.device import CudaGraph, CudaRuntime, FrameStreams, StreamSet
-from asyncgraph.cuda.segments import Segment, SegmentPlan, _producers, plan_segments
-from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan, _aten_names
+from asyncgraph.cuda.segments import Segment, SegmentPlan, plan_segments
+from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan
 from asyncgraph.graph.ir import Graph, OutputKind, TensorSpec, iter_refs
-from asyncgraph.kernels import KernelKind, OpKernel
+from asyncgraph.kernels import OpKernel
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.plan import ExecutionPlan
 from asyncgraph.runtime.validation import Signature, _signature
@@ -87,51 +88,6 @@ share, each then recording the other's launches. Taken without blocking: an exec
 finds it held runs on the stream path and a later one captures."""
 
 _MAX_FAILED = 256  # uncapturable signatures remembered per Executor
-
-_SYNCS = "syncs the host (a data-dependent output shape)"
-_HOST_READ = "reads a GPU value on the host"
-_RANDOM = "draws random numbers (not captured: replays of random ops are not tested here)"
-
-DENIED: dict[str, str] = {
-    "aten::nonzero": _SYNCS,
-    "aten::argwhere": _SYNCS,
-    "aten::masked_select": _SYNCS,
-    "aten::masked_scatter": _SYNCS,
-    "aten::unique": _SYNCS,
-    "aten::_unique": _SYNCS,
-    "aten::_unique2": _SYNCS,
-    "aten::unique_dim": _SYNCS,
-    "aten::unique_consecutive": _SYNCS,
-    "aten::unique_dim_consecutive": _SYNCS,
-    "aten::where": _SYNCS,  # the one-argument overload is nonzero (where.self is listed apart)
-    "aten::bincount": _SYNCS,
-    "aten::repeat_interleave.Tensor": _SYNCS,
-    "aten::repeat_interleave.self_Tensor": _SYNCS,
-    "aten::_local_scalar_dense": _HOST_READ,
-    "aten::item": _HOST_READ,
-    "aten::is_nonzero": _HOST_READ,
-    "aten::equal": _HOST_READ,
-    "aten::allclose": _HOST_READ,
-    "aten::_assert_async": _HOST_READ,
-    "aten::_assert_async.msg": _HOST_READ,
-    "aten::bernoulli": _RANDOM,
-    "aten::native_dropout": _RANDOM,
-    "aten::rand": _RANDOM,
-    "aten::rand_like": _RANDOM,
-    "aten::randn": _RANDOM,
-    "aten::randn_like": _RANDOM,
-    "aten::randint": _RANDOM,
-    "aten::randint_like": _RANDOM,
-    "aten::randperm": _RANDOM,
-    "aten::normal": _RANDOM,
-    "aten::uniform": _RANDOM,
-    "aten::exponential": _RANDOM,
-    "aten::multinomial": _RANDOM,
-}
-"""aten ops (by name, or name.overload) never captured, and why."""
-
-_BOOL_INDEXED = frozenset({"aten::index.Tensor", "aten::index_put", "aten::_index_put_impl"})
-
 
 # -- the decision (pure) --------------------------------------------------------------------------
 
@@ -214,52 +170,13 @@ def _blocker(
                 "the value it had when captured"
             )
     for node, role, kernel in zip(graph.nodes, stream_plan.roles, kernels, strict=True):
-        reason = _node_blocker(graph, node.index, role, kernel, stream_plan)
+        reason = node_blocker(graph, node.index, role, kernel, stream_plan)
         if reason is not None:
             return f"node {node.name!r} ({node.target_name()}) {reason}"
     devices = stream_plan.devices
     if len(devices) > 1:
         return f"CUDA nodes on devices {list(devices)}: one graph captures one device"
     return None
-
-
-def _node_blocker(
-    graph: Graph, index: int, role: Role, kernel: OpKernel, stream_plan: StreamPlan
-) -> str | None:
-    if role in (Role.SCALAR, Role.HOST):
-        if stream_plan.host_waits[index] or any(
-            stream_plan.roles[p] is Role.CUDA for p in _producers(graph, index)
-        ):
-            return _HOST_READ
-        return f"runs on the host (role {role.value})"
-    if role is not Role.CUDA:
-        return None  # ALIAS and META nodes run on the host, reading no GPU data
-    node = graph.nodes[index]
-    if kernel.kind is not KernelKind.CUDA:
-        return f"is a {kernel.kind.value} kernel"
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return "is a Python kernel, not an aten op"
-    names = _aten_names(target)
-    assert names is not None
-    for name in (names[1], names[0]):
-        if name in DENIED:
-            return DENIED[name]
-    if target._schema.is_mutable:
-        return "mutates its arguments"
-    if (names[1] in _BOOL_INDEXED or names[0] in _BOOL_INDEXED) and _reads_bool_tensor(
-        graph, index
-    ):
-        return "indexes with a boolean mask " + _SYNCS.removeprefix("syncs the host ")
-    return None
-
-
-def _reads_bool_tensor(graph: Graph, index: int) -> bool:
-    for v in graph.nodes[index].inputs()[1:]:
-        spec = graph.values[v].spec
-        if isinstance(spec, TensorSpec) and spec.dtype is torch.bool:
-            return True
-    return False
 
 
 def _output_values(graph: Graph) -> set[int]:

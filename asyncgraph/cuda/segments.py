@@ -8,7 +8,7 @@ it run as before.
 
 What a segment is (decided once per Executor, `plan_segments`, tested on the CPU):
 
-- Its nodes are *capturable*: CUDA aten ops that `graphs._node_blocker` accepts (not DENIED,
+- Its nodes are *capturable*: CUDA aten ops that `capturable.node_blocker` accepts (not DENIED,
   not mutating, no boolean-mask index), and ALIAS / META nodes (they run on the host during
   the capture, reading no GPU data). Besides, a node may not read a value a host node made
   that is not a tensor (a `.item()` result, say: a replay would keep the captured value), nor
@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from asyncgraph.cuda.capturable import node_blocker
+from asyncgraph.cuda.capturable import producers as _producers
 from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan
 from asyncgraph.graph.ir import (
     WEIGHT_KINDS,
@@ -182,14 +184,12 @@ def _capture_blocker(
     graph: Graph, index: int, stream_plan: StreamPlan, kernels: Sequence[OpKernel]
 ) -> str | None:
     """Why node `index` cannot be in a segment, or None."""
-    from asyncgraph.cuda.graphs import _node_blocker  # graphs.py imports this module
-
     role = stream_plan.roles[index]
     if role in (Role.SCALAR, Role.HOST):
         if stream_plan.host_waits[index]:
             return "reads a GPU value on the host"
         return f"runs on the host (role {role.value})"
-    reason = _node_blocker(graph, index, role, kernels[index], stream_plan)
+    reason = node_blocker(graph, index, role, kernels[index], stream_plan)
     if reason is not None:
         return reason
     for v in graph.nodes[index].inputs():
@@ -211,15 +211,6 @@ def _capture_blocker(
                 f"{graph.nodes[producer].name!r}: a replay would keep the captured value"
             )
     return None
-
-
-def _producers(graph: Graph, index: int) -> list[int]:
-    out = []
-    for v in graph.nodes[index].inputs():
-        producer = graph.values[v].producer
-        if producer is not None:
-            out.append(producer)
-    return out
 
 
 def _convex_groups(

@@ -57,8 +57,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 KNOWN: dict[tuple[str, str], str] = {
     ("asyncgraph.runtime.schedule", "asyncgraph.cuda.streams"):
         "issue 35 (import circles): runtime/schedule.py writes CUDA calls from the StreamPlan",
-    ("asyncgraph.cuda.segments", "asyncgraph.cuda.graphs"):
-        "issue 35 (import circles): cuda/segments.py imports graphs._node_blocker",
     # Not named by issue 35's circles, found by this test:
     ("asyncgraph.graph.ir", "asyncgraph.graph.effects"):
         "graph/ir.py orders effects with graph/effects.py, which reads ir's Node (within graph/)",
