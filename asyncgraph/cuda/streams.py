@@ -42,11 +42,12 @@ from __future__ import annotations
 import builtins
 import enum
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from asyncgraph.graph.ir import Graph, ScalarSpec, iter_refs
 from asyncgraph.kernels.prim import PRIM_ATEN, PRIM_FUNCTIONS, make_list, make_tuple
+from asyncgraph.runtime.device import ALIAS_KEY
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 
 
@@ -126,6 +127,35 @@ class StreamPlan:
         if device is None or stream is None:
             raise ValueError(f"node {node} is not a CUDA node")
         return device, stream
+
+    # -- DeviceRuns (runtime/device.py): how schedule.py fuses CUDA runs and what they call --
+
+    def run_key(self, node: int, placement: Placement) -> StreamKey | None:
+        """(device, stream) of a CUDA node placed STREAM: consecutive ones on one stream fuse
+        into a CUDA run; ALIAS_KEY for an inline alias node, which continues the run."""
+        role = self.roles[node]
+        if placement is Placement.STREAM and role is Role.CUDA:
+            return self.key(node)
+        if placement is Placement.INLINE and role is Role.ALIAS:
+            return ALIAS_KEY
+        return None
+
+    def before_node(self, node: int) -> list[str]:
+        """`g.wait` / `g.fence` before a CUDA node of a run, only where the plan has them, as
+        `FrameStreams.run` does for a single node."""
+        lines = []
+        if self.waits[node]:
+            lines.append(f"g.wait({node}, s)")
+        if self.fence[node]:
+            lines.append(f"g.fence({node}, s)")
+        return lines
+
+    def after_node(self, node: int, value: Callable[[int], str]) -> list[str]:
+        """`g.record_value` / `g.record_event` after it, likewise."""
+        lines = [f"g.record_value({value(producer)}, s)" for producer in self.record_stream[node]]
+        if self.records_event[node]:
+            lines.append(f"g.record_event({node}, s)")
+        return lines
 
     def describe(self) -> str:
         """One line per node that touches the GPU: for logs and failing tests."""

@@ -19,6 +19,32 @@ from asyncgraph.runtime.plan import Placement
 
 Calls = tuple[Callable[[list[Any]], Any], ...]
 
+RunKey = tuple[int, int]
+"""What consecutive device nodes share to fuse into one run (cuda/: (device, stream))."""
+
+ALIAS_KEY: RunKey = (-1, -1)
+"""The run key of an inline alias node (getitem, tuple packing): it continues an open device
+run; it runs on the host in nanoseconds and would otherwise split runs after every tuple op."""
+
+
+class DeviceRuns(Protocol):
+    """How a program's device nodes fuse into runs, and the calls a run's compiled code
+    makes around each node (cuda/streams.py's StreamPlan). A run's function is
+    `unit(v, g, s)`: `v` the frame's values, `g` the frame's Device, `s` the run's stream."""
+
+    def run_key(self, node: int, placement: Placement) -> RunKey | None:
+        """The key of the device run node `node` may join when placed `placement`, ALIAS_KEY
+        for an alias that continues one, None when it joins none."""
+        ...
+
+    def before_node(self, node: int) -> list[str]:
+        """Statements of a run's code before node `node`'s kernel."""
+        ...
+
+    def after_node(self, node: int, value: Callable[[int], str]) -> list[str]:
+        """Statements after it; `value(p)` is the expression of node p's value."""
+        ...
+
 
 class UnitSchedule(Protocol):
     """What a device reads of a Schedule (schedule.py) to build its unit tables."""

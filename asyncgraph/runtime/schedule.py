@@ -1,11 +1,12 @@
 """Schedule: the graph of units one execution runs, for one placement of the nodes.
 
 A unit is what the scheduler dispatches: one node, or a *fused run* of inline nodes compiled
-into one straight-line function, as torch.fx's codegen writes a whole graph. With a
-StreamPlan, consecutive CUDA nodes on one stream are fused the same way (a *CUDA run*): the
-GPU layer switches to the run's stream once (`FrameStreams.run_unit`) and the compiled code
-calls the layer only where the plan needs it (a wait on another stream's event, a fence, a
-record_stream, an event someone waits on), so enqueueing N kernels costs one dispatch and
+into one straight-line function, as torch.fx's codegen writes a whole graph. With a device's
+run plan (`DeviceRuns`, runtime/device.py: cuda/streams.py's StreamPlan), consecutive CUDA
+nodes on one stream are fused the same way (a *CUDA run*): the GPU layer switches to the
+run's stream once (`FrameStreams.run_unit`) and the compiled code calls the layer only where
+the plan needs it (a wait on another stream's event, a fence, a record_stream, an event
+someone waits on: the statements `DeviceRuns` gives), so enqueueing N kernels costs one dispatch and
 O(cross-stream edges) GPU-layer calls instead of N stream switches. Inside a run,
 values that never leave it are Python locals deleted after their last use; only values read
 elsewhere (or returned) are stored in the frame. So a run of N cheap ops costs one dispatch,
@@ -48,9 +49,9 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan
 from asyncgraph.graph.ir import Graph, Ref
 from asyncgraph.kernels import OpKernel
+from asyncgraph.runtime.device import ALIAS_KEY, DeviceRuns, RunKey
 from asyncgraph.runtime.placement import Decision
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, emit_args
 
@@ -146,7 +147,7 @@ class ScheduleCache:
         unfusable: Sequence[bool] | None = None,
         max_schedules: int = 64,
         decided: Callable[[tuple[Placement, ...]], Decision | None] | None = None,
-        stream_plan: StreamPlan | None = None,
+        stream_plan: DeviceRuns | None = None,
         segments: AtomicGroups | None = None,
     ) -> None:
         self.graph = graph
@@ -280,7 +281,7 @@ def build_schedule(
     costs: Sequence[float] | None = None,
     measured: bool = False,
     yield_gil: bool = False,
-    stream_plan: StreamPlan | None = None,
+    stream_plan: DeviceRuns | None = None,
     segments: AtomicGroups | None = None,
 ) -> Schedule:
     """Group nodes into units (see the module docstring) and derive the unit graph.
@@ -399,28 +400,20 @@ def _segment_placeholder(segment: int) -> Callable[[list[Any]], Any]:
 def _stream_keys(
     plan: ExecutionPlan,
     placement: tuple[Placement, ...],
-    stream_plan: StreamPlan | None,
+    stream_plan: DeviceRuns | None,
     unfusable: Sequence[bool] | None,
-) -> list[StreamKey | None]:
+) -> list[RunKey | None]:
     """Per node: its (device, stream) when it may join a CUDA run, else None; `ALIAS_KEY`
     for an inline alias (getitem, tuple packing), which joins the CUDA run it follows: it
     runs on the host in nanoseconds and would otherwise split runs after every tuple op."""
-    keys: list[StreamKey | None] = [None] * plan.num_nodes
+    keys: list[RunKey | None] = [None] * plan.num_nodes
     if stream_plan is None:
         return keys
     for i, p in enumerate(placement):
         if unfusable is not None and unfusable[i]:
             continue
-        role = stream_plan.roles[i]
-        if p is Placement.STREAM and role is Role.CUDA:
-            keys[i] = stream_plan.key(i)
-        elif p is Placement.INLINE and role is Role.ALIAS:
-            keys[i] = ALIAS_KEY
+        keys[i] = stream_plan.run_key(i, p)  # (device, stream) of a CUDA node on a stream
     return keys
-
-
-ALIAS_KEY: StreamKey = (-1, -1)
-"""`_stream_keys`' key of an inline alias node: it continues an open CUDA run."""
 
 
 def _runs(
@@ -428,7 +421,7 @@ def _runs(
     placement: tuple[Placement, ...],
     max_fused: int,
     unfusable: Sequence[bool] | None,
-    keys: Sequence[StreamKey | None],
+    keys: Sequence[RunKey | None],
     order: Sequence[int] | None = None,
     segment_of: dict[int, int] | None = None,
 ) -> list[list[int]]:
@@ -443,7 +436,7 @@ def _runs(
     ]
     runs: list[list[int]] = []
     current: list[int] = []
-    current_key: StreamKey | None = None  # the stream of `current`, None for an inline run
+    current_key: RunKey | None = None  # the stream of `current`, None for an inline run
 
     def flush() -> None:
         nonlocal current, current_key
@@ -496,7 +489,7 @@ def _compile_run(
     escaping: set[int],
     owned: set[int],
     unit: int,
-    cuda: StreamPlan | None = None,
+    cuda: DeviceRuns | None = None,
 ) -> Callable[[list[Any]], Any]:
     """One function running `run` in order: locals for its own values, `del` after last use.
 
@@ -504,10 +497,10 @@ def _compile_run(
     `owned` are read by this run only and cleared after its last read. Each node's call is on
     its own line, so a failing kernel is found from the traceback's line number.
 
-    With `cuda` (a CUDA run), the function is `unit(v, g, s)`: `g` the frame's FrameStreams,
-    `s` the run's stream, current while it runs (`FrameStreams.run_unit`). Around a node's
-    kernel it calls `g.wait` / `g.fence` before and `g.record_value` / `g.record_event`
-    after, only where the plan has them, as `FrameStreams.run` does for a single node.
+    With `cuda` (a CUDA run), the function is `unit(v, g, s)`: `g` the frame's Device, `s`
+    the run's stream, current while it runs (cuda/device.py's `FrameStreams.run_unit`).
+    Around a node's kernel it runs the statements the device gives (`DeviceRuns.before_node`,
+    `after_node`: cuda/streams.py's waits, fences, recorded values and events).
     """
     namespace: dict[str, Any] = {}
     produced = {plan.outputs[n] for n in run}
@@ -530,18 +523,13 @@ def _compile_run(
         target = f"v[{out}] = " if out in escaping else ""
         if out in last_read:
             target += f"t{out} = "  # unbound when no later node of the run reads it
-        if cuda is not None and cuda.waits[node]:
-            body.append(f"    g.wait({node}, s)")
-        if cuda is not None and cuda.fence[node]:
-            body.append(f"    g.fence({node}, s)")
+        if cuda is not None:
+            body.extend(f"    {line}" for line in cuda.before_node(node))
         node_lines[len(body) + 2] = node  # line 1 is the def
         body.append(f"    {target}{fn}({emit_args(n, namespace, name)})")
         if cuda is not None:
-            for producer in cuda.record_stream[node]:
-                value = Ref(plan.outputs[producer])
-                body.append(f"    g.record_value({name(value)}, s)")
-            if cuda.records_event[node]:
-                body.append(f"    g.record_event({node}, s)")
+            after = cuda.after_node(node, lambda producer: name(Ref(plan.outputs[producer])))
+            body.extend(f"    {line}" for line in after)
         dead = sorted(v for v, p in last_read.items() if p == position)
         if locals_ := [f"t{v}" for v in dead if v in produced]:
             body.append(f"    del {', '.join(locals_)}")

@@ -55,8 +55,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 
 # Known violations (importer, imported), each with its item of issue 35.
 KNOWN: dict[tuple[str, str], str] = {
-    ("asyncgraph.runtime.schedule", "asyncgraph.cuda.streams"):
-        "issue 35 (import circles): runtime/schedule.py writes CUDA calls from the StreamPlan",
     # Not named by issue 35's circles, found by this test:
     ("asyncgraph.graph.ir", "asyncgraph.graph.effects"):
         "graph/ir.py orders effects with graph/effects.py, which reads ir's Node (within graph/)",
