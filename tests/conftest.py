@@ -54,7 +54,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# Session and module fixtures that take minutes on a loaded machine: AOTInductor compiles
+# (tests/integration/test_compiled.py) and a Ray instance (test_ray.py). The first test to use
+# one pays for it inside its own timeout, so each test using one gets at least this.
+HEAVY_FIXTURES = frozenset({"compiled", "tuned", "frozen", "chosen", "bert_package", "cluster"})
+HEAVY_FIXTURE_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())) and (
+                marker is None or marker.args[0] < HEAVY_FIXTURE_TIMEOUT_S):
+            item.add_marker(pytest.mark.timeout(HEAVY_FIXTURE_TIMEOUT_S), append=False)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")
