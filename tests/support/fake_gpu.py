@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import random
 import threading
+import time
 import types
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -81,6 +82,11 @@ class FakeStream:
         return f"<FakeStream {self.name}>"
 
 
+DEADLOCK_AFTER_S = 5.0
+"""How long the simulated GPU may see every non-empty stream waiting before it calls that a
+deadlock (FakeGpu.step)."""
+
+
 class FakeGpu:
     """Streams run in order; at each step one random runnable stream advances by one op."""
 
@@ -94,6 +100,8 @@ class FakeGpu:
         self.launched: set[Any] = set()
         self.errors: list[str] = []
         self._tokens = itertools.count(1)
+        self._step_lock = threading.RLock()
+        self._stuck_since: float | None = None
 
     def stream(self, name: str) -> FakeStream:
         s = FakeStream(self, name)
@@ -118,20 +126,30 @@ class FakeGpu:
         return out
 
     def step(self) -> bool:
-        ready = self.runnable()
-        if not ready:
-            if any(s.queue for s in self.streams) and not self.errors:
-                self.errors.append("deadlock: every non-empty stream waits")
-            return False
-        op = self.rng.choice(ready).queue.popleft()
-        if op[0] == "record":
-            self.done_tokens.add(op[1])
-        elif op[0] == "kernel":
-            missing = op[2] - self.done_kernels
-            if missing:
-                self.errors.append(f"kernel {op[1]} ran before {sorted(map(str, missing))}")
-            self.done_kernels.add(op[1])
-        return True
+        """Run one op of a random runnable stream; False when none can run. Work enqueued by
+        threads is seen at any moment, so "nothing can run" is a deadlock only once it has
+        lasted DEADLOCK_AFTER_S with no op run (a thread between two enqueues, preempted on a
+        loaded machine, leaves that state for a moment)."""
+        with self._step_lock:  # the loop and EagerEvent.query on worker threads both step
+            ready = self.runnable()
+            if not ready:
+                if any(s.queue for s in self.streams) and not self.errors:
+                    now = time.monotonic()
+                    self._stuck_since = self._stuck_since or now
+                    if now - self._stuck_since > DEADLOCK_AFTER_S:
+                        self.errors.append("deadlock: every non-empty stream waits")
+                return False
+            self._stuck_since = None
+            op = self.rng.choice(ready).queue.popleft()
+            if op[0] == "record":
+                self.done_tokens.add(op[1])
+            elif op[0] == "kernel":
+                missing = op[2] - self.done_kernels
+                if missing:
+                    self.errors.append(
+                        f"kernel {op[1]} ran before {sorted(map(str, missing))}")
+                self.done_kernels.add(op[1])
+            return True
 
     @property
     def broken(self) -> bool:
