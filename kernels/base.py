@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from asyncgraph.graph.importers import Program
-    from asyncgraph.runtime.config import ExecutorConfig
 
 
 class KernelKind(enum.Enum):
@@ -28,19 +27,29 @@ class KernelKind(enum.Enum):
     DELEGATE = "delegate"
 
 
+class KernelConfig(Protocol):
+    """What the kernels read of the runtime's configuration (runtime/config.py's
+    ExecutorConfig), which they otherwise hand on to their subgraphs' executors."""
+
+    @property
+    def fast_bindings(self) -> bool: ...
+
+
 class InnerExecutor(Protocol):
     """What a control-flow kernel needs of the executor that runs one of its subgraphs."""
 
     plan: Any
+    config: Any
 
     async def execute(self, *args: Any) -> Any: ...
 
     async def aclose(self) -> None: ...
 
 
-# Makes the executor of a subgraph: passed in by the runtime (runtime/executor.py), so the
-# kernels never import the executor that imports them.
-InnerExecutorFactory = Callable[["Program", "ExecutorConfig"], InnerExecutor]
+# Makes the executor of a subgraph from the outer configuration (None: the defaults): passed
+# in by the runtime (runtime/executor.py), so the kernels never import the executor that
+# imports them.
+InnerExecutorFactory = Callable[["Program", "KernelConfig | None"], InnerExecutor]
 
 
 class OpKernel:

@@ -32,7 +32,6 @@ its kernels' executors on aclose is the intended owner (see docs/support.md).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
@@ -42,14 +41,13 @@ from torch.utils import _pytree as pytree
 
 from asyncgraph.graph.importers import Program, from_graph_module
 from asyncgraph.graph.ir import Node
-from asyncgraph.kernels.base import InnerExecutor, InnerExecutorFactory, KernelKind, OpKernel
-from asyncgraph.runtime.config import ExecutorConfig
-
-
-def subgraph_config(config: ExecutorConfig | None) -> ExecutorConfig:
-    """The configuration of an inner executor: the outer one, without re-validating inputs."""
-    base = config if config is not None else ExecutorConfig()
-    return dataclasses.replace(base, validate_inputs=False, trace=False)
+from asyncgraph.kernels.base import (
+    InnerExecutor,
+    InnerExecutorFactory,
+    KernelConfig,
+    KernelKind,
+    OpKernel,
+)
 
 
 class Subgraph:
@@ -61,7 +59,7 @@ class Subgraph:
         self,
         gm: torch.fx.GraphModule,
         name: str,
-        config: ExecutorConfig,
+        config: KernelConfig | None,
         make_executor: InnerExecutorFactory,
     ) -> None:
         imported = from_graph_module(gm)
@@ -90,7 +88,7 @@ class SubgraphKernel:
         self,
         op: Any,
         node: Node,
-        config: ExecutorConfig | None,
+        config: KernelConfig | None,
         make_executor: InnerExecutorFactory | None,
     ) -> None:
         if make_executor is None:
@@ -101,15 +99,12 @@ class SubgraphKernel:
             )
         self.op_name = str(getattr(op, "__name__", op))
         self.node_name = node.name
-        self.config = subgraph_config(config)
         self.subgraphs: dict[int, Subgraph] = {}
         for position, gm in enumerate(_graph_modules((node.args, node.kwargs))):
             if id(gm) in self.subgraphs:
                 continue
             role = self.roles[position] if position < len(self.roles) else f"subgraph{position}"
-            self.subgraphs[id(gm)] = Subgraph(
-                gm, f"{node.name}.{role}", self.config, make_executor
-            )
+            self.subgraphs[id(gm)] = Subgraph(gm, f"{node.name}.{role}", config, make_executor)
 
     def subgraph(self, gm: Any) -> Subgraph:
         try:
@@ -233,7 +228,8 @@ class MapKernel(SubgraphKernel):
             sliced = pytree.tree_unflatten([x[i] for x in flat_xs], spec)
             return body(*sliced, *pos_args)
 
-        results = await _run_windowed(row, rows, self.config.max_concurrent_executions)
+        window = body.executor.config.max_concurrent_executions  # the subgraph's executor's
+        results = await _run_windowed(row, rows, window)
         return _stack_results(results, self.node_name)
 
 
@@ -319,7 +315,7 @@ class SubgraphHandler:
         self,
         op: Any,
         node: Node,
-        config: ExecutorConfig | None,
+        config: KernelConfig | None,
         make_executor: InnerExecutorFactory | None = None,
     ) -> OpKernel:
         kernel = self.cls(op, node, config, make_executor)

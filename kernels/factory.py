@@ -13,12 +13,11 @@ import torch
 
 from asyncgraph.errors import UnsupportedOpsError
 from asyncgraph.graph.ir import Graph, Node, TensorSpec
-from asyncgraph.kernels.base import InnerExecutorFactory, KernelKind, OpKernel
+from asyncgraph.kernels.base import InnerExecutorFactory, KernelConfig, KernelKind, OpKernel
 from asyncgraph.kernels.cost import estimate_cost
 from asyncgraph.kernels.fast_bindings import fast_binding
 from asyncgraph.kernels.higher_order import higher_order_kernel, is_higher_order
 from asyncgraph.kernels.prim import PRIM_ATEN, PRIM_FUNCTIONS
-from asyncgraph.runtime.config import ExecutorConfig
 
 _CPU_KEYS = ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
              "CompositeExplicitAutogradNonFunctional")
@@ -56,12 +55,12 @@ class KernelFactory:
     kernels never import the executor that imports them.
     """
 
-    config: ExecutorConfig | None = None  # a class default: subclasses need not call __init__
+    config: KernelConfig | None = None  # a class default: subclasses need not call __init__
     inner_executor: InnerExecutorFactory | None = None
 
     def __init__(
         self,
-        config: ExecutorConfig | None = None,
+        config: KernelConfig | None = None,
         inner_executor: InnerExecutorFactory | None = None,
     ) -> None:
         self.config = config

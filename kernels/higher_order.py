@@ -23,11 +23,10 @@ from typing import Any
 import torch
 
 from asyncgraph.graph.ir import Node
-from asyncgraph.kernels.base import InnerExecutorFactory, KernelKind, OpKernel
+from asyncgraph.kernels.base import InnerExecutorFactory, KernelConfig, KernelKind, OpKernel
 from asyncgraph.kernels.control_flow import CONTROL_FLOW_KERNELS, SubgraphHandler
-from asyncgraph.runtime.config import ExecutorConfig
 
-HigherOrderHandler = Callable[[Any, Node, ExecutorConfig | None], OpKernel]
+HigherOrderHandler = Callable[[Any, Node, KernelConfig | None], OpKernel]
 
 _HANDLERS: dict[str, HigherOrderHandler] = {}
 
@@ -40,7 +39,7 @@ def register_higher_order(name: str, handler: HigherOrderHandler) -> None:
 def higher_order_kernel(
     op: Any,
     node: Node,
-    config: ExecutorConfig | None = None,
+    config: KernelConfig | None = None,
     make_executor: InnerExecutorFactory | None = None,
 ) -> OpKernel | None:
     """The kernel for higher-order op `op` at `node`, or None when no handler is registered.
@@ -54,7 +53,7 @@ def higher_order_kernel(
     return handler(op, node, config)
 
 
-def eager_kernel(op: Any, node: Node, config: ExecutorConfig | None) -> OpKernel:
+def eager_kernel(op: Any, node: Node, config: KernelConfig | None) -> OpKernel:
     """Call the op's eager implementation; a Python callable, so it runs on a worker thread."""
     return OpKernel(op, KernelKind.CPU, f"higher_order.{op.__name__}")
 

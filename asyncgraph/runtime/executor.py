@@ -22,6 +22,7 @@ asyncgraph/cuda/segments.py) are captured, each one unit of the schedule.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import sys
 import threading
@@ -51,6 +52,7 @@ from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.importers import Program, ProgramLike, to_program
 from asyncgraph.graph.ir import Graph, InputKind, OutputKind, Ref
 from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.kernels.base import KernelConfig
 from asyncgraph.kernels.factory import default_inner_executor
 from asyncgraph.passes.epilogue import fuse_activations
 from asyncgraph.passes.folding import ConstantFolder, fold_constants
@@ -646,10 +648,19 @@ def _cancel_pending(task: asyncio.Task[Any] | None) -> bool:
     return task is None or bool(getattr(task, "_must_cancel", True))
 
 
-def subgraph_executor(program: Program, config: ExecutorConfig) -> Executor:
-    """The executor of a control-flow subgraph (kernels/control_flow.py): the kernels get this
-    from the runtime instead of importing the executor."""
-    return Executor(program, config, kernel_factory=KernelFactory(config, subgraph_executor))
+def subgraph_config(config: KernelConfig | None) -> ExecutorConfig:
+    """The configuration of an inner executor: the outer one, without re-validating inputs."""
+    assert config is None or isinstance(config, ExecutorConfig)
+    base = config if config is not None else ExecutorConfig()
+    return dataclasses.replace(base, validate_inputs=False, trace=False)
+
+
+def subgraph_executor(program: Program, config: KernelConfig | None) -> Executor:
+    """The executor of a control-flow subgraph (kernels/control_flow.py), made with the outer
+    executor's configuration (`subgraph_config`): the kernels get this from the runtime
+    instead of importing the executor."""
+    inner = subgraph_config(config)
+    return Executor(program, inner, kernel_factory=KernelFactory(inner, subgraph_executor))
 
 
 default_inner_executor(subgraph_executor)

@@ -58,14 +58,6 @@ KNOWN: dict[tuple[str, str], str] = {
     # Not named by issue 35's circles, found by this test:
     ("asyncgraph.graph.ir", "asyncgraph.graph.effects"):
         "graph/ir.py orders effects with graph/effects.py, which reads ir's Node (within graph/)",
-    ("asyncgraph.kernels.base", "asyncgraph.runtime.config"):
-        "kernels read ExecutorConfig (subgraph executors' config, fast_bindings)",
-    ("asyncgraph.kernels.factory", "asyncgraph.runtime.config"):
-        "kernels read ExecutorConfig (subgraph executors' config, fast_bindings)",
-    ("asyncgraph.kernels.control_flow", "asyncgraph.runtime.config"):
-        "kernels read ExecutorConfig (subgraph executors' config, fast_bindings)",
-    ("asyncgraph.kernels.higher_order", "asyncgraph.runtime.config"):
-        "kernels read ExecutorConfig (subgraph executors' config, fast_bindings)",
     ("asyncgraph.tools.check", "asyncgraph.loading"):
         "tools/check.py's run_check loads a model file, compiled packages included",
     ("asyncgraph.passes.folding", "asyncgraph.kernels"):
