@@ -404,7 +404,7 @@ class Executor:
             raise
         finally:
             self._callers.discard(caller)  # type: ignore[arg-type]
-            self._pool.release(frame)  # scheduler.run returns only once the frame is idle
+            self._pool.release(frame)  # the scheduler returns only once the frame is idle
         self._completed += 1
         return outputs
 

@@ -26,8 +26,8 @@ Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
   its stream (it then runs like an inline unit: microseconds, never a host wait) and mark a
   unit reading GPU values HOST_WAIT, which is handed off: it runs at once if the GPU has
   written its inputs, or else after awaiting their events as a task of the frame, so no
-  thread ever blocks on the GPU. `run` leases the execution's streams before the roots start
-  and returns only once the GPU has finished the execution's work as well.
+  thread ever blocks on the GPU. `run_dataflow` leases the execution's streams before the
+  roots start and returns only once the GPU has finished the execution's work as well.
 """
 
 from __future__ import annotations
@@ -117,23 +117,14 @@ class Scheduler:
 
     # -- one execution, seen from the caller --------------------------------------------------
 
-    async def run(self, frame: ExecutionFrame) -> None:
-        """Run the loaded frame to completion; raise its error, or re-raise a cancellation.
-
-        Returns only when no unit is in flight and, with a GPU, when none of the execution's
-        GPU work is (its kernels may still write the frame's tensors), so the caller may
-        release the frame. A cancellation while the GPU finishes is absorbed, then re-raised.
-        """
-        if not self.run_straight(frame):
-            await self.run_dataflow(frame)
-
     def run_straight(self, frame: ExecutionFrame) -> bool:
-        """`run` without a coroutine when the execution may take the straight line
-        (straight.py): True once it ran (its error raised here, as `run` raises it); False
-        when it may not, and the caller awaits `run_dataflow(frame)` instead.
+        """Run the loaded frame to completion without a coroutine when the execution may take
+        the straight line (straight.py): True once it ran (its error raised here); False when
+        it may not, and the caller awaits `run_dataflow(frame)` instead. The Executor calls
+        this first, then `run_dataflow`: together they run an execution.
 
-        On a one-node graph the coroutine `run` would create and await is a tenth of the
-        execution's fixed cost; the Executor calls this first.
+        On a one-node graph a coroutine to create and await is a tenth of the execution's
+        fixed cost.
         """
         budget = self._budget
         if budget is None:
@@ -155,7 +146,12 @@ class Scheduler:
         return True
 
     async def run_dataflow(self, frame: ExecutionFrame) -> None:
-        """`run` through the WorkUnits (the path of every execution `run_straight` refuses).
+        """Run the loaded frame through the WorkUnits (the path of every execution
+        `run_straight` refuses); raise its error, or re-raise a cancellation.
+
+        Returns only when no unit is in flight and, with a GPU, when none of the execution's
+        GPU work is (its kernels may still write the frame's tensors), so the caller may
+        release the frame. A cancellation while the GPU finishes is absorbed, then re-raised.
 
         An execution that `run_straight` refused only because this iteration's slice was
         spent, and that a whole slice holds, first waits one loop iteration and tries the
