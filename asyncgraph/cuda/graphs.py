@@ -360,12 +360,33 @@ class Capture:
         self.outputs = {}
 
 
-class _SignatureState:
+class _CaptureState:
+    """What a frame keeps per input signature (FrameGraphs) or per segment and key
+    (FrameSegments): its warm-up count, then its capture."""
+
     __slots__ = ("capture", "runs")
 
     def __init__(self) -> None:
         self.runs = 0  # executions on the stream path so far (warm-up)
         self.capture: Capture | None = None
+
+
+def _lru_state(
+    states: OrderedDict[Any, _CaptureState], key: Any, evicted: Callable[[], None]
+) -> _CaptureState:
+    """The state of `key`, now the most recently used: a new one when there is none, which
+    evicts the least recently used past MAX_CAPTURES (its capture freed, `evicted()` told)."""
+    state = states.get(key)
+    if state is not None:
+        states.move_to_end(key)
+        return state
+    if len(states) >= MAX_CAPTURES:
+        _, old = states.popitem(last=False)
+        if old.capture is not None:
+            old.capture.free()
+            evicted()
+    state = states[key] = _CaptureState()
+    return state
 
 
 class FrameGraphs:
@@ -381,7 +402,7 @@ class FrameGraphs:
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
         self._owner = owner
         self._gpu = gpu
-        self._states: OrderedDict[Signature, _SignatureState] = OrderedDict()
+        self._states: OrderedDict[Signature, _CaptureState] = OrderedDict()
         backend = owner.runtime.backend
         self._fork = backend.new_event()
         others = len(owner.runtime.plan.streams_used) - 1
@@ -429,19 +450,11 @@ class FrameGraphs:
                 state.capture.free()
         self._states.clear()
 
-    def _state(self, key: Signature) -> _SignatureState:
-        states = self._states
-        state = states.get(key)
-        if state is not None:
-            states.move_to_end(key)
-            return state
-        if len(states) >= MAX_CAPTURES:
-            _, evicted = states.popitem(last=False)
-            if evicted.capture is not None:
-                evicted.capture.free()
-                self._owner.evictions += 1
-        state = states[key] = _SignatureState()
-        return state
+    def _state(self, key: Signature) -> _CaptureState:
+        return _lru_state(self._states, key, self._evicted)
+
+    def _evicted(self) -> None:
+        self._owner.evictions += 1
 
     # -- capture ------------------------------------------------------------------------------
 
@@ -601,7 +614,7 @@ class FrameSegments:
         self._owner = owner
         self._gpu = gpu
         backend = owner.runtime.backend
-        self._states: list[OrderedDict[Any, _SegmentState]] = [
+        self._states: list[OrderedDict[Any, _CaptureState]] = [
             OrderedDict() for _ in owner.segment_plan.segments
         ]
         self._marks = {key: backend.new_event() for key in owner.runtime.plan.streams_used}
@@ -673,19 +686,11 @@ class FrameSegments:
         if state.capture is None:
             self._stream_path(seg, values)
 
-    def _state(self, index: int, key: Any) -> _SegmentState:
-        states = self._states[index]
-        state = states.get(key)
-        if state is not None:
-            states.move_to_end(key)
-            return state
-        if len(states) >= MAX_CAPTURES:
-            _, evicted = states.popitem(last=False)
-            if evicted.capture is not None:
-                evicted.capture.free()
-                self._owner.count("evictions")
-        state = states[key] = _SegmentState()
-        return state
+    def _state(self, index: int, key: Any) -> _CaptureState:
+        return _lru_state(self._states[index], key, self._evicted)
+
+    def _evicted(self) -> None:
+        self._owner.count("evictions")  # segments run on worker threads: under the lock
 
     def _stream_path(self, seg: Segment, values: list[Any]) -> None:
         """The segment's nodes in order on their planned streams (the uncaptured path)."""
@@ -838,14 +843,6 @@ class FrameSegments:
                     backend.record_stream(values[slot], stream)
         for node in seg.events:
             gpu.record_event(node, origin)
-
-
-class _SegmentState:
-    __slots__ = ("capture", "runs")
-
-    def __init__(self) -> None:
-        self.runs = 0
-        self.capture: Capture | None = None
 
 
 def _segment_key(seg: Segment, values: list[Any]) -> Any:
