@@ -203,6 +203,7 @@ def parse_document(text: bytes, max_json_bytes: int = DEFAULT_MAX_JSON_BYTES) ->
         try:
             with _gc_paused(len(skeleton)):
                 doc = json.loads(skeleton)
+            _check_depth(doc, "request body")
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             if len(text) > max_json_bytes:  # else parsed whole below, for its exact error
                 raise ProtocolError(
@@ -217,14 +218,43 @@ def parse_document(text: bytes, max_json_bytes: int = DEFAULT_MAX_JSON_BYTES) ->
     return _loads(text, "request body")
 
 
+#: The deepest JSON nesting a request may have: a tensor of 64 dimensions as nested lists,
+#: inside the request's own objects. Checked after parsing too, so the bound does not depend
+#: on the interpreter's recursion limit (which libraries raise, and json.loads obeys).
+MAX_JSON_DEPTH = 72
+
+
 def _loads(text: bytes, where: str) -> Any:
     try:
         with _gc_paused(len(text)):
-            return json.loads(text)
+            doc = json.loads(text)
     except RecursionError:
         raise ProtocolError(f"{where}: JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"{where}: not valid JSON ({_show(str(exc), 200)})") from None
+    _check_depth(doc, where)
+    return doc
+
+
+def _containers(value: Any) -> list[Any]:
+    """The lists and objects directly inside `value`. A long list whose ends are not
+    containers is a flat data array: it is not scanned (a deep list hidden inside one still
+    meets json.loads' own recursion limit)."""
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(value, list) and len(value) > 64 and not any(
+            isinstance(v, (list, dict)) for v in (value[0], value[-1])):
+        return []
+    return [v for v in items if isinstance(v, (list, dict))]
+
+
+def _check_depth(doc: Any, where: str) -> None:
+    """ProtocolError when `doc` nests lists and objects deeper than MAX_JSON_DEPTH."""
+    level = [doc]
+    for _ in range(MAX_JSON_DEPTH):
+        level = [c for v in level if isinstance(v, (list, dict)) for c in _containers(v)]
+        if not level:
+            return
+    raise ProtocolError(f"{where}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels)")
 
 
 #: JSON texts longer than this are parsed with the cyclic garbage collector paused.

@@ -7,6 +7,7 @@ our responses are parsed with `InferenceServerClient.parse_response_body`, for e
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import ml_dtypes
@@ -381,3 +382,22 @@ def test_large_json_is_parsed_with_the_collector_paused_and_restored() -> None:
     with pytest.raises(ProtocolError, match="not valid JSON"):
         codec._loads(b"[1" + b", 1" * codec.GC_PAUSE_BYTES + b",]", "request body")
     assert gc.isenabled()
+
+
+def test_nesting_is_bounded_whatever_the_recursion_limit() -> None:
+    """A library that raises the recursion limit (torch's compilers do) must not let a deeply
+    nested body through: the bound is the codec's own (it was json.loads' RecursionError, and
+    a 1000-deep body then reached the schema check under xdist)."""
+    from asyncgraph.serve.codec import MAX_JSON_DEPTH, parse_document
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        ok = b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH
+        assert parse_document(ok) is not None
+        for depth in (MAX_JSON_DEPTH + 1, 5_000):
+            with pytest.raises(ProtocolError, match="JSON nested too deeply") as info:
+                parse_document(b"[" * depth + b"]" * depth)
+            assert info.value.status == 400
+    finally:
+        sys.setrecursionlimit(limit)
