@@ -37,7 +37,7 @@ import contextlib
 import functools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import anyio.lowlevel
@@ -727,9 +727,22 @@ class Scheduler:
         if frame.stopped:
             self._end_unit(frame, on_worker=False)
             return
+        self._start_frame_task(frame, unit, self._task_done, self._await_kernel, frame, unit)
+
+    def _start_frame_task(
+        self,
+        frame: ExecutionFrame,
+        unit: int,
+        done: Callable[[ExecutionFrame, int, TaskLike], None],
+        fn: Callable[..., Coroutine[Any, Any, Any]],
+        *args: Any,
+    ) -> None:
+        """Run `fn(*args)` as a task of the frame (loop thread); `done(frame, unit, task)`,
+        its done-callback, goes on with the unit. If the task cannot start, the unit ends here
+        and the error fails the execution."""
         assert self.loop is not None
         try:
-            task = self.loop.create_task(self._await_kernel(frame, unit))
+            task = self.loop.create_task(fn(*args))
         except BaseException as exc:
             self._internal_error(frame, exc, on_worker=False)
             self._end_unit(frame, on_worker=False)
@@ -737,7 +750,7 @@ class Scheduler:
         frame.tasks.add(task)
         # Bookkeeping lives in the done-callback, not in the coroutine: a task cancelled
         # before its first step never runs any of its code, but its callbacks always run.
-        task.add_done_callback(functools.partial(self._task_done, frame, unit))
+        task.add_done_callback(functools.partial(done, frame, unit))
 
     async def _await_kernel(self, frame: ExecutionFrame, unit: int) -> Any:
         start = _clock()
@@ -796,17 +809,14 @@ class Scheduler:
             self._fail(frame, node, exc, on_worker=False)
             self._end_unit(frame, on_worker=False)
             return
-        try:
-            if ready:
+        if ready:
+            try:
                 self._continue_unit(frame, unit, in_drain)
-                return
-            task = self.loop.create_task(gpu.wait_host(node))
-        except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=False)
-            self._end_unit(frame, on_worker=False)
+            except BaseException as exc:
+                self._internal_error(frame, exc, on_worker=False)
+                self._end_unit(frame, on_worker=False)
             return
-        frame.tasks.add(task)
-        task.add_done_callback(functools.partial(self._host_wait_done, frame, unit))
+        self._start_frame_task(frame, unit, self._host_wait_done, gpu.wait_host, node)
 
     def _host_wait_done(self, frame: ExecutionFrame, unit: int, task: TaskLike) -> None:
         try:
