@@ -9,10 +9,14 @@ replicas' own leak check is their /metrics after the traffic: no frame in use, n
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import os
 import re
 import socket
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -369,29 +373,34 @@ def test_deleting_the_app_drains_requests_in_flight(cluster: str, models: dict[s
     asyncio.run(_drain(cluster, models))
 
 
-async def _arrived(client: httpx.AsyncClient) -> tuple[float, float]:
-    """(requests running, requests answered) summed over the replicas: a scrape reports both."""
-    text = (await client.get("/metrics")).text
-    return (sum(metric_values(text, "asyncgraph_running_requests")),
-            sum(metric_values(text, "nv_inference_request_success")))
+def _send_then_answer(cluster: str, body: dict[str, Any], sent: threading.Event) -> httpx.Response:
+    """POST `body` on a connection of its own; `sent` is set once the whole request was
+    written to the socket, before the answer is read."""
+    url = urllib.parse.urlsplit(cluster)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=WAIT_S)
+    try:
+        payload = json.dumps(body).encode()
+        connection.request("POST", "/v2/models/slow/infer", payload,
+                           {"Content-Type": "application/json"})
+        sent.set()
+        answer = connection.getresponse()
+        return httpx.Response(answer.status, content=answer.read())
+    finally:
+        connection.close()
 
 
 async def _drain(cluster: str, models: dict[str, Any]) -> None:
-    async with httpx.AsyncClient(base_url=cluster, timeout=WAIT_S) as client:
-        _, answered_before = await _arrived(client)
-        xs = [torch.randn(1, 256) for _ in range(8)]
-        sent = [asyncio.create_task(client.post("/v2/models/slow/infer", json=affine_body(x)))
-                for x in xs]
-        # delete only once all 8 reached a replica (running or answered): a request still on
-        # its way to the proxy when the app goes is rightly a 404, and no test of draining
-        with anyio.fail_after(WAIT_S):
-            while True:
-                running, answered = await _arrived(client)
-                if running + answered - answered_before >= 8:
-                    break
-                await asyncio.sleep(0.005)
-        assert running > 0, "nothing was in flight to drain"
-        await asyncio.to_thread(serve.delete, APP)
-        responses = await asyncio.gather(*sent)
+    xs = [torch.randn(1, 256) for _ in range(8)]
+    sent = [threading.Event() for _ in xs]
+    calls = [asyncio.create_task(asyncio.to_thread(_send_then_answer, cluster, affine_body(x), s))
+             for x, s in zip(xs, sent, strict=True)]
+    # delete only once every request is on the proxy's socket: one still being sent when the
+    # app goes is rightly a 404, and no test of draining (a fixed 50 ms sleep missed that)
+    with anyio.fail_after(WAIT_S):
+        while not all(s.is_set() for s in sent):  # noqa: ASYNC110 (set by threads)
+            await asyncio.sleep(0.001)
+    assert not all(c.done() for c in calls), "nothing was in flight to drain"
+    await asyncio.to_thread(serve.delete, APP)
+    responses = await asyncio.gather(*calls)
     assert [r.status_code for r in responses] == [200] * 8
     assert all(correct(models, "slow", x, r) for x, r in zip(xs, responses, strict=True))
