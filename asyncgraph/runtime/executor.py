@@ -94,6 +94,8 @@ class ExecutorStatistics:
     closed: bool
     schedules: ScheduleStatistics
     worker_executions: int = 0  # straight lines run on a worker thread (they overlapped others)
+    # input signatures remembered as valid: inputs alike skip the full check (validation.py)
+    validated_signatures: int = 0
 
 
 class Executor:
@@ -562,6 +564,7 @@ class Executor:
             closed=self._closed,
             schedules=self._schedules.statistics(),
             worker_executions=self._scheduler.worker_executions,
+            validated_signatures=self._validator.passed_signatures,
         )
 
     def batching_statistics(self) -> BatcherStatistics | None:

@@ -107,6 +107,12 @@ class InputValidator:
 
     # -- structure ---------------------------------------------------------------------------
 
+    @property
+    def passed_signatures(self) -> int:
+        """How many input signatures are remembered as having passed (`check` skips the full
+        check for inputs alike; at most _MAX_PASSED, then it starts afresh)."""
+        return len(self._passed)
+
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The flat user inputs of a call, in signature order, or a structure error."""
         spec = self.in_spec

@@ -124,11 +124,10 @@ async def test_inputs_like_ones_that_passed_skip_the_check_and_others_are_still_
     """Validation remembers the signatures (shapes, dtypes, devices, scalar values) that
     passed; anything that differs in one of them is checked in full, errors included."""
     async with asyncgraph.Executor(pair_ep) as ex:
-        validator = ex._validator
         x = torch.randn(4, 8)
         await ex.execute(x, x, scale=2.0)
         await ex.execute(torch.randn(4, 8), torch.randn(4, 8), scale=2.0)
-        assert len(validator._passed) == 1  # the same signature, other values
+        assert ex.statistics().validated_signatures == 1  # the same signature, other values
         bad = [
             ((x, torch.randn(5, 8)), "the same dimension"),
             ((x.double(), x), "dtype"),
@@ -139,7 +138,7 @@ async def test_inputs_like_ones_that_passed_skip_the_check_and_others_are_still_
                 await ex.execute(*args, scale=2.0)
         with pytest.raises(InputValidationError, match="fixed when the program was exported"):
             await ex.execute(x, x, scale=3.0)
-        assert len(validator._passed) == 1  # failures are not remembered
+        assert ex.statistics().validated_signatures == 1  # failures are not remembered
 
 
 class Single(torch.nn.Module):
