@@ -69,6 +69,17 @@ class PlacementStatistics:
     revised: int  # of those, the ones that changed the placement
     moved_inline: int
     moved_to_worker: int
+    # The bars in use (ExecutorConfig's heavy_node_us, loaded_heavy_node_us, loop_slice_s
+    # in us, worker_execution_node_us; None: off), as the module docstring uses them.
+    heavy_node_us: float = 80.0
+    loaded_heavy_node_us: float = 250.0
+    loop_slice_us: float = 1000.0
+    worker_execution_node_us: float | None = None
+    recheck_after: int = 20  # executions from a decision to its first recheck round; 0: none
+    # The nodes that the decision behind the most recently chosen placement measured heavy
+    # (best time >= heavy_node_us), by name: each runs as a unit of its own (Decision.heavy).
+    # Empty while that placement is not a decided one (warm-up, profiling).
+    heavy_nodes: tuple[str, ...] = ()
 
 
 class NodeTimes:
@@ -137,6 +148,7 @@ class AdaptivePlacement:
     ) -> None:
         self.base = plan.placement
         self.users = plan.users
+        self.names = tuple(n.name for n in graph.nodes)
         self.profile_executions = profile_executions
         self.heavy_node_us = heavy_node_us
         self.loaded_heavy_node_us = loaded_heavy_node_us
@@ -335,6 +347,8 @@ class AdaptivePlacement:
     def statistics(self) -> PlacementStatistics:
         decided = [e.placement for e in self._entries.values() if e.placement is not None]
         last = self._last
+        decision = self.decision(last)
+        heavy = decision.heavy if decision is not None else ()
         return PlacementStatistics(
             signatures=len(self._entries),
             decided=len(decided),
@@ -349,6 +363,12 @@ class AdaptivePlacement:
                 1 for b, p in zip(self.base, last, strict=True)
                 if b is Placement.INLINE and p is Placement.WORKER
             ),
+            heavy_node_us=self.heavy_node_us,
+            loaded_heavy_node_us=self.loaded_heavy_node_us,
+            loop_slice_us=self.loop_slice_us,
+            worker_execution_node_us=self.worker_execution_node_us,
+            recheck_after=self.recheck_after,
+            heavy_nodes=tuple(name for name, h in zip(self.names, heavy, strict=False) if h),
         )
 
 

@@ -7,6 +7,8 @@
 - ReferenceRunner: the serial, node-by-node reference to check results against.
 - run_stress / StressConfig / StressReport: the stress harness behind `asyncgraph stress`.
 - LoopLagMonitor: a 1 ms heartbeat that measures event-loop lag.
+- `asyncgraph.testing.introspect` (not re-exported here): read-only white-box views of an
+  Executor (idle frames, schedules) for asyncgraph's own tests.
 """
 
 from asyncgraph.testing.faults import (

@@ -11,6 +11,7 @@ import asyncgraph
 from asyncgraph import ExecutorConfig, Placement
 from asyncgraph.runtime.placement import AdaptivePlacement
 from asyncgraph.runtime.validation import InputValidator
+from asyncgraph.testing import introspect
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.serial]
 
@@ -139,7 +140,8 @@ def test_the_loaded_bar_comes_from_the_config() -> None:
     with pytest.raises(ValueError, match="loaded_heavy_node_us"):
         ExecutorConfig(loaded_heavy_node_us=-1)
     ex = _diamond_of_heavy_nodes(ExecutorConfig(heavy_op_flops=0, loaded_heavy_node_us=123.0))
-    assert ex._adaptive is not None and ex._adaptive.loaded_heavy_node_us == 123.0
+    stats = ex.placement_statistics()
+    assert stats is not None and stats.loaded_heavy_node_us == 123.0
 
 
 class Spine(torch.nn.Module):
@@ -159,17 +161,18 @@ async def test_a_heavy_inline_node_runs_as_a_unit_of_its_own() -> None:
         for _ in range(3):
             out = await ex.execute(x)
         torch.testing.assert_close(out, Spine()(x))
-        placement = ex._adaptive.current if ex._adaptive is not None else None
-        assert placement is not None and set(placement) == {Placement.INLINE}
-        decision = ex._adaptive.decision(placement) if ex._adaptive is not None else None
-        solo = decision.heavy if decision is not None else None
-        assert solo is not None and all(solo)  # every node measured >= 0 us: all heavy
-        schedule = ex._schedules.get(placement, fused=True)  # the cache asks adaptive.decision
-        unfused = ex._schedules.get(placement, fused=True)  # same placement: the cached one
+        placements = ex.placements()
+        assert set(placements.values()) == {Placement.INLINE}
+        stats = ex.placement_statistics()
+        # every node measured >= 0 us: all heavy
+        assert stats is not None and stats.heavy_nodes == tuple(placements)
+        # the decided placement's schedule: the cache asks adaptive.decision
+        schedule = introspect.schedule(ex)
+        unfused = introspect.schedule(ex)  # same placement: the cached one
     assert all(len(unit) == 1 for unit in schedule.nodes)
     assert unfused is schedule
     # without the heavy marks the same chain is one fused unit
-    fused = ex._schedules.get(tuple(list(placement)), fused=True)  # a new tuple object
+    fused = introspect.schedule(ex, tuple(placements.values()))  # a new tuple object
     assert len(fused.nodes) == 1
 
 
@@ -283,8 +286,14 @@ def test_recheck_after_zero_decides_once() -> None:
     b = asyncgraph.GraphBuilder()
     b.output(b.call(torch.relu, b.input("x"), name="only"))
     ex = asyncgraph.Executor(b.build(), ExecutorConfig(placement_recheck_after=0))
-    adaptive = ex._adaptive
-    assert adaptive is not None and adaptive.recheck_after == 0
+    stats = ex.placement_statistics()
+    assert stats is not None and stats.recheck_after == 0
+    adaptive = AdaptivePlacement(  # as the Executor makes it from its config
+        ex.graph, ex.plan, ex.kernels,
+        profile_executions=ex.config.profile_executions,
+        recheck_after=ex.config.placement_recheck_after,
+    )
+    assert adaptive.recheck_after == 0
     inputs = [torch.randn(4)]
     adaptive.choose(inputs)
     for _ in range(adaptive.profile_executions):
@@ -318,7 +327,6 @@ async def test_an_executor_moves_a_node_that_warmed_up_back_inline() -> None:
     config = ExecutorConfig(profile_executions=2, placement_recheck_after=2)
     x = torch.randn(4)
     async with asyncgraph.Executor(b.build(), config) as ex:
-        ex._adaptive.movable = (True,)  # type: ignore[union-attr]
         for _ in range(3):
             await ex.execute(x)
         assert ex.placements()["warming"] is Placement.WORKER  # measured ~3 ms: past the slice
@@ -356,6 +364,8 @@ def test_the_worker_execution_bar_comes_from_the_config() -> None:
     with pytest.raises(ValueError, match="worker_execution_node_us"):
         ExecutorConfig(worker_execution_node_us=-1)
     ex = _diamond_of_heavy_nodes(ExecutorConfig(heavy_op_flops=0, worker_execution_node_us=7.0))
-    assert ex._adaptive is not None and ex._adaptive.worker_execution_node_us == 7.0
+    stats = ex.placement_statistics()
+    assert stats is not None and stats.worker_execution_node_us == 7.0
     ex = _diamond_of_heavy_nodes(ExecutorConfig(heavy_op_flops=0, worker_execution_node_us=None))
-    assert ex._adaptive is not None and ex._adaptive.worker_execution_node_us is None
+    stats = ex.placement_statistics()
+    assert stats is not None and stats.worker_execution_node_us is None
