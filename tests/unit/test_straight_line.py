@@ -21,6 +21,7 @@ from asyncgraph.runtime.config import usable_cpus
 from asyncgraph.runtime.loop_budget import LoopBudget
 from asyncgraph.runtime.scheduler import Scheduler
 from asyncgraph.runtime.straight import straight_line
+from asyncgraph.testing import introspect
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(60)]
 
@@ -81,7 +82,7 @@ async def test_the_straight_path_drops_values_after_their_last_reader() -> None:
     async with Executor(ep, ExecutorConfig(max_fused_nodes=1, profile_executions=1)) as ex:
         for _ in range(4):
             await ex.execute(torch.randn(4, 8))
-        schedule = ex._schedules.cached(ex._adaptive._last, False)  # type: ignore[union-attr]
+        schedule = introspect.cached_schedule(ex, fused=False)  # the current placement's
         assert schedule is not None
         line = straight_line(schedule)
         assert line is not None
@@ -124,7 +125,7 @@ def test_a_schedule_with_a_worker_unit_has_no_straight_line() -> None:
     b.output(b.call(torch.mm, b.call(torch.relu, x, name="r", placement="inline"), x,
                     name="mm", placement="worker"))
     ex = Executor(b.build())
-    schedule = ex._schedules.get(ex.plan.placement, fused=True)
+    schedule = introspect.schedule(ex, ex.plan.placement, fused=True)
     assert straight_line(schedule) is None
 
 
@@ -174,7 +175,7 @@ async def test_a_call_on_a_bound_executor_made_while_cancelled_takes_no_frame() 
         assert await ex.execute(1) == 2  # binds the loop
 
         async def caller() -> Any:
-            assert ex._calling_task() is asyncio.current_task()
+            assert introspect.calling_task(ex) is asyncio.current_task()
             asyncio.current_task().cancel()  # type: ignore[union-attr]
             return await ex.execute(1)  # cancelled before it could take a frame
 
@@ -290,7 +291,7 @@ async def test_a_cancellation_during_the_wait_for_a_fresh_slice_frees_the_frame(
             patch.setattr(LoopBudget, "start", lambda self, seconds: None)
             task = asyncio.create_task(ex.execute(torch.randn(4, 8)))
             await asyncio.sleep(0)  # the task runs up to the wait for a fresh slice
-            assert ex._scheduler._retry is None and ex.statistics().in_flight == 1
+            assert not introspect.straight_retry_pending(ex) and ex.statistics().in_flight == 1
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
