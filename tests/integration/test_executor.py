@@ -14,6 +14,7 @@ import torch
 import asyncgraph
 from asyncgraph import ExecutorConfig
 from asyncgraph.graph import importers
+from asyncgraph.testing import introspect
 from tests.support.models import CASES, Case, Counter
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -92,7 +93,7 @@ async def test_outputs_are_fresh_tensors_per_call() -> None:
         second = await ex.execute(x + 1)
         assert first.data_ptr() != second.data_ptr()
         torch.testing.assert_close(first, model(x))
-        frame = ex._pool._idle[0]
+        frame = introspect.idle_frames(ex)[0]
         assert all(v is None or k in dict(ex.plan.weight_slots)
                    for k, v in enumerate(frame.values))
 
