@@ -28,7 +28,7 @@ from asyncgraph.cuda import graphs as cuda_graphs
 from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, ScalarSpec
-from asyncgraph.testing import LeakChecker
+from asyncgraph.testing import LeakChecker, introspect
 from tests.support.backends import run, settle, until
 from tests.support.cuda_graph_fake import (
     CaptureBackend,
@@ -222,7 +222,7 @@ def test_both_runs_around_a_host_read_are_captured_and_equal_the_uncaptured_path
             assert (stats(ex).segments, stats(ex).live_graphs, stats(ex).captures) == (2, 2, 0)
             assert [g.replays for g in cuda.graphs] == [3, 3]  # the capture's own, then 2 each
             assert stats(plain).segments == 0 and stats(plain).segment_captures == 0
-            (frame,) = ex._pool._idle
+            (frame,) = introspect.idle_frames(ex)
             assert frame.schedule is not None and frame.schedule.segments.count(-1) == 2
             # the second segment's input, made by the host kernel, is marked used on its origin
             # stream by each replay: the frame drops it when the unit ends

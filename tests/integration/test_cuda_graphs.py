@@ -31,7 +31,7 @@ from asyncgraph.cuda.device import TorchCudaBackend
 from asyncgraph.cuda.graphs import CapturePlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, OutputKind, OutputSpec, Signature, TensorSpec
-from asyncgraph.testing import LeakChecker
+from asyncgraph.testing import LeakChecker, introspect
 from tests.support.backends import run, settle, until
 from tests.support.cuda_graph_fake import (
     CaptureBackend,
@@ -168,7 +168,7 @@ async def test_a_cpu_program_has_no_capture_state(
     async with Executor(b.build()) as ex:
         assert await ex.execute(torch.ones(2)) is not None
         assert ex.cuda_graph_plan is None and ex.cuda_graph_statistics() is None
-        (frame,) = ex._pool._idle
+        (frame,) = introspect.idle_frames(ex)
         assert frame.graphs is None
 
 
@@ -222,7 +222,7 @@ def test_an_input_that_requires_grad_leaves_the_static_buffers_out_of_autograd()
             for k in range(3):
                 x = inputs(k).requires_grad_()
                 torch.testing.assert_close(await ex.execute(x), expected(inputs(k), w))
-            (frame,) = ex._pool._idle
+            (frame,) = introspect.idle_frames(ex)
             assert frame.graphs is not None
             (state,) = frame.graphs._states.values()
             assert state.capture is not None

@@ -30,7 +30,7 @@ from asyncgraph.cuda.device import FrameStreams, move_inputs_to_device
 from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.runtime.frame import HOST_WAIT
 from asyncgraph.runtime.plan import Placement
-from asyncgraph.testing import LeakChecker
+from asyncgraph.testing import LeakChecker, introspect
 from tests.support.fake_gpu import (
     CudaNodes,
     FakeBackend,
@@ -218,11 +218,11 @@ async def test_a_cpu_node_reading_gpu_values_is_a_unit_of_its_own() -> None:
     v = b.call(sim.host(add_one), v, name="host_3", placement="inline")
     b.output(v)
     async with gpu_running(gpu), gpu_executor(b.build(), gpu) as ex:
-        schedule = ex._schedules.get(ex.plan.placement, fused=True)
+        schedule = introspect.schedule(ex, ex.plan.placement, fused=True)
         # host_1 waits for gpu_a: not fused with host_2 and host_3, which need no wait
         assert schedule.nodes == ((0,), (1,), (2, 3))
         assert await ex.execute(sim.upload(4)) == 11
-        (frame,) = ex._pool._idle
+        (frame,) = introspect.idle_frames(ex)
         assert frame.where == (Placement.STREAM, HOST_WAIT, Placement.INLINE)
         assert frame.gpu is not None and frame.calls[0] is frame.gpu.calls[0]
     assert gpu.errors == []
@@ -235,7 +235,7 @@ async def test_a_cpu_node_reading_gpu_values_is_a_unit_of_its_own() -> None:
 
 def cuda_units(ex: Executor) -> list[tuple[int, ...]]:
     """The units of the executor's fused schedule that enqueue on a stream."""
-    schedule = ex._schedules.get(ex.plan.placement, fused=True)
+    schedule = introspect.schedule(ex, ex.plan.placement, fused=True)
     return [
         nodes for nodes, where in zip(schedule.nodes, schedule.where, strict=True)
         if where is Placement.STREAM
@@ -571,7 +571,7 @@ async def test_a_cpu_program_builds_no_gpu_state() -> None:
     async with Executor(b.build(), ExecutorConfig(cuda_streams=2)) as ex:
         assert await ex.execute(1) == 2
         assert ex.stream_plan is None and ex.cuda_runtime is None
-        (frame,) = ex._pool._idle
+        (frame,) = introspect.idle_frames(ex)
         assert frame.gpu is None
         assert frame.calls is frame.schedule.calls  # type: ignore[union-attr]
     assert CUDA or not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
