@@ -100,6 +100,10 @@ def _free_port() -> int:
 def cluster(models: dict[str, Any]) -> Iterator[str]:
     """A local Ray instance, Serve's proxy on 127.0.0.1 and the shared 2-replica app."""
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # the proxy inherits it from this process
+    # Serve kills a proxy that misses its ready (5 s) or health (10 s) checks: on a saturated
+    # 2-core machine it did, and every test of the module errored. The tests are not about that.
+    for check in ("READY_CHECK", "HEALTH_CHECK"):
+        os.environ.setdefault(f"RAY_SERVE_PROXY_{check}_TIMEOUT_S", "120")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = _free_port()
