@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import tempfile
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -19,6 +21,16 @@ from asyncgraph.testing import LeakChecker
 from tests.support.backends import BACKENDS
 
 torch.set_num_threads(1)
+
+# Each xdist worker compiles with an inductor cache of its own. Twice (17 and 23 failures) an
+# AOTInductor package came out with an empty wrapper_metadata.json while another process
+# compiled or loaded AOTI models beside it; the cache, where those files are written and read,
+# is the one thing the processes shared. Kept between runs (same worker names), so the cache
+# still saves recompiles.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor-asyncgraph-tests-{_WORKER}")
 
 
 def _asyncio_debug_loop() -> asyncio.AbstractEventLoop:
