@@ -30,20 +30,12 @@ from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.serve import InferenceServer, ProtocolError, create_app, running_server
 from asyncgraph.serve import app as app_module
 from asyncgraph.testing import FaultInjector
+from tests.support.models import Affine
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
 CPU = torch.device("cpu")
 WAIT_S = 20.0  # the bound on every wait for something the server must do
-
-
-class Affine(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
 
 
 @pytest.fixture(scope="module")

@@ -21,19 +21,11 @@ import torch
 
 import asyncgraph
 from asyncgraph.serve import InferenceServer, create_app, running_server
+from tests.support.models import Affine
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
 WAIT_S = 20.0  # the bound on every wait for something the server must do
-
-
-class Affine(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,17 @@ from torch.export import Dim
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
+class Affine(torch.nn.Module):
+    """The served model of the HTTP tests: one Linear(4, 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
 class Scaled(torch.nn.Module):
     """`x @ (2 * W).t() + b`: the scaling and the transpose read only weights
     (constant folding takes them out of the graph; tests of folding and of swaps use it)."""
