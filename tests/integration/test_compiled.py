@@ -875,8 +875,9 @@ def test_conformance_corpus(tmp_path: Path) -> None:
 
     # at a soak scale below 1 (make test), an evenly spread part of the corpus: a compile
     # per model dominates the run
-    count = soak(len(CASES), minimum=3)
-    cases = [CASES[i * len(CASES) // count] for i in range(count)]
+    runnable = [c for c in CASES if c.skip is None]  # a torch without torchbind's test class
+    count = soak(len(runnable), minimum=3)
+    cases = [runnable[i * len(runnable) // count] for i in range(count)]
 
     async def corpus() -> list[str]:
         async with LeakChecker():
