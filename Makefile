@@ -40,9 +40,10 @@ PYTEST_FLAGS = -q -p no:cacheprovider -rfEs --durations=25
 junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 # The suite in two runs: everything that may share the cores on xdist's workers, then the tests
 # marked `serial` (they measure loop lag, wall time or overlap) alone.
+# $(3): extra pytest arguments (the Python 3.12 leg leaves out what depends on torch only).
 define suite
-	$(1) -m pytest $(PYTEST_FLAGS) -n auto -m "not serial and not slow" $(call junit,$(2)-parallel)
-	$(1) -m pytest $(PYTEST_FLAGS) -m "serial and not slow" $(call junit,$(2)-serial)
+	$(1) -m pytest $(PYTEST_FLAGS) -n auto -m "not serial and not slow" $(call junit,$(2)-parallel) $(3)
+	$(1) -m pytest $(PYTEST_FLAGS) -m "serial and not slow" $(call junit,$(2)-serial) $(3)
 endef
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -102,8 +103,13 @@ test-py312:
 		if [ -n "$(JUNIT_DIR)" ]; then echo "NOT RUN: no Python 3.12" > $(JUNIT_DIR)/NOT-RUN; fi; \
 	else $(MAKE) $(VENV_312)/.installed && $(MAKE) py312-suite; fi
 
+# What differs on Python 3.12 is the interpreter and its asyncio (the eager task factory, task
+# internals the executor's fast paths read): the runtime, serving and reliability tests. The
+# conformance corpus and the AOTInductor compiles exercise torch, whose same release the main
+# leg runs (and the torch 2.11 leg the other end of the range): they are left out here.
+PY312_SKIP = --ignore=tests/conformance --ignore=tests/integration/test_compiled.py
 py312-suite:
-	$(call suite,$(VENV_312)/bin/python,py312)
+	$(call suite,$(VENV_312)/bin/python,py312,$(PY312_SKIP))
 
 # The README's two commands as a newcomer runs them: a fresh clone (the committed tree plus
 # uncommitted changes to tracked files), no pip cache, `make demo`, then `make test`.
