@@ -43,34 +43,27 @@ from asyncgraph.cuda.graphs import (
     CapturePlan,
     CudaGraphs,
     CudaGraphStatistics,
-    plan_capture,
-    segment_plan_for,
 )
 from asyncgraph.cuda.segments import SegmentPlan
-from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
+from asyncgraph.cuda.streams import StreamPlan
 from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.importers import Program, ProgramLike, to_program
 from asyncgraph.graph.ir import Graph, InputKind, OutputKind, Ref
 from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.kernels.base import KernelConfig
 from asyncgraph.kernels.factory import default_inner_executor
-from asyncgraph.passes.epilogue import fuse_activations
-from asyncgraph.passes.folding import ConstantFolder, fold_constants
-from asyncgraph.passes.identity import drop_identities
-from asyncgraph.passes.linear import lower_linear
-from asyncgraph.passes.qkv import split_packed_qkv
-from asyncgraph.passes.recompose import recompose_attention
+from asyncgraph.passes.folding import ConstantFolder
 from asyncgraph.runtime import registry
 from asyncgraph.runtime.backend import Caller, Loop, ScopeCaller, current_loop
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
+from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
-from asyncgraph.runtime.extensions import optional_pass
 from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument, make_tracer
-from asyncgraph.runtime.placement import AdaptivePlacement, PlacementStatistics, batch_bucket_key
-from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
+from asyncgraph.runtime.placement import PlacementStatistics
+from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
-from asyncgraph.runtime.schedule import AtomicGroups, ScheduleCache, ScheduleStatistics
+from asyncgraph.runtime.schedule import ScheduleStatistics
 from asyncgraph.runtime.scheduler import Scheduler
 from asyncgraph.runtime.validation import InputValidator, Signature
 from asyncgraph.runtime.weights import Weights
@@ -119,91 +112,29 @@ class Executor:
     ) -> None:
         self.config = config if config is not None else ExecutorConfig()
         self.program: Program = to_program(program)
-        self.graph: Graph = self.program.graph
-        self.recomposed = 0  # attention patterns put back together (asyncgraph/passes/recompose.py)
-        if self.config.recompose_attention:
-            self.graph, self.recomposed = recompose_attention(self.graph)
-        # dropouts that return their input (asyncgraph/passes/identity.py)
-        self.graph, self.dropped_identities = drop_identities(self.graph)
-        self.qkv_splits = 0  # packed q/k/v projections split by views (asyncgraph/passes/qkv.py)
-        if self.config.split_packed_qkv:
-            self.graph, self.qkv_splits = split_packed_qkv(self.graph)
-        self.lowered_linears = 0  # linears run on a folded transpose (asyncgraph/passes/linear.py)
-        self.weight_copies = 0  # of those transposes, copies (pretranspose_weights)
-        if self.config.lower_linear and self.config.fold_constants:
-            lowering = lower_linear(self.graph, self.config.pretranspose_weights)
-            self.graph = lowering.graph
-            self.lowered_linears, self.weight_copies = lowering.lowered, lowering.copies
-        self.fused_activations = 0  # addmm + relu/gelu as one node (asyncgraph/passes/epilogue.py)
-        if self.config.fuse_activations:
-            self.graph, self.fused_activations = fuse_activations(self.graph)
-        factory = kernel_factory or KernelFactory(self.config, subgraph_executor)
-        self.kernels: list[OpKernel] = factory.create(self.graph)
-        self._folder: ConstantFolder | None = None
-        if self.config.fold_constants:  # the executed graph: without what reads only weights
-            self.graph, self.kernels, self._folder = fold_constants(self.graph, self.kernels)
-        self.scripted: list[str] = []  # the scripted segments' delegate nodes
-        if self.config.script_segments:
-            script_segments = optional_pass("script_segments")  # compiled/scripted.py
-
-            self.graph, self.scripted = script_segments(self.graph)
-            if self.scripted:
-                self.kernels = factory.create(self.graph)
-        self.plan: ExecutionPlan = build_plan(self.graph, self.kernels, self.config)
-        self.stream_plan: StreamPlan | None = None
-        self.cuda_runtime: CudaRuntime | None = None
+        built = build(
+            self.program.graph, self.config,
+            kernel_factory or KernelFactory(self.config, subgraph_executor), _cuda_backend,
+        )
+        self.graph: Graph = built.graph  # the executed graph (the program's keeps its own)
+        self.kernels: list[OpKernel] = built.kernels
+        self.plan: ExecutionPlan = built.plan
+        counts = built.counts  # what the graph passes did (runtime/build.py: GRAPH_PASSES)
+        self.recomposed, self.dropped_identities = counts.recomposed, counts.dropped_identities
+        self.qkv_splits, self.lowered_linears = counts.qkv_splits, counts.lowered_linears
+        self.weight_copies, self.fused_activations = counts.weight_copies, counts.fused_activations
+        self.scripted: list[str] = built.scripted  # the scripted segments' delegate nodes
+        self._folder: ConstantFolder | None = built.folder
+        cuda = built.cuda
+        self.stream_plan: StreamPlan | None = cuda.stream_plan if cuda else None
+        self.cuda_runtime: CudaRuntime | None = cuda.runtime if cuda else None
         # Whether executions are captured as CUDA graphs, and why not (cuda/graphs.py).
-        self.cuda_graph_plan: CapturePlan | None = None
+        self.cuda_graph_plan: CapturePlan | None = cuda.graph_plan if cuda else None
         # Otherwise, the segments captured and the nodes left out, with why (cuda/segments.py).
-        self.cuda_segment_plan: SegmentPlan | None = None
-        self._cuda_graphs: CudaGraphs | None = None
-        if Placement.STREAM in self.plan.placement:  # exactly when the program has CUDA nodes
-            self.stream_plan = stream_plan_for(
-                self.graph, self.plan, self.config.cuda_streams,
-                costs=[float(k.cost) for k in self.kernels],
-            )
-            self.cuda_runtime = CudaRuntime(
-                self.stream_plan, self.plan.outputs,
-                max_stream_sets=self.config.max_concurrent_executions,
-                backend=_cuda_backend,
-            )
-            self.cuda_graph_plan = plan_capture(
-                self.graph, self.plan, self.stream_plan, self.kernels, self.config
-            )
-            self.cuda_segment_plan = segment_plan_for(
-                self.cuda_graph_plan, self.graph, self.stream_plan, self.kernels, self.config
-            )
-            self._cuda_graphs = CudaGraphs(
-                self.cuda_graph_plan, self.cuda_runtime, self.graph, self.plan, self.config,
-                self.cuda_segment_plan,
-            )
-        self._adaptive = (
-            AdaptivePlacement(
-                self.graph, self.plan, self.kernels,
-                profile_executions=self.config.profile_executions,
-                recheck_after=self.config.placement_recheck_after,
-                heavy_node_us=self.config.heavy_node_us,
-                loaded_heavy_node_us=self.config.loaded_heavy_node_us,
-                loop_slice_us=self.config.loop_slice_s * 1e6,
-                worker_execution_node_us=self.config.worker_execution_node_us,
-                key=batch_bucket_key if self.config.batching is not None else None,
-            )
-            if self.config.adaptive_placement
-            else None
-        )
-        # A CPU node reading GPU values may have to wait for them: it is never fused.
-        runtime = self.cuda_runtime
-        self._schedules = ScheduleCache(
-            self.graph, self.plan, self.kernels, self.config.max_fused_nodes,
-            unfusable=runtime.needs_host_wait if runtime is not None else None,
-            decided=self._adaptive.decision if self._adaptive is not None else None,
-            stream_plan=self.stream_plan,  # CUDA nodes on one stream fuse (schedule.py)
-            segments=(  # each segment one unit (cuda/segments.py)
-                AtomicGroups(segment_plan.order, segment_plan.segment_of)
-                if (segment_plan := self.cuda_segment_plan) is not None and segment_plan.segments
-                else None
-            ),
-        )
+        self.cuda_segment_plan: SegmentPlan | None = cuda.segment_plan if cuda else None
+        self._cuda_graphs: CudaGraphs | None = cuda.graphs if cuda else None
+        self._adaptive = built.adaptive
+        self._schedules = built.schedules
         # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
         self._fuse = not self.config.trace and self.config.ready_order_seed is None
         self._weights = self._with_folded(Weights(self.program.weights))

@@ -1,0 +1,211 @@
+"""Construction of an Executor as a pipeline: graph passes, kernels, folding, plan, device plans.
+
+Everything here runs once per Executor, before the first execution, and produces what all
+executions share (`Built`). The order matters and is the order of this file:
+
+1. the graph passes (`GRAPH_PASSES`, each switched by its config field): rewrites of the graph
+   that keep its meaning (attention put back together, identities dropped, packed q/k/v split,
+   linears lowered onto folded transposes, activation epilogues fused);
+2. the kernels, one per node (kernels/factory.py);
+3. constant folding: what reads only weights is computed once (passes/folding.py), and
+   scripted segments replace runs of nodes (compiled/scripted.py, loaded by name so that the
+   runtime never imports compiled/); new nodes get kernels again;
+4. the execution plan: value slots, placement per node (runtime/plan.py);
+5. with CUDA nodes, the device plans: streams, capture plans, segments (cuda/), built only
+   then, so a CPU-only program never touches torch.cuda;
+6. the per-signature machinery: adaptive placement and the schedule cache.
+
+A pass added to the library is one row of `GRAPH_PASSES`; `Executor.__init__` only calls
+`build` and keeps what it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from asyncgraph.cuda.device import Backend, CudaRuntime
+from asyncgraph.cuda.graphs import CapturePlan, CudaGraphs, plan_capture, segment_plan_for
+from asyncgraph.cuda.segments import SegmentPlan
+from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
+from asyncgraph.graph.ir import Graph
+from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.passes.epilogue import fuse_activations
+from asyncgraph.passes.folding import ConstantFolder, fold_constants
+from asyncgraph.passes.identity import drop_identities
+from asyncgraph.passes.linear import lower_linear
+from asyncgraph.passes.qkv import split_packed_qkv
+from asyncgraph.passes.recompose import recompose_attention
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.extensions import optional_pass
+from asyncgraph.runtime.placement import AdaptivePlacement, batch_bucket_key
+from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
+from asyncgraph.runtime.schedule import AtomicGroups, ScheduleCache
+
+# A graph pass: the graph in, the rewritten graph and what it counted out (by counter name).
+PassFn = Callable[[Graph, ExecutorConfig], tuple[Graph, dict[str, int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphPass:
+    """One row of the pass pipeline: whether the config asks for it, and the pass."""
+
+    name: str
+    enabled: Callable[[ExecutorConfig], bool]
+    run: PassFn
+
+
+def _recompose(graph: Graph, config: ExecutorConfig) -> tuple[Graph, dict[str, int]]:
+    graph, count = recompose_attention(graph)
+    return graph, {"recomposed": count}
+
+
+def _drop_identities(graph: Graph, config: ExecutorConfig) -> tuple[Graph, dict[str, int]]:
+    graph, count = drop_identities(graph)
+    return graph, {"dropped_identities": count}
+
+
+def _split_qkv(graph: Graph, config: ExecutorConfig) -> tuple[Graph, dict[str, int]]:
+    graph, count = split_packed_qkv(graph)
+    return graph, {"qkv_splits": count}
+
+
+def _lower_linear(graph: Graph, config: ExecutorConfig) -> tuple[Graph, dict[str, int]]:
+    lowering = lower_linear(graph, config.pretranspose_weights)
+    return lowering.graph, {"lowered_linears": lowering.lowered, "weight_copies": lowering.copies}
+
+
+def _fuse_activations(graph: Graph, config: ExecutorConfig) -> tuple[Graph, dict[str, int]]:
+    graph, count = fuse_activations(graph)
+    return graph, {"fused_activations": count}
+
+
+GRAPH_PASSES: tuple[GraphPass, ...] = (
+    GraphPass("recompose_attention", lambda c: c.recompose_attention, _recompose),
+    GraphPass("drop_identities", lambda c: True, _drop_identities),  # dropouts returning x
+    GraphPass("split_packed_qkv", lambda c: c.split_packed_qkv, _split_qkv),
+    # linears read a folded transpose: only where constants fold
+    GraphPass("lower_linear", lambda c: c.lower_linear and c.fold_constants, _lower_linear),
+    GraphPass("fuse_activations", lambda c: c.fuse_activations, _fuse_activations),
+)
+
+
+@dataclass(slots=True)
+class PassCounts:
+    """What the graph passes did (Executor's public counters of the same names)."""
+
+    recomposed: int = 0  # attention patterns put back together (passes/recompose.py)
+    dropped_identities: int = 0  # dropouts that return their input (passes/identity.py)
+    qkv_splits: int = 0  # packed q/k/v projections split by views (passes/qkv.py)
+    lowered_linears: int = 0  # linears run on a folded transpose (passes/linear.py)
+    weight_copies: int = 0  # of those transposes, copies (pretranspose_weights)
+    fused_activations: int = 0  # addmm + relu/gelu as one node (passes/epilogue.py)
+
+
+@dataclass(slots=True)
+class CudaPlans:
+    """The device side of a program with CUDA nodes (docs/gpu.md)."""
+
+    stream_plan: StreamPlan
+    runtime: CudaRuntime  # the stream sets of all executions
+    graph_plan: CapturePlan  # whether executions are captured whole, and why not
+    segment_plan: SegmentPlan  # otherwise the segments captured, and the nodes left out
+    graphs: CudaGraphs  # the frame-side state factory of both
+
+
+@dataclass(slots=True)
+class Built:
+    """What all executions of one Executor share, as the pipeline made it."""
+
+    graph: Graph  # the executed graph: after the passes, folding and scripting
+    kernels: list[OpKernel]
+    plan: ExecutionPlan
+    schedules: ScheduleCache
+    folder: ConstantFolder | None = None  # refolds the weights on a swap
+    scripted: list[str] = field(default_factory=list)  # the scripted segments' delegate nodes
+    counts: PassCounts = field(default_factory=PassCounts)
+    cuda: CudaPlans | None = None
+    adaptive: AdaptivePlacement | None = None
+
+
+def run_passes(graph: Graph, config: ExecutorConfig) -> tuple[Graph, PassCounts]:
+    """Step 1: the graph passes the config enables, in `GRAPH_PASSES` order."""
+    counts = PassCounts()
+    for graph_pass in GRAPH_PASSES:
+        if graph_pass.enabled(config):
+            graph, counted = graph_pass.run(graph, config)
+            for name, value in counted.items():
+                setattr(counts, name, value)
+    return graph, counts
+
+
+def build(
+    graph: Graph,
+    config: ExecutorConfig,
+    factory: KernelFactory,
+    cuda_backend: Backend | None = None,
+) -> Built:
+    """Run the whole pipeline on an imported program's graph (the module docstring's steps)."""
+    graph, counts = run_passes(graph, config)
+    kernels = factory.create(graph)
+    folder: ConstantFolder | None = None
+    if config.fold_constants:  # the executed graph: without what reads only weights
+        graph, kernels, folder = fold_constants(graph, kernels)
+    scripted: list[str] = []
+    if config.script_segments:
+        graph, scripted = optional_pass("script_segments")(graph)  # compiled/scripted.py
+        if scripted:
+            kernels = factory.create(graph)
+    plan = build_plan(graph, kernels, config)
+    cuda = _cuda_plans(graph, plan, kernels, config, cuda_backend)
+    adaptive = (
+        AdaptivePlacement(
+            graph, plan, kernels,
+            profile_executions=config.profile_executions,
+            recheck_after=config.placement_recheck_after,
+            heavy_node_us=config.heavy_node_us,
+            loaded_heavy_node_us=config.loaded_heavy_node_us,
+            loop_slice_us=config.loop_slice_s * 1e6,
+            worker_execution_node_us=config.worker_execution_node_us,
+            key=batch_bucket_key if config.batching is not None else None,
+        )
+        if config.adaptive_placement
+        else None
+    )
+    segment_plan = cuda.segment_plan if cuda is not None else None
+    schedules = ScheduleCache(
+        graph, plan, kernels, config.max_fused_nodes,
+        # a CPU node reading GPU values may have to wait for them: it is never fused
+        unfusable=cuda.runtime.needs_host_wait if cuda is not None else None,
+        decided=adaptive.decision if adaptive is not None else None,
+        stream_plan=cuda.stream_plan if cuda is not None else None,  # one stream's nodes fuse
+        segments=(  # each captured segment is one unit (cuda/segments.py)
+            AtomicGroups(segment_plan.order, segment_plan.segment_of)
+            if segment_plan is not None and segment_plan.segments
+            else None
+        ),
+    )
+    return Built(graph, kernels, plan, schedules, folder, scripted, counts, cuda, adaptive)
+
+
+def _cuda_plans(
+    graph: Graph,
+    plan: ExecutionPlan,
+    kernels: list[OpKernel],
+    config: ExecutorConfig,
+    backend: Backend | None,
+) -> CudaPlans | None:
+    """Step 5: the device plans, exactly when the program has CUDA nodes (placement STREAM)."""
+    if Placement.STREAM not in plan.placement:
+        return None
+    stream_plan = stream_plan_for(
+        graph, plan, config.cuda_streams, costs=[float(k.cost) for k in kernels]
+    )
+    runtime = CudaRuntime(
+        stream_plan, plan.outputs,
+        max_stream_sets=config.max_concurrent_executions, backend=backend,
+    )
+    graph_plan = plan_capture(graph, plan, stream_plan, kernels, config)
+    segment_plan = segment_plan_for(graph_plan, graph, stream_plan, kernels, config)
+    graphs = CudaGraphs(graph_plan, runtime, graph, plan, config, segment_plan)
+    return CudaPlans(stream_plan, runtime, graph_plan, segment_plan, graphs)
