@@ -184,6 +184,7 @@ def build(
             if segment_plan is not None and segment_plan.segments
             else None
         ),
+        any_thread=adaptive.any_thread if adaptive is not None else None,  # straight lines
     )
     return Built(graph, kernels, plan, schedules, folder, scripted, counts, cuda, adaptive)
 

@@ -147,8 +147,7 @@ class Executor:
             intra_op_threads=self.config.intra_op_threads_or_default,
         )
         self._scheduler = Scheduler(
-            self.graph, self.plan, self.config, self._workers, self.recorder,
-            self._adaptive.any_thread if self._adaptive is not None else None,
+            self.graph, self.plan, self.config, self._workers, self.recorder
         )
         self._pool = FramePool(
             self._new_frame,
@@ -494,7 +493,7 @@ class Executor:
             folded_nodes=len(self._folder) if self._folder is not None else 0,
             closed=self._closed,
             schedules=self._schedules.statistics(),
-            worker_executions=self._scheduler.worker_executions,
+            worker_executions=self._scheduler.straight.worker_executions,
             validated_signatures=self._validator.passed_signatures,
         )
 

@@ -38,6 +38,7 @@ placement has decided the placement, and the kernels' estimates before.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import types
@@ -54,6 +55,18 @@ from asyncgraph.kernels import OpKernel
 from asyncgraph.runtime.device import ALIAS_KEY, DeviceRuns, RunKey
 from asyncgraph.runtime.placement import Decision
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, emit_args
+
+
+@dataclass(frozen=True, slots=True)
+class StraightLine:
+    """A schedule's units in order, and the values to drop after each (runtime/straight.py
+    runs it)."""
+
+    drops: tuple[tuple[int, ...], ...]  # per unit: values whose last reader it is
+    seconds: float  # the measured time of all units together
+    unit_seconds: tuple[float, ...]  # per unit: its measured time
+    node_seconds: float  # the measured time per node: large when kernels (off the GIL) rule
+    any_thread: bool  # every node may run on any thread (placement.py: AdaptivePlacement)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +96,8 @@ class Schedule:
     seconds: tuple[float, ...] | None  # per unit: measured time, when costs were measured
     fused: bool
     segments: tuple[int, ...] = ()  # per unit: its segment (cuda/segments.py), -1 if none; or ()
+    # the schedule as one loop over its units (straight.py), when every unit is inline
+    straight: StraightLine | None = None
 
     @property
     def num_units(self) -> int:
@@ -149,8 +164,10 @@ class ScheduleCache:
         decided: Callable[[tuple[Placement, ...]], Decision | None] | None = None,
         stream_plan: DeviceRuns | None = None,
         segments: AtomicGroups | None = None,
+        any_thread: Sequence[bool] | None = None,
     ) -> None:
         self.graph = graph
+        self.any_thread = any_thread  # per node: may leave the loop thread (placement.py)
         self.stream_plan = stream_plan  # CUDA nodes on one stream fuse into CUDA runs
         self.segments = segments if segments is not None and segments.group_of else None
         self.max_schedules = max_schedules
@@ -247,7 +264,7 @@ class ScheduleCache:
             self.graph, self.plan, self.kernels, placement, self.max_fused if fused else 1,
             unfusable, decision.best_us if decision is not None else self.estimated_costs,
             measured=decision is not None, yield_gil=on_thread, stream_plan=self.stream_plan,
-            segments=self.segments if fused else None,
+            segments=self.segments if fused else None, any_thread=self.any_thread,
         )
 
     def _add(self, placement: tuple[Placement, ...], fused: bool, schedule: Schedule) -> None:
@@ -283,6 +300,7 @@ def build_schedule(
     yield_gil: bool = False,
     stream_plan: DeviceRuns | None = None,
     segments: AtomicGroups | None = None,
+    any_thread: Sequence[bool] | None = None,
 ) -> Schedule:
     """Group nodes into units (see the module docstring) and derive the unit graph.
 
@@ -292,7 +310,8 @@ def build_schedule(
     `yield_gil`: built on a thread beside the event loop, which gets the GIL after each
     compiled unit; `stream_plan`: fuse consecutive CUDA nodes on one stream (CUDA runs,
     compiled as `unit(v, g, s)` for `FrameStreams.run_unit`); `segments`: each segment one
-    unit (the module docstring; fused schedules only).
+    unit (the module docstring; fused schedules only); `any_thread[i]`: node i may leave the
+    loop thread (adaptive placement), for the straight-line form (`straight_line`).
     """
     keys = _stream_keys(plan, placement, stream_plan, unfusable)
     segment_of = segments.group_of if segments is not None and max_fused > 1 else {}
@@ -366,7 +385,7 @@ def build_schedule(
     priority = [0.0] * len(runs)
     for u in reversed(range(len(runs))):
         priority[u] = own[u] + max((priority[user] for user in users[u]), default=0.0)
-    return Schedule(
+    schedule = Schedule(
         placement=placement,
         calls=tuple(calls),
         stores=tuple(stores),
@@ -382,6 +401,34 @@ def build_schedule(
         seconds=tuple(c / 1e6 for c in own) if measured and costs is not None else None,
         fused=max_fused > 1,
         segments=tuple(segment_of.get(r[0], -1) for r in runs) if segment_of else (),
+    )
+    return dataclasses.replace(schedule, straight=straight_line(schedule, any_thread))
+
+
+def straight_line(
+    schedule: Schedule, any_thread: Sequence[bool] | None = None
+) -> StraightLine | None:
+    """The straight-line form of `schedule`, or None when it has a unit that does not run
+    inline, no measured times, or units out of topological order. `any_thread`: per node
+    of the graph, whether it may leave the loop thread (None: none may)."""
+    if schedule.seconds is None or any(w is not Placement.INLINE for w in schedule.where):
+        return None
+    for unit, users in enumerate(schedule.users_reversed):
+        if any(user <= unit for user in users):
+            return None  # unit order is not a topological order: keep the dataflow
+    last_reader: dict[int, int] = {}
+    for unit, frees in enumerate(schedule.frees):
+        for value in frees:
+            last_reader[value] = unit
+    drops: list[list[int]] = [[] for _ in schedule.calls]
+    for value, unit in last_reader.items():
+        drops[unit].append(value)
+    seconds = sum(schedule.seconds)
+    nodes = [node for unit_nodes in schedule.nodes for node in unit_nodes]
+    return StraightLine(
+        tuple(tuple(d) for d in drops), seconds, schedule.seconds,
+        seconds / max(len(nodes), 1),
+        any_thread is not None and all(any_thread[node] for node in nodes),
     )
 
 

@@ -33,25 +33,25 @@ Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import random
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio.lowlevel
 import torch
 
 from asyncgraph.graph.ir import Graph
-from asyncgraph.runtime.backend import Loop, TaskLike, current_loop
+from asyncgraph.runtime.backend import Loop, TaskLike
 from asyncgraph.runtime.config import ExecutorConfig, usable_cpus
+from asyncgraph.runtime.failures import cancel_tasks, fail, internal_error, raise_errors
 from asyncgraph.runtime.frame import HOST_WAIT, ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument
-from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
+from asyncgraph.runtime.loop_state import LoopState
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
-from asyncgraph.runtime.schedule import Schedule
-from asyncgraph.runtime.straight import StraightLine, straight_line
+from asyncgraph.runtime.schedule import Schedule, StraightLine
+from asyncgraph.runtime.straight import StraightRunner
 from asyncgraph.runtime.workers import WorkerPool
 
 # torch.inference_mode() is a Python context manager costing ~3 us per entry; the C++ guard
@@ -60,8 +60,6 @@ from asyncgraph.runtime.workers import WorkerPool
 _inference_mode = torch._C._InferenceMode
 
 _START = (0, 0)
-_MAX_STRAIGHT = 256  # straight-line forms kept, one per schedule in use
-_FIRST_UNIT = ((0.0, 0),)  # a straight line handed to a worker starts at its first unit
 
 
 def _clock() -> tuple[int, int]:
@@ -85,65 +83,52 @@ class Scheduler:
         config: ExecutorConfig,
         workers: WorkerPool,
         recorder: Instrument | None = None,
-        any_thread: Sequence[bool] | None = None,
     ) -> None:
         self.graph = graph
         self.plan = plan
         self.config = config
         self.workers = workers
         self.recorder = recorder
-        self.loop: Loop | None = None  # bound by the Executor (backend.py), or on first run
+        # the loop, its slice budget and its load, shared with the straight line
+        self.state = LoopState(
+            config.loop_slice_s, min(config.max_parallel_ops, usable_cpus() - 1)
+        )
+        self.straight = StraightRunner(graph, self.state, workers, config)
         self._seed = config.ready_order_seed
-        self._loop_busy = 0.0
-        self._running = 0  # executions between start and finish
-        self._budget: LoopBudget | None = None  # the loop's, once the loop is known
-        self._window_start = 0.0
-        self._window_busy = 0.0
-        # id(schedule) -> (schedule, its straight-line form or None): see _straight_form
-        self._straight: dict[int, tuple[Schedule, StraightLine | None]] = {}
-        self._hot_schedule: Schedule | None = None  # the last schedule looked up there
-        self._hot_straight: StraightLine | None = None  # and its form
         # Seeded orders, profiling and traces go through the dataflow (straight.py).
         self._may_straight = self._seed is None and recorder is None
-        self._retry: ExecutionFrame | None = None  # see run_dataflow
         self._inference_mode = config.inference_mode
-        self._any_thread = any_thread  # per node: may leave the loop thread (placement.py)
-        bar = config.worker_execution_node_us
-        self._worker_node_s = float("inf") if bar is None else bar * 1e-6
-        self.worker_executions = 0  # straight lines run on a worker thread (_on_worker)
-        self._lines_on_workers = 0  # of them, running now
-        # The loop keeps a CPU: more runnable threads than CPUs delay its wake-ups (loop lag).
-        self._max_lines_on_workers = min(config.max_parallel_ops, usable_cpus() - 1)
+
+    @property
+    def loop(self) -> Loop | None:
+        """The event loop the executions run on: bound by the Executor, or on first run."""
+        return self.state.loop
+
+    @loop.setter
+    def loop(self, loop: Loop | None) -> None:
+        self.state.loop = loop
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the loop is loaded, for adaptive placement (LoopState.loaded)."""
+        return self.state.loaded
 
     # -- one execution, seen from the caller --------------------------------------------------
 
     def run_straight(self, frame: ExecutionFrame) -> bool:
         """Run the loaded frame to completion without a coroutine when the execution may take
-        the straight line (straight.py): True once it ran (its error raised here); False when
-        it may not, and the caller awaits `run_dataflow(frame)` instead. The Executor calls
-        this first, then `run_dataflow`: together they run an execution.
+        the straight line and it fits the loop's slice (straight.py): True once it ran (its
+        error raised here); False when not, and the caller awaits `run_dataflow(frame)`
+        instead. The Executor calls this first, then `run_dataflow`: together they run an
+        execution.
 
         On a one-node graph a coroutine to create and await is a tenth of the execution's
         fixed cost.
         """
-        budget = self._budget
-        if budget is None:
-            budget = self._bind(frame)
-        self._retry = None
+        runner = self.straight
+        runner.retry = None
         straight = self._straight_of(frame)
-        if straight is None:
-            return False
-        start = budget.start(straight.seconds)
-        if start is None:  # the slice is spent, or left too short for it
-            if straight.seconds <= budget.slice_s:
-                self._retry = frame  # a fresh slice would hold it: run_dataflow
-            return False  # run_dataflow runs it in slices, over loop iterations
-        self._straight_units(frame, straight, 0)
-        self._account_loop_time(start, time.perf_counter())
-        frame.finish()
-        if frame.errors:
-            self._raise_errors(frame)
-        return True
+        return straight is not None and runner.run_now(frame, straight)
 
     async def run_dataflow(self, frame: ExecutionFrame) -> None:
         """Run the loaded frame through the WorkUnits (the path of every execution
@@ -155,20 +140,18 @@ class Scheduler:
 
         An execution that `run_straight` refused only because this iteration's slice was
         spent, and that a whole slice holds, first waits one loop iteration and tries the
-        straight line once more: the dataflow would defer it as well, at the cost of a future
-        and a second iteration (a 0.42 ms compiled BERT segment finds the slice spent every
-        third execution of one caller: 3-4% less time per execution with the retry).
+        straight line once more (StraightRunner.run_now).
         """
-        if self._retry is frame:
-            self._retry = None
+        if self.straight.retry is frame:
+            self.straight.retry = None
             await anyio.lowlevel.checkpoint()  # others' callbacks, I/O and timers run first
             if self.run_straight(frame):
                 return
-        loop = self.loop
-        if loop is None or self._budget is None:
-            self._bind(frame)
-            loop = self.loop
-            assert loop is not None
+        state = self.state
+        if state.loop is None or state.budget is None:
+            state.bind()
+        loop = state.loop
+        assert loop is not None
         straight = self._straight_of(frame)
         if straight is None:
             if self._seed is not None:
@@ -176,31 +159,14 @@ class Scheduler:
             frame.load_counters()
         await self._run_dataflow(frame, loop, straight)
         if frame.errors:
-            self._raise_errors(frame)
-
-    def _bind(self, frame: ExecutionFrame) -> LoopBudget:
-        """Bind the running loop (when the Executor has not) and its shared budget."""
-        loop = self.loop
-        if loop is None:
-            loop = self.loop = current_loop()
-        if self._budget is None:
-            self._budget = loop_budget(loop.native, self.config.loop_slice_s)
-        return self._budget
-
-    @staticmethod
-    def _raise_errors(frame: ExecutionFrame) -> None:
-        errors = list(frame.errors)
-        frame.errors.clear()
-        if len(errors) == 1:
-            raise errors[0]
-        raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
+            raise_errors(frame)
 
     async def _run_dataflow(
         self, frame: ExecutionFrame, loop: Loop, straight: StraightLine | None = None
     ) -> None:
         """The WorkUnits of the execution, across the loop, workers, tasks and streams; or,
-        given the schedule's `straight` form, its units in order in the loop's slices
-        (`_continue_straight`).
+        given the schedule's `straight` form, its units in order in the loop's slices or
+        on a worker (straight.py).
 
         Cancelled (asyncio's CancelledError, trio's Cancelled), it stops dispatching, waits
         shielded until the units in flight end, then re-raises the original cancellation.
@@ -208,17 +174,18 @@ class Scheduler:
         gpu = frame.gpu
         if gpu is not None:
             gpu.begin()  # lease a stream set, ordered after the caller's stream
-        self._running += 1
-        on_worker = straight is not None and self._on_worker(straight)
-        self._lines_on_workers += on_worker
+        state = self.state
+        state.running += 1
+        on_worker = straight is not None and self.straight.takes_worker(straight)
+        state.lines_on_workers += on_worker
         cancelled: BaseException | None = None
         try:
             if straight is None:
                 self._start(frame)
             elif on_worker:
-                self._hand_off_straight(frame, straight)
+                self.straight.hand_off(frame, straight)
             else:
-                self._continue_straight(frame, straight, 0)
+                self.straight.run_in_slices(frame, straight, 0)
             if not frame.finished:  # made only now: most small graphs finish inside _start
                 frame.waiter = loop.create_future()
                 await frame.waiter
@@ -230,166 +197,19 @@ class Scheduler:
                 with loop.shielded():  # trio cancels every checkpoint of a cancelled scope
                     absorbed = await self._wait_finished(frame, loop)
                 cancelled = cancelled or absorbed
-            self._running -= 1
-            self._lines_on_workers -= on_worker
+            state.running -= 1
+            state.lines_on_workers -= on_worker
             if gpu is not None:
                 await gpu.finish()  # re-raises a cancellation it absorbed while the GPU ran
         if cancelled is not None:
             raise cancelled
-
-    def _straight_form(self, schedule: Schedule) -> StraightLine | None:
-        """The straight-line form of `schedule` (None when it has none), kept per schedule
-        and remembered as the hot one: executions of one signature reuse it at the cost of
-        one identity test."""
-        hit = self._straight.get(id(schedule))
-        if hit is None or hit[0] is not schedule:
-            if len(self._straight) >= _MAX_STRAIGHT:
-                self._straight.clear()  # schedules come and go with shape signatures
-            form = straight_line(schedule, self._any_thread)
-            hit = self._straight[id(schedule)] = (schedule, form)
-        self._hot_schedule, self._hot_straight = hit
-        return hit[1]
 
     def _straight_of(self, frame: ExecutionFrame) -> StraightLine | None:
         """The straight-line form of the frame's schedule when the execution may take it: not
         profiled, no seeded order or trace, no GPU (straight.py)."""
         if frame.times is not None or not self._may_straight or frame.gpu is not None:
             return None
-        schedule = _schedule(frame)
-        if schedule is self._hot_schedule:  # the schedule of the last straight execution
-            return self._hot_straight
-        return self._straight_form(schedule)
-
-    def _on_worker(self, straight: StraightLine) -> bool:
-        """Whether this straight line runs on a worker thread rather than in the loop's
-        slices: another execution is in flight to overlap it, fewer lines than CPUs but one
-        run on workers already (the loop keeps a CPU), it takes at least a slice (on
-        the loop it would span iterations anyway, so the hop is a small part of it), its nodes
-        are mostly kernel time, off the GIL (`worker_execution_node_us`), and none of them
-        is held to the loop thread by a placement hint or its kind. Adaptive placement keeps
-        such a line whole on a loaded loop (AdaptivePlacement._runs_whole_on_worker).
-
-        Two 32-row batches of tiny BERT from 64 callers then run side by side, one on the
-        loop and one on a worker: 4.12x nativert's throughput against 3.87x without, in
-        alternating storms on a 2-vCPU machine whose second vCPU adds only ~20% to
-        compute-bound threads (two threads of eager batch-32 BERT ran 1.19x one).
-        """
-        budget = self._budget
-        return (
-            self._running > 1
-            and self._lines_on_workers < self._max_lines_on_workers
-            and straight.any_thread
-            and straight.node_seconds >= self._worker_node_s
-            and budget is not None
-            and straight.seconds >= budget.slice_s
-        )
-
-    def _hand_off_straight(self, frame: ExecutionFrame, straight: StraightLine) -> None:
-        """Send the straight line to a worker thread. Never raises: a failed submission
-        fails the execution and finishes the frame here."""
-        self.worker_executions += 1
-        try:
-            self.workers.submit(
-                functools.partial(self._straight_on_worker, straight), frame, _FIRST_UNIT
-            )
-        except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=False)
-            frame.finish()
-
-    def _straight_on_worker(
-        self, straight: StraightLine, frame: ExecutionFrame, unit: int
-    ) -> None:
-        """A straight line as one work item of a worker thread, checking between units for
-        a stop (a cancellation, `_stop`); finishes the frame on the loop. Never raises."""
-        try:
-            self._straight_units(frame, straight, unit, on_worker=True)
-        except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=True)
-        finally:
-            assert self.loop is not None
-            self.loop.call_soon_threadsafe(frame.finish)
-
-    def _straight_units(
-        self,
-        frame: ExecutionFrame,
-        straight: StraightLine,
-        unit: int,
-        deadline: float | None = None,
-        run_first: bool = True,
-        on_worker: bool = False,
-    ) -> int:
-        """Run the frame's units in order on the loop from `unit`; return the next one to run
-        (the number of units once all ran, or one failed: a kernel error stops the
-        execution as in the dataflow path, and `run_dataflow` or `run_straight` raises it).
-
-        With a `deadline` (perf_counter time), stop before a unit whose measured time would
-        end after it; the first unit runs regardless when `run_first`. `on_worker`: on a
-        worker thread, where a stop (a cancellation) is checked before each unit."""
-        schedule = _schedule(frame)
-        calls, stores, drops = frame.calls, schedule.stores, straight.drops
-        seconds = straight.unit_seconds
-        values = frame.values
-        end = len(calls)
-        guard = _inference_mode(self._inference_mode)  # on while it lives: no `with` needed
-        try:
-            while unit < end:
-                if on_worker and frame.stopped:
-                    break
-                if (deadline is not None and not run_first
-                        and time.perf_counter() + seconds[unit] > deadline):
-                    break
-                run_first = False
-                try:
-                    result = calls[unit](values)
-                except BaseException as exc:
-                    self._fail(frame, schedule.failed_node(unit, exc), exc, on_worker)
-                    return end
-                store = stores[unit]
-                if store >= 0:
-                    values[store] = result
-                del result
-                for value in drops[unit]:
-                    values[value] = None
-                unit += 1
-        finally:
-            del guard
-        return unit
-
-    def _continue_straight(
-        self, frame: ExecutionFrame, straight: StraightLine, unit: int, waited: bool = False
-    ) -> None:
-        """The straight line of an execution that does not fit what is left of the loop's
-        slice: run its units in order from `unit` until the slice is spent, defer the rest
-        to the budget's queue (a later iteration, in turn with other deferred work), and
-        finish the frame after the last unit. Never raises.
-
-        Like the dataflow's `_loop_slice` but without its per-unit bookkeeping (producer
-        counts, the frame lock, the ready stack): tiny BERT's 13 units in two slices took
-        5-10% longer through the dataflow. `waited`: deferred because `unit` would have
-        overrun the slice; it now runs first, fitting or not, as does the first unit of a
-        slice this call opens.
-        """
-        budget = self._budget
-        assert budget is not None
-        try:
-            if not frame.stopped:  # stopped while deferred (cancelled): nothing more runs
-                run_first = waited or not budget.is_open
-                deadline = budget.deadline()
-                if deadline is None:  # spent: wait for a later iteration, in turn
-                    budget.defer(self._continue_straight, frame, straight, unit)
-                    return
-                start = time.perf_counter()
-                after = self._straight_units(frame, straight, unit, deadline, run_first)
-                end = len(frame.calls)
-                while after < end and (deadline := budget.extend()) is not None:
-                    after = self._straight_units(frame, straight, after, deadline, True)
-                self._account_loop_time(start, time.perf_counter())
-                if after < len(frame.calls):
-                    budget.defer(self._continue_straight, frame, straight, after, True)
-                    return
-        except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=False)
-        frame.finish()
+        return _schedule(frame).straight
 
     async def _wait_finished(self, frame: ExecutionFrame, loop: Loop) -> BaseException | None:
         """Wait until the units in flight have ended (threads write the frame until then).
@@ -411,7 +231,7 @@ class Scheduler:
         """Stop dispatching and cancel the frame's async kernels (loop thread)."""
         with frame.lock:
             frame.stopped = True
-        self._cancel_tasks(frame)
+        cancel_tasks(frame)
 
     # -- units -----------------------------------------------------------------------------
 
@@ -422,7 +242,7 @@ class Scheduler:
         try:
             stack = self._start_roots(frame)
         except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=False)
+            internal_error(frame, exc, self.state.loop, on_worker=False)
             self._end_unit(frame, on_worker=False)
             return
         self._run_on_loop(frame, stack)
@@ -453,7 +273,7 @@ class Scheduler:
             if self._loop_slice(frame, stack, waited):
                 return  # the item goes on in a later iteration
         except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=False)
+            internal_error(frame, exc, self.state.loop, on_worker=False)
         self._end_unit(frame, on_worker=False)
 
     def _loop_slice(self, frame: ExecutionFrame, stack: list[int], waited: bool) -> bool:
@@ -470,7 +290,7 @@ class Scheduler:
         an execution's inline roots ran in the iteration that started it (before its async
         kernels' first steps) depended on timing.
         """
-        budget = self._budget
+        budget = self.state.budget
         assert budget is not None
         first_of_slice = not budget.is_open
         deadline = budget.deadline()
@@ -482,28 +302,10 @@ class Scheduler:
             overrun = self._run_units(
                 frame, stack, False, deadline or 0.0, waited or first_of_slice
             )
-        self._account_loop_time(start, time.perf_counter())
+        self.state.account(start, time.perf_counter())
         if overrun:  # the next unit would end after the slice: it goes first next time
             budget.defer(self._run_on_loop, frame, stack, True)
         return overrun
-
-    @property
-    def loaded(self) -> bool:
-        """Whether executions overlap and the loop spends over half its time in kernels, or
-        a straight line runs on a worker (the loop is then idle, the CPUs are not): then
-        adaptive placement also sends heavy nodes of the serial spine to workers, where they
-        overlap other executions' work (light nodes stay on the loop: they hold the GIL),
-        or keeps a line that leaves whole for a worker inline (`_on_worker`)."""
-        return self._running > 0 and (self._loop_busy > 0.5 or self._lines_on_workers > 0)
-
-    def _account_loop_time(self, start: float, end: float) -> None:
-        """Track the fraction of wall time the loop spends in kernels, per 20 ms window."""
-        span = end - self._window_start
-        if span > 0.02:
-            self._loop_busy = self._window_busy / span
-            self._window_start = end
-            self._window_busy = 0.0
-        self._window_busy += end - start
 
     def _run_units(
         self,
@@ -537,7 +339,8 @@ class Scheduler:
             try:
                 result = calls[unit](values)
             except BaseException as exc:
-                self._fail(frame, schedule.failed_node(unit, exc), exc, on_worker)
+                node = schedule.failed_node(unit, exc)
+                fail(frame, self.graph, node, exc, self.state.loop, on_worker)
                 break
             if timed:
                 self._record(frame, schedule.nodes[unit][0], start, result)
@@ -631,7 +434,7 @@ class Scheduler:
         started = 0
         try:
             where = frame.where
-            loop = self.loop
+            loop = self.state.loop
             ranked: list[tuple[float, int]] = []
             for unit in units:
                 w = where[unit]
@@ -655,7 +458,7 @@ class Scheduler:
                 self.workers.submit(self._run_on_worker_item, frame, ranked)
                 started += len(ranked)
         except BaseException as exc:
-            self._internal_error(frame, exc, on_worker)
+            internal_error(frame, exc, self.state.loop, on_worker)
             self._end_unit(frame, on_worker, len(units) - started)
 
     def _run_on_worker_item(self, frame: Any, unit: int) -> None:
@@ -665,7 +468,7 @@ class Scheduler:
             try:
                 self._run_units(frame, [unit], on_worker=True)
             except BaseException as exc:
-                self._internal_error(frame, exc, on_worker=True)
+                internal_error(frame, exc, self.state.loop, on_worker=True)
         finally:
             self._end_unit(frame, on_worker=True)
 
@@ -678,46 +481,10 @@ class Scheduler:
             last = frame.pending == 0
         if last:
             if on_worker:
-                assert self.loop is not None
-                self.loop.call_soon_threadsafe(frame.finish)
+                assert self.state.loop is not None
+                self.state.loop.call_soon_threadsafe(frame.finish)
             else:
                 frame.finish()
-
-    def _fail(self, frame: ExecutionFrame, node: int, exc: BaseException, on_worker: bool) -> None:
-        """Record a kernel error with node context and stop the execution."""
-        _add_node_note(exc, self.graph, node)
-        self._stop_with(frame, exc, on_worker)
-
-    def _internal_error(self, frame: ExecutionFrame, exc: BaseException, on_worker: bool) -> None:
-        """An error of the runtime's own steps, not of a kernel: it fails the execution as a
-        kernel error does, so the execution still ends and its caller gets the error."""
-        with contextlib.suppress(Exception):  # a type refusing attributes keeps its message
-            exc.add_note(
-                f"asyncgraph internal error in execution {frame.execution_id}: "
-                "the execution was stopped"
-            )
-        self._stop_with(frame, exc, on_worker)
-
-    def _stop_with(self, frame: ExecutionFrame, exc: BaseException, on_worker: bool) -> None:
-        """Record the execution's error, stop dispatching and cancel its async kernels."""
-        with frame.lock:
-            frame.errors.append(exc)
-            frame.stopped = True
-        if on_worker:
-            # Not `if frame.tasks` here: the loop may have checked `stopped` and be about to
-            # add a task (_start_task), which this thread would miss. The cancellation runs on
-            # the loop after that add, or else the task is never created; the callback comes
-            # before this unit's end, hence before the frame can be released.
-            assert self.loop is not None
-            self.loop.call_soon_threadsafe(self._cancel_tasks, frame)
-        elif frame.tasks:
-            self._cancel_tasks(frame)
-
-    @staticmethod
-    def _cancel_tasks(frame: ExecutionFrame) -> None:
-        """Cancel the frame's async kernels (loop thread: the only one touching `tasks`)."""
-        for task in list(frame.tasks):
-            task.cancel()
 
     # -- async kernels -----------------------------------------------------------------------
 
@@ -740,11 +507,11 @@ class Scheduler:
         """Run `fn(*args)` as a task of the frame (loop thread); `done(frame, unit, task)`,
         its done-callback, goes on with the unit. If the task cannot start, the unit ends here
         and the error fails the execution."""
-        assert self.loop is not None
+        assert self.state.loop is not None
         try:
-            task = self.loop.create_task(fn(*args))
+            task = self.state.loop.create_task(fn(*args))
         except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=False)
+            internal_error(frame, exc, self.state.loop, on_worker=False)
             self._end_unit(frame, on_worker=False)
             return
         frame.tasks.add(task)
@@ -769,7 +536,7 @@ class Scheduler:
                 frame.values[schedule.stores[unit]] = task.result()
             self._complete(frame, unit, stack, on_worker=False)
         except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=False)
+            internal_error(frame, exc, self.state.loop, on_worker=False)
             stack.clear()  # the item only ends its unit
         self._run_on_loop(frame, stack)
 
@@ -780,9 +547,9 @@ class Scheduler:
         node = _schedule(frame).nodes[unit][0]
         if task.cancelled():
             if not frame.stopped:  # cancelled by someone else than us: an error of this node
-                self._fail(frame, node, asyncio.CancelledError(), on_worker=False)
+                fail(frame, self.graph, node, asyncio.CancelledError(), self.state.loop, False)
         elif (exc := task.exception()) is not None:
-            self._fail(frame, node, exc, on_worker=False)
+            fail(frame, self.graph, node, exc, self.state.loop, on_worker=False)
         else:
             return False
         self._end_unit(frame, on_worker=False)
@@ -801,19 +568,19 @@ class Scheduler:
             self._end_unit(frame, on_worker=False)
             return
         gpu = frame.gpu
-        assert gpu is not None and self.loop is not None
+        assert gpu is not None and self.state.loop is not None
         node = _schedule(frame).nodes[unit][0]
         try:
             ready = gpu.host_ready(node)
         except BaseException as exc:  # a CUDA error surfaces at the first query after it
-            self._fail(frame, node, exc, on_worker=False)
+            fail(frame, self.graph, node, exc, self.state.loop, on_worker=False)
             self._end_unit(frame, on_worker=False)
             return
         if ready:
             try:
                 self._continue_unit(frame, unit, in_drain)
             except BaseException as exc:
-                self._internal_error(frame, exc, on_worker=False)
+                internal_error(frame, exc, self.state.loop, on_worker=False)
                 self._end_unit(frame, on_worker=False)
             return
         self._start_frame_task(frame, unit, self._host_wait_done, gpu.wait_host, node)
@@ -823,13 +590,13 @@ class Scheduler:
             if self._task_failed(frame, unit, task):
                 return
         except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=False)
+            internal_error(frame, exc, self.state.loop, on_worker=False)
             self._end_unit(frame, on_worker=False)
             return
         try:
             self._continue_unit(frame, unit, in_drain=False)
         except BaseException as exc:
-            self._internal_error(frame, exc, on_worker=False)
+            internal_error(frame, exc, self.state.loop, on_worker=False)
             self._end_unit(frame, on_worker=False)
 
     def _continue_unit(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
@@ -844,8 +611,8 @@ class Scheduler:
         elif where == _WORKER:
             self.workers.submit(self._run_on_worker_item, frame, [(self._rank(frame, unit), unit)])
         elif in_drain:
-            assert self.loop is not None
-            self.loop.call_soon(self._run_on_loop, frame, [unit])
+            assert self.state.loop is not None
+            self.state.loop.call_soon(self._run_on_loop, frame, [unit])
         else:
             self._run_on_loop(frame, [unit])
 
@@ -854,17 +621,3 @@ def _schedule(frame: ExecutionFrame) -> Schedule:
     schedule = frame.schedule
     assert schedule is not None, "the frame was not loaded"
     return schedule
-
-
-def _add_node_note(exc: BaseException, graph: Graph, index: int) -> None:
-    """Name the node, its target and the user's source line, as torch.fx does."""
-    node = graph.nodes[index]
-    line = f"While executing %{node.name} = {node.target_name()}(...) [node {index}]"
-    notes = getattr(exc, "__notes__", [])
-    if line in notes:
-        return
-    if node.stack_trace:
-        line += "\nOriginal traceback:\n" + node.stack_trace.rstrip()
-    with contextlib.suppress(Exception):  # a type refusing attributes keeps its message
-        exc.add_note(line)
-

@@ -72,5 +72,5 @@ def calling_task(ex: Executor) -> asyncio.Task[Any] | None:
 
 def straight_retry_pending(ex: Executor) -> bool:
     """Whether the scheduler holds a frame refused the straight line for a spent slice,
-    to try again after one loop iteration (Scheduler.run_dataflow)."""
-    return ex._scheduler._retry is not None
+    to try again after one loop iteration (StraightRunner.run_now)."""
+    return ex._scheduler.straight.retry is not None

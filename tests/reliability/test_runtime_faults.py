@@ -18,6 +18,7 @@ import pytest
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.graph.ir import Graph
+from asyncgraph.runtime.loop_state import LoopState
 from asyncgraph.runtime.placement import AdaptivePlacement
 from asyncgraph.runtime.schedule import ScheduleCache
 from asyncgraph.runtime.scheduler import Scheduler
@@ -169,7 +170,7 @@ def _chain_with_a_branch() -> Graph:
         (Scheduler, "_record", "worker"),
         (WorkerPool, "submit", "loop"),  # handing units to the workers
         (WorkerPool, "submit", "worker"),
-        (Scheduler, "_account_loop_time", "loop"),
+        (LoopState, "account", "loop"),  # the loop's load, after a slice
     ],
     ids=lambda v: v if isinstance(v, str) else v.__name__,
 )

@@ -154,6 +154,7 @@ async def test_a_worker_error_cancels_an_async_kernel_started_while_it_failed(
     forced: the loop pauses between its check and the add until the worker has failed."""
     import threading
 
+    import asyncgraph.runtime.scheduler as scheduler_module
     from asyncgraph.runtime.scheduler import Scheduler
 
     in_window = threading.Event()  # the loop is between the check and the add
@@ -170,20 +171,20 @@ async def test_a_worker_error_cancels_an_async_kernel_started_while_it_failed(
         return x
 
     create_kernel_coroutine = Scheduler._await_kernel
-    fail = Scheduler._fail
+    fail = scheduler_module.fail
 
     def paused_before_the_add(self: Scheduler, *args: Any) -> Any:
         in_window.set()
         assert worker_failed.wait(10)
         return create_kernel_coroutine(self, *args)
 
-    def signalled_fail(self: Scheduler, *args: Any, **kwargs: Any) -> None:
-        fail(self, *args, **kwargs)
+    def signalled_fail(*args: Any, **kwargs: Any) -> None:
+        fail(*args, **kwargs)
         if threading.current_thread().name.startswith("asyncgraph-worker"):
             worker_failed.set()
 
     monkeypatch.setattr(Scheduler, "_await_kernel", paused_before_the_add)
-    monkeypatch.setattr(Scheduler, "_fail", signalled_fail)
+    monkeypatch.setattr(scheduler_module, "fail", signalled_fail)
     b = GraphBuilder()
     x = b.input("x")
     before = b.call(operator.add, x, 1, name="before", placement="inline")

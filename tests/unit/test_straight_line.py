@@ -20,7 +20,7 @@ from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.runtime.config import usable_cpus
 from asyncgraph.runtime.loop_budget import LoopBudget
 from asyncgraph.runtime.scheduler import Scheduler
-from asyncgraph.runtime.straight import straight_line
+from asyncgraph.runtime.straight import StraightRunner, straight_line
 from asyncgraph.testing import introspect
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(60)]
@@ -38,15 +38,15 @@ def _count_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     straight line over loop slices, run_dataflow) and "dataflow" (the WorkUnits)."""
     counts = {"straight": 0, "sliced": 0, "dataflow": 0}
     units, sliced, start = (
-        Scheduler._straight_units, Scheduler._continue_straight, Scheduler._start)
+        StraightRunner._units, StraightRunner.run_in_slices, Scheduler._start)
     executions: set[tuple[int, int]] = set()
 
-    def straight_units(self: Scheduler, *args: Any, **kwargs: Any) -> int:
-        if (args[3] if len(args) > 3 else kwargs.get("deadline")) is None:  # run_straight's
+    def straight_units(self: StraightRunner, *args: Any, **kwargs: Any) -> int:
+        if (args[3] if len(args) > 3 else kwargs.get("deadline")) is None:  # run_now's
             counts["straight"] += 1
         return units(self, *args, **kwargs)
 
-    def continue_straight(self: Scheduler, frame: Any, *args: Any) -> None:
+    def continue_straight(self: StraightRunner, frame: Any, *args: Any) -> None:
         executions.add((id(self), frame.execution_id))  # once per slice, again when deferred
         counts["sliced"] = len(executions)
         sliced(self, frame, *args)
@@ -55,8 +55,8 @@ def _count_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         counts["dataflow"] += 1
         start(self, *args)
 
-    monkeypatch.setattr(Scheduler, "_straight_units", straight_units)
-    monkeypatch.setattr(Scheduler, "_continue_straight", continue_straight)
+    monkeypatch.setattr(StraightRunner, "_units", straight_units)
+    monkeypatch.setattr(StraightRunner, "run_in_slices", continue_straight)
     monkeypatch.setattr(Scheduler, "_start", dataflow_start)
     return counts
 
@@ -235,13 +235,13 @@ async def test_a_spent_slice_sends_the_execution_straight_after_one_iteration(
         ran_first = asyncio.Event()
         asyncio.get_running_loop().call_soon(ran_first.set)
         seen: list[bool] = []
-        units = Scheduler._straight_units
+        units = StraightRunner._units
 
-        def straight_units(self: Scheduler, *args: Any) -> int:
+        def straight_units(self: StraightRunner, *args: Any) -> int:
             seen.append(ran_first.is_set())
             return units(self, *args)
 
-        monkeypatch.setattr(Scheduler, "_straight_units", straight_units)
+        monkeypatch.setattr(StraightRunner, "_units", straight_units)
         before = dict(counts)
         x = torch.randn(4, 8)
         torch.testing.assert_close(await ex.execute(x), Chain()(x))
