@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import sys
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -54,7 +52,14 @@ from asyncgraph.kernels.base import KernelConfig
 from asyncgraph.kernels.factory import default_inner_executor
 from asyncgraph.passes.folding import ConstantFolder
 from asyncgraph.runtime import registry
-from asyncgraph.runtime.backend import Caller, Loop, ScopeCaller, current_loop
+from asyncgraph.runtime.backend import (
+    Caller,
+    Loop,
+    cancel_pending,
+    current_loop,
+    runs_here,
+    task_of,
+)
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
@@ -198,12 +203,10 @@ class Executor:
 
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
         """Run the program on `(args, kwargs)`; returns what `ep.module()(*args, **kwargs)` does."""
-        native = self._native_loop  # `_runs_here`, inlined (the call costs 0.1-0.4 us here):
-        bound = native is not None and (  # one test finds the task and keeps the loop bound
-            getattr(native, "_thread_id", None) == _thread_ident() or _running_loop() is native
-        )
-        caller = _task_of(native) if bound else self._calling_task()
-        if caller is None or getattr(caller, "_must_cancel", True):  # _cancel_pending, inline
+        native = self._native_loop  # the asyncio backend's shortcuts (backend.py)
+        bound = runs_here(native)  # one test finds the task and keeps the loop bound
+        caller = task_of(native) if bound else self._calling_task()
+        if cancel_pending(caller):
             await anyio.lowlevel.checkpoint()  # delivers a pending cancellation: no frame taken
         if self._closed:
             self._check_open()
@@ -225,7 +228,7 @@ class Executor:
     async def execute_flat(self, inputs: Sequence[Any]) -> list[Any]:
         """Run the program on flat user inputs; returns the flat user outputs (nativert's path)."""
         caller = self._calling_task()
-        if _cancel_pending(caller):
+        if cancel_pending(caller):
             await anyio.lowlevel.checkpoint()
         self._check_open()
         flat = list(inputs)
@@ -234,20 +237,10 @@ class Executor:
             return await self._batcher.submit(accepted)
         return await self._execute(accepted, flat, caller, signature)
 
-    def _runs_here(self) -> bool:
-        """Whether the bound loop is the one running on this thread: by its `_thread_id` on
-        asyncio's loop (~50 ns), by asking for the running loop on uvloop's, which has none
-        (0.3 us, where asking for the current task and the running loop apart took 0.9).
-        False before the first call binds a loop, and on trio."""
-        native = self._native_loop
-        return native is not None and (
-            getattr(native, "_thread_id", None) == _thread_ident() or _running_loop() is native
-        )
-
     def _calling_task(self) -> asyncio.Task[Any] | None:
         """The calling asyncio task; None without an asyncio loop (trio, backend.py)."""
-        if self._runs_here():
-            return _task_of(self._native_loop)  # the bound loop is the running one
+        if runs_here(self._native_loop):
+            return task_of(self._native_loop)  # the bound loop is the running one
         try:
             return asyncio.current_task()
         except RuntimeError:  # no asyncio loop: trio, which has no such task
@@ -287,9 +280,10 @@ class Executor:
         the calling task, when the caller already asked for it; `signature`: the inputs'
         (InputValidator.check), when validation computed it."""
         if caller is None and self._loop is not None:
-            if self._loop.name != "asyncio":  # trio: no task to cancel, a scope (ScopeCaller)
-                caller = ScopeCaller()
-                with caller.scope:
+            scoped = self._loop.scope_caller()  # trio: no task to cancel, a cancel scope
+            if scoped is not None:
+                caller = scoped
+                with scoped.scope:
                     return await self._execute(flat, caller_inputs, caller, signature)
                 raise ExecutorClosedError(  # the scope caught its own cancellation
                     f"{self.program.name}: the execution was cancelled by aclose(cancel=True)"
@@ -529,7 +523,7 @@ class Executor:
     def _bind_loop(self) -> None:
         """Bind the Executor to the running event loop on first use, through its seam
         (backend.py: asyncio's own methods, or trio's); later calls check it is the same."""
-        if self._runs_here():
+        if runs_here(self._native_loop):
             return
         try:
             native = asyncio.get_running_loop()
@@ -551,34 +545,6 @@ class Executor:
 
     def _in_flight_tasks(self) -> list[Caller]:
         return [t for t in self._callers if not t.done()]
-
-
-# An asyncio loop in run_forever() sets `_thread_id` to its thread, and a thread runs one loop
-# at a time, so a bound loop whose `_thread_id` is this thread is the running loop. That test
-# costs ~50 ns; asyncio.get_running_loop() costs ~150 on Python 3.11 (a getpid() system call
-# per call), and execute would pay it twice. Loops without the attribute (uvloop) are asked
-# for by `_running_loop`; trio has no asyncio loop and takes the ordinary path.
-_thread_ident = threading.get_ident
-# The running asyncio loop, for loops without `_thread_id` (uvloop); None on trio.
-_running_loop = asyncio.events._get_running_loop
-_task_of: Callable[[Any], asyncio.Task[Any] | None] = (
-    getattr(asyncio.tasks, "_current_tasks", {}).get
-    if sys.version_info < (3, 12)
-    else asyncio.current_task
-)
-
-
-def _cancel_pending(task: asyncio.Task[Any] | None) -> bool:
-    """Whether the calling task has a cancellation waiting for its next suspension.
-
-    `execute` used to start with `await asyncio.sleep(0)`, a full loop iteration (about 2 us
-    of a 13 us one-node execution), so that a call made while cancelled took no frame. Asking
-    the task gives the same answer without the iteration. Fairness does not need the yield:
-    inline work shares the loop's slice (LoopBudget), and once the slice is spent the next
-    execution waits for the next iteration. Without a task, or with a task type that does not
-    say, the answer is yes: the caller then takes the old checkpoint.
-    """
-    return task is None or bool(getattr(task, "_must_cancel", True))
 
 
 def subgraph_config(config: KernelConfig | None) -> ExecutorConfig:

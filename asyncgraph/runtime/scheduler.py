@@ -127,7 +127,9 @@ class Scheduler:
         """
         runner = self.straight
         runner.retry = None
-        straight = self._straight_of(frame)
+        if frame.times is not None or not self._may_straight or frame.gpu is not None:
+            return False  # `_straight_of`, inlined: this runs once per execution
+        straight = _schedule(frame).straight
         return straight is not None and runner.run_now(frame, straight)
 
     async def run_dataflow(self, frame: ExecutionFrame) -> None:
