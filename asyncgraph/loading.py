@@ -4,12 +4,17 @@ graph/ reads plain programs only (graph/importers.py); a package made by `asyncg
 holds AOTInductor segments, native code that runs when loaded, which compiled/package.py reads
 once the caller trusts it. This module picks between them, above both layers, so neither
 imports the other. `asyncgraph.load` is `load` here.
+
+It also imports compiled/package_members.py, which registers the compiled package's members
+with graph/archive/: `import asyncgraph` imports this module, so every archive check, from any
+entry point, applies those rules.
 """
 
 from __future__ import annotations
 
 import os
 
+from asyncgraph.compiled import package_members  # noqa: F401 - registers its rules
 from asyncgraph.errors import ProgramLoadError
 from asyncgraph.graph.archive import TRUST_HINT, is_compiled_package
 from asyncgraph.graph.importers import Program, open_pt2, read_plain_pt2

@@ -1,7 +1,7 @@
 """The compiled package (MODEL.aoti.pt2): write it, check it belongs here, load it.
 
 Layout: one .pt2 archive in torch's own package_pt2 layout, so the rules of
-asyncgraph/graph/archive.py check it like any other:
+asyncgraph/graph/archive/ check it like any other:
 
     <root>/models/model.json, data/weights/..., data/sample_inputs/model.pt, ...
         the original ExportedProgram, exactly as torch.export.save writes it;

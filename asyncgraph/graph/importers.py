@@ -122,7 +122,7 @@ def open_pt2(path: str | os.PathLike[str]) -> Path:
 
 def read_plain_pt2(p: Path) -> Program:
     """A plain .pt2 checked by open_pt2, checked again member by member, then imported."""
-    check_pt2_archive(p, verify_crc=False)  # nothing from the file runs (see archive.py)
+    check_pt2_archive(p, verify_crc=False)  # nothing from the file runs (see graph/archive/)
     try:
         with warnings.catch_warnings():
             # torch 2.10-2.11 build weights with torch.frombuffer over the archive's bytes and
@@ -222,7 +222,7 @@ def _input_guards(
     program still has its shape environment.
 
     Without them a program specialised on, say, an even size silently runs the branch it was
-    traced with on an odd one. Guard code from a .pt2 was checked by archive.py (plain
+    traced with on an odd one. Guard code from a .pt2 was checked by graph/archive/ (plain
     arithmetic over input sizes) before torch loaded it; ep.module() already compiled it.
     """
     try:

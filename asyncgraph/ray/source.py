@@ -10,7 +10,7 @@ Two ways, chosen by the caller, because only the caller knows where its files li
   driver.
 
 Either way the replica loads through `asyncgraph.load`, so it refuses a .pt2 that fails the
-archive checks (asyncgraph/graph/archive.py) exactly as `asyncgraph serve` does: the bytes
+archive checks (asyncgraph/graph/archive/) exactly as `asyncgraph serve` does: the bytes
 that arrive are not trusted because the driver sent them.
 """
 
