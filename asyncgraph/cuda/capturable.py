@@ -1,5 +1,6 @@
-"""What a CUDA graph can capture, node by node: the pure predicate that graphs.py (whole
-executions) and segments.py (segments) both ask, without a GPU.
+"""What a CUDA graph can capture: the pure predicate per node that graphs.py (whole
+executions) and segments.py (segments) both ask, and the whole-execution plan
+(`plan_capture`: capturable or not, with the reason), all without a GPU.
 
 A node is capturable when it is a CUDA aten op that neither syncs the host nor has a
 data-dependent output shape, draws no random numbers and mutates no argument (`DENIED` lists
@@ -9,11 +10,16 @@ GPU value is named as such.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from asyncgraph.cuda.streams import Role, StreamPlan, _aten_names
-from asyncgraph.graph.ir import Graph, TensorSpec
+from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan, _aten_names
+from asyncgraph.graph.ir import Graph, OutputKind, TensorSpec, iter_refs
 from asyncgraph.kernels import KernelKind, OpKernel
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.plan import ExecutionPlan
 
 _SYNCS = "syncs the host (a data-dependent output shape)"
 _HOST_READ = "reads a GPU value on the host"
@@ -106,3 +112,105 @@ def producers(graph: Graph, index: int) -> list[int]:
         if producer is not None:
             out.append(producer)
     return out
+
+
+# -- the whole-execution capture plan ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CapturePlan:
+    """Whether an Executor's executions are captured, and what capture needs.
+
+    Attributes:
+        capturable: every execution may be captured (after warm-up, per input signature).
+        reason: why not, naming the first offending node, input or setting; None when it is.
+        origin: the (device, stream) the graph is captured and replayed on.
+        drops: per node, the frame slots no later node reads (freed during the capture, so
+            the graph's pool can reuse their memory).
+        produced_outputs: the frame slots of user outputs made by nodes: cloned per replay.
+    """
+
+    capturable: bool
+    reason: str | None
+    origin: StreamKey | None = None
+    drops: tuple[tuple[int, ...], ...] = ()
+    produced_outputs: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        """One line for `asyncgraph profile` and logs."""
+        if self.capturable:
+            return "captured as CUDA graphs (per input signature, after warm-up)"
+        return f"not captured: {self.reason}"
+
+
+def plan_capture(
+    graph: Graph,
+    plan: ExecutionPlan,
+    stream_plan: StreamPlan,
+    kernels: Sequence[OpKernel],
+    config: ExecutorConfig,
+) -> CapturePlan:
+    """The CapturePlan of an Executor's graph (the graph that runs: after folding)."""
+    reason = _blocker(graph, stream_plan, kernels, config)
+    if reason is not None:
+        return CapturePlan(False, reason)
+    return CapturePlan(
+        True, None, stream_plan.streams_used[0], _drops(graph), _produced_outputs(graph)
+    )
+
+
+def _blocker(
+    graph: Graph, stream_plan: StreamPlan, kernels: Sequence[OpKernel], config: ExecutorConfig
+) -> str | None:
+    """The first reason the program cannot be captured, or None."""
+    if not config.cuda_graphs:
+        return "cuda_graphs=False"
+    if config.trace:
+        return "trace=True records a span per node, which a replay does not have"
+    sig = graph.signature
+    for out in sig.outputs:
+        if out.kind is OutputKind.BUFFER_MUTATION:
+            return f"the program mutates buffer {out.target!r}: a replay would not update it"
+        if out.kind is OutputKind.USER_INPUT_MUTATION:
+            return f"the program mutates input {out.target!r}: a replay writes its static copy"
+    for spec in sig.user_inputs:
+        vspec = graph.values[spec.value].spec
+        if isinstance(vspec, TensorSpec) and vspec.device.type != "cuda":
+            return (
+                f"input {spec.target!r} is a {vspec.device.type} tensor: a graph would keep "
+                "the value it had when captured"
+            )
+    for node, role, kernel in zip(graph.nodes, stream_plan.roles, kernels, strict=True):
+        reason = node_blocker(graph, node.index, role, kernel, stream_plan)
+        if reason is not None:
+            return f"node {node.name!r} ({node.target_name()}) {reason}"
+    devices = stream_plan.devices
+    if len(devices) > 1:
+        return f"CUDA nodes on devices {list(devices)}: one graph captures one device"
+    return None
+
+
+def _output_values(graph: Graph) -> set[int]:
+    return {ref.id for out in graph.signature.outputs for ref in iter_refs(out.arg)}
+
+
+def _drops(graph: Graph) -> tuple[tuple[int, ...], ...]:
+    """Per node, the node-made values whose last reader it is (or that nobody reads), outputs
+    excepted: dropped during the capture as the scheduler drops them."""
+    outputs = _output_values(graph)
+    last: dict[int, int] = {}
+    for node in graph.nodes:
+        last.setdefault(node.output, node.index)  # unread: dropped right after its node
+        for v in node.inputs():
+            last[v] = node.index
+    drops: list[list[int]] = [[] for _ in graph.nodes]
+    for value, reader in last.items():
+        if graph.values[value].producer is not None and value not in outputs:
+            drops[reader].append(value)
+    return tuple(tuple(sorted(d)) for d in drops)
+
+
+def _produced_outputs(graph: Graph) -> tuple[int, ...]:
+    return tuple(
+        sorted(v for v in _output_values(graph) if graph.values[v].producer is not None)
+    )

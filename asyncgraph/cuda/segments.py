@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from asyncgraph.cuda.capturable import node_blocker
+from asyncgraph.cuda.capturable import CapturePlan, node_blocker
 from asyncgraph.cuda.capturable import producers as _producers
 from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan
 from asyncgraph.graph.ir import (
@@ -337,3 +337,17 @@ def _order(graph: Graph, segments: Sequence[Segment]) -> tuple[int, ...]:
         after = [n for n in window if n in depends]
         order[start:end + 1] = before + list(seg.nodes) + after
     return tuple(order)
+
+
+def segment_plan_for(
+    capture_plan: CapturePlan,
+    graph: Graph,
+    stream_plan: StreamPlan,
+    kernels: Sequence[OpKernel],
+    config: ExecutorConfig,
+) -> SegmentPlan:
+    """The segments of a program that is not wholly capturable (asyncgraph/cuda/segments.py);
+    none when it is: whole-execution capture stays its path."""
+    if capture_plan.capturable:
+        return SegmentPlan((), (), (), "the whole execution is captured")
+    return plan_segments(graph, stream_plan, kernels, config)

@@ -24,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from asyncgraph.cuda.capturable import CapturePlan, plan_capture
+from asyncgraph.cuda.capture import CudaGraphs
 from asyncgraph.cuda.device import Backend, CudaRuntime
-from asyncgraph.cuda.graphs import CapturePlan, CudaGraphs, plan_capture, segment_plan_for
-from asyncgraph.cuda.segments import SegmentPlan
+from asyncgraph.cuda.segments import SegmentPlan, segment_plan_for
 from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
 from asyncgraph.graph.ir import Graph
 from asyncgraph.kernels import KernelFactory, OpKernel

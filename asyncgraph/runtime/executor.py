@@ -36,12 +36,10 @@ import anyio.to_thread
 import torch
 from torch.utils import _pytree as pytree
 
+from asyncgraph.cuda.capturable import CapturePlan
+from asyncgraph.cuda.capture import CudaGraphs, CudaGraphStatistics
 from asyncgraph.cuda.device import Backend, CudaRuntime, move_inputs_to_device
-from asyncgraph.cuda.graphs import (
-    CapturePlan,
-    CudaGraphs,
-    CudaGraphStatistics,
-)
+from asyncgraph.cuda.graphs import frame_captures
 from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.cuda.streams import StreamPlan
 from asyncgraph.errors import ExecutorClosedError
@@ -358,7 +356,7 @@ class Executor:
             return ExecutionFrame(self.plan, frame_id)
         gpu = runtime.frame_state(self.plan.calls)
         assert self._cuda_graphs is not None
-        return ExecutionFrame(self.plan, frame_id, gpu, self._cuda_graphs.frame_state(gpu))
+        return ExecutionFrame(self.plan, frame_id, gpu, frame_captures(self._cuda_graphs, gpu))
 
     def _weights_template(self) -> list[Any]:
         return self._weights.template(self.plan.weight_slots, self.plan.num_values)

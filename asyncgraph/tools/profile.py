@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from asyncgraph.cuda.graphs import plan_capture, segment_plan_for
+from asyncgraph.cuda.capturable import plan_capture
+from asyncgraph.cuda.segments import segment_plan_for
 from asyncgraph.kernels import KernelKind
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.tools.compare import random_flat_inputs

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.cuda import graphs as cuda_graphs
+from asyncgraph.cuda import capture as cuda_capture
 from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, ScalarSpec
@@ -263,7 +263,7 @@ def test_held_outputs_and_outputs_read_by_host_nodes_survive_later_replays(backe
 def test_without_the_clone_a_later_replay_overwrites_a_held_output(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cuda_graphs, "_clone", lambda value: value)
+    monkeypatch.setattr(cuda_capture, "clone", lambda value: value)
 
     async def body() -> None:
         gpu = CaptureGpu(seed=3)
@@ -439,7 +439,7 @@ def test_a_cuda_node_after_a_segment_on_a_side_stream_runs_after_the_replay(
 ) -> None:
     """The fake checks GPU order here (`track_writers`): gpu_nonzero needs the replay (whose
     clone of gpu_c it reads) to have run first, on whatever stream interleaving."""
-    clone = cuda_graphs._clone
+    clone = cuda_capture.clone
 
     async def body() -> None:
         gpu = CaptureGpu(seed=12, track_writers=True)
@@ -449,7 +449,7 @@ def test_a_cuda_node_after_a_segment_on_a_side_stream_runs_after_the_replay(
             gpu.adopt(out, value)
             return out
 
-        monkeypatch.setattr(cuda_graphs, "_clone", tracked_clone)
+        monkeypatch.setattr(cuda_capture, "clone", tracked_clone)
         graph = fork_then_nonzero_graph()
         ex = make_executor(graph, gpu, cuda_graph_warmup=0)
         assert ex.stream_plan is not None and ex.cuda_segment_plan is not None

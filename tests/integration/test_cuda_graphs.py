@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.cuda import graphs as cuda_graphs
+from asyncgraph.cuda import capture as cuda_capture
+from asyncgraph.cuda.capturable import CapturePlan
 from asyncgraph.cuda.device import TorchCudaBackend
-from asyncgraph.cuda.graphs import CapturePlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, OutputKind, OutputSpec, Signature, TensorSpec
 from asyncgraph.testing import LeakChecker, introspect
@@ -314,7 +314,7 @@ def test_without_the_clone_a_later_replay_overwrites_a_held_output(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The fake's replays write the same static outputs: handing them out uncloned is caught."""
-    monkeypatch.setattr(cuda_graphs, "_clone", lambda value: value)
+    monkeypatch.setattr(cuda_capture, "clone", lambda value: value)
 
     async def body() -> None:
         gpu = CaptureGpu(seed=3)
@@ -476,7 +476,7 @@ def test_the_least_recently_used_signature_is_evicted_past_the_cap(backend: str)
         cuda = CaptureBackend(gpu)
         ex = make_executor(diamond_program(torch.tensor(2.0)), gpu, cuda, cuda_graph_warmup=0)
         async with running(ex, gpu):
-            for n in range(1, cuda_graphs.MAX_CAPTURES + 2):
+            for n in range(1, cuda_capture.MAX_CAPTURES + 2):
                 await ex.execute(inputs(0, n))
             s = stats(ex)
             assert (s.captures, s.evictions, s.live_graphs) == (9, 1, 8)
@@ -609,7 +609,7 @@ def test_an_execution_finding_another_capture_recording_runs_uncaptured_then_cap
         w = torch.full((4,), 2.0)
         ex = make_executor(diamond_program(w), gpu, cuda, cuda_graph_warmup=0)
         async with running(ex, gpu):
-            with cuda_graphs.CAPTURE_LOCK:
+            with cuda_capture.CAPTURE_LOCK:
                 out = await ex.execute(inputs(0))
                 torch.testing.assert_close(out, expected(inputs(0), w))
                 assert (stats(ex).captures, stats(ex).fallbacks, stats(ex).failures) == (0, 1, 0)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
-from asyncgraph.cuda import graphs as cuda_graphs
+from asyncgraph.cuda import capture as cuda_capture
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, InputKind, Node, Signature
 from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
@@ -383,7 +383,7 @@ async def running(ex: Executor, gpu: CaptureGpu) -> AsyncIterator[Executor]:
             await ex.aclose()
 
 
-def stats(ex: Executor) -> cuda_graphs.CudaGraphStatistics:
+def stats(ex: Executor) -> cuda_capture.CudaGraphStatistics:
     s = ex.cuda_graph_statistics()
     assert s is not None
     return s

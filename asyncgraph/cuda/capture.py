@@ -1,0 +1,251 @@
+"""What every CUDA-graph capture shares: the Executor's capture cache and counters, one lock,
+the captures themselves, and copying inputs in and cloning outputs out.
+
+graphs.py (whole executions, `FrameGraphs`) and segment_graphs.py (segments, `FrameSegments`)
+are the frame-side users; this module is what they have in common, so that the capture
+bookkeeping (LRU per frame, failed signatures, statistics) is written once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from asyncgraph.cuda.capturable import CapturePlan
+from asyncgraph.cuda.device import CudaGraph, CudaRuntime
+from asyncgraph.cuda.segments import SegmentPlan
+from asyncgraph.graph.ir import Graph
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.plan import ExecutionPlan
+from asyncgraph.runtime.validation import Signature
+
+logger = logging.getLogger("asyncgraph.cuda.graphs")  # one logger for captures of both kinds
+
+MAX_CAPTURES = 8
+"""Signatures one frame keeps state for (warm-up counts and captures); the least recently used
+is evicted, its graph freed, when a ninth arrives."""
+
+CAPTURE_LOCK = threading.Lock()
+"""One capture at a time in the process: capture streams come from torch's high-priority pool
+(32 per device, round-robin: `Backend.new_capture_stream`), which two captures at once could
+share, each then recording the other's launches. Taken without blocking: an execution that
+finds it held runs on the stream path and a later one captures."""
+
+_MAX_FAILED = 256  # uncapturable signatures remembered per Executor
+
+
+class FrameCaptures(Protocol):
+    """A frame's capture state (FrameGraphs or FrameSegments), as the owner sees it."""
+
+    @property
+    def live(self) -> int: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CudaGraphStatistics:
+    """What CUDA-graph capture did for one Executor.
+
+    `warmups`: executions of a capturable program run on the stream path before their
+    signature's capture (and those adaptive placement profiles); `fallbacks`: executions that
+    could have been captured but ran on the stream path (a signature whose capture failed,
+    inputs without a signature);
+    `recaptures`: captures dropped because the weights changed; `failures`: captures that
+    raised (`failed` lists the reasons, one per signature).
+
+    Segments (programs that are not wholly captured, asyncgraph/cuda/segments.py):
+    `segments` planned; `segment_captures`, `segment_replays`, `segment_warmups` (segment
+    runs on the stream path before their signature's capture) and `segment_fallbacks`
+    (segment runs on the stream path after a failed capture, or while another segment of
+    the frame was capturing) count segment runs, not executions. `recaptures`, `evictions`,
+    `failures`, `live_graphs` and `failed` count both kinds.
+    """
+
+    capturable: bool
+    reason: str | None
+    captures: int
+    replays: int
+    warmups: int
+    fallbacks: int
+    recaptures: int
+    evictions: int
+    failures: int
+    live_graphs: int
+    failed: tuple[str, ...]
+    segments: int = 0
+    segment_captures: int = 0
+    segment_replays: int = 0
+    segment_warmups: int = 0
+    segment_fallbacks: int = 0
+
+
+class CudaGraphs:
+    """The CUDA-graph state an Executor shares across its frames: the plan, counters, the
+    signatures whose capture failed, and the frames' states (to free them on close)."""
+
+    def __init__(
+        self, capture_plan: CapturePlan, runtime: CudaRuntime, graph: Graph, plan: ExecutionPlan,
+        config: ExecutorConfig, segment_plan: SegmentPlan | None = None,
+    ) -> None:
+        self.capture_plan = capture_plan
+        self.segment_plan = segment_plan if segment_plan is not None else SegmentPlan((), ())
+        self.raw_calls = plan.calls  # node calls without the stream layer (for capture)
+        self.segment_failed: dict[tuple[int, Any], str] = {}
+        self._lock = threading.Lock()  # counters changed from worker threads (segments)
+        self.runtime = runtime
+        self.graph = graph
+        self.value_ids = plan.outputs
+        self.input_slots = plan.user_input_slots
+        self.warmup = config.cuda_graph_warmup
+        self.inference_mode = config.inference_mode
+        self.failed: dict[Signature, str] = {}
+        self.frames: weakref.WeakSet[FrameCaptures] = weakref.WeakSet()
+        self.captures = self.replays = self.warmups = self.fallbacks = 0
+        self.segment_captures = self.segment_replays = 0
+        self.segment_warmups = self.segment_fallbacks = 0
+        self.recaptures = self.evictions = self.failures = 0
+
+    def add_frame(self, state: FrameCaptures) -> None:
+        """Keep a frame's capture state, to count its graphs and free them on close."""
+        self.frames.add(state)
+
+    def mark_failed(self, key: Signature, reason: str) -> None:
+        if len(self.failed) >= _MAX_FAILED:
+            self.failed.clear()
+        self.failed[key] = reason
+        self.failures += 1
+        logger.warning("CUDA graph capture failed; running uncaptured for %s: %s", key, reason)
+
+    def count(self, counter: str) -> None:
+        """Add one to `counter`: segment runs count from worker threads too (under a lock,
+        since `+=` on an attribute is not atomic)."""
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + 1)
+
+    def mark_segment_failed(self, index: int, key: Any, reason: str) -> None:
+        """Segment `index` is not captured again for its input signature `key` (any thread)."""
+        if len(self.segment_failed) >= _MAX_FAILED:
+            self.segment_failed.clear()
+        self.segment_failed[(index, key)] = reason
+        self.count("failures")
+        logger.warning(
+            "CUDA graph capture of segment %d failed; running it uncaptured for %s: %s",
+            index, key, reason,
+        )
+
+    def close(self) -> None:
+        """Free every frame's graphs and pools (the Executor is closing; frames are idle)."""
+        for state in list(self.frames):
+            state.close()
+
+    def statistics(self) -> CudaGraphStatistics:
+        return CudaGraphStatistics(
+            capturable=self.capture_plan.capturable,
+            reason=self.capture_plan.reason,
+            captures=self.captures,
+            replays=self.replays,
+            warmups=self.warmups,
+            fallbacks=self.fallbacks,
+            recaptures=self.recaptures,
+            evictions=self.evictions,
+            failures=self.failures,
+            live_graphs=sum(s.live for s in list(self.frames)),
+            failed=tuple(dict.fromkeys([*self.failed.values(), *self.segment_failed.values()])),
+            segments=len(self.segment_plan.segments),
+            segment_captures=self.segment_captures,
+            segment_replays=self.segment_replays,
+            segment_warmups=self.segment_warmups,
+            segment_fallbacks=self.segment_fallbacks,
+        )
+
+
+class Capture:
+    """One captured execution or segment: the graph, its pool, its static inputs and outputs,
+    and the Weights version it read."""
+
+    __slots__ = ("graph", "outputs", "pool", "static_inputs", "version")
+
+    def __init__(
+        self, graph: CudaGraph, pool: Any, static_inputs: list[Any], outputs: dict[int, Any],
+        version: int,
+    ) -> None:
+        self.graph = graph
+        self.pool = pool
+        self.static_inputs = static_inputs  # per flat (or Segment) input: its buffer, or None
+        self.outputs = outputs  # frame slot -> the static value a replay writes
+        self.version = version  # the Weights version whose tensors it reads
+
+    def free(self) -> None:
+        self.graph.reset()
+        self.static_inputs = []
+        self.outputs = {}
+
+
+class CaptureState:
+    """What a frame keeps per input signature (FrameGraphs) or per segment and key
+    (FrameSegments): its warm-up count, then its capture."""
+
+    __slots__ = ("capture", "runs")
+
+    def __init__(self) -> None:
+        self.runs = 0  # executions on the stream path so far (warm-up)
+        self.capture: Capture | None = None
+
+
+def lru_state(
+    states: OrderedDict[Any, CaptureState], key: Any, evicted: Callable[[], None]
+) -> CaptureState:
+    """The state of `key`, now the most recently used: a new one when there is none, which
+    evicts the least recently used past MAX_CAPTURES (its capture freed, `evicted()` told)."""
+    state = states.get(key)
+    if state is not None:
+        states.move_to_end(key)
+        return state
+    if len(states) >= MAX_CAPTURES:
+        _, old = states.popitem(last=False)
+        if old.capture is not None:
+            old.capture.free()
+            evicted()
+    state = states[key] = CaptureState()
+    return state
+
+
+def empty_like(x: Any) -> Any:
+    return torch.empty_like(x) if isinstance(x, torch.Tensor) else None
+
+
+def copy_inputs(static: list[Any], flat: list[Any]) -> None:
+    """The caller's tensors into the static buffers (on the current stream), without autograd:
+    a copy from a tensor that requires grad must not make the buffer part of a graph."""
+    with torch.no_grad():
+        for buffer, x in zip(static, flat, strict=True):
+            if buffer is not None:
+                buffer.copy_(x)
+
+
+def clone_outputs(values: list[Any], outputs: dict[int, Any]) -> None:
+    """The frame's output slots get copies of the graph's static outputs (on the current
+    stream): the caller owns them, and the frame's next replay cannot overwrite them."""
+    for slot, value in outputs.items():
+        values[slot] = clone(value)
+
+
+def clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(clone(v) for v in value)
+    return value
+
+
+def failure_text(exc: BaseException) -> str:
+    notes = "; ".join(getattr(exc, "__notes__", ()))
+    text = f"{type(exc).__name__}: {exc}"
+    return f"{text} ({notes})" if notes else text
