@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from asyncgraph import Executor, ExecutorConfig
-from asyncgraph.runtime.executor import _cancel_pending
+from asyncgraph.runtime.backend import cancel_pending
 from benchmarks.models import exported_chain, exported_encoder
 
 
@@ -205,7 +205,7 @@ async def per_execution() -> dict[str, float]:
             r = {
                 "execute": execute,
                 "direct": median_us(lambda: fn(x)),
-                "caller": median_us(lambda: _cancel_pending(ex._calling_task())),
+                "caller": median_us(lambda: cancel_pending(ex._calling_task())),
                 "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
                 "check": median_us(lambda: ex._validator.check(flat)),
                 "bind": median_us(ex._bind_loop),
