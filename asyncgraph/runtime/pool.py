@@ -3,7 +3,8 @@
 It replaces nativert's semaphore plus frame queues. At most `max_frames` frames exist. A caller
 that finds none free awaits one; a released frame is handed straight to the oldest waiter, so
 nobody barges ahead. A waiter cancelled after a frame was handed to it (the release-then-cancel
-race of anyio #398) passes the frame on, so no frame is ever leaked or skipped.
+race of anyio #398) passes the frame on, so no frame is ever leaked or skipped. The waiting is
+gate.py's HandOffQueue, which the server's admission gate shares.
 
 At most `max_waiters` callers wait; the next gets OverloadedError at once instead of joining an
 unbounded queue, each entry of which pins the caller's inputs.
@@ -14,18 +15,17 @@ Idle frames are freed down to `min_frames` once they have been idle for `cleanup
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
 
 from asyncgraph.errors import ExecutorClosedError, OverloadedError
-from asyncgraph.runtime.backend import FutureLike, Handle, current_loop
+from asyncgraph.runtime.backend import Handle, current_loop
 from asyncgraph.runtime.config import DEFAULT_MAX_FRAME_WAITERS
 from asyncgraph.runtime.frame import ExecutionFrame
+from asyncgraph.runtime.gate import HandOffQueue
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,8 @@ class FramePool:
         self._min = min_frames
         self._interval = cleanup_interval_s
         self._idle: list[ExecutionFrame] = []
-        self._waiters: deque[FutureLike] = deque()  # futures of the loop (backend.py)
+        self._gate: HandOffQueue[ExecutionFrame] = HandOffQueue()
+        self._waiters = self._gate.queue  # read only: emptiness on the fast path, no call
         self._in_use = 0
         self._created = 0
         self._freed = 0
@@ -105,26 +106,13 @@ class FramePool:
                 "max_frame_waiters or max_concurrent_executions, or shed load before calling",
                 bound="ExecutorConfig.max_frame_waiters", limit=self._max_waiters,
             )
-        waiter: FutureLike = current_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            handed: ExecutionFrame = await waiter
-            return handed
-        except BaseException:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self.release(waiter.result())  # handed a frame, then cancelled: pass it on
-            else:
-                self._discard_waiter(waiter)
-            raise
+        return await self._gate.wait(self.release)  # handed, then cancelled: passed on
 
     def release(self, frame: ExecutionFrame) -> None:
         """Return a frame whose execution is over (no thread or task can touch it)."""
         frame.clear()
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(frame)  # stays in use, now owned by the waiter
-                return
+        if self._waiters and self._gate.hand_over(frame):
+            return  # stays in use, now owned by the waiter
         self._in_use -= 1
         if self._closed:
             self._freed += 1
@@ -170,7 +158,7 @@ class FramePool:
             total=self.total,
             in_use=self._in_use,
             idle=len(self._idle),
-            waiters=sum(1 for w in self._waiters if not w.done()),
+            waiters=self._gate.waiting(),
             created=self._created,
             freed=self._freed,
             high_water=self._high_water,
@@ -185,10 +173,6 @@ class FramePool:
         if self._in_use > self._high_water:
             self._high_water = self._in_use
         return frame
-
-    def _discard_waiter(self, waiter: FutureLike) -> None:
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
 
     def _schedule_cleanup(self) -> None:
         if self._timer is not None or self._interval <= 0 or self._closed:

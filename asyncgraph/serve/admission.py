@@ -6,7 +6,9 @@ whether to take it at all, and so that the time a request spends queued is measu
 (the `nv_inference_queue_duration_us` metric). Behind the gate the executor finds a frame free,
 so its own pool stays the final bound.
 
-A request passes two stages after admission, and both are measured:
+A request passes two stages after admission, and both are measured; what the measurements
+predict (the running means, the rates, the expected wait, calibration) is wait_model.py's
+WaitModel, which the gate is:
 
 - **The decode lane.** Decoding a body (JSON above all: 12,800 floats take 3.5-12 ms on 2 loaded
   cores) and encoding a response hold the event loop, so they are serial whatever the slots: for
@@ -15,35 +17,21 @@ A request passes two stages after admission, and both are measured:
   then reads new arrivals, so a request the gate refuses is answered after at most a slice and
   one decode, not after every decode admitted before it, and a completion is not held behind a
   run of decodes, so the slot time measures the execution. Small bodies still decode together in
-  one turn, as they arrived, and reach a batcher together. The gate keeps exponentially weighted
-  means (`SERVICE_EWMA_WEIGHT`) of a request's decode and encode time and, when decodes queue
-  for the lane, of the interval from one decode's end to the next one's, shared by the requests
-  that arrived in it: the loop time each request ahead really costs the ones behind it, body
-  reads, refusals and completions in between included (decode + encode alone counted 70-80% of
-  it under overload with 253 KB JSON bodies). Shared, because a burst's arrivals are read in
-  a few long loop turns (each request once), while a lane hand-off takes a loop turn of its
-  own: unshared, the first hand-offs of a burst of small requests counted 11 ms each and
-  refused requests that the server answered in under 100 ms.
-  The longer of the two is the loop time per request.
-- **The slots.** At most `capacity` requests execute; the gate keeps the mean time a request
-  holds a slot. Its rate is capacity / that mean (Little's law with every slot busy).
+  one turn, as they arrived, and reach a batcher together. The lane's decode times, and the
+  interval from one decode's end to the next when they queue, feed the mean loop time per
+  request (wait_model.py).
+- **The slots.** At most `capacity` requests execute; the gate measures the time a request
+  holds a slot, whose mean gives the slots' rate (wait_model.py).
 
-**Deadline.** A new request waits for the decodes ahead of it (requests admitted and not yet
-decoded, each one loop time per request) and for a slot (those ahead beyond the
-free slots, at the slots' rate); the two stages overlap, so it expects to wait the longer of
-the two, then to execute one mean slot time. It is refused (503, reason `deadline`) when that
-passes the time left to its deadline: it could not make it, and a 503 now lets the client
-retry elsewhere instead of learning so at its deadline. A request with no deadline is never
-refused for time, nor one with nothing ahead of it (it waits for nothing).
+**Deadline.** A new request expects to wait for the decodes ahead of it and for a slot, the
+longer of the two, then to execute one mean slot time (`WaitModel.wait_s`). It is refused
+(503, reason `deadline`) when that passes the time left to its deadline: it could not make
+it, and a 503 now lets the client retry elsewhere instead of learning so at its deadline. A
+request with no deadline is never refused for time, nor one with nothing ahead of it (it
+waits for nothing).
 
-**Calibration.** When the app starts, before it takes traffic, it times a representative
-request of each model (calibration.py: random inputs of the example shapes as a JSON body;
-decode, one execution, encode) and seeds the means with it (`calibrate`): the gate predicts
-from the first request on, and live measurements take over through the running means. A decode
-is priced by the body's size (`decode_s`: the mean decode time per byte, calibrated and then
-measured on every decode of a known size, times its Content-Length; the requests ahead at the
-mean size of the bodies admitted and not yet running), so a larger body of the same model
-costs in proportion.
+**Uncalibrated.** The app calibrates each model's gate at start-up (calibration.py, then
+`calibrate`: see wait_model.py), so it predicts from the first request on.
 Uncalibrated (the model failed on synthesised inputs, or a mounted app whose lifespan never
 ran), the gate has no basis to promise any wait before the first completion: a request with a
 deadline is then admitted only while the requests in flight (admitted, not finished) fit the
@@ -74,26 +62,29 @@ the requests its running batches have no room for.
 State: `running` slots taken, `waiters` FIFO for a slot, `pending` tickets not yet running
 (reading, decoding or waiting) and their bytes, `decoding` tickets in the lane or waiting for
 it. A slot released goes straight to the oldest waiter; a waiter cancelled after it was handed
-a slot passes the slot on.
+a slot passes the slot on (the slot and the lane wait in runtime/gate.py's HandOffQueue, as
+the executor's frame pool does).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 
 from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.gate import HandOffQueue
 from asyncgraph.serve.errors import ProtocolError
+from asyncgraph.serve.wait_model import SERVICE_EWMA_WEIGHT, Calibration, WaitModel
 
-#: The weight of the newest service time in the running mean: about the last 10 requests
-#: count, so the estimate follows a change of load within a few dozen requests without
-#: swinging on one slow request.
-SERVICE_EWMA_WEIGHT = 0.1
+__all__ = [  # Calibration and SERVICE_EWMA_WEIGHT are wait_model.py's, imported from here too
+    "DEADLINE", "LANE_SLICE_S", "MAX_QUEUE", "MAX_QUEUE_BYTES", "REASONS",
+    "SERVICE_EWMA_WEIGHT", "Admission", "AdmissionStatistics", "Calibration", "Ticket",
+    "WaitModel", "capacity_for",
+]
 
 #: Decodes run back to back in one loop turn until they have held the loop this long (wall
 #: time, not the gate's clock): small bodies decode together, as they arrived together (so a
@@ -120,23 +111,6 @@ def capacity_for(config: ExecutorConfig) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Calibration:
-    """What one representative request cost when the server started (see the module
-    docstring): its body's size, and the seconds its decode, its execution and its response's
-    encode took (the median of `rounds` timed rounds)."""
-
-    body_bytes: int
-    decode_s: float
-    execute_s: float
-    encode_s: float
-    rounds: int
-
-    @property
-    def decode_s_per_byte(self) -> float:
-        return self.decode_s / max(self.body_bytes, 1)
-
-
-@dataclass(frozen=True, slots=True)
 class AdmissionStatistics:
     """A snapshot of one gate, for metrics and tests."""
 
@@ -159,40 +133,10 @@ class AdmissionStatistics:
     refused: dict[str, int] = field(default_factory=dict)
 
 
-async def _wait_turn(waiters: deque[asyncio.Future[None]], pass_on: Callable[[], None]) -> None:
-    """Wait, first come first served in `waiters`, until a releaser hands over its place
-    (`_hand_over`: a slot, the decode lane). A waiter cancelled after it was handed the place
-    passes it on (`pass_on`), so a cancellation never loses it. Futures of the running loop,
-    not asyncio primitives, which bind to the first loop that waits on them."""
-    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    waiters.append(waiter)
-    try:
-        await waiter
-    except BaseException:
-        if waiter.done() and not waiter.cancelled():
-            pass_on()
-        elif waiter in waiters:
-            waiters.remove(waiter)
-        raise
-
-
-def _hand_over(waiters: deque[asyncio.Future[None]]) -> bool:
-    """Wake the oldest waiter still waiting; False when there was none."""
-    while waiters:
-        waiter = waiters.popleft()
-        if not waiter.done():
-            waiter.set_result(None)
-            return True
-    return False
-
-
-def _ewma(mean: float | None, sample: float) -> float:
-    return sample if mean is None else mean + SERVICE_EWMA_WEIGHT * (sample - mean)
-
-
-class Admission:
+class Admission(WaitModel):
     """At most `capacity` requests run; the rest wait unless they cannot make their deadline
-    or the memory caps are reached (see the module docstring)."""
+    or the memory caps are reached (see the module docstring). The estimate it admits by,
+    and the means it measures into, are its WaitModel's (wait_model.py)."""
 
     def __init__(
         self,
@@ -213,132 +157,32 @@ class Admission:
             raise ValueError(f"max_queue_bytes must be >= 0, got {max_queue_bytes}")
         if first_burst is not None and first_burst < 1:
             raise ValueError(f"first_burst must be >= 1, got {first_burst}")
+        super().__init__(capacity)
         self.model = model
-        self.capacity = capacity
         self.first_burst = capacity if first_burst is None else min(first_burst, capacity)
         self.max_queue = max_queue
         self.max_queue_bytes = max_queue_bytes
         self.clock = clock
-        self.running = 0
-        self.pending = 0
         self.pending_bytes = 0
-        #: the pending bodies' sizes as priced: declared (Content-Length) or arrived, larger
-        self.pending_priced_bytes = 0
         self.in_lane = 0  # requests in the decode lane or waiting for it
         self.admitted = 0
-        self.completed = 0
-        self.mean_service_s: float | None = None
-        self.mean_decode_s: float | None = None
-        self.mean_encode_s: float | None = None
-        self.mean_turn_s: float | None = None  # decode end to decode end, when they queue
-        self.mean_decode_s_per_byte: float | None = None  # decodes of a known body size
-        self.calibration: Calibration | None = None
-        self._lane_free_at: float | None = None
-        self.arrived = 0  # requests that reached the gate (admitted or refused)
-        self._arrived_at_lane_free = 0
         self.refused = dict.fromkeys(REASONS, 0)
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: HandOffQueue[None] = HandOffQueue()  # for a slot
         self.lane_slice_s = lane_slice_s
         self._lane_busy = False
-        self._lane_waiters: deque[asyncio.Future[None]] = deque()
+        self._lane_waiters: HandOffQueue[None] = HandOffQueue()
         self._slice_end = 0.0  # perf_counter time the current run of decodes yields at
 
-    # -- the estimate -----------------------------------------------------------------------
+    # -- the counts the estimate reads ------------------------------------------------------
 
     @property
     def queued(self) -> int:
         """Requests admitted and not yet running (reading, decoding or waiting for a slot)."""
         return self.pending
 
-    @property
-    def measured(self) -> bool:
-        """The gate has a service time to predict with: it was calibrated at start-up, or a
-        request has completed."""
-        return self.mean_service_s is not None
-
-    def calibrate(self, calibration: Calibration) -> None:
-        """Seed the means with what a representative request cost at start-up, so the gate
-        predicts from the first request on; live measurements take over through the running
-        means."""
-        self.calibration = calibration
-        self.mean_decode_s = calibration.decode_s
-        self.mean_decode_s_per_byte = calibration.decode_s_per_byte
-        self.mean_encode_s = calibration.encode_s
-        self.mean_service_s = calibration.execute_s
-
-    def decode_s(self, nbytes: int) -> float:
-        """Seconds a body of `nbytes` is expected to take to decode: priced by its size once a
-        decode of a known size was measured (or calibrated), else the mean decode."""
-        per_byte = self.mean_decode_s_per_byte
-        if per_byte is not None and nbytes > 0:
-            return per_byte * nbytes
-        return self.mean_decode_s or 0.0
-
-    def loop_s_for(self, nbytes: int) -> float:
-        """Seconds of event loop a request with a body of `nbytes` costs outside its slot:
-        its decode + encode, or, once decodes have queued for the lane, the interval from one
-        decode's end to the next one's (which also counts the body reads, refusals and
-        completions in between), whichever is longer."""
-        own = self.decode_s(nbytes) + (self.mean_encode_s or 0.0)
-        return max(own, self.mean_turn_s or 0.0)
-
-    @property
-    def loop_s(self) -> float:
-        """Mean seconds of event loop a request costs outside its slot (`loop_s_for` of the
-        mean decode, whatever its size)."""
-        return self.loop_s_for(0)
-
-    def _loop_s_ahead(self) -> float:
-        """The loop time of each request ahead: priced at the mean size of the bodies
-        admitted and not yet running."""
-        return self.loop_s_for(self.pending_priced_bytes // self.pending if self.pending else 0)
-
-    @property
-    def slot_rate(self) -> float | None:
-        """Requests per second the slots serve when all are busy; None before a completion."""
-        mean = self.mean_service_s
-        return None if mean is None else self.capacity / max(mean, 1e-9)
-
-    @property
-    def service_rate(self) -> float | None:
-        """Requests per second the gate serves when loaded: the slower of the slots and the
-        loop's decode + encode; None before the first completion."""
-        rate = self.slot_rate
-        if rate is None or self.loop_s <= 0.0:
-            return rate
-        return min(rate, 1.0 / self.loop_s)
-
-    def expected_wait_s(self, ahead: int) -> float:
-        """Seconds a request expects to wait for a slot behind `ahead` others (0 when a slot
-        will be free for it, or before anything is measured)."""
-        rate = self.slot_rate
-        behind_free = ahead - (self.capacity - self.running)
-        if rate is None or behind_free < 0:
-            return 0.0
-        return (behind_free + 1) / rate
-
-    def lane_wait_s(self, to_decode: int, nbytes: int = 0) -> float:
-        """Seconds of loop a request of `nbytes` expects before its own decode and encode are
-        done, behind `to_decode` requests not yet decoded (each one loop time at the mean
-        size of the bodies ahead)."""
-        return to_decode * self._loop_s_ahead() + self.loop_s_for(nbytes)
-
     def _to_decode(self) -> int:
         """Admitted requests that have not been decoded: all pending but the slot waiters."""
         return self.pending - len(self._waiters)
-
-    def _arrival_wait_s(self) -> float:
-        """The expected wait of a request arriving now: decodes ahead or slot, the longer."""
-        if not self.measured:
-            return 0.0
-        lane = self._to_decode() * self._loop_s_ahead()
-        return max(lane, self.expected_wait_s(self.pending))
-
-    def observe_service(self, seconds: float) -> None:
-        """Fold one request's time holding a slot into the running mean (call it before the
-        slot is released)."""
-        self.mean_service_s = _ewma(self.mean_service_s, seconds)
-        self.completed += 1
 
     # -- entering ---------------------------------------------------------------------------
 
@@ -383,8 +227,7 @@ class Admission:
         if mean is None:
             self._check_unmeasured(ahead)
             return
-        lane = self.lane_wait_s(to_decode, nbytes) if to_decode else 0.0
-        wait = max(lane, self.expected_wait_s(ahead))
+        wait = self.wait_s(ahead, to_decode, nbytes)
         finish = wait + mean
         if finish > remaining_s:
             self._refuse(
@@ -430,7 +273,7 @@ class Admission:
             self.running += 1
         else:
             self._check_deadline(len(self._waiters), remaining_s)
-            await _wait_turn(self._waiters, self._release)  # the releaser counted us in `running`
+            await self._waiters.wait(self._pass_slot_on)  # the releaser counted us in `running`
         ticket.close()
         started = self.clock()
         try:
@@ -459,54 +302,45 @@ class Admission:
                     self._slice_end = now + self.lane_slice_s
                 started = self.clock()
                 yield
-                ended = self.clock()
-                self.mean_decode_s = _ewma(self.mean_decode_s, ended - started)
-                if ticket.nbytes > 0:
-                    self.mean_decode_s_per_byte = _ewma(
-                        self.mean_decode_s_per_byte, (ended - started) / ticket.nbytes
-                    )
-                if waited and self._lane_free_at is not None:
-                    self.mean_turn_s = _ewma(self.mean_turn_s, self._turn_sample(ended))
-                self._lane_free_at = ended
-                self._arrived_at_lane_free = self.arrived
+                self.observe_decode(started, self.clock(), ticket.nbytes, waited)
             finally:
                 self._leave_lane()
         finally:
             self.in_lane -= 1
 
-    def _turn_sample(self, ended: float) -> float:
-        """The loop time one request cost between the previous decode's end and this one's:
-        the interval, shared by the requests that arrived in it (a burst's arrivals are
-        read in a few long loop turns, each request once, not once per decode)."""
-        assert self._lane_free_at is not None
-        arrivals = self.arrived - self._arrived_at_lane_free
-        return (ended - self._lane_free_at) / max(arrivals, 1)
-
     async def _enter_lane(self) -> bool:
         """Take the decode lane, waiting FIFO while it is held; True when it waited.
 
-        Futures of the running loop, not an asyncio.Lock: a lock binds to the first loop
-        that waits on it, and an app may outlive its loop."""
+        A HandOffQueue of futures of the running loop, not an asyncio.Lock: a lock binds to
+        the first loop that waits on it, and an app may outlive its loop."""
         if not self._lane_busy and not self._lane_waiters:
             self._lane_busy = True
             return False
-        await _wait_turn(self._lane_waiters, self._leave_lane)  # the leaver handed it over
+        await self._lane_waiters.wait(self._pass_lane_on)  # the leaver handed it over
         return True
 
     def _leave_lane(self) -> None:
-        if not _hand_over(self._lane_waiters):
+        if not self._lane_waiters.hand_over(None):
             self._lane_busy = False
+
+    def _pass_lane_on(self, _handed: None) -> None:
+        """A waiter handed the lane was cancelled before it ran: the lane goes on."""
+        self._leave_lane()
 
     @contextmanager
     def encoding(self) -> Iterator[None]:
         """Time the block (encode a response) into the mean encode time, when it finishes."""
         started = self.clock()
         yield
-        self.mean_encode_s = _ewma(self.mean_encode_s, self.clock() - started)
+        self.observe_encode(self.clock() - started)
 
     def _release(self) -> None:
-        if not _hand_over(self._waiters):
+        if not self._waiters.hand_over(None):
             self.running -= 1
+
+    def _pass_slot_on(self, _handed: None) -> None:
+        """A waiter handed a slot was cancelled before it ran: the slot goes on."""
+        self._release()
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
@@ -524,7 +358,7 @@ class Admission:
             decode_s_per_byte=self.mean_decode_s_per_byte,
             loop_s=self.loop_s,
             service_rate=self.service_rate,
-            expected_wait_s=self._arrival_wait_s(),
+            expected_wait_s=self.arrival_wait_s(self._to_decode()),
             calibration=self.calibration,
             refused=dict(self.refused),
         )
