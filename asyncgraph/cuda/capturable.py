@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan, _aten_names
-from asyncgraph.graph.ir import Graph, OutputKind, TensorSpec, iter_refs
+from asyncgraph.graph.ir import Graph, OutputKind, Ref, TensorSpec, iter_refs
 from asyncgraph.kernels import KernelKind, OpKernel
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.plan import ExecutionPlan
@@ -36,7 +36,7 @@ DENIED: dict[str, str] = {
     "aten::unique_dim": _SYNCS,
     "aten::unique_consecutive": _SYNCS,
     "aten::unique_dim_consecutive": _SYNCS,
-    "aten::where": _SYNCS,  # the one-argument overload is nonzero (where.self is listed apart)
+    "aten::where.default": _SYNCS,  # where(condition) is nonzero; where.self etc. are not
     "aten::bincount": _SYNCS,
     "aten::repeat_interleave.Tensor": _SYNCS,
     "aten::repeat_interleave.self_Tensor": _SYNCS,
@@ -61,7 +61,11 @@ DENIED: dict[str, str] = {
     "aten::exponential": _RANDOM,
     "aten::multinomial": _RANDOM,
 }
-"""aten ops (by name, or name.overload) never captured, and why."""
+"""aten ops never captured, and why: by name (every overload), or name.overload (that one;
+the default overload spelled `name.default`)."""
+
+# Ops that sync only with some arguments: the reason when the node's arguments do.
+_SYNCS_WITH = "reads a GPU value on the host (with these arguments)"
 
 _BOOL_INDEXED = frozenset({"aten::index.Tensor", "aten::index_put", "aten::_index_put_impl"})
 
@@ -85,15 +89,48 @@ def node_blocker(
         return "is a Python kernel, not an aten op"
     names = _aten_names(target)
     assert names is not None
-    for name in (names[1], names[0]):
+    for name in (f"{names[0]}.{target._overloadname}", names[0]):
         if name in DENIED:
             return DENIED[name]
     if target._schema.is_mutable:
         return "mutates its arguments"
+    reason = _syncs_with_its_arguments(graph, index, names[1])
+    if reason is not None:
+        return reason
+    for v in node.inputs():
+        value = graph.values[v]
+        spec = value.spec
+        if isinstance(spec, TensorSpec) and spec.device.type != "cuda":
+            return (
+                f"reads {spec.device.type} tensor {value.name!r}: a graph would keep the value "
+                "it had when captured"
+            )
     if (names[1] in _BOOL_INDEXED or names[0] in _BOOL_INDEXED) and _reads_bool_tensor(
         graph, index
     ):
         return "indexes with a boolean mask " + _SYNCS.removeprefix("syncs the host ")
+    return None
+
+
+def _syncs_with_its_arguments(graph: Graph, index: int, name: str) -> str | None:
+    """Ops that read a GPU value on the host only with some arguments:
+
+    - `histc` with min == max (the default 0, 0) reads the input's min and max on the host;
+    - `masked_fill.Tensor` with a 0-dim CUDA value reads the value on the host.
+    """
+    node = graph.nodes[index]
+    if name == "aten::histc":
+        low = node.kwargs.get("min", node.args[2] if len(node.args) > 2 else 0)
+        high = node.kwargs.get("max", node.args[3] if len(node.args) > 3 else 0)
+        if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low == high:
+            return f"{_SYNCS_WITH}: histc with min == max reads the input's range"
+        return None
+    if name == "aten::masked_fill.Tensor":
+        value = node.kwargs.get("value", node.args[2] if len(node.args) > 2 else None)
+        if isinstance(value, Ref):
+            spec = graph.values[value.id].spec
+            if isinstance(spec, TensorSpec) and spec.device.type == "cuda":
+                return f"{_SYNCS_WITH}: masked_fill with a CUDA value reads it on the host"
     return None
 
 

@@ -203,6 +203,8 @@ class FrameGraphs:
                 return None
             finally:
                 CAPTURE_LOCK.release()
+            for slot, x in zip(owner.input_slots, flat, strict=True):
+                values[slot] = x  # an input returned as an output is the caller's, not static
             outputs = {slot: values[slot] for slot in owner.capture_plan.produced_outputs}
             capture = Capture(graph, pool, static, outputs, version)
             owner.captures += 1

@@ -41,7 +41,6 @@ from asyncgraph.graph.ir import (
     Graph,
     OutputKind,
     ScalarSpec,
-    TensorSpec,
     iter_refs,
 )
 from asyncgraph.kernels import OpKernel
@@ -192,15 +191,10 @@ def _capture_blocker(
     reason = node_blocker(graph, index, role, kernels[index], stream_plan)
     if reason is not None:
         return reason
-    for v in graph.nodes[index].inputs():
+    for v in graph.nodes[index].inputs():  # CPU tensors: node_blocker
         value = graph.values[v]
         spec = value.spec
         producer = value.producer
-        if isinstance(spec, TensorSpec) and spec.device.type != "cuda":
-            return (
-                f"reads {spec.device.type} tensor {value.name!r}: a graph would keep the value "
-                "it had when captured"
-            )
         if (
             producer is not None
             and stream_plan.roles[producer] in (Role.SCALAR, Role.HOST)

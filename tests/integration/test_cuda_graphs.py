@@ -43,6 +43,7 @@ from tests.support.cuda_graph_fake import (
     make_executor,
     running,
     stats,
+    with_parameters,
 )
 from tests.support.fake_gpu import RecordingCuda, gpu_running
 from tests.support.real_gpu import CUDA, needs_gpu
@@ -143,6 +144,106 @@ def test_a_boolean_mask_index_is_not_captured_but_an_integer_index_is() -> None:
     )
     indexed = plan_of(graph(torch.int64))
     assert indexed is not None and indexed.capturable
+
+
+def _with_specs(graph: Graph, specs: dict[str, TensorSpec]) -> Graph:
+    """`graph` with the named values given tensor specs (GraphBuilder leaves them unknown)."""
+    values = [
+        dataclasses.replace(v, spec=specs[v.name]) if v.name in specs else v for v in graph.values
+    ]
+    return Graph(values, list(graph.nodes), graph.signature)
+
+
+def _cuda(*shape: int, dtype: torch.dtype = torch.float32, device: str = "cuda") -> TensorSpec:
+    strides = tuple(int(torch.empty(shape).stride()[i]) for i in range(len(shape)))
+    return TensorSpec(dtype, torch.device(device), shape, strides)
+
+
+def test_only_the_one_argument_where_is_refused() -> None:
+    """where(condition) is nonzero and syncs; where(condition, x, y) does not (masked
+    attention's), so only that overload is refused (issue 36 item 3)."""
+    def plan(target: Any, three: bool) -> CapturePlan | None:
+        b = GraphBuilder()
+        x, cond = b.input("x"), b.input("cond")
+        args = (cond, x, b.call(aten.relu.default, x, name="gpu_y")) if three else (cond,)
+        b.output(b.call(target, *args, name="gpu_where"))
+        return plan_of(b.build())
+
+    three = plan(aten.where.self, True)
+    assert three is not None and three.capturable, three
+    one = plan(aten.where.default, False)
+    assert one is not None and one.reason == (
+        "node 'gpu_where' (aten.where.default) syncs the host (a data-dependent output shape)"
+    )
+
+
+@pytest.mark.parametrize(("bounds", "capturable"), [((), False), ((10, 0.0, 0.0), False),
+                                                     ((10, -1.0, 1.0), True)])
+def test_histc_is_refused_when_it_reads_its_range_on_the_host(
+    bounds: tuple[Any, ...], capturable: bool
+) -> None:
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output(b.call(aten.histc.default, b.call(aten.relu.default, x, name="gpu_r"), *bounds,
+                    name="gpu_histc"))
+    plan = plan_of(b.build())
+    assert plan is not None and plan.capturable is capturable, plan
+    if not capturable:
+        assert plan.reason is not None and "histc with min == max" in plan.reason
+
+
+def test_masked_fill_with_a_cuda_value_is_refused() -> None:
+    b = GraphBuilder()
+    x, mask, value = b.input("x"), b.input("mask"), b.input("value")
+    b.output(b.call(aten.masked_fill.Tensor, x, mask, value, name="gpu_fill"))
+    graph = _with_specs(b.build(), {"x": _cuda(4), "mask": _cuda(4, dtype=torch.bool),
+                                    "value": _cuda()})
+    plan = plan_of(graph)
+    assert plan is not None and plan.reason is not None
+    assert "masked_fill with a CUDA value reads it on the host" in plan.reason
+
+
+def test_a_cuda_node_reading_a_cpu_tensor_is_not_captured_whole() -> None:
+    """A CPU constant read by a CUDA node is a host-to-device copy inside the capture, and the
+    graph would keep its value (issue 36 item 4): the whole-execution plan refuses it, naming
+    the node and the tensor, as segments did."""
+    b = GraphBuilder()
+    x, table = b.input("x"), b.input("table")
+    b.output(b.call(aten.add.Tensor, b.call(aten.relu.default, x, name="gpu_r"), table,
+                    name="gpu_add"))
+    graph = _with_specs(b.build(), {"x": _cuda(4), "table": _cuda(4, device="cpu")})
+    program = with_parameters(graph, {"table": torch.ones(4)})
+    plan = plan_of(program)
+    assert plan is not None and plan.reason == (
+        "node 'gpu_add' (aten.add.Tensor) reads cpu tensor 'table': a graph would keep the "
+        "value it had when captured"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_an_input_returned_as_an_output_is_the_callers_tensor_after_a_capture() -> None:
+    """Regression (issue 36 item 5): the capturing execution returned the static input buffer
+    for an output that is an input, which every later replay overwrote."""
+    b = GraphBuilder()
+    x = b.input("x")
+    b.output([x, b.call(aten.relu.default, x, name="gpu_relu")])
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=3)
+        ex = make_executor(b.build(), gpu, cuda_graph_warmup=1)
+        async with running(ex, gpu):
+            held = []
+            for k in range(4):
+                x_k = inputs(k)
+                out = await ex.execute(x_k)
+                assert out[0] is x_k  # the caller's own tensor, as eager returns it
+                held.append((x_k.clone(), out[0]))
+            assert stats(ex).captures == 1 and stats(ex).replays == 2
+            for expected_x, returned in held:
+                torch.testing.assert_close(returned, expected_x)  # no replay changed them
+        assert gpu.errors == []
+
+    run(body, "asyncio")
 
 
 def test_settings_and_mutated_inputs_are_reasons() -> None:
