@@ -43,7 +43,8 @@ from asyncgraph.compiled.package import SegmentRecord, write_package
 from asyncgraph.compiled.packing import PackedConstant, PackingError, find_packed, verify_packed
 from asyncgraph.compiled.segments import Segment, tensor_bounded_segments
 from asyncgraph.graph.importers import Program, from_exported_program, load_pt2
-from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, InputKind, OutputKind, TensorSpec
+from asyncgraph.graph.initial import initial_values
+from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, OutputKind, TensorSpec
 from asyncgraph.kernels import KernelFactory
 from asyncgraph.kernels.cost import estimate_cost
 from asyncgraph.passes.rewrite import read_only_as, substitute
@@ -222,14 +223,7 @@ def example_values(program: Program, inputs: Sequence[Any]) -> list[Any]:
 async def _example_values(program: Program, inputs: Sequence[Any]) -> list[Any]:
     graph = program.graph
     kernels = KernelFactory().create(graph)
-    values: list[Any] = [None] * len(graph.values)
-    for spec, value in zip(graph.signature.user_inputs, inputs, strict=True):
-        values[spec.value] = value
-    for spec in graph.signature.inputs:
-        if spec.kind in WEIGHT_KINDS:
-            values[spec.value] = program.weights[spec.target or ""]
-        elif spec.kind is InputKind.TOKEN:
-            values[spec.value] = torch.empty(0)
+    values = initial_values(graph, program.weights, inputs)
     try:
         for node, kernel in zip(graph.nodes, kernels, strict=True):
             with torch.no_grad():

@@ -6,8 +6,11 @@ max_parallel_ops, max_concurrent_executions, frame cleanup), in snake_case.
 
 from __future__ import annotations
 
+import operator
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 #: The defaults of the two queue bounds: far above any burst a test, benchmark or the server
 #: (whose admission gate holds frames x max_batch_size requests) sends, yet a bound on the
@@ -25,6 +28,63 @@ def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+BoundKind = Literal[">=", ">"]
+"""How a Range bounds its field from below: at least (">=") or above (">") the bound."""
+
+# The comparison that finds a value out of range, per bound: the one the hand-written checks
+# made (`value < 1`), so a NaN passes and a value of the wrong type raises the same TypeError.
+_OUT_OF_RANGE: dict[BoundKind, Callable[[Any, Any], bool]] = {">=": operator.lt, ">": operator.le}
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A plain range check of one field: `name` must be `op` (">=" or ">") `bound`, or None
+    where `or_none`; `why`, when given, follows the bound in the message in parentheses.
+
+    A config's checks are a table of these (and of functions for the rules that are not a
+    plain range), run in order by `check`, so a field's bound is one line and every message
+    has the same form: "max_batch_size must be >= 1, got 0".
+    """
+
+    name: str
+    op: BoundKind
+    bound: int
+    or_none: bool = False
+    why: str = ""
+
+    def __call__(self, config: Any) -> None:
+        value = getattr(config, self.name)
+        if value is None and self.or_none:
+            return
+        if _OUT_OF_RANGE[self.op](value, self.bound):
+            raise ValueError(self.message(value))
+
+    def message(self, value: Any) -> str:
+        """The ValueError's text for `value`, out of this range."""
+        none = " or None" if self.or_none else ""
+        why = f" ({self.why})" if self.why else ""
+        return f"{self.name} must be {self.op} {self.bound}{none}{why}, got {value}"
+
+
+Rule = Callable[[Any], None]
+"""One check of a config: raises ValueError when the config breaks it."""
+
+
+def check(config: Any, rules: tuple[Rule, ...]) -> None:
+    """Run `rules` on `config` in order: the first broken one raises."""
+    for rule in rules:
+        rule(config)
+
+
+#: BatchingConfig's checks, in the order they run.
+BATCHING_RULES: tuple[Rule, ...] = (
+    Range("max_batch_size", ">=", 1),
+    Range("max_delay_s", ">=", 0),
+    Range("max_concurrent_batches", ">=", 1),
+    Range("max_queued_requests", ">=", 1),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +112,37 @@ class BatchingConfig:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_delay_s < 0:
-            raise ValueError(f"max_delay_s must be >= 0, got {self.max_delay_s}")
-        if self.max_concurrent_batches < 1:
-            raise ValueError(
-                f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}"
-            )
-        if self.max_queued_requests < 1:
-            raise ValueError(
-                f"max_queued_requests must be >= 1, got {self.max_queued_requests}"
-            )
+        check(self, BATCHING_RULES)
+
+
+def _min_frames_within_executions(config: ExecutorConfig) -> None:
+    """min_frames lies between 0 and max_concurrent_executions (a rule over two fields)."""
+    if not 0 <= config.min_frames <= config.max_concurrent_executions:
+        raise ValueError(
+            "min_frames must be between 0 and max_concurrent_executions "
+            f"({config.max_concurrent_executions}), got {config.min_frames}"
+        )
+
+
+#: ExecutorConfig's checks, in the order they run.
+EXECUTOR_RULES: tuple[Rule, ...] = (
+    Range("max_parallel_ops", ">=", 1),
+    Range("intra_op_threads", ">=", 1, or_none=True, why="CPUs / max_parallel_ops"),
+    Range("max_concurrent_executions", ">=", 1),
+    Range("max_frame_waiters", ">=", 0),
+    _min_frames_within_executions,
+    Range("frame_cleanup_interval_s", ">=", 0),
+    Range("loop_slice_s", ">", 0),
+    Range("profile_executions", ">=", 1),
+    Range("placement_recheck_after", ">=", 0),
+    Range("heavy_node_us", ">=", 0),
+    Range("loaded_heavy_node_us", ">=", 0),
+    Range("worker_execution_node_us", ">=", 0, or_none=True),
+    Range("max_fused_nodes", ">=", 1),
+    Range("cuda_streams", ">=", 1, why="streams per device for one execution"),
+    Range("cuda_graph_warmup", ">=", 0, why="executions of a signature before its capture"),
+    Range("heavy_op_flops", ">=", 0),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,62 +325,7 @@ class ExecutorConfig:
     ready_order_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_parallel_ops < 1:
-            raise ValueError(f"max_parallel_ops must be >= 1, got {self.max_parallel_ops}")
-        if self.intra_op_threads is not None and self.intra_op_threads < 1:
-            raise ValueError(
-                f"intra_op_threads must be >= 1 or None (CPUs / max_parallel_ops), "
-                f"got {self.intra_op_threads}"
-            )
-        if self.max_concurrent_executions < 1:
-            raise ValueError(
-                "max_concurrent_executions must be >= 1, "
-                f"got {self.max_concurrent_executions}"
-            )
-        if self.max_frame_waiters < 0:
-            raise ValueError(f"max_frame_waiters must be >= 0, got {self.max_frame_waiters}")
-        if not 0 <= self.min_frames <= self.max_concurrent_executions:
-            raise ValueError(
-                "min_frames must be between 0 and max_concurrent_executions "
-                f"({self.max_concurrent_executions}), got {self.min_frames}"
-            )
-        if self.frame_cleanup_interval_s < 0:
-            raise ValueError(
-                f"frame_cleanup_interval_s must be >= 0, got {self.frame_cleanup_interval_s}"
-            )
-        if self.loop_slice_s <= 0:
-            raise ValueError(f"loop_slice_s must be > 0, got {self.loop_slice_s}")
-        if self.profile_executions < 1:
-            raise ValueError(f"profile_executions must be >= 1, got {self.profile_executions}")
-        if self.placement_recheck_after < 0:
-            raise ValueError(
-                f"placement_recheck_after must be >= 0, got {self.placement_recheck_after}"
-            )
-        if self.heavy_node_us < 0:
-            raise ValueError(f"heavy_node_us must be >= 0, got {self.heavy_node_us}")
-        if self.loaded_heavy_node_us < 0:
-            raise ValueError(
-                f"loaded_heavy_node_us must be >= 0, got {self.loaded_heavy_node_us}"
-            )
-        if self.worker_execution_node_us is not None and self.worker_execution_node_us < 0:
-            raise ValueError(
-                f"worker_execution_node_us must be >= 0 or None, "
-                f"got {self.worker_execution_node_us}"
-            )
-        if self.max_fused_nodes < 1:
-            raise ValueError(f"max_fused_nodes must be >= 1, got {self.max_fused_nodes}")
-        if self.cuda_streams < 1:
-            raise ValueError(
-                f"cuda_streams must be >= 1 (streams per device for one execution), "
-                f"got {self.cuda_streams}"
-            )
-        if self.cuda_graph_warmup < 0:
-            raise ValueError(
-                "cuda_graph_warmup must be >= 0 (executions of a signature before its "
-                f"capture), got {self.cuda_graph_warmup}"
-            )
-        if self.heavy_op_flops < 0:
-            raise ValueError(f"heavy_op_flops must be >= 0, got {self.heavy_op_flops}")
+        check(self, EXECUTOR_RULES)
 
     @property
     def intra_op_threads_or_default(self) -> int:

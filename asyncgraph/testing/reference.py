@@ -24,7 +24,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from asyncgraph.graph.importers import Program, ProgramLike, to_program
-from asyncgraph.graph.ir import WEIGHT_KINDS, InputKind, OutputKind, Ref
+from asyncgraph.graph.initial import initial_values
+from asyncgraph.graph.ir import OutputKind, Ref
 from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.runtime.validation import InputValidator
 from asyncgraph.tools.compare import random_flat_inputs
@@ -98,15 +99,7 @@ class ReferenceRunner:
         users = graph.signature.user_inputs
         if len(inputs) != len(users):
             raise ValueError(f"expected {len(users)} input(s), got {len(inputs)}")
-        values: list[Any] = [None] * len(graph.values)
-        for spec, value in zip(users, inputs, strict=True):
-            values[spec.value] = value
-        for spec in graph.signature.inputs:
-            if spec.kind in WEIGHT_KINDS:
-                values[spec.value] = self.weights[spec.target or ""]
-            elif spec.kind is InputKind.TOKEN:
-                values[spec.value] = torch.empty(0)
-        return values
+        return initial_values(graph, self.weights, inputs)
 
     def _finish(self, values: list[Any], inputs: Sequence[Any]) -> list[Any]:
         sig = self.graph.signature
