@@ -8,7 +8,7 @@ asyncgraph is faster):
 
 1. One caller, per model (a small transformer encoder, a CNN, a wide MLP): asyncgraph
    (`Executor.execute`, which returns once the GPU is done) with its executions captured as
-   CUDA graphs (`cuda_graphs=True`, the default: replays after warm-up; the capture decision
+   CUDA graphs (`cuda_graphs=True`, off by default: replays after warm-up; the capture decision
    is printed, with the reason when a model is not captured) and without them
    (`cuda_graphs=False`: the stream path) vs eager (`model(x)` then a stream synchronize) vs a
    CUDA-graph replay of eager (`torch.cuda.CUDAGraph`, input copied into the static buffer)
@@ -212,13 +212,13 @@ async def one_caller(args: argparse.Namespace) -> None:
         model = model.cuda().eval()
         x = x_cpu.cuda()
         ep = torch.export.export(model, (x,))
-        async with Executor(ep, ExecutorConfig(cuda_streams=4)) as ex:
+        async with Executor(ep, ExecutorConfig(cuda_streams=4, cuda_graphs=True)) as ex:
             ours = await timed(lambda ex=ex, x=x: ex.execute(x), args.iterations)
             captured = graphs_line(ex)
         uncaptured_config = ExecutorConfig(cuda_streams=4, cuda_graphs=False)
         async with Executor(ep, uncaptured_config) as ex:
             uncaptured = await timed(lambda ex=ex, x=x: ex.execute(x), args.iterations)
-        rows = [("asyncgraph, CUDA graphs (default)", ours),
+        rows = [("asyncgraph, cuda_graphs=True", ours),
                 ("asyncgraph, cuda_graphs=False", uncaptured),
                 ("eager", await timed(eager_call(model, x), args.iterations))]
         rows.append(("cuda graph of eager", await timed(graph_call(model, x), args.iterations)))
@@ -237,7 +237,9 @@ async def many_callers(args: argparse.Namespace) -> None:
         model = model.cuda().eval()
         x = x_cpu.cuda()
         ep = torch.export.export(model, (x,))
-        config = ExecutorConfig(cuda_streams=4, max_concurrent_executions=args.callers)
+        config = ExecutorConfig(
+            cuda_streams=4, cuda_graphs=True, max_concurrent_executions=args.callers
+        )
         async with Executor(ep, config) as ex:
             await asyncio.gather(*(ex.execute(x) for _ in range(args.callers)))  # warm-up
             async with LoopLag() as lag:

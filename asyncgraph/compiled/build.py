@@ -192,7 +192,7 @@ def _exported(source: ExportedProgram | str | os.PathLike[str]) -> ExportedProgr
         torch.export.save(source, buffer)
         buffer.seek(0)
         return torch.export.load(buffer)
-    program = load_pt2(source)  # checked by archive.py before torch reads it
+    program = load_pt2(source)  # checked by graph/archive/ before torch reads it
     assert program.exported is not None
     return program.exported
 

@@ -526,7 +526,7 @@ async def test_gpu_segments_of_an_exported_model_match_eager(leak_check: LeakChe
     torch.manual_seed(0)
     model = ItemModel().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
-    config = ExecutorConfig(cuda_graph_warmup=1, adaptive_placement=False)
+    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=1, adaptive_placement=False)
     async with Executor(ep, config) as ex:
         assert ex.cuda_segment_plan is not None and ex.cuda_segment_plan.segments
         xs = [torch.randn(16, 64, device="cuda") for _ in range(5)]

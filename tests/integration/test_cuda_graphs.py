@@ -780,7 +780,8 @@ async def test_gpu_captured_exported_model_matches_eager(
     torch.manual_seed(0)
     model = SmallModel().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
-    async with Executor(ep, ExecutorConfig(cuda_graph_warmup=2, adaptive_placement=False)) as ex:
+    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=2, adaptive_placement=False)
+    async with Executor(ep, config) as ex:
         assert ex.cuda_graph_plan is not None and ex.cuda_graph_plan.capturable, (
             ex.cuda_graph_plan
         )
@@ -801,7 +802,8 @@ async def test_gpu_a_held_output_survives_later_replays(
     torch.manual_seed(0)
     model = SmallModel().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
-    async with Executor(ep, ExecutorConfig(cuda_graph_warmup=0, adaptive_placement=False)) as ex:
+    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=0, adaptive_placement=False)
+    async with Executor(ep, config) as ex:
         x0 = torch.randn(16, 64, device="cuda")
         held = await ex.execute(x0)
         snapshot = held.clone()

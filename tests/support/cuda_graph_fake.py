@@ -366,7 +366,7 @@ def make_executor(
 ) -> Executor:
     return Executor(
         program,
-        ExecutorConfig(**{"adaptive_placement": False, **config}),
+        ExecutorConfig(**{"adaptive_placement": False, "cuda_graphs": True, **config}),
         kernel_factory=FakeCudaOps(gpu),
         _cuda_backend=backend or CaptureBackend(gpu),
     )
