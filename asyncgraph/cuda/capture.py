@@ -12,15 +12,16 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from asyncgraph.cuda.capturable import CapturePlan
-from asyncgraph.cuda.device import CudaGraph, CudaRuntime
+from asyncgraph.cuda.device import Backend, CudaGraph, CudaRuntime
 from asyncgraph.cuda.segments import SegmentPlan
+from asyncgraph.cuda.streams import StreamKey
 from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.plan import ExecutionPlan
@@ -39,6 +40,63 @@ share, each then recording the other's launches. Taken without blocking: an exec
 finds it held runs on the stream path and a later one captures."""
 
 _MAX_FAILED = 256  # uncapturable signatures remembered per Executor
+
+
+class CaptureStreamLeases:
+    """The capture streams that frames of this process hold: no two frames capture on one.
+
+    cuBLAS keeps a workspace per (handle, stream), and a graph captured on a stream bakes that
+    workspace's address into its GEMMs. torch hands capture streams out round-robin from a
+    pool of 32 per device and priority, so a 33rd frame (64 frames, two Executors, frames made
+    again after idle) would get a stream another frame's graphs were captured on, and the two
+    frames' replays, running at once on their own stream sets, would share one workspace:
+    split-K GEMMs racing on it give wrong results without an error. So a frame leases its
+    capture streams for as long as it lives (released when it closes or is collected), a lease
+    never hands out a stream another frame holds, and a frame that finds none free runs on
+    the stream path instead of capturing. Graphs of one frame share its streams' workspaces
+    safely: a frame runs one execution at a time.
+    """
+
+    TRIES = 33  # one more than torch's pool per device and priority: a full round
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # segments capture on worker threads
+        self._held: set[Any] = set()  # stream handles (Backend.stream_handle) leased now
+        self.generation = 0  # counts releases: a failed lease is worth retrying after one
+
+    def lease(self, backend: Backend, keys: Sequence[StreamKey]) -> dict[StreamKey, Any] | None:
+        """A capture stream for each (device, index) key that no frame holds, now held by the
+        caller; None (nothing held) when a device has none free."""
+        taken: dict[StreamKey, Any] = {}
+        with self._lock:
+            for key in keys:
+                for _ in range(self.TRIES):
+                    stream = backend.new_capture_stream(key[0])
+                    handle = backend.stream_handle(stream)
+                    if handle not in self._held:
+                        self._held.add(handle)
+                        taken[key] = stream
+                        break
+                else:
+                    for stream in taken.values():
+                        self._held.discard(backend.stream_handle(stream))
+                    return None
+        return taken
+
+    def release(self, handles: Iterable[Any]) -> None:
+        with self._lock:
+            for handle in handles:
+                self._held.discard(handle)
+            self.generation += 1
+
+    @property
+    def held(self) -> int:
+        """Capture streams leased now (all devices)."""
+        return len(self._held)
+
+
+CAPTURE_STREAMS = CaptureStreamLeases()
+"""The process's capture-stream leases (one table: the pool they come from is torch's)."""
 
 
 class FrameCaptures(Protocol):

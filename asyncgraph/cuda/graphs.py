@@ -52,6 +52,7 @@ executions' work while one thread captures.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,7 @@ import torch
 
 from asyncgraph.cuda.capture import (
     CAPTURE_LOCK,
+    CAPTURE_STREAMS,
     Capture,
     CaptureState,
     CudaGraphs,
@@ -99,7 +101,10 @@ class FrameGraphs:
     output slots hold this execution's outputs, the GPU work done.
     """
 
-    __slots__ = ("__weakref__", "_capture_set", "_fork", "_gpu", "_joins", "_owner", "_states")
+    __slots__ = (
+        "__weakref__", "_capture_set", "_fork", "_gpu", "_joins", "_lease_failed", "_owner",
+        "_release", "_states",
+    )
 
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
         self._owner = owner
@@ -109,7 +114,9 @@ class FrameGraphs:
         self._fork = backend.new_event()
         others = len(owner.runtime.plan.streams_used) - 1
         self._joins = [backend.new_event() for _ in range(others)]
-        self._capture_set: StreamSet | None = None  # made at the frame's first capture
+        self._capture_set: StreamSet | None = None  # leased at the frame's first capture
+        self._release: weakref.finalize[Any, Any] | None = None  # the lease back (close, GC)
+        self._lease_failed = -1  # CAPTURE_STREAMS.generation when no streams were free
 
     @property
     def live(self) -> int:
@@ -151,6 +158,26 @@ class FrameGraphs:
             if state.capture is not None:
                 state.capture.free()
         self._states.clear()
+        if self._release is not None:
+            self._release()  # the frame's capture streams go back (CaptureStreamLeases)
+            self._release, self._capture_set = None, None
+
+    def _lease_capture_set(self) -> StreamSet | None:
+        """The frame's capture streams, leased once for its life (CaptureStreamLeases); None
+        while every capture stream is held by other frames (tried again after a release)."""
+        if self._capture_set is not None:
+            return self._capture_set
+        if self._lease_failed == CAPTURE_STREAMS.generation:
+            return None
+        runtime = self._owner.runtime
+        streams = CAPTURE_STREAMS.lease(runtime.backend, runtime.plan.streams_used)
+        if streams is None:
+            self._lease_failed = CAPTURE_STREAMS.generation
+            return None
+        handles = [runtime.backend.stream_handle(s) for s in streams.values()]
+        self._release = weakref.finalize(self, CAPTURE_STREAMS.release, handles)
+        self._capture_set = StreamSet(-1, streams, runtime.plan, runtime.backend)
+        return self._capture_set
 
     def _state(self, key: Signature) -> CaptureState:
         return lru_state(self._states, key, self._evicted)
@@ -181,10 +208,12 @@ class FrameGraphs:
                 backend.leave_stream(token)
             for slot, buffer, x in zip(owner.input_slots, static, flat, strict=True):
                 values[slot] = buffer if buffer is not None else x
+            capture_set = self._lease_capture_set()
+            if capture_set is None:  # every capture stream is another frame's
+                values[:] = loaded
+                owner.fallbacks += 1
+                return None
             graph, pool = backend.new_graph(), backend.graph_pool()
-            if self._capture_set is None:
-                self._capture_set = owner.runtime.capture_set()
-            capture_set = self._capture_set
             origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
             if not CAPTURE_LOCK.acquire(blocking=False):  # another capture is recording
                 values[:] = loaded

@@ -9,6 +9,7 @@ graphs, and how whole executions are captured.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ import torch
 
 from asyncgraph.cuda.capture import (
     CAPTURE_LOCK,
+    CAPTURE_STREAMS,
     Capture,
     CaptureState,
     CudaGraphs,
@@ -65,8 +67,8 @@ class FrameSegments:
     """
 
     __slots__ = (
-        "__weakref__", "_after", "_gpu", "_handles", "_marks", "_owner",
-        "_private", "_states", "version",
+        "__weakref__", "_after", "_gpu", "_handles", "_lease_failed", "_marks", "_owner",
+        "_private", "_release", "_states", "version",
     )
 
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
@@ -78,8 +80,10 @@ class FrameSegments:
         ]
         self._marks = {key: backend.new_event() for key in owner.runtime.plan.streams_used}
         self._after = backend.new_event()
-        self._private: dict[StreamKey, Any] = {}  # capture streams, made on first capture
+        self._private: dict[StreamKey, Any] = {}  # capture streams, leased at first capture
         self._handles: dict[StreamKey, Any] = {}
+        self._release: weakref.finalize[Any, Any] | None = None  # the lease back (close, GC)
+        self._lease_failed = -1  # CAPTURE_STREAMS.generation when no streams were free
         self.version = 0
 
     @property
@@ -108,6 +112,10 @@ class FrameSegments:
                 if state.capture is not None:
                     state.capture.free()
             states.clear()
+        if self._release is not None:
+            self._release()  # the frame's capture streams go back (CaptureStreamLeases)
+            self._release = None
+            self._private, self._handles = {}, {}
 
     def run_segment(self, index: int, values: list[Any]) -> None:
         """Run segment `index` of the loaded execution: on the stream path (warm-up, a failed
@@ -169,9 +177,14 @@ class FrameSegments:
         self, index: int, seg: Segment, values: list[Any], key: Any
     ) -> Capture | None:
         """Capture segment `seg` and replay it once for this execution; None when capture
-        raised (the signature is then marked uncapturable, the reason logged once)."""
+        raised (the signature is then marked uncapturable, the reason logged once) or when
+        no capture stream is free (CaptureStreamLeases: tried again after a release)."""
         owner = self._owner
         backend = owner.runtime.backend
+        streams = self._capture_streams()
+        if streams is None:
+            owner.count("segment_fallbacks")
+            return None
         stream_set = self._gpu.stream_set
         assert stream_set is not None
         origin = stream_set.streams[seg.origin]
@@ -190,7 +203,6 @@ class FrameSegments:
             if buffer is not None:
                 private[slot] = buffer
         graph, pool = backend.new_graph(), backend.graph_pool()
-        streams = self._capture_streams(seg)
         try:
             with backend.capture(graph, pool, self._handles[seg.origin]):
                 self._record(seg, private, streams)
@@ -205,13 +217,25 @@ class FrameSegments:
         self._launch(seg, capture, values)
         return capture
 
-    def _capture_streams(self, seg: Segment) -> dict[StreamKey, Any]:
-        backend = self._owner.runtime.backend
-        for key in seg.streams:
-            if key not in self._private:
-                stream = self._private[key] = backend.new_capture_stream(key[0])
-                self._handles[key] = backend.stream_handle(stream)
-        return self._private
+    def _capture_streams(self) -> dict[StreamKey, Any] | None:
+        """The frame's capture streams, leased once for its life (CaptureStreamLeases), or
+        None while every capture stream is held by other frames."""
+        if self._private:
+            return self._private
+        if self._lease_failed == CAPTURE_STREAMS.generation:
+            return None
+        runtime = self._owner.runtime
+        backend = runtime.backend
+        streams = CAPTURE_STREAMS.lease(backend, runtime.plan.streams_used)
+        if streams is None:
+            self._lease_failed = CAPTURE_STREAMS.generation
+            return None
+        self._private = streams
+        self._handles = {key: backend.stream_handle(s) for key, s in streams.items()}
+        self._release = weakref.finalize(
+            self, CAPTURE_STREAMS.release, list(self._handles.values())
+        )
+        return streams
 
     def _record(self, seg: Segment, values: list[Any], streams: dict[StreamKey, Any]) -> None:
         """The segment's nodes inside the capture, on the private streams: fork, nodes with

@@ -430,6 +430,49 @@ def test_without_the_clone_a_later_replay_overwrites_a_held_output(
 
 
 @pytest.mark.timeout(60)
+def test_frames_never_share_a_capture_stream_past_the_pool(backend: str) -> None:
+    """torch hands out capture streams round-robin from 32 per device, and graphs captured on
+    one stream share its cuBLAS workspace: two frames replaying at once on it would race
+    (issue 36 item 7). Here the pool has 3 streams and 5 frames capture at once: 3 capture,
+    each on a stream of its own, the other 2 run on the stream path, and every stream goes
+    back when the Executor closes."""
+    async def body() -> None:
+        gpu = CaptureGpu(seed=5)
+        cuda = CaptureBackend(gpu, capture_streams_per_device=3)
+        w = torch.full((4,), 0.5)
+        ex = make_executor(diamond_program(w), gpu, cuda, cuda_graph_warmup=1, cuda_streams=1,
+                           max_concurrent_executions=5)
+        held_before = cuda_capture.CAPTURE_STREAMS.held
+        results: dict[int, torch.Tensor] = {}
+
+        async def call(k: int) -> None:
+            results[k] = await ex.execute(inputs(k))
+
+        try:
+            for rnd in range(3):  # the GPU paused while all enqueue: five frames in use
+                async with anyio.create_task_group() as group:
+                    for k in range(5 * rnd, 5 * rnd + 5):
+                        group.start_soon(call, k)
+                    await until(lambda: ex.statistics().frames.in_use == 5, "five frames")
+                    async with gpu_running(gpu):
+                        await until(lambda: ex.statistics().frames.in_use == 0, "done")
+            s = stats(ex)
+            assert s.captures == 3 and s.fallbacks >= 2, s
+            assert len(cuda.captured_on) == 3
+            assert len(set(cuda.captured_on)) == 3  # no stream holds two frames' graphs
+            assert cuda_capture.CAPTURE_STREAMS.held == held_before + 3
+        finally:
+            async with gpu_running(gpu):
+                await ex.aclose()
+        assert cuda_capture.CAPTURE_STREAMS.held == held_before  # given back on close
+        for k, out in results.items():
+            torch.testing.assert_close(out, expected(inputs(k), w))
+        assert gpu.errors == []
+
+    run(body, backend)
+
+
+@pytest.mark.timeout(60)
 def test_concurrent_executions_on_different_frames_each_capture_their_own(backend: str) -> None:
     async def body() -> None:
         gpu = CaptureGpu(seed=4)

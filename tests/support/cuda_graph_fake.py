@@ -222,10 +222,15 @@ class CaptureStream(FakeStream):
 class CaptureBackend(FakeBackend):
     """FakeBackend with capture (streams and events above; graphs, pools, capture)."""
 
-    def __init__(self, gpu: CaptureGpu) -> None:
+    def __init__(self, gpu: CaptureGpu, capture_streams_per_device: int = 32) -> None:
         super().__init__(gpu)
         self.graphs: list[FakeGraph] = []
         self.pools: list[FakePool] = []
+        # torch's pool of high-priority streams: 32 per device, handed out round-robin
+        self.capture_streams_per_device = capture_streams_per_device
+        self._capture_pool: dict[int, list[FakeStream]] = {}
+        self._capture_next: dict[int, int] = {}
+        self.captured_on: list[FakeStream] = []  # each capture's origin stream, in order
 
     def new_stream(self, device: int) -> FakeStream:
         stream = CaptureStream(self.gpu, f"d{device}#{len(self.gpu.streams)}")
@@ -233,10 +238,18 @@ class CaptureBackend(FakeBackend):
         return stream
 
     def new_capture_stream(self, device: int) -> FakeStream:
-        """Named `cap...`: tests check that captures record only on these."""
-        stream = CaptureStream(self.gpu, f"cap{device}#{len(self.gpu.streams)}")
-        self.gpu.streams.append(stream)
-        return stream
+        """Named `cap...`: tests check that captures record only on these. As torch's
+        pool does, the first 32 calls per device make streams and later calls hand them out
+        again, round-robin."""
+        pool = self._capture_pool.setdefault(device, [])
+        if len(pool) < self.capture_streams_per_device:
+            stream = CaptureStream(self.gpu, f"cap{device}#{len(self.gpu.streams)}")
+            self.gpu.streams.append(stream)
+            pool.append(stream)
+            return stream
+        turn = self._capture_next.get(device, 0)
+        self._capture_next[device] = turn + 1
+        return pool[turn % len(pool)]
 
     def new_event(self) -> CaptureEvent:
         assert isinstance(self.gpu, CaptureGpu)
@@ -260,6 +273,7 @@ class CaptureBackend(FakeBackend):
         if gpu.capture is not None:
             raise RuntimeError("a capture is already open")
         token = self.enter_stream(handle)
+        self.captured_on.append(handle)
         gpu.capture = capture = FakeCapture(
             graph, pool, handle, threading.get_ident(), {handle}
         )
