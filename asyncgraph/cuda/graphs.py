@@ -103,7 +103,7 @@ class FrameGraphs:
 
     __slots__ = (
         "__weakref__", "_capture_set", "_fork", "_gpu", "_joins", "_lease_failed", "_owner",
-        "_release", "_states",
+        "_pool", "_release", "_states",
     )
 
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
@@ -117,6 +117,10 @@ class FrameGraphs:
         self._capture_set: StreamSet | None = None  # leased at the frame's first capture
         self._release: weakref.finalize[Any, Any] | None = None  # the lease back (close, GC)
         self._lease_failed = -1  # CAPTURE_STREAMS.generation when no streams were free
+        # One memory pool for all the frame's captures: a frame replays one graph at a time
+        # and clones its outputs right after, on the same stream, so a graph's intermediates
+        # may reuse another's (memory: frames x the largest signature, not x signatures).
+        self._pool: Any = None
 
     @property
     def live(self) -> int:
@@ -213,7 +217,9 @@ class FrameGraphs:
                 values[:] = loaded
                 owner.fallbacks += 1
                 return None
-            graph, pool = backend.new_graph(), backend.graph_pool()
+            if self._pool is None:
+                self._pool = backend.graph_pool()
+            graph, pool = backend.new_graph(), self._pool
             origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
             if not CAPTURE_LOCK.acquire(blocking=False):  # another capture is recording
                 values[:] = loaded

@@ -430,6 +430,29 @@ def test_without_the_clone_a_later_replay_overwrites_a_held_output(
 
 
 @pytest.mark.timeout(60)
+def test_the_captures_of_one_frame_share_its_memory_pool() -> None:
+    """A frame replays one graph at a time and clones its outputs right after, so its
+    captures (one per input signature) draw on one pool (issue 36 item 8): memory is frames
+    x the largest signature, not frames x signatures."""
+    async def body() -> None:
+        gpu = CaptureGpu(seed=6)
+        cuda = CaptureBackend(gpu)
+        w4, w8 = torch.full((4,), 0.5), torch.full((8,), 0.5)
+        ex = make_executor(diamond_graph(), gpu, cuda, cuda_graph_warmup=0,
+                           max_concurrent_executions=1)
+        async with running(ex, gpu):
+            for k in range(2):
+                for n, w in ((4, w4), (8, w8)):
+                    out = await ex.execute(inputs(k, n), w)
+                    torch.testing.assert_close(out, expected(inputs(k, n), w))
+            assert stats(ex).captures == 2 and stats(ex).replays == 2
+            assert len(cuda.graphs) == 2 and len(cuda.pools) == 1
+        assert gpu.errors == []
+
+    run(body, "asyncio")
+
+
+@pytest.mark.timeout(60)
 def test_frames_never_share_a_capture_stream_past_the_pool(backend: str) -> None:
     """torch hands out capture streams round-robin from 32 per device, and graphs captured on
     one stream share its cuBLAS workspace: two frames replaying at once on it would race
