@@ -173,6 +173,8 @@ def build(
         if config.adaptive_placement
         else None
     )
+    if adaptive is not None and cuda is not None and not any(adaptive.movable):
+        adaptive = None  # a GPU program with no node to move: profiling would delay capture
     segment_plan = cuda.segment_plan if cuda is not None else None
     schedules = ScheduleCache(
         graph, plan, kernels, config.max_fused_nodes,

@@ -430,6 +430,24 @@ def test_without_the_clone_a_later_replay_overwrites_a_held_output(
 
 
 @pytest.mark.timeout(60)
+def test_a_gpu_program_with_nothing_to_move_is_not_profiled_before_its_capture() -> None:
+    """Adaptive placement moves CPU nodes; an all-CUDA program has none, so profiling its
+    executions node by node would only delay the capture (issue 36 item 9)."""
+    async def body() -> None:
+        gpu = CaptureGpu(seed=7)
+        ex = make_executor(diamond_program(), gpu, cuda_graph_warmup=1, adaptive_placement=True)
+        async with running(ex, gpu):
+            for k in range(3):
+                await ex.execute(inputs(k))
+            assert ex.placement_statistics() is None
+            s = stats(ex)
+            assert (s.warmups, s.captures, s.replays) == (1, 1, 1)
+        assert gpu.errors == []
+
+    run(body, "asyncio")
+
+
+@pytest.mark.timeout(60)
 def test_the_captures_of_one_frame_share_its_memory_pool() -> None:
     """A frame replays one graph at a time and clones its outputs right after, so its
     captures (one per input signature) draw on one pool (issue 36 item 8): memory is frames
