@@ -31,7 +31,7 @@ TORCH_312 ?= 2.13.0
 VENV_312 ?= .venv-py312
 
 .PHONY: demo test test-all lint typecheck unit soak test-torch-min test-py312 py312-suite \
-	fresh-clone \
+	fresh-clone gpu-report \
 	bench-nativert install clean
 
 # pytest, as every leg runs it: the skip reasons (-rs) and the 25 slowest tests. With JUNIT_DIR
@@ -128,6 +128,14 @@ fresh-clone:
 NATIVERT_ARGS ?=
 bench-nativert: $(VENV_MIN)/.installed
 	$(VENV_MIN)/bin/python -m benchmarks.nativert_compare $(NATIVERT_ARGS)
+
+# One GPU run turned into a report (docs/gpu.md, "Turning a GPU run into a report"): env check,
+# the GPU tests, probes, benchmarks.gpu and examples/gpu_check.py within 480 s. Without CUDA it
+# says what it would have run and exits 0. No `install` step: a GPU machine may have no package
+# index. GPU_REPORT_ARGS: e.g. --out DIR --commit-copy.
+GPU_REPORT_ARGS ?=
+gpu-report:
+	$(BIN)/python scripts/gpu_report.py $(GPU_REPORT_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_MIN) $(VENV_312) build .pytest_cache .mypy_cache .ruff_cache
