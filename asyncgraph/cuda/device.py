@@ -19,12 +19,20 @@ What it does, and why:
   `_cuda_getCurrentStream` / `_cuda_setStream` on cached stream ids, `CudaFunctions`), done
   only when the stream differs from the current one, never `torch.cuda.stream(...)` or
   `torch.cuda.current_stream()`, whose Python device-index helpers cost more than the launch.
-- `wait_events`: the host's wait. It polls `event.query()` from the event loop with a short
-  spin of `sleep(0)` and then a backoff, so the loop never blocks on the GPU; once every
-  event has completed it calls `event.synchronize()`, which then returns at once but tells
-  tools such as TORCH_CUDA_SANITIZER that the host is ordered after the event. The sleeps are
-  anyio's, so the same wait runs on asyncio, uvloop and trio: no thread, callback or
-  `call_soon_threadsafe` is involved (the GPU is polled, never waited for on a thread).
+- `wait_events`: the host's wait. It polls `event.query()` from the event loop between
+  zero-timeout checkpoints, so a short GPU step is caught exactly and the loop never blocks on
+  the GPU: for `PollPolicy.spin_s`, or, where the waits of the same place (`WaitSite`: a host
+  node's inputs, an execution's end) have been measured to last up to `spin_max_s`, until a
+  little past that. The events still pending then go to the process's waiter thread
+  (cuda/host_wait.py), which blocks in `event.synchronize()` (the GIL released) and wakes the
+  awaiting task through the loop's `call_soon_threadsafe` (asyncio, uvloop) or trio's token;
+  for a site whose waits last longer, the loop polls again near their expected end (a loop
+  timer starts that, well before the end), so that it sees the end without waiting for the
+  thread's wake. No timer decides when a wait returns: asyncio's selector loop and trio round
+  any timeout above zero up to 1 ms, which the sleeping poll of before paid on every wait
+  (issue 36, item 1). Before a wait returns, every event has been `synchronize()`d by the
+  thread that saw it complete (the loop's, or the waiter's), which tells tools such as
+  TORCH_CUDA_SANITIZER that the host is ordered after the event.
 - `finish` awaits the end of every stream the execution used, absorbing cancellation the way
   the scheduler waits for its threads, and only then returns the stream set: a frame is never
   reused while its GPU work is in flight. On trio, which cancels every later checkpoint of a
@@ -40,12 +48,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
 
+from asyncgraph.cuda.host_wait import HostWaiter, shared_waiter
 from asyncgraph.cuda.streams import StreamKey, StreamPlan
 from asyncgraph.graph.ir import TensorSpec, ValueSpec
 from asyncgraph.runtime.device import Calls, UnitSchedule
@@ -316,29 +326,121 @@ def _cuda_tensors(value: Any) -> Iterator[Any]:
 
 @dataclass(frozen=True, slots=True)
 class PollPolicy:
-    """How the loop polls events: `sleep(0)` for `spin_s`, then sleeps of elapsed/8 capped at
-    `max_delay_s`, so the added latency stays near 1/8 of the wait and never above the cap."""
+    """How the host waits for events (see `wait_events`).
+
+    The loop polls `query()` between zero-timeout checkpoints (exact, and the loop runs its
+    other tasks in between, but it burns the loop's CPU), then the waiter thread takes the
+    wait over (no CPU on the loop; its wake costs a thread switch and the loop's wake from
+    epoll, tens of us, more on a virtual machine whose idle CPU halted). How long it polls:
+
+    - `spin_s`, when nothing is known of the wait, or when its site's waits last longer than
+      `spin_max_s` (0: to the thread after one poll);
+    - for a site (`WaitSite`: a host node's inputs, an execution's end) whose waits have
+      lasted up to `spin_max_s`: 1.5 times what they last, at most `spin_max_s`, so that
+      short GPU steps are caught exactly and long ones go to the thread early;
+    - a wait of a site whose waits last longer goes to the thread after `spin_s`, and the
+      loop polls again (zero-timeout checkpoints) from `spin_max_s` before the end they are
+      expected to have, for at most 2 x `spin_max_s` (a loop timer starts it, up to 1 ms late
+      on asyncio's selector loop and trio): the end is caught on the loop, without the
+      thread's wake, at the cost of about `spin_max_s` of the loop's time per wait.
+
+    `thread=False` (a backend whose events cannot be synchronized off the loop; also the wait
+    of before issue 36, kept for comparison): no thread and no site; after `spin_s` the loop
+    polls with sleeps of elapsed/8 capped at `max_delay_s`, which asyncio's selector loop and
+    trio round up to 1 ms each (their timer granularity).
+    """
 
     spin_s: float = 100e-6
     max_delay_s: float = 1e-3
+    thread: bool = True
+    spin_max_s: float = 1e-3
 
 
-async def wait_events(events: Sequence[CudaEvent], policy: PollPolicy = PollPolicy()) -> None:
-    """Await CUDA events from the event loop without ever blocking it (asyncio or trio).
+class WaitSite:
+    """The measured length of the waits of one place (a host node's inputs, an execution's
+    end): the median of the last `WINDOW` (an outlier, a first execution that loaded
+    kernels, moves it only while it is among them), from which `wait_events` decides how
+    long the loop polls before the waiter thread takes over. Loop thread only."""
 
-    Cancellable at every sleep. After all have completed, `synchronize()` (immediate by then)
-    records the host-side happens-before for the CUDA sanitizer.
+    WINDOW = 9
+
+    __slots__ = ("_recent", "expected_s", "waits")
+
+    def __init__(self) -> None:
+        self.expected_s: float | None = None
+        self.waits = 0
+        self._recent: deque[float] = deque(maxlen=self.WINDOW)
+
+    def spin_s(self, policy: PollPolicy) -> float:
+        expected = self.expected_s
+        if expected is None or expected > policy.spin_max_s:
+            return policy.spin_s
+        return min(policy.spin_max_s, max(policy.spin_s, 1.5 * expected))
+
+    def resume_s(self, policy: PollPolicy) -> float | None:
+        """When, in seconds after a wait of this site began, the loop polls again a wait
+        that went to the thread: `spin_max_s` before the expected end; None when the
+        site's waits are short (polled throughout) or not measured yet."""
+        expected = self.expected_s
+        if expected is None or expected <= policy.spin_max_s:
+            return None
+        return expected - policy.spin_max_s
+
+    def record(self, seconds: float) -> None:
+        recent = self._recent
+        recent.append(seconds)
+        self.expected_s = sorted(recent)[len(recent) // 2]
+        self.waits += 1
+
+    def __repr__(self) -> str:
+        expected = "?" if self.expected_s is None else f"{self.expected_s * 1e6:.0f} us"
+        return f"<WaitSite {expected} over {self.waits} waits>"
+
+
+async def wait_events(
+    events: Sequence[CudaEvent], policy: PollPolicy = PollPolicy(),
+    waiter: HostWaiter | None = None, site: WaitSite | None = None,
+) -> None:
+    """Await CUDA events from the event loop without ever blocking it (asyncio, uvloop, trio).
+
+    Polls with zero-timeout checkpoints (for `policy.spin_s`, or what `site` has measured:
+    see PollPolicy), then hands the events still pending to `waiter` (the process's shared one
+    by default), whose thread blocks in their `synchronize()`; an error a `synchronize` or
+    `query` raises is raised here. Cancellable at every checkpoint and while the thread waits
+    (its entry is dropped). Every event is synchronized by the thread that saw it complete
+    (the loop: it returns at once; or the waiter thread), which records the host-side
+    happens-before for the CUDA sanitizer. How long the GPU took goes to `site`.
     """
     pending = [e for e in events if not e.query()]
+    handed: list[CudaEvent] = []
     if pending:
         start = time.perf_counter()
-        while pending:
+        if not policy.thread:
+            site = None
+        spin = policy.spin_s if site is None else site.spin_s(policy)
+        while True:
             elapsed = time.perf_counter() - start
-            delay = 0.0 if elapsed < policy.spin_s else min(policy.max_delay_s, elapsed / 8)
+            if elapsed >= spin and policy.thread:
+                handed = pending
+                resume = None if site is None else site.resume_s(policy)
+                completed = await (waiter or shared_waiter()).wait(
+                    pending, policy.max_delay_s,
+                    None if resume is None else start + resume, 2 * policy.spin_max_s,
+                )
+                break
+            delay = 0.0 if elapsed < spin else min(policy.max_delay_s, elapsed / 8)
             await anyio.sleep(delay)
             pending = [e for e in pending if not e.query()]
+            if not pending:
+                completed = time.perf_counter()
+                break
+        if site is not None:
+            site.record(completed - start)  # what the GPU took, not what waking took
+    elif site is not None:
+        site.record(0.0)
     for e in events:
-        e.synchronize()
+        if not any(e is h for h in handed):
+            e.synchronize()
 
 
 # -- stream sets ----------------------------------------------------------------------------------
@@ -412,7 +514,9 @@ class StreamPool:
 class CudaRuntime:
     """The GPU side of one Executor: its StreamPlan, stream pool and backend.
 
-    `value_ids[i]` is the frame slot of node i's value (ExecutionPlan.outputs).
+    `value_ids[i]` is the frame slot of node i's value (ExecutionPlan.outputs). `poll` and
+    `waiter` are how its frames wait for GPU work on the host (`wait_events`; the waiter is
+    the process's shared one unless given another); `close()` lets the waiter's thread end.
     """
 
     def __init__(
@@ -423,6 +527,7 @@ class CudaRuntime:
         max_stream_sets: int,
         backend: Backend | None = None,
         poll: PollPolicy = PollPolicy(),
+        waiter: HostWaiter | None = None,
     ) -> None:
         if len(value_ids) != plan.num_nodes:
             raise ValueError(f"{len(value_ids)} value ids for {plan.num_nodes} nodes")
@@ -431,14 +536,20 @@ class CudaRuntime:
         self.backend: Backend = backend if backend is not None else TorchCudaBackend()
         self.pool = StreamPool(plan, max_stream_sets, self.backend)
         self.poll = poll
+        self.waiter = waiter if waiter is not None else shared_waiter()
+        # what each kind of wait has lasted (PollPolicy): a host node's inputs, the end of an
+        # execution, its outputs
+        self.host_sites: tuple[WaitSite | None, ...] = tuple(
+            WaitSite() if w else None for w in plan.host_waits
+        )
+        self.finish_site = WaitSite()
+        self.outputs_site = WaitSite()
         self.needs_host_wait: tuple[bool, ...] = tuple(bool(w) for w in plan.host_waits)
 
-    def capture_set(self) -> StreamSet:
-        """A stream set of capture streams (`Backend.new_capture_stream`) for one frame's
-        captures: the plan's streams, none of them shared with a leased set."""
-        backend = self.backend
-        streams = {key: backend.new_capture_stream(key[0]) for key in self.plan.streams_used}
-        return StreamSet(-1, streams, self.plan, backend)
+    def close(self) -> None:
+        """The Executor is closed (its frames idle): let the waiter thread end as soon as no
+        wait is queued (HostWaiter.close). A later wait, of any runtime, starts it again."""
+        self.waiter.close()
 
     def frame_state(self, calls: Sequence[Callable[[list[Any]], Any]]) -> FrameStreams:
         """GPU state for one ExecutionFrame; `calls` are the plan's node calls."""
@@ -669,7 +780,10 @@ class FrameStreams:
 
     async def wait_host(self, node: int) -> None:
         """Await, without blocking the loop, the GPU values host node `node` reads."""
-        await wait_events(self._host_waits[node], self.runtime.poll)
+        runtime = self.runtime
+        await wait_events(
+            self._host_waits[node], runtime.poll, runtime.waiter, runtime.host_sites[node]
+        )
 
     async def wait_outputs(self) -> None:
         """Await just the events that gate the graph's outputs (`StreamPlan.output_waits`).
@@ -677,7 +791,8 @@ class FrameStreams:
         `finish` already covers them; this is for a caller that wants the outputs before the
         rest of the GPU work has drained.
         """
-        await wait_events(self._outputs, self.runtime.poll)
+        runtime = self.runtime
+        await wait_events(self._outputs, runtime.poll, runtime.waiter, runtime.outputs_site)
 
     async def finish(self) -> None:
         """Await the end of all GPU work of this execution, then return the stream set.
@@ -694,6 +809,7 @@ class FrameStreams:
         if stream_set is None:
             return
         absorbed: BaseException | None = None
+        runtime = self.runtime
         try:
             ends = []
             for key, stream in stream_set.streams.items():
@@ -703,7 +819,7 @@ class FrameStreams:
             while True:
                 try:
                     with _shielded_after(absorbed):
-                        await wait_events(ends, self.runtime.poll)
+                        await wait_events(ends, runtime.poll, runtime.waiter, runtime.finish_site)
                     break
                 except BaseException as exc:
                     if not _is_cancellation(exc):
@@ -711,7 +827,7 @@ class FrameStreams:
                     absorbed = exc
         finally:
             self._set = None
-            self.runtime.pool.release(stream_set)
+            runtime.pool.release(stream_set)
         if absorbed is not None:
             raise absorbed
 

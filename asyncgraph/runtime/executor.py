@@ -127,6 +127,7 @@ class Executor:
         self.qkv_splits, self.lowered_linears = counts.qkv_splits, counts.lowered_linears
         self.weight_copies, self.fused_activations = counts.weight_copies, counts.fused_activations
         self.scripted: list[str] = built.scripted  # the scripted segments' delegate nodes
+        self.onnx: list[str] = built.onnx  # the ONNX segments' delegate nodes
         self._folder: ConstantFolder | None = built.folder
         cuda = built.cuda
         self.stream_plan: StreamPlan | None = cuda.stream_plan if cuda else None
@@ -445,6 +446,8 @@ class Executor:
         await self._pool.wait_idle()
         if self._cuda_graphs is not None:  # every frame is idle: free their graphs and pools
             self._cuda_graphs.close()
+        if self.cuda_runtime is not None:  # the host-wait thread ends once nothing waits
+            self.cuda_runtime.close()
         self._pool.close()
         for kernel in self.kernels:  # subgraph kernels own executors of their own
             close = getattr(kernel.fn, "aclose", None)

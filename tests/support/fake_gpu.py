@@ -1,9 +1,13 @@
 """The simulated GPU of the CUDA tests: fake in-order streams and events, and what drives them.
 
 - `FakeGpu`: streams run in order; each step advances one random runnable stream by one op, so
-  streams interleave at random; a kernel that runs before a kernel it needs is one of
-  `gpu.errors`. `FakeEvent` and `FakeStream` are its events and streams, `FakeBackend` the
-  cuda layer's Backend over it (asyncgraph.cuda.device), counting stream switches.
+  streams interleave at random (`step_stream` advances one given stream); a kernel that runs
+  before a kernel it needs is one of `gpu.errors`. `FakeEvent` and `FakeStream` are its events
+  and streams, `FakeBackend` the cuda layer's Backend over it (asyncgraph.cuda.device),
+  counting stream switches. An event's `synchronize` blocks its thread until the simulation
+  has run the event's record, as cudaEventSynchronize does (the host-wait thread of
+  asyncgraph/cuda/host_wait.py blocks there; `gpu.sync_waits` counts such waits); on the event
+  loop's thread, which drives the simulation, a pending event is an error instead.
 - `ThreadGpu`: the fake GPU with a current stream per thread, as torch.cuda's.
 - `Sim` makes node callables for builder graphs on a ThreadGpu (`FakeCudaTensor` values: the
   data, computed at once, and the kernel that writes it); `CudaNodes` marks the `gpu*` nodes
@@ -13,7 +17,12 @@
   two-device machine.
 
 Used by tests/integration/test_streams.py, test_gpu_executor.py, test_trio_gpu.py,
-test_cuda_graphs.py and support/cuda_graph_fake.py (which adds capture).
+test_cuda_graphs.py, test_host_wait.py and support/cuda_graph_fake.py (which adds capture).
+
+Not modelled: the wall time of GPU work and of the loop's timers (asyncio's selector loop and
+trio round a timeout above zero up to 1 ms); tests assert what a wait does (which thread
+waits, which timers it asks for), never how long it takes. benchmarks/gpu_wait.py times the
+host wait on events that complete at a set time.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import asyncio
 import contextlib
 import itertools
 import random
+import sys
 import threading
 import time
 import types
@@ -38,7 +48,8 @@ from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
 
 
 class FakeEvent:
-    """A CUDA event: `record` enqueues a marker; `query` is true once the marker has run."""
+    """A CUDA event: `record` enqueues a marker; `query` is true once the marker has run;
+    `synchronize` blocks a thread until then (the loop's thread must never block)."""
 
     def __init__(self, gpu: FakeGpu) -> None:
         self.gpu = gpu
@@ -58,7 +69,13 @@ class FakeEvent:
         return self.token is None or self.token in self.gpu.done_tokens or self.gpu.broken
 
     def synchronize(self) -> None:
-        assert self.query(), "synchronize() on a pending event would block the host"
+        """Block until the event has completed, as cudaEventSynchronize does: on a thread
+        other than the event loop's (the waiter thread of cuda/host_wait.py), since the loop
+        drives the simulated GPU; on the loop's thread a pending event is an error (it would
+        block the host forever). Raises what `query` raises (FaultyEvent's CUDA error)."""
+        if not self.query():
+            assert not _on_event_loop(), "synchronize() on a pending event would block the loop"
+            self.gpu.wait_until(self.query)
         self.synchronized += 1
 
 
@@ -82,6 +99,20 @@ class FakeStream:
         return f"<FakeStream {self.name}>"
 
 
+RECHECK_S = 0.005
+"""How often a thread blocked in FakeEvent.synchronize looks again without being woken."""
+
+
+def _on_event_loop() -> bool:
+    """Whether the calling thread runs an event loop (asyncio, uvloop or trio)."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        trio = sys.modules.get("trio")
+        return trio is not None and bool(trio.lowlevel.in_trio_run())
+
+
 DEADLOCK_AFTER_S = 5.0
 """How long the simulated GPU may see every non-empty stream waiting before it calls that a
 deadlock (FakeGpu.step)."""
@@ -102,6 +133,11 @@ class FakeGpu:
         self._tokens = itertools.count(1)
         self._step_lock = threading.RLock()
         self._stuck_since: float | None = None
+        # threads blocked in FakeEvent.synchronize, woken when a record (or an error) happens
+        self._progress = threading.Condition(threading.Lock())
+        self._sleepers = 0
+        self._generation = 0
+        self.sync_waits = 0  # synchronize() calls that blocked (the waiter thread's)
 
     def stream(self, name: str) -> FakeStream:
         s = FakeStream(self, name)
@@ -138,22 +174,62 @@ class FakeGpu:
                     self._stuck_since = self._stuck_since or now
                     if now - self._stuck_since > DEADLOCK_AFTER_S:
                         self.errors.append("deadlock: every non-empty stream waits")
+                        self._progressed()  # broken: every event counts as complete
                 return False
             self._stuck_since = None
-            op = self.rng.choice(ready).queue.popleft()
-            if op[0] == "record":
-                self.done_tokens.add(op[1])
-            elif op[0] == "kernel":
-                missing = op[2] - self.done_kernels
-                if missing:
-                    self.errors.append(
-                        f"kernel {op[1]} ran before {sorted(map(str, missing))}")
-                self.done_kernels.add(op[1])
+            self._run_op(self.rng.choice(ready))
             return True
+
+    def step_stream(self, stream: FakeStream) -> bool:
+        """Run the next op of `stream` alone; False when it has none or it waits (a test
+        that completes one event and leaves another pending)."""
+        with self._step_lock:
+            if stream not in self.runnable():
+                return False
+            self._run_op(stream)
+            return True
+
+    def _run_op(self, stream: FakeStream) -> None:
+        op = stream.queue.popleft()
+        if op[0] == "record":
+            self.done_tokens.add(op[1])
+            self._progressed()
+        elif op[0] == "kernel":
+            missing = op[2] - self.done_kernels
+            if missing:
+                self.errors.append(f"kernel {op[1]} ran before {sorted(map(str, missing))}")
+            self.done_kernels.add(op[1])
 
     @property
     def broken(self) -> bool:
         return bool(self.errors)
+
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Block the calling thread until `done()` (an event's query) is true: woken by each
+        record the simulation runs, and at least every RECHECK_S (a fault or an error set
+        from outside the simulation). `done` runs without the condition's lock held: an
+        EagerEvent's query steps the GPU, which takes the step lock and then this one."""
+        self.sync_waits += 1
+        while True:
+            seen = self._generation
+            if done():
+                return
+            with self._progress:
+                self._sleepers += 1
+                try:
+                    if self._generation == seen:  # no record ran since `done` was asked
+                        self._progress.wait(RECHECK_S)
+                finally:
+                    self._sleepers -= 1
+
+    def _progressed(self) -> None:
+        """A record ran (or the simulation broke): wake the threads in `wait_until`. The
+        generation is bumped before the sleepers are read, and a sleeper counts itself
+        before it reads the generation, so one of the two sees the other."""
+        self._generation += 1
+        if self._sleepers:
+            with self._progress:
+                self._progress.notify_all()
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
