@@ -202,9 +202,21 @@ class Scheduler:
             state.running -= 1
             state.lines_on_workers -= on_worker
             if gpu is not None:
-                await gpu.finish()  # re-raises a cancellation it absorbed while the GPU ran
+                await self._finish_gpu(frame, gpu)
         if cancelled is not None:
             raise cancelled
+
+    @staticmethod
+    async def _finish_gpu(frame: ExecutionFrame, gpu: Any) -> None:
+        """Await the end of the execution's GPU work (re-raising a cancellation it absorbed).
+        A CUDA error is sticky: a node that failed on one may see `finish` raise it again,
+        and the node's error, which names the node, is the one the caller gets."""
+        try:
+            await gpu.finish()
+        except Exception as exc:
+            if not frame.errors:
+                raise
+            frame.errors[0].add_note(f"finishing the execution's GPU work also raised: {exc!r}")
 
     def _straight_of(self, frame: ExecutionFrame) -> StraightLine | None:
         """The straight-line form of the frame's schedule when the execution may take it: not

@@ -196,3 +196,25 @@ async def test_a_worker_error_cancels_an_async_kernel_started_while_it_failed(
             await ex.execute(1)
         assert completed == [], "the async kernel ran to its end after the execution failed"
         assert ex.statistics().frames.in_use == 0
+
+
+async def test_a_sticky_cuda_error_from_finish_keeps_the_nodes_error() -> None:
+    """A CUDA error is sticky: the GPU work's `finish` may raise again what a node raised.
+    The caller gets the node's error (it names the node), with finish's as a note."""
+    from asyncgraph.runtime.scheduler import Scheduler
+
+    class Frame:
+        errors: list[BaseException] = [ValueError("node failed")]
+
+    class Gpu:
+        async def finish(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    frame = Frame()
+    await Scheduler._finish_gpu(frame, Gpu())  # type: ignore[arg-type]
+    assert str(frame.errors[0]) == "node failed"
+    assert "illegal memory access" in frame.errors[0].__notes__[0]
+
+    frame.errors = []
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # no node error: finish's
+        await Scheduler._finish_gpu(frame, Gpu())  # type: ignore[arg-type]
