@@ -299,12 +299,36 @@ class TorchCudaBackend:
             try:
                 yield
             except BaseException:
-                with contextlib.suppress(Exception):  # ends the invalidated capture
-                    graph.capture_end()  # type: ignore[attr-defined]
+                with contextlib.suppress(Exception):  # its error is the one raised
+                    self._end_capture(graph, pool)
                 raise
-            graph.capture_end()  # type: ignore[attr-defined]
+            self._end_capture(graph, pool)
         finally:
             self.leave_stream(token)
+
+    def _end_capture(self, graph: CudaGraph, pool: Any) -> None:
+        """`capture_end`, and when it fails, the pool given back to the allocator.
+
+        `CUDAGraph::capture_end` checks `cudaStreamEndCapture` before it calls the caching
+        allocator's `endAllocateToPool` (torch 2.11 to 2.13, and torch's main branch as read
+        on 2026-11-27), and `reset()` releases only the pool of a capture that ended. So
+        after one failed end the allocator stays in capture mode for the process:
+        `empty_cache()` hits `INTERNAL ASSERT captures_underway.empty()` and blocks with a
+        recorded stream are never freed. torch's own bindings (`_cuda_endAllocateToPool`,
+        `_cuda_releasePool`, torch >= 2.8) end that and release the pool; the capture's
+        error is then raised."""
+        try:
+            graph.capture_end()  # type: ignore[attr-defined]
+        except BaseException:
+            import torch
+
+            device = torch.cuda.current_device()
+            for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+                release = getattr(torch._C, name, None)
+                if release is not None:
+                    with contextlib.suppress(Exception):  # a pool already given back
+                        release(device, pool)
+            raise
 
 
 def _cuda_tensors(value: Any) -> Iterator[Any]:

@@ -277,11 +277,17 @@ class FrameGraphs:
                     exc.add_note(
                         f"while capturing node {names[node].name!r} ({names[node].target_name()})"
                     )
+                    with contextlib.suppress(Exception):  # an invalidated capture refuses it
+                        self._join(origin, others)  # so that a valid capture can still end
                     raise
                 for value in drops[node]:
                     values[value] = None
         finally:
             del guard
+        self._join(origin, others)
+
+    def _join(self, origin: Any, others: list[Any]) -> None:
+        """Join every forked stream back to the origin: a capture ends only with all joined."""
         for stream, event in zip(others, self._joins, strict=True):
             event.record(stream)
             origin.wait_event(event)

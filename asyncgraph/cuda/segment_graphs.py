@@ -275,14 +275,13 @@ class FrameSegments:
                 exc.add_note(
                     f"while capturing node {names[node].name!r} ({names[node].target_name()})"
                 )
+                with contextlib.suppress(Exception):  # an invalidated capture refuses it
+                    _join(backend, origin, others)  # so that a valid capture can still end
                 raise
             values[ids[node]] = result
             for value in seg.drops[position]:
                 values[value] = None
-        for stream in others:
-            join = backend.new_event()
-            join.record(stream)
-            origin.wait_event(join)
+        _join(backend, origin, others)
 
     def _order_before(self, seg: Segment, origin: Any) -> None:
         """The origin stream after everything enqueued on the set's other streams (the
@@ -343,3 +342,11 @@ def _segment_key(seg: Segment, values: list[Any]) -> Any:
             return None
         parts.append((type(x), x))
     return tuple(parts)
+
+
+def _join(backend: Any, origin: Any, others: list[Any]) -> None:
+    """Join every forked stream back to the origin: a capture ends only with all joined."""
+    for stream in others:
+        join = backend.new_event()
+        join.record(stream)
+        origin.wait_event(join)

@@ -607,6 +607,35 @@ def test_a_capture_that_fails_falls_back_with_the_reason(
 
 
 @pytest.mark.timeout(60)
+def test_a_capture_failing_on_a_forked_stream_joins_it_so_the_capture_can_end() -> None:
+    """CUDA ends a capture only with every forked stream joined back. A capture whose node
+    failed on a side stream left it unjoined, so the end failed as well, which on torch
+    leaves the allocator in capture mode (issue 36 item 2): the failure path joins first."""
+    b = GraphBuilder()
+    x, w = b.input("x"), b.input("w")
+    scaled = b.call(aten.mul.Tensor, x, w, name="gpu_scale")
+    left = b.call(aten.relu.default, scaled, name="gpu_left")
+    right = b.call(aten.sigmoid.default, scaled, name="gpu_sync_right")
+    b.output(b.call(aten.add.Tensor, left, right, name="gpu_join"))
+    program = with_parameters(b.build(), {"w": torch.full((4,), 2.0)})
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=8)
+        cuda = CaptureBackend(gpu)
+        ex = make_executor(program, gpu, cuda, cuda_graph_warmup=0)
+        assert ex.stream_plan is not None and len(ex.stream_plan.streams_used) == 2
+        async with running(ex, gpu):
+            for k in range(2):
+                torch.testing.assert_close(await ex.execute(inputs(k)),
+                                           expected(inputs(k), torch.full((4,), 2.0)))
+            assert stats(ex).failures == 1
+            assert cuda.failed_ends == 0  # joined, so the failed capture still ended
+        assert gpu.errors == []
+
+    run(body, "asyncio")
+
+
+@pytest.mark.timeout(60)
 def test_cancellation_during_a_replay_returns_the_frame_only_after_the_gpu(backend: str) -> None:
     async def body() -> None:
         gpu = CaptureGpu(seed=7)
@@ -839,6 +868,31 @@ def test_torch_backend_captures_on_the_stream_thread_locally_without_synchronizi
         ("capture_end", (7, 0, 1)),
     ]
     assert cuda.current[0] == (0, 0, 1)  # the previous stream is current again
+
+
+@pytest.mark.parametrize("body_fails", [False, True])
+def test_torch_backend_gives_the_pool_back_when_the_capture_cannot_end(
+    body_fails: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's capture_end checks cudaStreamEndCapture before it ends the allocator's
+    allocation to the pool, and reset() releases only the pool of a capture that ended: one
+    failed end left the allocator in capture mode for the process (issue 36 item 2). The
+    backend ends it and releases the pool itself, then raises the capture's error."""
+    released: list[tuple[str, int, Any]] = []
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        monkeypatch.setattr(torch._C, name, lambda device, pool, _n=name:
+                            released.append((_n, device, pool)), raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    cuda = RecordingCuda()
+    backend = TorchCudaBackend(cuda.functions())
+    graph = RecordingGraph(cuda, fail_end=True)
+    expected = ValueError if body_fails else RuntimeError
+    with pytest.raises(expected), backend.capture(graph, "pool-1", (7, 0, 1)):  # type: ignore[arg-type]
+        if body_fails:
+            raise ValueError("a sync inside")
+    assert released == [("_cuda_endAllocateToPool", 3, "pool-1"),
+                        ("_cuda_releasePool", 3, "pool-1")]
+    assert cuda.current[0] == (0, 0, 1)
 
 
 # =============================================================================================

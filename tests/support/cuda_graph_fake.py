@@ -231,6 +231,9 @@ class CaptureBackend(FakeBackend):
         self._capture_pool: dict[int, list[FakeStream]] = {}
         self._capture_next: dict[int, int] = {}
         self.captured_on: list[FakeStream] = []  # each capture's origin stream, in order
+        # captures CUDA could not end (streams left unjoined): on torch, the allocator stays
+        # in capture mode unless the backend gives the pool back (TorchCudaBackend)
+        self.failed_ends = 0
 
     def new_stream(self, device: int) -> FakeStream:
         stream = CaptureStream(self.gpu, f"d{device}#{len(self.gpu.streams)}")
@@ -278,18 +281,28 @@ class CaptureBackend(FakeBackend):
             graph, pool, handle, threading.get_ident(), {handle}
         )
         try:
-            yield
-            unjoined = [
-                s for s, tick in capture.last_work.items()
-                if s is not handle and capture.joined.get(s, -1) < tick
-            ]
+            try:
+                yield
+            except BaseException:
+                if self._unjoined(capture, handle):  # CUDA cannot end it: the end fails too
+                    self.failed_ends += 1
+                raise
+            unjoined = self._unjoined(capture, handle)
             if unjoined:
+                self.failed_ends += 1
                 raise RuntimeError(f"capture ended with unjoined streams {unjoined}")
             graph.captured = True
             gpu.captures += 1
         finally:
             gpu.capture = None
             self.leave_stream(token)
+
+    @staticmethod
+    def _unjoined(capture: FakeCapture, origin: FakeStream) -> list[FakeStream]:
+        return [
+            s for s, tick in capture.last_work.items()
+            if s is not origin and capture.joined.get(s, -1) < tick
+        ]
 
 
 def fake_kernel(
