@@ -226,6 +226,7 @@ class FrameGraphs:
                 owner.fallbacks += 1
                 return None
             try:  # recorded on the frame's capture streams: no other execution enqueues there
+                self._warm(values, capture_set, origin)
                 with gpu.recording_on(capture_set), backend.capture(
                     graph, pool, backend.stream_handle(origin)
                 ):
@@ -252,6 +253,23 @@ class FrameGraphs:
             return capture
         finally:
             await gpu.finish()  # absorbs cancellation until the GPU is done, then re-raises
+
+    def _warm(self, values: list[Any], capture_set: StreamSet, origin: Any) -> None:
+        """Run the execution once on the capture streams, uncaptured, on this thread, before
+        the capture: libraries allocate per (thread, stream) state on first use (cuBLAS's
+        workspace, 32 MiB on Hopper), which would otherwise be allocated inside the capture,
+        in the graph's pool. Ordered after the static inputs, made on the leased origin; the
+        frame's values are put back as they were."""
+        stream_set = self._gpu.stream_set
+        assert stream_set is not None
+        leased = stream_set.streams[self._owner.capture_plan.origin]  # type: ignore[index]
+        ready = self._owner.runtime.backend.new_event()
+        ready.record(leased)
+        origin.wait_event(ready)
+        before = list(values)
+        with self._gpu.recording_on(capture_set):
+            self._record(values)
+        values[:] = before
 
     def _record(self, values: list[Any]) -> None:
         """Every node in order, inside the capture: fork the stream set from the origin

@@ -204,6 +204,13 @@ class FrameSegments:
                 private[slot] = buffer
         graph, pool = backend.new_graph(), backend.graph_pool()
         try:
+            # Once uncaptured on the capture streams, on this thread: libraries allocate per
+            # (thread, stream) state on first use (cuBLAS's workspace), which would otherwise
+            # be allocated inside the capture, in the graph's pool.
+            ready = backend.new_event()
+            ready.record(origin)
+            streams[seg.origin].wait_event(ready)  # after the static inputs
+            self._record(seg, list(private), streams)
             with backend.capture(graph, pool, self._handles[seg.origin]):
                 self._record(seg, private, streams)
         except Exception as exc:

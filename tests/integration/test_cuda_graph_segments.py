@@ -221,6 +221,8 @@ def test_both_runs_around_a_host_read_are_captured_and_equal_the_uncaptured_path
             assert seen == [(2, 0, 0), (4, 0, 0), (4, 2, 0), (4, 2, 2), (4, 2, 4)]
             assert (stats(ex).segments, stats(ex).live_graphs, stats(ex).captures) == (2, 2, 0)
             assert [g.replays for g in cuda.graphs] == [3, 3]  # the capture's own, then 2 each
+            # the capture streams were warmed on the capturing thread first (issue 36 item 6)
+            assert [p.workspaces for p in cuda.pools] == [0, 0]
             assert stats(plain).segments == 0 and stats(plain).segment_captures == 0
             (frame,) = introspect.idle_frames(ex)
             assert frame.schedule is not None and frame.schedule.segments.count(-1) == 2

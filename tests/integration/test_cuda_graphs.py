@@ -607,6 +607,25 @@ def test_a_capture_that_fails_falls_back_with_the_reason(
 
 
 @pytest.mark.timeout(60)
+def test_capture_streams_are_warmed_on_the_capturing_thread_before_the_capture() -> None:
+    """Warm-up ran on the leased streams but capture records on the capture streams, so
+    cuBLAS's per-(handle, stream) workspace was first allocated inside the capture, in the
+    graph's pool (issue 36 item 6). The simulated GPU counts such first uses."""
+    async def body() -> None:
+        gpu = CaptureGpu(seed=9)
+        cuda = CaptureBackend(gpu)
+        ex = make_executor(diamond_program(), gpu, cuda, cuda_graph_warmup=1)
+        async with running(ex, gpu):
+            for k in range(3):
+                await ex.execute(inputs(k))
+            assert stats(ex).captures == 1
+            assert [p.workspaces for p in cuda.pools] == [0]
+        assert gpu.errors == []
+
+    run(body, "asyncio")
+
+
+@pytest.mark.timeout(60)
 def test_a_capture_failing_on_a_forked_stream_joins_it_so_the_capture_can_end() -> None:
     """CUDA ends a capture only with every forked stream joined back. A capture whose node
     failed on a side stream left it unjoined, so the end failed as well, which on torch

@@ -55,6 +55,9 @@ class FakePool:
 
     def __init__(self) -> None:
         self.allocations: list[torch.Tensor] = []
+        # library state first allocated inside a capture (a cuBLAS workspace per (thread,
+        # stream) on a real GPU): it would live in the graph's pool
+        self.workspaces = 0
 
 
 class FakeGraph:
@@ -116,6 +119,7 @@ class CaptureGpu(ThreadGpu):
         self.capture: FakeCapture | None = None
         self.captures = 0
         self.track_writers = track_writers
+        self.warmed: set[tuple[int, FakeStream]] = set()  # (thread, stream) that launched
         self._writers: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
 
     def wrote(self, value: Any, kernel: Any) -> None:
@@ -319,7 +323,9 @@ def fake_kernel(
         if syncs:
             gpu.host_read(name)
         capture = gpu.capturing()
+        used = (threading.get_ident(), stream)
         if capture is None:
+            gpu.warmed.add(used)
             launched = ("k", name, next(ids))
             gpu.launch(launched, gpu.needs((*args, *kwargs.values())))
             result = fn(*args, **kwargs)
@@ -328,6 +334,9 @@ def fake_kernel(
         if stream not in capture.streams:
             raise RuntimeError(f"{name} launched on {stream!r}, which did not join the capture")
         capture.touch(stream)
+        if used not in gpu.warmed:  # a library's per-(thread, stream) state, made in the pool
+            gpu.warmed.add(used)
+            capture.pool.workspaces += 1
         shape = fn(*args, **kwargs)  # for the output's shape and dtype only
         static = torch.full_like(shape, float("nan") if shape.is_floating_point() else -999)
         capture.pool.allocations.append(static)
