@@ -175,10 +175,12 @@ class CudaGraphs:
         self.frames.add(state)
 
     def mark_failed(self, key: Signature, reason: str) -> None:
-        if len(self.failed) >= _MAX_FAILED:
-            self.failed.clear()
-        self.failed[key] = reason
-        self.failures += 1
+        """`key` is not captured again (any thread: captures run on worker threads)."""
+        with self._lock:
+            if len(self.failed) >= _MAX_FAILED:
+                self.failed.clear()
+            self.failed[key] = reason
+        self.count("failures")
         logger.warning("CUDA graph capture failed; running uncaptured for %s: %s", key, reason)
 
     def count(self, counter: str) -> None:

@@ -56,6 +56,7 @@ import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import anyio.to_thread
 import torch
 
 from asyncgraph.cuda.capture import (
@@ -134,7 +135,7 @@ class FrameGraphs:
         owner = self._owner
         key = signature if signature is not None else _signature(flat)
         if key is None or key in owner.failed:
-            owner.fallbacks += 1
+            owner.count("fallbacks")  # under its lock: captures count from threads
             return False
         state = self._state(key)
         if frame.times is not None:  # profiled by adaptive placement: timed node by node
@@ -195,64 +196,76 @@ class FrameGraphs:
         self, frame: ExecutionFrame, flat: list[Any], key: Signature, version: int
     ) -> Capture | None:
         """Capture this execution, replay it once for its result; None when capture raised
-        (the frame is loaded again as it was, for the stream path)."""
-        owner = self._owner
-        backend = owner.runtime.backend
+        (the frame is loaded again as it was, for the stream path).
+
+        The capture runs on a worker thread (anyio's): warming the capture streams, recording
+        every node and the first replay take milliseconds, which on the loop would stall every
+        other request. The frame is this execution's alone meanwhile, and the capture is
+        thread-local, so other threads go on enqueueing their work."""
         gpu = self._gpu
-        values = frame.values
-        loaded = list(values)
         gpu.begin()
         try:
-            handle = self._origin_handle()
-            token = backend.enter_stream(handle)
-            try:  # static inputs: made and filled on the origin stream, outside the graph pool
-                static = [empty_like(x) for x in flat]
-                copy_inputs(static, flat)
-            finally:
-                backend.leave_stream(token)
-            for slot, buffer, x in zip(owner.input_slots, static, flat, strict=True):
-                values[slot] = buffer if buffer is not None else x
-            capture_set = self._lease_capture_set()
-            if capture_set is None:  # every capture stream is another frame's
-                values[:] = loaded
-                owner.fallbacks += 1
-                return None
-            if self._pool is None:
-                self._pool = backend.graph_pool()
-            graph, pool = backend.new_graph(), self._pool
-            origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
-            if not CAPTURE_LOCK.acquire(blocking=False):  # another capture is recording
-                values[:] = loaded
-                owner.fallbacks += 1
-                return None
-            try:  # recorded on the frame's capture streams: no other execution enqueues there
-                self._warm(values, capture_set, origin)
-                with gpu.recording_on(capture_set), backend.capture(
-                    graph, pool, backend.stream_handle(origin)
-                ):
-                    self._record(values)
-            except Exception as exc:
-                values[:] = loaded
-                with contextlib.suppress(Exception):  # an invalidated capture has little to free
-                    graph.reset()
-                owner.mark_failed(key, failure_text(exc))
-                return None
-            finally:
-                CAPTURE_LOCK.release()
-            for slot, x in zip(owner.input_slots, flat, strict=True):
-                values[slot] = x  # an input returned as an output is the caller's, not static
-            outputs = {slot: values[slot] for slot in owner.capture_plan.produced_outputs}
-            capture = Capture(graph, pool, static, outputs, version)
-            owner.captures += 1
-            token = backend.enter_stream(handle)
-            try:
-                graph.replay()
-                clone_outputs(values, outputs)
-            finally:
-                backend.leave_stream(token)
-            return capture
+            return await anyio.to_thread.run_sync(
+                self._capture_here, frame.values, flat, key, version
+            )
         finally:
             await gpu.finish()  # absorbs cancellation until the GPU is done, then re-raises
+
+    def _capture_here(
+        self, values: list[Any], flat: list[Any], key: Signature, version: int
+    ) -> Capture | None:
+        """`_capture`'s work, on the calling thread (the stream set is leased)."""
+        owner = self._owner
+        backend = owner.runtime.backend
+        loaded = list(values)
+        handle = self._origin_handle()
+        token = backend.enter_stream(handle)
+        try:  # static inputs: made and filled on the origin stream, outside the graph pool
+            static = [empty_like(x) for x in flat]
+            copy_inputs(static, flat)
+        finally:
+            backend.leave_stream(token)
+        for slot, buffer, x in zip(owner.input_slots, static, flat, strict=True):
+            values[slot] = buffer if buffer is not None else x
+        capture_set = self._lease_capture_set()
+        if capture_set is None:  # every capture stream is another frame's
+            values[:] = loaded
+            owner.count("fallbacks")
+            return None
+        if self._pool is None:
+            self._pool = backend.graph_pool()
+        graph, pool = backend.new_graph(), self._pool
+        origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
+        if not CAPTURE_LOCK.acquire(blocking=False):  # another capture is recording
+            values[:] = loaded
+            owner.count("fallbacks")
+            return None
+        try:  # recorded on the frame's capture streams: no other execution enqueues there
+            self._warm(values, capture_set, origin)
+            with self._gpu.recording_on(capture_set), backend.capture(
+                graph, pool, backend.stream_handle(origin)
+            ):
+                self._record(values)
+        except Exception as exc:
+            values[:] = loaded
+            with contextlib.suppress(Exception):  # an invalidated capture has little to free
+                graph.reset()
+            owner.mark_failed(key, failure_text(exc))
+            return None
+        finally:
+            CAPTURE_LOCK.release()
+        for slot, x in zip(owner.input_slots, flat, strict=True):
+            values[slot] = x  # an input returned as an output is the caller's, not static
+        outputs = {slot: values[slot] for slot in owner.capture_plan.produced_outputs}
+        capture = Capture(graph, pool, static, outputs, version)
+        owner.count("captures")
+        token = backend.enter_stream(handle)
+        try:
+            graph.replay()
+            clone_outputs(values, outputs)
+        finally:
+            backend.leave_stream(token)
+        return capture
 
     def _warm(self, values: list[Any], capture_set: StreamSet, origin: Any) -> None:
         """Run the execution once on the capture streams, uncaptured, on this thread, before

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -620,6 +621,8 @@ def test_capture_streams_are_warmed_on_the_capturing_thread_before_the_capture()
                 await ex.execute(inputs(k))
             assert stats(ex).captures == 1
             assert [p.workspaces for p in cuda.pools] == [0]
+            # captured off the loop (issue 36 item 8): milliseconds no other request waits on
+            assert cuda.capture_threads and threading.get_ident() not in cuda.capture_threads
         assert gpu.errors == []
 
     run(body, "asyncio")

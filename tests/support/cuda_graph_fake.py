@@ -235,6 +235,7 @@ class CaptureBackend(FakeBackend):
         self._capture_pool: dict[int, list[FakeStream]] = {}
         self._capture_next: dict[int, int] = {}
         self.captured_on: list[FakeStream] = []  # each capture's origin stream, in order
+        self.capture_threads: list[int] = []  # and the thread that captured it
         # captures CUDA could not end (streams left unjoined): on torch, the allocator stays
         # in capture mode unless the backend gives the pool back (TorchCudaBackend)
         self.failed_ends = 0
@@ -281,6 +282,7 @@ class CaptureBackend(FakeBackend):
             raise RuntimeError("a capture is already open")
         token = self.enter_stream(handle)
         self.captured_on.append(handle)
+        self.capture_threads.append(threading.get_ident())
         gpu.capture = capture = FakeCapture(
             graph, pool, handle, threading.get_ident(), {handle}
         )
