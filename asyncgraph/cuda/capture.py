@@ -39,6 +39,11 @@ CAPTURE_LOCK = threading.Lock()
 share, each then recording the other's launches. Taken without blocking: an execution that
 finds it held runs on the stream path and a later one captures."""
 
+CAPTURE_WAIT_S = 1.0
+"""How long a whole-execution capture, on its worker thread, waits for another to finish
+recording before it runs the execution uncaptured (segments, captured inside an execution,
+never wait)."""
+
 _MAX_FAILED = 256  # uncapturable signatures remembered per Executor
 
 

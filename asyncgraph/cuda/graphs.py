@@ -62,6 +62,7 @@ import torch
 from asyncgraph.cuda.capture import (
     CAPTURE_LOCK,
     CAPTURE_STREAMS,
+    CAPTURE_WAIT_S,
     Capture,
     CaptureState,
     CudaGraphs,
@@ -236,7 +237,9 @@ class FrameGraphs:
             self._pool = backend.graph_pool()
         graph, pool = backend.new_graph(), self._pool
         origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
-        if not CAPTURE_LOCK.acquire(blocking=False):  # another capture is recording
+        # Another capture may be recording: off the loop, this thread waits its turn (a capture
+        # takes milliseconds and waits on nothing), and gives up only past CAPTURE_WAIT_S.
+        if not CAPTURE_LOCK.acquire(timeout=CAPTURE_WAIT_S):
             values[:] = loaded
             owner.count("fallbacks")
             return None
