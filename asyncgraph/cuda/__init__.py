@@ -4,9 +4,13 @@
   on, and which cross-stream edges need an event.
 - `device`: the thin torch.cuda layer that carries a StreamPlan out (stream sets per
   execution, events, host waits), behind a Backend protocol so that tests can run it on a
-  simulated GPU.
-- `graphs`: CUDA graphs: whole executions of a capturable program captured per frame and
-  input signature after warm-up, and replayed with one launch (outputs cloned out).
+  simulated GPU; `host_wait`: the one thread that blocks on events the loop stopped polling.
+- `capturable`: what may be captured (the per-node predicate, the whole-execution plan), pure;
+  `segments`: the plan of captured segments of a program not wholly capturable, pure.
+- `capture`: what every capture shares (counters, the capture lock, capture-stream leases,
+  the per-frame LRU, copy-in and clone-out); `graphs`: whole executions captured per frame and
+  input signature after warm-up, replayed with one launch; `segment_graphs`: the same for
+  segments.
 
 The runtime asks this package for a frame's GPU state; nothing here knows about the loop.
 """

@@ -24,6 +24,24 @@ current stream per thread: `ThreadGpu`) with what capture requires of the host, 
   before it; a violation is one of `gpu.errors`. Host-side copies (static inputs, clones) are
   not kernels of the fake: `adopt` attributes a copy to the writer of its source.
 
+- Capture streams come from a pool of 32 per device handed out round-robin, as torch's
+  high-priority pool is (`capture_streams_per_device`); `captured_on` and `capture_threads`
+  say where each capture recorded.
+- A capture CUDA cannot end (streams left unjoined) is counted in `failed_ends`: on torch that
+  leaves the caching allocator in capture mode unless the backend gives the pool back.
+- A kernel's first use of a (thread, stream) inside a capture counts as a library workspace
+  allocated in the capture's pool (`FakePool.workspaces`), as cuBLAS allocates one per
+  (handle, stream).
+
+What it cannot model: real kernels and their timing (a replay re-runs Python on the host);
+the caching allocator itself (blocks kept for recorded streams, `empty_cache`, memory growth:
+`make gpu-report`'s capture-failure probe measures those on a GPU); a capture invalidated
+by a sync (CUDA then refuses to end it whatever was joined: the fake only refuses the
+unjoined end); ops that sync inside (only the kernels named `gpu_sync*` read a GPU value on
+the host); cuBLAS's actual workspace sharing between concurrent replays (only first uses
+are counted); the loop's wake-up latency from a thread on a real machine (benchmarks/gpu_wait.py
+--cuda measures it).
+
 Also the Executor on it (`make_executor`, `running`, `stats`) and the diamond program both
 test files run.
 """
