@@ -40,6 +40,7 @@ from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.config import usable_cpus
 from asyncgraph.runtime.loop_budget import loop_budget
+from asyncgraph.runtime.scheduler import Scheduler
 from asyncgraph.testing import FaultInjector, LeakChecker
 from asyncgraph.testing.leaks import LeakError
 from tests.support.backends import (
@@ -246,11 +247,21 @@ class SpinChain:
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(usable_cpus() < 2, reason="a straight line goes to a worker only beside "
                     "a CPU for the loop")
-def test_an_overlapping_straight_line_on_a_worker_and_its_cancel_scope(backend: str) -> None:
+def test_an_overlapping_straight_line_on_a_worker_and_its_cancel_scope(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two executions at once: one runs its straight line on the loop, the other as one work
     item of a worker thread; a cancel scope around the worker's waits for its unit, then the
     line stops there and the frame is free."""
     spin = SpinChain()
+    stopped = threading.Event()  # the cancellation reached the execution (Scheduler._stop)
+    stop = Scheduler._stop
+
+    def signalled_stop(self: Scheduler, frame: Any) -> None:
+        stop(self, frame)
+        stopped.set()
+
+    monkeypatch.setattr(Scheduler, "_stop", signalled_stop)
 
     async def body() -> None:
         async with Executor(spin.graph(), ExecutorConfig(profile_executions=1)) as ex:
@@ -284,7 +295,9 @@ def test_an_overlapping_straight_line_on_a_worker_and_its_cancel_scope(backend: 
                 held = spin.held_x
                 assert held in scopes
                 scopes[held].cancel()
-                await settle(20)
+                # Regression: under a CPU burner the gate opened before the cancellation was
+                # delivered, and the line rightly ran one more unit: wait for the stop itself.
+                await until(stopped.is_set, "the cancellation never reached the execution")
                 assert ex.statistics().frames.in_use >= 1  # the worker still holds one
                 spin.gate.set()
             other = 100 - held
