@@ -32,7 +32,7 @@ VENV_312 ?= .venv-py312
 
 .PHONY: demo test test-all lint typecheck unit soak test-torch-min test-py312 py312-suite \
 	fresh-clone gpu-report \
-	bench-nativert install clean
+	bench-nativert bench-ort install clean
 
 # pytest, as every leg runs it: the skip reasons (-rs) and the 25 slowest tests. With JUNIT_DIR
 # (set by scripts/test_legs.py) each run also writes JUnit XML there, for the summary table.
@@ -136,6 +136,13 @@ bench-nativert: $(VENV_MIN)/.installed
 GPU_REPORT_ARGS ?=
 gpu-report:
 	$(BIN)/python scripts/gpu_report.py $(GPU_REPORT_ARGS)
+
+# asyncgraph against ONNX Runtime (benchmarks/ort.py): the MLP, tiny BERT and the encoder at batch
+# 1 and under 64 callers; the first run exports the ONNX models (cached under build/onnxruntime).
+# ORT_ARGS=--quick for a look.
+ORT_ARGS ?=
+bench-ort: install
+	$(BIN)/python -m benchmarks.ort $(ORT_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_MIN) $(VENV_312) build .pytest_cache .mypy_cache .ruff_cache

@@ -20,12 +20,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks import chain, concurrency, memory, steady_state, transformer, wide
+from benchmarks import chain, concurrency, memory, ort, steady_state, transformer, wide
 from benchmarks.harness import CaseResult, Context, Settings, environment
 
 SCENARIOS: dict[str, ModuleType] = {
     m.NAME: m for m in (chain, transformer, wide, concurrency, memory, steady_state)
 }
+# Run only when named (`-s onnxruntime`): peers from the optional `bench` extra, and exports
+# that take seconds; a scenario whose dependency is missing reports one case, skipped, saying why.
+OPTIONAL: dict[str, ModuleType] = {m.NAME: m for m in (ort,)}
 
 
 @dataclass
@@ -64,16 +67,18 @@ class Report:
 
 
 def select(names: Iterable[str] | None) -> list[str]:
-    """Scenario names in suite order; raises ValueError naming the unknown ones."""
+    """Scenario names in suite order (the optional ones, named only, last); raises ValueError
+    naming the unknown ones."""
     if not names:
         return list(SCENARIOS)
     names = list(names)
-    unknown = [n for n in names if n not in SCENARIOS]
+    known = {**SCENARIOS, **OPTIONAL}
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(
-            f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}"
+            f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(known)}"
         )
-    return [n for n in SCENARIOS if n in names]
+    return [n for n in known if n in names]
 
 
 async def run_scenarios(
@@ -89,7 +94,7 @@ async def run_scenarios(
     torch.set_num_threads(settings.threads)
     try:
         for name in select(names):
-            report.cases.extend(await SCENARIOS[name].run(ctx))
+            report.cases.extend(await {**SCENARIOS, **OPTIONAL}[name].run(ctx))
     finally:
         torch.set_num_threads(before)
     report.elapsed_s = time.perf_counter() - start

@@ -42,7 +42,8 @@ def bench(
     scenario: list[str] = typer.Option(  # noqa: B008 - typer's declaration style
         [], "--scenario", "-s",
         help="Scenario to run (repeatable): chain, transformer, wide, concurrent, memory, "
-             "steady_state. Default: all.",
+             "steady_state; onnxruntime (only when named: needs the bench extra). "
+             "Default: all but onnxruntime.",
     ),
     quick: bool = typer.Option(
         False, "--quick", help="Target sizes but few rounds: a look, not a figure to quote."

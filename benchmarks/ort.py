@@ -1,0 +1,511 @@
+"""asyncgraph against ONNX Runtime on CPU: the peer a CPU user shopping for speed would pick.
+
+    asyncgraph bench -s onnxruntime [--quick] [--json] [-o FILE]
+    python -m benchmarks.ort [--quick] [--graph mlp] [--[no-]compiled] [--json] [-o FILE]
+
+The workloads of issue 40, each exported twice (batch 1 static, and batch dynamic up to 32 for
+the batchers): the MLP (8 x Linear(64, 64)+ReLU), tiny BERT (benchmarks/nativert_compare.py's
+TinyBert: token and position embeddings, LayerNorm, a 2-layer post-norm GELU encoder, hidden
+128, 4 heads, intermediate 512, seq 16: BERT's shape without transformers, which is not a
+dependency) and the suite's encoder (benchmarks/models.py: nn.TransformerEncoder, the export
+graph), batch 1. ONNX Runtime gets each model as a user would give it:
+`torch.onnx.export(model, (x,), dynamo=True)`, `ORT_ENABLE_ALL`, sequential execution, one
+inter-op thread, 1 and 2 intra-op threads (both timed; the ratios are against the faster), a
+torch tensor in and out (`x.numpy()`, `torch.from_numpy`). Exports are cached under
+build/onnxruntime/ keyed by graph and weights. onnxruntime, onnx and onnxscript are benchmark
+dependencies (the `bench` extra); without them the scenario reports one case, skipped, with the
+reason, and the rest of the suite runs as before.
+
+Latency (one caller): asyncgraph `execute` on the plain graph, with `script_segments=True`
+(a torch.jit trace per segment: builds in seconds), with AOTInductor compiled segments
+(`compile_program(ep, path, "auto")`, loaded with trust_compiled=True: 18-33 s per program on
+2 cores, cached next to the exports; in full runs, not with --quick, `--no-compiled` leaves
+them out), ONNX Runtime's `session.run` and eager `model(x)` for context.
+
+64 callers x N requests (throughput): asyncgraph each request its own execution (plain,
+scripted, compiled), with dynamic batching (`BatchingConfig(max_batch_size=32)`: plain,
+scripted, and compiled from the dynamic-batch program), against
+`asyncio.to_thread(session.run, ...)` and against `OrtBatcher`, the simple batcher a user would
+write around a session (up to 32 rows, 2 batches in flight, each on a thread).
+
+The harness of the main suite measures (benchmarks/harness.py, benchmarks/concurrency.py):
+outputs compared with asyncgraph's first, rounds alternating in a new seeded order, medians
+after warm-up, ratios of medians of the same run; the targets are issue 40's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import sys
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from asyncgraph import BatchingConfig, Executor, ExecutorConfig
+from benchmarks.concurrency import measure_concurrent
+from benchmarks.harness import (
+    CaseResult,
+    Context,
+    Peer,
+    Settings,
+    Target,
+    environment,
+    measure,
+    new_results,
+    sync_peer,
+    torch_threads,
+)
+from benchmarks.models import call_nodes, exported_encoder
+from benchmarks.nativert_compare import (
+    Built,
+    TinyBert,
+    Workload,
+    _compile_segments,
+    _export,
+    _load_compiled,
+    digest,
+    mlp,
+)
+from benchmarks.peers import asyncgraph_peer, in_inference
+
+NAME = "onnxruntime"
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "build" / "onnxruntime"
+TOLERANCE = {"rtol": 1e-3, "atol": 1e-3}  # ORT's fused kernels and eager's round apart
+GRAPHS = ("mlp", "bert", "encoder")
+MAX_BATCH = 32  # rows per batch, asyncgraph's and OrtBatcher's alike
+IN_FLIGHT = 2  # batches running at once, asyncgraph's default and OrtBatcher's alike
+ORT_THREADS = (1, 2)  # intra-op threads tried; the faster is the reference
+# no square brackets: the report's tables are rich markup, where "[bench]" would vanish
+INSTALL = "install them with pip install onnxruntime onnx onnxscript (the bench extra)"
+ISSUE = 40  # the targets' number in the report: issue 40's
+
+PLAIN = "asyncgraph"
+SCRIPTED = "asyncgraph (scripted)"
+COMPILED = "asyncgraph (compiled)"
+BATCHED = "asyncgraph (batched)"
+SCRIPTED_BATCHED = "asyncgraph (scripted, batched)"
+COMPILED_BATCHED = "asyncgraph (compiled, batched)"
+
+
+def ort_name(threads: int) -> str:
+    return f"onnxruntime ({threads} thread{'s' if threads > 1 else ''})"
+
+
+def ort_thread_name(threads: int) -> str:
+    return f"onnxruntime via to_thread ({threads} thread{'s' if threads > 1 else ''})"
+
+
+def ort_batcher_name(threads: int) -> str:
+    return f"onnxruntime batcher ({threads} thread{'s' if threads > 1 else ''})"
+
+
+def check_onnxruntime() -> str | None:
+    """None when onnxruntime, onnx and onnxscript import; else why this scenario cannot run."""
+    missing = []
+    for module in ("onnxruntime", "onnx", "onnxscript"):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            missing.append(f"{module} ({type(exc).__name__}: {exc})"[:160])
+    if missing:
+        return f"not importable: {'; '.join(missing)}; {INSTALL}"
+    return None
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a run builds. `compiled`: AOTInductor compiled segments too, of the batch-1 and
+    the dynamic-batch program (`compile_program(ep, path, "auto")`: 18-33 s each on 2 cores,
+    about 2.5 minutes for the three graphs the first time, then cached); None: in full runs
+    only, so that --quick stays under a minute. `cache`: the exports' and packages' folder
+    (None: CACHE)."""
+
+    graphs: tuple[str, ...] = GRAPHS
+    compiled: bool | None = None
+    cache: Path | None = None
+
+
+# -- the graphs ----------------------------------------------------------------------------------
+
+
+def workloads(settings: Settings, names: Sequence[str] = GRAPHS) -> list[Workload]:
+    """The compared graphs at the run's size (tiny: small widths, for tests)."""
+    out = []
+    for name in names:
+        if name == "mlp":
+            width, layers = settings.pick((64, 8), (64, 8), (16, 2))
+            model = mlp(width, layers)
+            x = torch.randn(1, width)
+            out.append(Workload("mlp", f"MLP, {layers} x Linear({width}, {width})+ReLU, batch 1",
+                                model, _export(model, x), x,
+                                lambda model=model, x=x: _export(model, x, dynamic=True)))
+        elif name == "bert":
+            hidden, layers, seq = settings.pick((128, 2, 16), (128, 2, 16), (32, 1, 4))
+            model = TinyBert(hidden, layers, seq).eval()
+            x = torch.randint(0, 1000, (1, seq))
+            out.append(Workload("bert", f"tiny BERT, hidden {hidden}, {layers} layers, 4 heads, "
+                                f"seq {seq}, batch 1", model, _export(model, x), x,
+                                lambda model=model, x=x: _export(model, x, dynamic=True)))
+        elif name == "encoder":
+            hidden, layers, seq = settings.pick((128, 2, 16), (128, 2, 16), (32, 1, 4))
+            model, ep = exported_encoder(hidden, layers, seq, False)
+            out.append(Workload(
+                "encoder", f"encoder (nn.TransformerEncoder, export graph), hidden {hidden}, "
+                f"{layers} layers, seq {seq}, batch 1", model, ep, torch.randn(1, seq, hidden),
+                lambda h=hidden, n=layers, s=seq: exported_encoder(h, n, s, False, MAX_BATCH)[1]))
+        else:
+            raise ValueError(f"unknown graph {name!r}; choose from {', '.join(GRAPHS)}")
+    return out
+
+
+# -- ONNX Runtime -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """torch.onnx's logged advice (torchvision ops it skips) and deprecation warnings off."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def onnx_model(work: Workload, dynamic: bool, cache: Path, notes: dict[str, Any]) -> bytes:
+    """The ONNX model of `work.model` (batch 1, or batch dynamic up to MAX_BATCH), exported with
+    `torch.onnx.export(dynamo=True)` or read from the cache; export time kept in `notes`."""
+    import onnxscript
+
+    folder = cache / f"torch-{torch.__version__}-onnxscript-{onnxscript.__version__}"
+    folder.mkdir(parents=True, exist_ok=True)
+    kind = "dynamic" if dynamic else "static"
+    path = folder / f"{work.key}-{digest(work.ep)}-{kind}.onnx"
+    if path.exists():
+        notes[f"onnx_{kind}_export_s"] = "cached"
+        return path.read_bytes()
+    x = torch.cat([work.x, work.x]) if dynamic else work.x
+    shapes = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},) if dynamic else None
+    start = time.perf_counter()
+    with _quiet_exporter():
+        program = torch.onnx.export(work.model, (x,), dynamo=True, dynamic_shapes=shapes,
+                                    verbose=False)
+    assert program is not None
+    data: bytes = program.model_proto.SerializeToString()
+    notes[f"onnx_{kind}_export_s"] = round(time.perf_counter() - start, 1)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return data
+
+
+def ort_session(model: bytes, threads: int) -> Any:
+    """An InferenceSession as the issue's user made it: every graph optimisation, sequential."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3  # errors only
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def ort_call(session: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`session.run` on a torch tensor, giving back a torch tensor (the model's one output)."""
+    name = session.get_inputs()[0].name
+    run = session.run
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(run(None, {name: x.numpy()})[0])
+
+    return call
+
+
+class OrtBatcher:
+    """The simple batcher a user would write around an ONNX Runtime session: requests queue;
+    while fewer than `in_flight` batches run, a batch takes up to `max_rows` rows of what has
+    queued by the next loop iteration and runs `session.run` on a thread (the GIL released);
+    each caller gets its rows back. Its policy is asyncgraph's BatchingConfig defaults'."""
+
+    def __init__(self, session: Any, max_rows: int = MAX_BATCH, in_flight: int = IN_FLIGHT):
+        self._name = session.get_inputs()[0].name
+        self._run = session.run
+        self._max_rows, self._in_flight = max_rows, in_flight
+        self._queue: deque[tuple[Any, asyncio.Future[torch.Tensor]]] = deque()
+        self._running = 0  # drain tasks alive, counted down as each returns
+        self._tasks: set[asyncio.Task[None]] = set()  # references, so none is collected
+        self.batches = self.rows = 0
+
+    async def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[torch.Tensor] = loop.create_future()
+        self._queue.append((x.numpy(), future))
+        if self._running < self._in_flight:
+            self._running += 1
+            task = loop.create_task(self._drain())  # first runs next iteration: others queue
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return await future
+
+    async def _drain(self) -> None:
+        import numpy as np
+
+        try:
+            while self._queue:
+                take = [self._queue.popleft()]
+                rows = len(take[0][0])
+                while self._queue and rows + len(self._queue[0][0]) <= self._max_rows:
+                    take.append(self._queue.popleft())
+                    rows += len(take[-1][0])
+                try:
+                    batch = np.concatenate([a for a, _ in take])
+                    out = (await asyncio.to_thread(self._run, None, {self._name: batch}))[0]
+                except Exception as exc:
+                    for _, future in take:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                self.batches, self.rows = self.batches + 1, self.rows + rows
+                start = 0
+                for a, future in take:
+                    if not future.done():  # the caller may have been cancelled
+                        future.set_result(torch.from_numpy(out[start:start + len(a)]))
+                    start += len(a)
+        finally:
+            self._running -= 1
+
+
+# -- the scenario -------------------------------------------------------------------------------
+
+
+async def run(ctx: Context, options: Options | None = None) -> list[CaseResult]:
+    """One latency case and one 64-caller case per graph; one skipped case without ORT."""
+    options = options or Options()
+    why = check_onnxruntime()
+    if why is not None:
+        case = CaseResult(NAME, "onnxruntime (skipped)", f"ONNX Runtime peer skipped: {why}",
+                          {"skipped": why})
+        case.metrics["skipped"] = why
+        return [case]
+    cache = options.cache or CACHE
+    compiled = options.compiled if options.compiled is not None else ctx.settings.size == "full"
+    cases = []
+    for work in workloads(ctx.settings, options.graphs):
+        notes: dict[str, Any] = {}
+        static = onnx_model(work, False, cache, notes)
+        assert work.dynamic is not None
+        dynamic_ep = work.dynamic()
+        dynamic = onnx_model(work, True, cache, notes)
+        built = Built(notes)
+        if compiled:
+            folder = cache / f"torch-{torch.__version__}"
+            folder.mkdir(parents=True, exist_ok=True)
+            built.segments = _compile_segments(
+                notes, "segments", work.ep,
+                folder / f"{work.key}-{digest(work.ep)}.segments-auto.pt2")
+            built.batched = _compile_segments(
+                notes, "batched_segments", dynamic_ep,
+                folder / f"{work.key}-{digest(dynamic_ep)}.segments-auto-dynamic.pt2")
+        cases.append(await _latency_case(ctx, work, static, built))
+        cases.append(await _concurrent_case(ctx, work, dynamic_ep, static, dynamic, built))
+    return cases
+
+
+def _best(case: CaseResult, names: Sequence[str], higher: bool = False) -> str | None:
+    """The fastest of the timed peers `names` (lowest median time, or highest throughput)."""
+    timed = [p for p in case.peers if p.name in names and p.median_s is not None]
+    if higher:
+        timed = [p for p in timed if p.extra.get("throughput")]
+        return max(timed, key=lambda p: p.extra["throughput"]).name if timed else None
+    return min(timed, key=lambda p: p.median_s or 0.0).name if timed else None
+
+
+async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Built) -> CaseResult:
+    x = work.x
+    executors = [Executor(work.ep, ExecutorConfig()),
+                 Executor(work.ep, ExecutorConfig(script_segments=True))]
+    peers = [asyncgraph_peer(PLAIN, executors[0], [x], "plain graph, default config"),
+             asyncgraph_peer(SCRIPTED, executors[1], [x], "ExecutorConfig(script_segments=True)")]
+    compiled = _load_compiled(built, built.segments)
+    if compiled is not None:
+        executors.append(compiled)
+        peers.append(asyncgraph_peer(COMPILED, compiled, [x], "compile_program(ep, path, 'auto')"))
+    for threads in ORT_THREADS:
+        call = ort_call(ort_session(static, threads))
+        peers.append(sync_peer(ort_name(threads), lambda call=call: call(x),
+                               f"session.run, ORT_ENABLE_ALL, sequential, {threads} intra-op"))
+    eager = in_inference(work.model)
+    peers.append(sync_peer("eager model(x)", lambda: eager(x), "the nn.Module itself"))
+    try:
+        advance = ctx.task(f"{NAME}: {work.key} latency ({call_nodes(work.ep)} nodes)",
+                           ctx.rounds_total)
+        results = await measure(peers, ctx.settings, advance, **TOLERANCE)
+    finally:
+        for ex in executors:
+            await ex.aclose()
+    case = CaseResult(NAME, f"{work.key} latency", f"{work.title}; one caller",
+                      {"nodes": call_nodes(work.ep), **built.notes}, results)
+    best = _best(case, [ort_name(t) for t in ORT_THREADS])
+    if best is None:
+        return case
+    case.params["onnxruntime_reference"] = best
+    for peer, what in ((PLAIN, "plain graph"), (SCRIPTED, "scripted segments"),
+                       (COMPILED, "compiled segments")):
+        if peer == COMPILED and compiled is None:
+            continue
+        case.targets.append(Target(
+            ISSUE, f"{work.key}: batch-1 latency, {what} / {best}", case.ratio(peer, best),
+            "<=", 1.0, rounds=case.round_spread(peer, best)))
+    return case
+
+
+async def _concurrent_case(
+    ctx: Context, work: Workload, dynamic_ep: ExportedProgram, static: bytes, dynamic: bytes,
+    built: Built,
+) -> CaseResult:
+    s = ctx.settings
+    callers, per_caller = s.pick(64, 64, 4), s.pick(8, 2, 1)
+    x = work.x
+    batching = BatchingConfig(max_batch_size=MAX_BATCH, max_concurrent_batches=IN_FLIGHT)
+    executors = [
+        Executor(work.ep, ExecutorConfig()),
+        Executor(work.ep, ExecutorConfig(script_segments=True)),
+        Executor(dynamic_ep, ExecutorConfig(batching=batching)),
+        Executor(dynamic_ep, ExecutorConfig(script_segments=True, batching=batching)),
+    ]
+    peers = [
+        asyncgraph_peer(PLAIN, executors[0], [x], "each request its own execution"),
+        asyncgraph_peer(SCRIPTED, executors[1], [x], "script_segments=True, unbatched"),
+        asyncgraph_peer(BATCHED, executors[2], [x], f"dynamic batching, up to {MAX_BATCH} rows"),
+        asyncgraph_peer(SCRIPTED_BATCHED, executors[3], [x],
+                        f"script_segments=True, dynamic batching, up to {MAX_BATCH} rows"),
+    ]
+    batched_config = ExecutorConfig(batching=batching)
+    for name, path, config in ((COMPILED, built.segments, None),
+                               (COMPILED_BATCHED, built.batched, batched_config)):
+        loaded = _load_compiled(built, path, config)
+        if loaded is not None:
+            executors.append(loaded)
+            peers.append(asyncgraph_peer(name, loaded, [x], "compiled segments"))
+    batchers: dict[str, OrtBatcher] = {}
+    for threads in ORT_THREADS:
+        call = ort_call(ort_session(static, threads))
+
+        async def in_thread(call: Callable[[torch.Tensor], torch.Tensor] = call) -> Any:
+            return await asyncio.to_thread(call, x)
+
+        peers.append(Peer(ort_thread_name(threads), in_thread,
+                          f"asyncio.to_thread(session.run), {threads} intra-op"))
+        batcher = batchers[ort_batcher_name(threads)] = OrtBatcher(ort_session(dynamic, threads))
+
+        async def batched(batcher: OrtBatcher = batcher) -> Any:
+            return await batcher(x)
+
+        peers.append(Peer(ort_batcher_name(threads), batched,
+                          f"OrtBatcher: up to {MAX_BATCH} rows, {IN_FLIGHT} in flight, "
+                          f"{threads} intra-op"))
+    results = new_results(peers)
+    try:
+        await measure_concurrent(ctx, peers, results, callers, per_caller,
+                                 f"{NAME}: {work.key}, {callers} callers")
+    finally:
+        for ex in executors:
+            await ex.aclose()
+    case = CaseResult(NAME, f"{work.key} x {callers} callers",
+                      f"{work.title}; {callers} concurrent callers x {per_caller} requests",
+                      {"nodes": call_nodes(work.ep), "callers": callers,
+                       "requests_per_caller": per_caller},
+                      [results[p.name] for p in peers], columns="metrics")
+    stats = executors[2].batching_statistics()
+    if stats is not None:
+        case.params["mean_batch_rows"] = round(stats.mean_rows, 1)
+    for name, batcher in batchers.items():
+        if batcher.batches:
+            case.params[f"{name} mean rows"] = round(batcher.rows / batcher.batches, 1)
+    to_thread = _best(case, [ort_thread_name(t) for t in ORT_THREADS], higher=True)
+    batcher_best = _best(case, list(batchers), higher=True)
+    case.params["onnxruntime_references"] = [to_thread, batcher_best]
+    names = {p.name for p in case.peers}
+    for peer, base, limit in ((PLAIN, to_thread, 1.0), (SCRIPTED, to_thread, 1.0),
+                              (COMPILED, to_thread, 1.0), (BATCHED, to_thread, 2.0),
+                              (SCRIPTED_BATCHED, to_thread, 2.0),
+                              (COMPILED_BATCHED, to_thread, 2.0), (BATCHED, batcher_best, 1.0),
+                              (SCRIPTED_BATCHED, batcher_best, 1.0),
+                              (COMPILED_BATCHED, batcher_best, 1.0)):
+        if base is None or peer not in names:
+            continue
+        mine, theirs = results[peer].extra.get("throughput"), results[base].extra.get("throughput")
+        case.targets.append(Target(
+            ISSUE, f"{work.key}, {callers} callers: throughput, {peer} / {base}",
+            mine / theirs if mine and theirs else None, ">=", limit,
+            rounds=case.round_spread(peer, base)))
+    return case
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds: a look, not a figure")
+    parser.add_argument("--rounds", type=int, help="measured rounds (15; 5 with --quick)")
+    parser.add_argument("--warmup", type=int, help="warm-up rounds dropped (3; 1 with --quick)")
+    parser.add_argument("--graph", action="append", choices=GRAPHS,
+                        help="only these graphs (repeatable); all by default")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                        help="AOTInductor compiled segments too (compiled on the first run, "
+                        "then cached); default: in full runs, not with --quick")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="exports' and packages' folder")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout, progress on stderr")
+    parser.add_argument("-o", "--output", type=Path, help="also write the JSON report here")
+    args = parser.parse_args(argv)
+
+    from rich.console import Console
+
+    from benchmarks import suite
+
+    settings = Settings(size="quick" if args.quick else "full", rounds=args.rounds,
+                        warmup=args.warmup)
+    options = Options(graphs=tuple(args.graph or GRAPHS), compiled=args.compiled,
+                      cache=args.cache)
+
+    def start_task(description: str, total: int) -> Callable[[], None]:
+        print(f"{description}: {total} rounds", file=sys.stderr, flush=True)
+        return lambda: None
+
+    report = suite.Report(environment(), asdict(settings))
+    start = time.perf_counter()
+    with torch_threads(settings.threads), asyncio.Runner() as loop:
+        report.cases = loop.run(run(Context(settings, start_task), options))
+    report.elapsed_s = time.perf_counter() - start
+    report.environment["torch_threads"] = settings.threads
+    report.environment["load_average_end"] = environment()["load_average"]
+    text = suite.to_json(report)
+    if args.output is not None:
+        args.output.write_text(text)
+    if args.json:
+        print(text)
+    else:
+        suite.render(report, Console(width=None if sys.stdout.isatty() else 150))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
