@@ -26,11 +26,31 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from asyncgraph.graph.ir import Node, Ref, iter_refs
+from asyncgraph.graph.refs import Ref, iter_refs
+
+
+class Node(Protocol):
+    """What ordering effects reads of a node (graph/ir.py's Node, which imports this module)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def target(self) -> Any: ...
+    @property
+    def args(self) -> tuple[Any, ...]: ...
+    @property
+    def kwargs(self) -> dict[str, Any]: ...
+    @property
+    def output(self) -> int: ...
+    @property
+    def effects(self) -> tuple[Any, ...]: ...
+    after: tuple[int, ...]  # set here: the outputs of the side effects it must follow
+
+    def data_inputs(self) -> list[int]: ...
 
 ORDERED_EFFECTS = ("effects", "ordered")
 """The state every effectful op touches: torch orders them all by one token (EffectType.ORDERED)."""

@@ -12,7 +12,7 @@ Node arguments are ordinary Python structures (tuples, lists, dicts, constants) 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,14 +21,8 @@ import torch
 from torch.utils._pytree import TreeSpec
 
 from asyncgraph.errors import GraphValidationError
-
-
-@dataclass(frozen=True, slots=True)
-class Ref:
-    """A reference to value `id` inside a node's arguments or the graph's outputs."""
-
-    id: int
-
+from asyncgraph.graph.refs import Ref as Ref  # re-exported: the IR names it
+from asyncgraph.graph.refs import iter_refs as iter_refs
 
 Dim = Any  # an int, or a sympy expression over the program's symbols
 
@@ -182,18 +176,6 @@ class Signature:
         return [s for s in self.outputs if s.kind is OutputKind.USER_OUTPUT]
 
 
-def iter_refs(obj: Any) -> Iterator[Ref]:
-    """Every Ref inside a nested structure of tuples, lists and dicts."""
-    if isinstance(obj, Ref):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from iter_refs(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_refs(item)
-
-
 def target_name(target: Any) -> str:
     """A readable name for a node's target: aten.add.Tensor, operator.getitem, my_fn."""
     if isinstance(target, torch._ops.OpOverload):
@@ -311,7 +293,7 @@ class Graph:
             for ref in iter_refs(out.arg):
                 if not 0 <= ref.id < len(self.values):
                     raise self._fail(f"graph output reads value id {ref.id}, which does not exist")
-        from asyncgraph.graph.effects import order_effects  # effects.py imports this module
+        from asyncgraph.graph.effects import order_effects
 
         self.effect_nodes = order_effects(self.nodes)
         self._check_acyclic()

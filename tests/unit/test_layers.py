@@ -56,8 +56,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 # Known violations (importer, imported), each with its item of issue 35.
 KNOWN: dict[tuple[str, str], str] = {
     # Not named by issue 35's circles, found by this test:
-    ("asyncgraph.graph.ir", "asyncgraph.graph.effects"):
-        "graph/ir.py orders effects with graph/effects.py, which reads ir's Node (within graph/)",
     ("asyncgraph.tools.check", "asyncgraph.loading"):
         "tools/check.py's run_check loads a model file, compiled packages included",
     ("asyncgraph.passes.folding", "asyncgraph.kernels"):
