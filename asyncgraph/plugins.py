@@ -1,10 +1,11 @@
-"""What the layers above the runtime give it: the tracer and the scripted-segments pass.
+"""What the layers above the runtime give it: the tracer and the optional segment passes.
 
 The runtime defines the hooks (runtime/instrument.py, runtime/extensions.py) and never imports
 what plugs into them; this module, run by `import asyncgraph`, plugs in tools/trace.py's
-TraceRecorder (ExecutorConfig.trace) and compiled/scripted.py's `script_segments`
+TraceRecorder (ExecutorConfig.trace), compiled/scripted.py's `script_segments`
 (ExecutorConfig.script_segments, imported when an Executor first asks for it: torch.jit on
-demand).
+demand) and compiled/onnx_segments.py's `onnx_segments` (ExecutorConfig.onnx_segments: ONNX
+Runtime and the exporter on demand, from the optional `asyncgraph[onnxruntime]` extra).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from asyncgraph.runtime.extensions import GraphPass, register_pass
 from asyncgraph.runtime.instrument import register_tracer
 from asyncgraph.tools.trace import TraceRecorder
 
+ONNX_EXTRA = "pip install 'asyncgraph[onnxruntime]'"
+
 
 def _script_segments() -> GraphPass:
     from asyncgraph.compiled.scripted import script_segments  # torch.jit on demand
@@ -20,5 +23,17 @@ def _script_segments() -> GraphPass:
     return script_segments
 
 
+def _onnx_segments() -> GraphPass:
+    try:
+        from asyncgraph.compiled.onnx_segments import onnx_segments  # onnxruntime on demand
+    except ImportError as exc:
+        missing = exc.name or str(exc)
+        raise ImportError(
+            f"ExecutorConfig(onnx_segments=True) needs onnxruntime, onnx and onnxscript "
+            f"({missing} is missing): {ONNX_EXTRA}", name=exc.name) from exc
+    return onnx_segments
+
+
 register_tracer(TraceRecorder)
 register_pass("script_segments", _script_segments)
+register_pass("onnx_segments", _onnx_segments)

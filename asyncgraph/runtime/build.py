@@ -8,8 +8,9 @@ executions share (`Built`). The order matters and is the order of this file:
    linears lowered onto folded transposes, activation epilogues fused);
 2. the kernels, one per node (kernels/factory.py);
 3. constant folding: what reads only weights is computed once (passes/folding.py), and
-   scripted segments replace runs of nodes (compiled/scripted.py, loaded by name so that the
-   runtime never imports compiled/); new nodes get kernels again;
+   scripted or ONNX segments replace runs of nodes (compiled/scripted.py,
+   compiled/onnx_segments.py, loaded by name so that the runtime never imports compiled/); new
+   nodes get kernels again;
 4. the execution plan: value slots, placement per node (runtime/plan.py);
 5. with CUDA nodes, the device plans: streams, capture plans, segments (cuda/), built only
    then, so a CPU-only program never touches torch.cuda;
@@ -124,6 +125,7 @@ class Built:
     schedules: ScheduleCache
     folder: ConstantFolder | None = None  # refolds the weights on a swap
     scripted: list[str] = field(default_factory=list)  # the scripted segments' delegate nodes
+    onnx: list[str] = field(default_factory=list)  # the ONNX segments' delegate nodes
     counts: PassCounts = field(default_factory=PassCounts)
     cuda: CudaPlans | None = None
     adaptive: AdaptivePlacement | None = None
@@ -157,6 +159,11 @@ def build(
         graph, scripted = optional_pass("script_segments")(graph)  # compiled/scripted.py
         if scripted:
             kernels = factory.create(graph)
+    onnx: list[str] = []
+    if config.onnx_segments:
+        graph, onnx = optional_pass("onnx_segments")(graph)  # compiled/onnx_segments.py
+        if onnx:
+            kernels = factory.create(graph)
     plan = build_plan(graph, kernels, config)
     cuda = _cuda_plans(graph, plan, kernels, config, cuda_backend)
     adaptive = (
@@ -189,7 +196,7 @@ def build(
         ),
         any_thread=adaptive.any_thread if adaptive is not None else None,  # straight lines
     )
-    return Built(graph, kernels, plan, schedules, folder, scripted, counts, cuda, adaptive)
+    return Built(graph, kernels, plan, schedules, folder, scripted, onnx, counts, cuda, adaptive)
 
 
 def _cuda_plans(

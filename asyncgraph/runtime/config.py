@@ -262,6 +262,14 @@ class ExecutorConfig:
             ops from C++ with the GIL released, so a call costs less and executions on worker
             threads run in parallel. Off by default: its nodes are profiled and traced as one, are
             cancellable only between segments, and torch.jit is deprecated from torch 2.13.
+        onnx_segments: run each long run of CPU aten nodes (8 or more) as one delegate node
+            that calls an ONNX Runtime session of the run (asyncgraph/compiled/onnx_segments.py;
+            the `asyncgraph[onnxruntime]` extra): exported when the Executor is built (a run
+            the exporter refuses keeps its plain nodes, with the reason logged), checked
+            against the plain nodes on the first call of each input signature, weights baked
+            in per weights version (a swap makes a new session), one intra-op thread, the GIL
+            released. Off by default: building exports each run (seconds), and its nodes are
+            profiled and traced as one and cancellable only between segments.
         max_fused_nodes: the longest run of consecutive inline nodes compiled into one
             straight-line function (a unit); 1 runs every node as its own unit.
         cuda_streams: CUDA streams per device that one execution spreads its CUDA nodes over
@@ -318,6 +326,7 @@ class ExecutorConfig:
     pretranspose_weights: bool = True
     fuse_activations: bool = True
     script_segments: bool = False
+    onnx_segments: bool = False
     max_fused_nodes: int = 32
     cuda_streams: int = 4
     cuda_graphs: bool = False

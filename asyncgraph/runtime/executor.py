@@ -127,6 +127,7 @@ class Executor:
         self.qkv_splits, self.lowered_linears = counts.qkv_splits, counts.lowered_linears
         self.weight_copies, self.fused_activations = counts.weight_copies, counts.fused_activations
         self.scripted: list[str] = built.scripted  # the scripted segments' delegate nodes
+        self.onnx: list[str] = built.onnx  # the ONNX segments' delegate nodes
         self._folder: ConstantFolder | None = built.folder
         cuda = built.cuda
         self.stream_plan: StreamPlan | None = cuda.stream_plan if cuda else None

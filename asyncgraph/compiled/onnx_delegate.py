@@ -1,0 +1,385 @@
+"""OnnxDelegate: one ONNX segment (onnx_segments.py), called by the scheduler like any kernel.
+
+A call on the weights of the latest session and a checked input signature runs that session:
+the runtime inputs as numpy views of the tensors, the outputs as tensors over ONNX Runtime's
+arrays (no copy either way), the GIL released inside `run`. Everything else takes the slow
+path (`_other`): a call on another weights version runs on that version's session when there
+is one; an unchecked signature or weights without a session run the segment's fx module and
+queue the work for the builder thread (sessions first, then checks on copies of the first
+call's inputs); a refused signature runs the fx module for good.
+
+The runtime inputs come before the weights in the delegate node's arguments (the pass orders
+them so), so a call finds its weights by slicing and compares them with the session's by
+identity. A segment whose runtime inputs all have static shapes has one signature, and its
+calls skip computing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import onnxruntime as ort  # type: ignore[import-untyped,import-not-found,unused-ignore]
+import torch
+import torch.fx
+
+from asyncgraph.compiled.onnx_export import OnnxModel
+from asyncgraph.kernels.base import KernelKind
+
+LOG = logging.getLogger("asyncgraph.onnx")
+MAX_SESSIONS = 2  # weights versions with a session: the one running and the next
+BUILD_INLINE = False  # tests: sessions and checks on the calling thread, not the builder's
+MAX_SIGNATURES = 256  # input signatures checked per segment; beyond, new ones stay plain
+# how far ONNX Runtime's float results may be from the plain nodes': rtol, and atol relative to
+# the output's largest magnitude (other kernels, other summation orders)
+CHECK_TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.float32: (1e-4, 1e-5),
+                   torch.float64: (1e-7, 1e-9)}
+
+Signature = tuple[torch.Size, ...]
+
+
+@dataclass(eq=False)
+class _Session:
+    """An InferenceSession whose initializers are one weights version's tensors."""
+
+    weights: tuple[Any, ...]  # the tensors, held: their identities key the session
+    run: Callable[..., Any]  # the session's run(output names, feeds, run options)
+    session: Any
+    arrays: tuple[Any, ...]  # what the initializers' memory belongs to
+
+
+@dataclass
+class _Check:
+    """A signature's first call, to compare with the session's outputs."""
+
+    inputs: tuple[Any, ...]  # copies of the runtime inputs, the weights themselves
+    expected: list[Any]
+
+
+class OnnxDelegate:
+    """One ONNX segment: the delegate node's target, called with all the segment's inputs
+    (weights included) and returning its outputs as a list, like AOTIDelegate."""
+
+    kernel_kind = KernelKind.DELEGATE
+
+    def __init__(
+        self, name: str, module: torch.fx.GraphModule, model: OnnxModel,
+        node_names: Sequence[str], cost: int = 0, *, static: bool = False,
+        weight_names: Sequence[str] = (),
+    ) -> None:
+        self.__name__ = name
+        self.__qualname__ = name
+        self.module = module
+        self.model = model
+        self.node_names = tuple(node_names)
+        self.cost = cost
+        self.weight_names = tuple(weight_names)  # the baked inputs' names in the Weights
+        # the runtime inputs come first, the baked weights after them (the pass orders them)
+        self._split = model.baked.count(False)
+        if model.baked != (False,) * self._split + (True,) * (len(model.baked) - self._split):
+            raise ValueError(f"{name}: the runtime inputs must come before the weights")
+        self._names = model.inputs[:self._split]
+        self._outputs = list(model.outputs)
+        self._static = static  # every runtime input's shape is fixed: one signature
+        self._static_ok = False  # static, and that signature checked
+        self._sessions: list[_Session] = []
+        self._latest: _Session | None = None
+        self._checked: dict[Signature, str] = {}  # "" ran as the plain nodes did, else why not
+        self._pending_weights: list[tuple[Any, ...]] = []
+        self._pending_checks: dict[Signature, _Check] = {}
+        self._lock = threading.Lock()  # guards the pending work, sessions and the builder
+        self._idle = threading.Condition(self._lock)  # notified when the builder thread ends
+        self._builder: threading.Thread | None = None
+        self._closed = False
+        self.plain_calls = 0
+        self.onnx_calls = 0
+        self.sessions_built = 0
+        self.unbuildable = ""  # why no session could be made (every call runs the fx module)
+
+    def __call__(self, *inputs: Any) -> list[Any]:
+        session = self._latest
+        split = self._split
+        if session is not None and all(map(operator.is_, session.weights, inputs[split:])) and (
+                self._static_ok if self._static
+                else self._checked.get(tuple([t.shape for t in inputs[:split]])) == ""):
+            try:
+                arrays = session.run(
+                    self._outputs, dict(zip(self._names, map(_NUMPY, inputs), strict=False)), None)
+            except Exception:
+                return self._careful(session, inputs, self._signature(inputs))
+            self.onnx_calls += 1
+            return list(map(torch.from_numpy, arrays))
+        return self._other(inputs)
+
+    def _other(self, inputs: Sequence[Any]) -> list[Any]:
+        """A call that the latest session cannot answer: another weights version, or a
+        signature not checked yet or refused."""
+        weights = tuple(inputs[self._split:])
+        signature = self._signature(inputs)
+        status = self._checked.get(signature)
+        session = self._session(weights)
+        if session is not None and status == "":
+            self._latest = session
+            return self._careful(session, inputs, signature)
+        outputs = self._plain(inputs)
+        self.plain_calls += 1
+        if status is None or (status == "" and session is None):
+            self._request(weights, signature if status is None else None, inputs, outputs)
+        return outputs
+
+    def _careful(self, session: _Session, inputs: Sequence[Any],
+                 signature: Signature) -> list[Any]:
+        """A checked call, its inputs converted with care (a tensor that requires grad); when
+        ONNX Runtime fails, the plain nodes run the call (raising the failing node's error)
+        and, if they succeed, the signature stays plain from then on."""
+        try:
+            arrays = session.run(self._outputs, self._careful_feeds(inputs), None)
+        except Exception as exc:
+            outputs = self._plain(inputs)
+            self.plain_calls += 1
+            self._set(signature, "ONNX Runtime failed where the plain nodes did not: "
+                                 f"{_first_line(exc)}")
+            return outputs
+        self.onnx_calls += 1
+        return [torch.from_numpy(a) for a in arrays]
+
+    def _careful_feeds(self, inputs: Sequence[Any]) -> dict[str, Any]:
+        return dict(zip(self._names, map(_array, inputs[:self._split]), strict=True))
+
+    def _set(self, signature: Signature, status: str) -> None:
+        self._checked[signature] = status
+        if self._static:
+            self._static_ok = status == ""
+
+    def _plain(self, inputs: Sequence[Any]) -> list[Any]:
+        try:
+            return list(self.module(*inputs))
+        except Exception:
+            self._run_nodes(inputs)  # raises the first failing node's error, naming the node
+            raise
+
+    def _run_nodes(self, inputs: Sequence[Any]) -> None:
+        """Run the segment's nodes one by one: the failing one's error gets a note naming it,
+        as the scheduler names a failing node."""
+        env: dict[torch.fx.Node, Any] = {}
+        placeholders = iter(inputs)
+        for node in self.module.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "call_function":
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                try:
+                    env[node] = node.target(*args, **kwargs)
+                except Exception as exc:
+                    exc.add_note(f"While executing %{node.name} = {node.target}(...) in "
+                                 f"{self.__name__}")
+                    raise
+
+    def _signature(self, inputs: Sequence[Any]) -> Signature:
+        if len(inputs) != len(self.model.inputs):
+            raise TypeError(f"{self.__name__}: expected {len(self.model.inputs)} inputs, got "
+                            f"{len(inputs)}")
+        try:
+            return tuple(t.shape for t in inputs[:self._split])
+        except AttributeError:
+            raise TypeError(f"{self.__name__}: expected {len(self.model.inputs)} tensor inputs, "
+                            f"got {[type(v).__name__ for v in inputs]}") from None
+
+    def _session(self, weights: tuple[Any, ...]) -> _Session | None:
+        for session in self._sessions:
+            if _same(session.weights, weights):
+                return session
+        return None
+
+    # -- the builder thread: sessions per weights version, checks per signature -------------
+
+    def _request(self, weights: tuple[Any, ...], signature: Signature | None,
+                 inputs: Sequence[Any], outputs: list[Any]) -> None:
+        """Queue a session for `weights` (when none is made or queued) and the check of
+        `signature` (when given and not queued), for the builder thread."""
+        with self._lock:
+            if self._closed or self.unbuildable:
+                return
+            if self._session(weights) is None and not any(
+                    _same(w, weights) for w in self._pending_weights):
+                self._pending_weights.append(weights)
+            if (signature is not None and signature not in self._pending_checks
+                    and len(self._checked) + len(self._pending_checks) < MAX_SIGNATURES):
+                split = self._split
+                self._pending_checks[signature] = _Check(
+                    (*(v.clone() for v in inputs[:split]), *inputs[split:]),
+                    [o.clone() for o in outputs])
+            if self._builder is not None or not (self._pending_weights or self._pending_checks):
+                return
+            if BUILD_INLINE:
+                self._builder = threading.current_thread()
+            else:
+                builder = threading.Thread(target=self._build_pending,
+                                           name=f"asyncgraph-onnx-{self.__name__}")
+                try:
+                    builder.start()
+                except RuntimeError:  # no thread to be had: the call still succeeded
+                    self._pending_weights.clear()
+                    self._pending_checks.clear()
+                    return
+                self._builder = builder
+                return
+        self._build_pending()
+
+    def _build_pending(self) -> None:
+        """The builder thread: make the queued sessions, then check the queued signatures."""
+        while True:
+            with self._lock:
+                if self._closed or self.unbuildable or not (
+                        self._pending_weights or self._pending_checks):
+                    self._pending_weights.clear()
+                    self._pending_checks.clear()
+                    self._builder = None
+                    self._idle.notify_all()
+                    return
+                weights = self._pending_weights[0] if self._pending_weights else None
+                check = None
+                if weights is None:
+                    signature, check = next(iter(self._pending_checks.items()))
+                    weights = tuple(check.inputs[self._split:])
+            session = self._session(weights) or self._build(weights)
+            with self._lock:
+                if check is None:
+                    self._pending_weights.pop(0)
+                    continue
+                del self._pending_checks[signature]
+            if session is not None:
+                self._set(signature, self._compare(session, check))
+
+    def _build(self, weights: tuple[Any, ...]) -> _Session | None:
+        """A session for `weights`, kept as the latest (the least recently made one dropped
+        beyond MAX_SESSIONS); None, with `unbuildable` set, when ONNX Runtime refuses."""
+        try:
+            session = _make_session(self.model, self.model.inputs[self._split:], weights)
+        except Exception as exc:
+            self.unbuildable = _first_line(exc)
+            LOG.warning("%s stays plain: ONNX Runtime cannot load it: %s", self.__name__,
+                        self.unbuildable)
+            return None
+        with self._lock:
+            self._sessions = [*self._sessions, session][-MAX_SESSIONS:]
+            self._latest = session
+            self.sessions_built += 1
+        return session
+
+    def _compare(self, session: _Session, check: _Check) -> str:
+        """"" when the session gives the plain outputs for the check's inputs, else why not."""
+        inputs = check.inputs
+        try:
+            arrays = session.run(self._outputs, self._careful_feeds(inputs), None)
+        except Exception as exc:
+            return f"ONNX Runtime failed: {_first_line(exc)}"
+        return _mismatch([torch.from_numpy(a) for a in arrays], check.expected)
+
+    def prepare_weights(self, tensors: Any) -> None:
+        """A swap's new weights: start making their session now (the executor calls this
+        before executions see them). Only when they are all named weights: folded values
+        (`_folded.*`) are computed later, and their first call queues the session instead."""
+        names = self.weight_names
+        if not names or any(n not in tensors for n in names):
+            return
+        weights = tuple(tensors[n] for n in names)
+        with self._lock:
+            if self._closed or self.unbuildable or any(
+                    _same(s.weights, weights) for s in self._sessions):
+                return
+        self._request(weights, None, (), [])
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued for the builder; False when `timeout` passed first."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._builder is None, timeout)
+
+    async def aclose(self) -> None:
+        """Drop the queued work and wait, without holding the loop, for what the builder is
+        doing: a closed Executor leaves no builder thread behind."""
+        with self._lock:
+            self._closed = True
+        if self._builder is not None:
+            await anyio.to_thread.run_sync(self.wait_idle)
+
+    def statistics(self) -> dict[str, Any]:
+        refused = {str(tuple(tuple(s) for s in k)): v for k, v in self._checked.items() if v}
+        return {"calls": self.onnx_calls + self.plain_calls, "onnx_calls": self.onnx_calls,
+                "plain_calls": self.plain_calls,
+                "sessions": len(self._sessions), "sessions_built": self.sessions_built,
+                "checked": sum(1 for v in self._checked.values() if not v),
+                "refused": refused, "unbuildable": self.unbuildable,
+                "pending": len(self._pending_weights) + len(self._pending_checks),
+                "nodes": len(self.node_names), "decomposed": self.model.decomposed}
+
+    def __repr__(self) -> str:
+        return f"OnnxDelegate({self.__name__}, {len(self.node_names)} nodes)"
+
+
+def _make_session(model: OnnxModel, names: Sequence[str], weights: Sequence[Any]) -> _Session:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3  # no warnings about initializers its optimiser removed
+    arrays = tuple(_array(w.detach().contiguous()) for w in weights)
+    if names:
+        options.add_external_initializers(
+            list(names), [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
+    session = ort.InferenceSession(
+        model.model, options, providers=["CPUExecutionProvider"],
+        disabled_optimizers=["ConstantFolding"] if model.control_flow else None)
+    inner = getattr(session, "_sess", None)  # the binding: no per-call input-name validation
+    run = inner.run if inner is not None and hasattr(inner, "run") else session.run
+    return _Session(tuple(weights), run, session, arrays)
+
+
+_NUMPY = torch.Tensor.numpy
+
+
+def _array(tensor: Any) -> Any:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
+    return tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
+
+
+def _mismatch(actual: Sequence[torch.Tensor], expected: Sequence[Any]) -> str:
+    if len(actual) != len(expected):
+        return f"{len(actual)} outputs, the plain nodes {len(expected)}"
+    for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        if not isinstance(e, torch.Tensor) or a.shape != e.shape or a.dtype != e.dtype:
+            return f"output {k}: {a.dtype}{list(a.shape)}, the plain nodes' {_describe(e)}"
+        tolerance = CHECK_TOLERANCE.get(e.dtype)
+        if tolerance is None:
+            if not torch.equal(a, e):
+                return f"output {k} differs from the plain nodes'"
+            continue
+        rtol, atol = tolerance
+        finite = e[torch.isfinite(e)]
+        scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+        if not torch.allclose(a, e, rtol=rtol, atol=atol * scale, equal_nan=True):
+            diff = float((a.double() - e.double()).abs().nan_to_num(0.0).max())
+            return f"output {k} differs from the plain nodes' by up to {diff:.3g}"
+    return ""
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _same(held: tuple[Any, ...], weights: tuple[Any, ...]) -> bool:
+    return len(held) == len(weights) and all(map(operator.is_, held, weights))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
