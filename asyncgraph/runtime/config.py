@@ -128,6 +128,7 @@ def _min_frames_within_executions(config: ExecutorConfig) -> None:
 EXECUTOR_RULES: tuple[Rule, ...] = (
     Range("max_parallel_ops", ">=", 1),
     Range("intra_op_threads", ">=", 1, or_none=True, why="CPUs / max_parallel_ops"),
+    Range("loop_intra_op_threads", ">=", 1, or_none=True),
     Range("max_concurrent_executions", ">=", 1),
     Range("max_frame_waiters", ">=", 0),
     _min_frames_within_executions,
@@ -163,21 +164,22 @@ class ExecutorConfig:
             OMP_NUM_THREADS stands): the workers already run kernels side by side, and a team
             per worker on top oversubscribes the cores (2 cores, 2 workers: `asyncgraph demo`
             ran at 389-591 exec/s with torch's default of 2, 919-1,147 with
-            OMP_NUM_THREADS=1). `intra_op_threads_or_default` is the resolved count. The
-            executor sets it only on the worker threads it owns, never on the caller's thread
-            that runs the event loop: torch.set_num_threads reaches beyond one executor (it
-            sets the calling thread's team and the default of every thread started later, in
-            effect process-wide), and inline kernels are small by construction (below
-            `heavy_op_flops` / `heavy_node_us`), so the loop thread rarely splits one. A
-            process that owns its threads (the `asyncgraph` commands, a server) sets the same
-            count on the loop thread with
-            `torch.set_num_threads(config.intra_op_threads_or_default)`; every command that
-            runs a model does, from its `--threads` option (asyncgraph/cli/options.py). An
-            event loop on a thread other than the main one wants it too: with torch's default
-            of 2 on 2 cores, once the main thread had used an OpenMP team, a loop on another
-            thread ran a 256-wide MLP at 2.0 ms per execution against 0.10 ms (most likely
-            libgomp's spin-wait, throttled once more OpenMP threads exist than CPUs: each
-            parallel region then wakes a sleeping thread).
+            OMP_NUM_THREADS=1). `intra_op_threads_or_default` is the resolved count, set on
+            the worker threads the executor owns (the loop's thread: `loop_intra_op_threads`).
+        loop_intra_op_threads: torch's intra-op thread count on the thread that runs the
+            event loop, where inline nodes run: set when the executor binds to the loop, and
+            only lowered, never raised (a lower count the process chose stands); None leaves
+            the thread as it is. Inline kernels are small by construction (below
+            `heavy_op_flops` / `heavy_node_us`), and an OpenMP team per inline node costs
+            more than it splits: with torch's default of 2 on 2 cores, tiny BERT at batch 1
+            took 1.35-3.0x its time at 1, and 64 unbatched callers got 0.60-0.77x the
+            throughput (benchmarks/thread_policy.py, five runs); batched runs, which go whole
+            to workers, were the same either way. Once set, torch keeps the count for the
+            thread (and starts threads made later at it); the `asyncgraph` commands set the
+            same from `--threads` (asyncgraph/cli/options.py). An event loop on a thread
+            other than the main one wants it too: with torch's default of 2 on 2 cores, once
+            the main thread had used an OpenMP team, a loop on another thread ran a 256-wide
+            MLP at 2.0 ms per execution against 0.10 ms (most likely libgomp's spin-wait).
         pin_workers: pin each worker thread to a CPU of its own (of those the process may use,
             spread over every pinned pool of the process; Linux, ignored elsewhere). For a
             machine the service has to itself: the kernel may wake two workers onto one core
@@ -303,6 +305,7 @@ class ExecutorConfig:
     free_values_after_use: bool = True
     max_parallel_ops: int = field(default_factory=_default_parallel_ops)
     intra_op_threads: int | None = None
+    loop_intra_op_threads: int | None = 1
     pin_workers: bool = False
     max_concurrent_executions: int = 8
     max_frame_waiters: int = DEFAULT_MAX_FRAME_WAITERS

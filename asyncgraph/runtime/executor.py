@@ -536,6 +536,9 @@ class Executor:
         if self._loop is None:
             self._loop, self._native_loop = loop, loop.native
             self._cancelled_exc = loop.cancelled_exc
+            threads = self.config.loop_intra_op_threads  # inline nodes run on this thread
+            if threads is not None and torch.get_num_threads() > threads:
+                torch.set_num_threads(threads)
             self._scheduler.loop = loop
             if self._batcher is not None:
                 self._batcher.loop = loop
