@@ -4,8 +4,9 @@ Every command that runs a model takes `--threads`: torch's intra-op thread count
 (ExecutorConfig.intra_op_threads). Left out, it is the usable CPUs divided by the worker
 threads (max_parallel_ops), at least 1, since the workers already run kernels side by side.
 A command owns its process, so it sets the count on its own thread too, the one that runs the
-event loop and the inline kernels (torch.set_num_threads, in effect process-wide); an
-Executor inside someone else's process sets it only on its worker threads.
+event loop and the inline kernels (torch.set_num_threads, in effect process-wide), and tells
+its Executors to leave that thread as it set it; an Executor inside someone else's process
+sets its worker threads' count and lowers the loop thread's to `loop_intra_op_threads` (1).
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def load_executor(model: Path, config: ExecutorConfig, trust_compiled: bool) -> 
 
 def executor_config(threads: int | None, **options: Any) -> ExecutorConfig:
     """An ExecutorConfig with `intra_op_threads=threads`, its thread count applied to this
-    thread as well (the module docstring says why)."""
+    thread as well (the module docstring says why). The command owns this thread, which runs
+    the loop: the Executor leaves its count as set here (`loop_intra_op_threads=None`)."""
     from asyncgraph.runtime.config import ExecutorConfig
 
+    options.setdefault("loop_intra_op_threads", None)
     config = ExecutorConfig(intra_op_threads=threads, **options)
     apply_threads(config)
     return config

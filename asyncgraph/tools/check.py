@@ -119,7 +119,10 @@ async def _run_asyncgraph(
     from asyncgraph.runtime.config import ExecutorConfig
     from asyncgraph.runtime.executor import Executor
 
-    config = ExecutorConfig(intra_op_threads=threads, max_parallel_ops=max_parallel_ops)
+    config = ExecutorConfig(  # a caller that chose `threads` set the loop's count itself
+        intra_op_threads=threads, max_parallel_ops=max_parallel_ops,
+        loop_intra_op_threads=None if threads is not None else 1,
+    )
     a, k = copy.deepcopy((args, kwargs))
     try:
         async with Executor(program, config, kernel_factory=KernelFactory(config)) as ex:
