@@ -39,9 +39,10 @@ from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
 from asyncgraph.compiled.choice import choose_kernels
-from asyncgraph.compiled.package import SegmentRecord, write_package
+from asyncgraph.compiled.package import SegmentRecord, load_compiled, write_package
 from asyncgraph.compiled.packing import PackedConstant, PackingError, find_packed, verify_packed
 from asyncgraph.compiled.segments import Segment, tensor_bounded_segments
+from asyncgraph.errors import ProgramLoadError
 from asyncgraph.graph.importers import Program, from_exported_program, load_pt2
 from asyncgraph.graph.initial import initial_values
 from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, OutputKind, TensorSpec
@@ -176,6 +177,8 @@ def compile_program(
         write_package(output, ep, compiled, mode=mode, nodes_total=len(graph.nodes),
                       failed=[{"nodes": list(f.nodes), "reason": f.reason}
                               for f in report.failed])
+    say("loading the package back")
+    _check_loads(Path(output))
     report.segments = [record for record, _ in compiled]
     report.compile_s = time.perf_counter() - started
     report.package_bytes = Path(output).stat().st_size
@@ -188,13 +191,56 @@ def _exported(source: ExportedProgram | str | os.PathLike[str]) -> ExportedProgr
     unused outputs of multi-output ops such as native_layer_norm), and the segments must
     name the nodes of the program that `load` will see."""
     if isinstance(source, ExportedProgram):
-        buffer = io.BytesIO()
-        torch.export.save(source, buffer)
-        buffer.seek(0)
-        return torch.export.load(buffer)
-    program = load_pt2(source)  # checked by graph/archive/ before torch reads it
-    assert program.exported is not None
-    return program.exported
+        loaded = _round_trip(source)
+    else:
+        program = load_pt2(source)  # checked by graph/archive/ before torch reads it
+        assert program.exported is not None
+        loaded = program.exported
+    return _without_dead_code(loaded)
+
+
+def _round_trip(ep: ExportedProgram) -> ExportedProgram:
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    return torch.export.load(buffer)
+
+
+def _without_dead_code(ep: ExportedProgram) -> ExportedProgram:
+    """`ep` without nodes whose values nothing reads (fx's dead-code elimination keeps every
+    node with a side effect). AOTInductor drops such nodes with the constants only they read,
+    and a segment's manifest would still list those constants: the package then failed to
+    load (a Hugging Face BERT's unused pooler). Saved and loaded again, so that the segments
+    name the nodes of the program the package holds. Only aten ops that write nothing go:
+    anything else (a torchbind call, an effectful op) stays, whether or not it is read."""
+    graph = ep.graph_module.graph
+    if not graph.eliminate_dead_code(is_impure_node=lambda node: not _pure_aten(node)):
+        return ep
+    ep.graph_module.recompile()
+    return _round_trip(ep)
+
+
+def _pure_aten(node: torch.fx.Node) -> bool:
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and not target._schema.is_mutable
+        and not node.is_impure()
+    )
+
+
+def _check_loads(path: Path) -> None:
+    """Load the written package as `asyncgraph.load(..., trust_compiled=True)` would: compile
+    never leaves a package its own loader refuses. On failure the package is removed and the
+    error says so."""
+    try:
+        load_compiled(path)
+    except Exception as exc:
+        path.unlink(missing_ok=True)
+        raise ProgramLoadError(
+            f"{path}: the compiled package did not load back, so it was removed: {exc}"
+        ) from exc
 
 
 def default_inputs(ep: ExportedProgram, graph: Graph) -> list[Any]:

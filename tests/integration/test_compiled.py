@@ -1361,3 +1361,64 @@ def test_native_calls_from_several_threads_at_once(compiled: Compiled) -> None:
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads) and wrong == []
+
+
+# -- dead code and the round trip (issue 40) -----------------------------------------------------
+
+
+class _UnusedPooler(torch.nn.Module):
+    """A Hugging Face BERT's shape of the bug: a pooler whose linear and tanh nothing reads.
+    torch.export keeps them; AOTInductor dropped them with the constants only they read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.pooler = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        torch.tanh(self.pooler(h[:, 0]))  # nothing reads it
+        return h * 2
+
+
+def test_compile_drops_unread_nodes_but_keeps_side_effects() -> None:
+    from asyncgraph.compiled.build import _exported
+
+    ep = torch.export.export(_UnusedPooler().eval(), (torch.randn(2, 3, 8),))
+    assert {"tanh", "linear_1"} <= {n.name for n in ep.graph.nodes}
+    names = {n.name for n in _exported(ep).graph.nodes}
+    assert "tanh" not in names and "linear_1" not in names and "relu" in names
+    assert "tanh" in {n.name for n in ep.graph.nodes}  # the caller's program is untouched
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # one compile: the loop is not the point
+async def test_a_program_with_unread_nodes_compiles_to_a_package_that_loads(
+    tmp_path: Path,
+) -> None:
+    """Regression: `compile` wrote a package its loader refused ('lists constants ... that its
+    AOTI model lacks'). Dead code goes before compiling, and compile loads the package back."""
+    model = _UnusedPooler().eval()
+    x = torch.randn(2, 3, 8)
+    path = tmp_path / "pooler.aoti.pt2"
+    report = compile_program(torch.export.export(model, (x,)), path, "whole")
+    assert report.segments
+    async with asyncgraph.load(path, trust_compiled=True) as ex:
+        torch.testing.assert_close(await ex.execute(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_package_that_does_not_load_back_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compile never leaves a package its own loader refuses: the check's error names it."""
+    import asyncgraph.compiled.build as build
+
+    def refuse(path: Any, **_: Any) -> Any:
+        raise ProgramLoadError("aoti_segment_0 lists constants ['w'] that its AOTI model lacks")
+
+    monkeypatch.setattr(build, "load_compiled", refuse)
+    path = tmp_path / "broken.aoti.pt2"
+    path.write_bytes(b"written")
+    with pytest.raises(ProgramLoadError, match="did not load back, so it was removed"):
+        build._check_loads(path)
+    assert not path.exists()
