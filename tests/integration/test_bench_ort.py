@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.soak import full_soak
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import ort, suite
@@ -93,6 +95,7 @@ def export_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.timeout(600)
 @pytest.mark.asyncio(loop_factories=["asyncio"])  # the benchmark's structure, not the loop's
+@full_soak("~30 s of ONNX exports and timed rounds")
 async def test_quick_scenario_runs_every_peer_and_matches(
     export_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

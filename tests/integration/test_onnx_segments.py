@@ -14,6 +14,8 @@ import anyio
 import pytest
 import torch
 
+from tests.support.soak import full_soak_only
+
 pytest.importorskip("onnxruntime", reason="ONNX segments need the asyncgraph[onnxruntime] extra")
 pytest.importorskip("onnxscript", reason="ONNX segments need the asyncgraph[onnxruntime] extra")
 
@@ -437,12 +439,21 @@ def _ran_onnx(name: str) -> Any:
     return check
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.asyncio(loop_factories=["asyncio"])
-@pytest.mark.parametrize(("name", "decomposed"), [
+_CORPUS = [
     *((name, False) for name in _ONNX if name in CASES_BY_NAME),
     *((c.name, True) for c in _EXPORTABLE if c.decompose and c.name not in _NOT_DECOMPOSED
       and c.name in (*_ONNX, "grad_and_autocast")),
+]
+# `make test` runs an evenly spread part of the corpus (an export and a session per case, ~5 s
+# each); the full soak leg (`make soak`) runs every case.
+_SPREAD = set(_CORPUS[:: max(1, len(_CORPUS) // 8)])
+_REST = full_soak_only("the rest of the ONNX corpus")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+@pytest.mark.parametrize(("name", "decomposed"), [
+    case if case in _SPREAD else pytest.param(*case, marks=_REST) for case in _CORPUS
 ])
 async def test_the_conformance_corpus_conforms_with_onnx_segments(
     name: str, decomposed: bool, short_runs: None
