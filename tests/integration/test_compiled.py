@@ -43,7 +43,7 @@ from asyncgraph.loading import load_program
 from asyncgraph.runtime.placement import AdaptivePlacement
 from asyncgraph.runtime.plan import Placement
 from asyncgraph.testing.reference import perturbed_weights
-from tests.support.soak import soak
+from tests.support.soak import full_soak, soak
 
 # the session fixtures compile AOTI packages: one xdist worker compiles them for every test here
 pytestmark = pytest.mark.xdist_group("aoti")
@@ -820,7 +820,6 @@ def test_archive_rules_still_apply(compiled: Compiled, tmp_path: Path) -> None:
         check_pt2_archive(source)  # and without trust, its shared libraries do not
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cli_compile(compiled: Compiled, tmp_path: Path) -> None:
     from typer.testing import CliRunner
@@ -862,7 +861,7 @@ def test_the_comparison_says_when_the_package_is_not_faster() -> None:
 # -- the conformance corpus (slow: one compile per model) -----------------------------------------
 
 
-@pytest.mark.slow
+@full_soak("a compile per corpus model; test_compiled's other tests cover compiling")
 @pytest.mark.timeout(3000)
 def test_conformance_corpus(tmp_path: Path) -> None:
     """Every corpus model (at a soak scale below 1, a spread part) compiled `whole`: those
