@@ -1177,8 +1177,10 @@ def _progress_during_calls(run: Callable[[list[torch.Tensor]], Any], x: torch.Te
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", [
     "native",
+    # torch's behaviour, not asyncgraph's, so not strict: under a CPU burner the interpreter's
+    # switch interval let the counter advance 50 times during a (much longer) binding call
     pytest.param("binding", marks=pytest.mark.xfail(
-        strict=True, reason="torch's AOTIModelPackageLoader.run holds the GIL while it runs")),
+        strict=False, reason="torch's AOTIModelPackageLoader.run holds the GIL while it runs")),
 ])
 def test_the_gil_is_released_while_a_segment_runs(compiled: Compiled, path: str) -> None:
     """A Python thread keeps counting while a long segment call (200k rows) runs on this
