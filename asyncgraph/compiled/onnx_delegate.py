@@ -29,6 +29,7 @@ import torch
 import torch.fx
 
 from asyncgraph.compiled.onnx_export import OnnxModel
+from asyncgraph.compiled.scripted import run_nodes_naming_failure
 from asyncgraph.kernels.base import KernelKind
 
 LOG = logging.getLogger("asyncgraph.onnx")
@@ -164,21 +165,8 @@ class OnnxDelegate:
             raise
 
     def _run_nodes(self, inputs: Sequence[Any]) -> None:
-        """Run the segment's nodes one by one: the failing one's error gets a note naming it,
-        as the scheduler names a failing node."""
-        env: dict[torch.fx.Node, Any] = {}
-        placeholders = iter(inputs)
-        for node in self.module.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = next(placeholders)
-            elif node.op == "call_function":
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                try:
-                    env[node] = node.target(*args, **kwargs)
-                except Exception as exc:
-                    exc.add_note(f"While executing %{node.name} = {node.target}(...) in "
-                                 f"{self.__name__}")
-                    raise
+        """Run the segment's nodes one by one, naming the failing one (scripted.py)."""
+        run_nodes_naming_failure(self.module, inputs, self.__name__)
 
     def _signature(self, inputs: Sequence[Any]) -> Signature:
         if len(inputs) != len(self.model.inputs):

@@ -108,21 +108,8 @@ class ScriptedDelegate:
         return outputs
 
     def _run_nodes(self, inputs: Sequence[Any]) -> None:
-        """Run the segment's nodes one by one: the failing one's error gets a note naming it,
-        as the scheduler names a failing node (a trace's error names no node)."""
-        env: dict[torch.fx.Node, Any] = {}
-        placeholders = iter(inputs)
-        for node in self.module.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = next(placeholders)
-            elif node.op == "call_function":
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                try:
-                    env[node] = node.target(*args, **kwargs)
-                except Exception as exc:
-                    exc.add_note(f"While executing %{node.name} = {node.target}(...) in "
-                                 f"{self.__name__}")
-                    raise
+        """Run the segment's nodes one by one (a trace's error names no node)."""
+        run_nodes_naming_failure(self.module, inputs, self.__name__)
 
     def _signature(self, inputs: Sequence[Any]) -> Signature:
         try:
@@ -251,3 +238,22 @@ def script_segments(graph: Graph, min_nodes: int | None = None) -> tuple[Graph, 
         return graph, []
     return (replace_segments(graph, segments, delegate),
             [f"scripted_segment_{s.index}" for s in segments])
+
+
+def run_nodes_naming_failure(module: torch.fx.GraphModule, inputs: Sequence[Any],
+                             segment: str) -> None:
+    """Run a segment's fx nodes one by one: the failing one's error gets a note naming it and
+    the segment, as the scheduler names a failing node (scripted and ONNX segments rerun a
+    failed call this way)."""
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = iter(inputs)
+    for node in module.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "call_function":
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            try:
+                env[node] = node.target(*args, **kwargs)
+            except Exception as exc:
+                exc.add_note(f"While executing %{node.name} = {node.target}(...) in {segment}")
+                raise
