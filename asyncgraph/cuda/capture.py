@@ -104,6 +104,43 @@ CAPTURE_STREAMS = CaptureStreamLeases()
 """The process's capture-stream leases (one table: the pool they come from is torch's)."""
 
 
+class FrameLease:
+    """One frame's capture streams, leased once for its life from CAPTURE_STREAMS and given
+    back on `release` or when the frame's capture state is collected. A failed lease is tried
+    again only after some frame released streams."""
+
+    __slots__ = ("__weakref__", "_failed_at", "_release", "handles", "streams")
+
+    def __init__(self) -> None:
+        self.streams: dict[StreamKey, Any] = {}
+        self.handles: dict[StreamKey, Any] = {}  # Backend.stream_handle of each
+        self._release: weakref.finalize[Any, Any] | None = None
+        self._failed_at = -1  # CAPTURE_STREAMS.generation when no streams were free
+
+    def get(self, backend: Backend, keys: Sequence[StreamKey]) -> dict[StreamKey, Any] | None:
+        """The leased streams, leasing them on first use; None while none are free."""
+        if self.streams:
+            return self.streams
+        if self._failed_at == CAPTURE_STREAMS.generation:
+            return None
+        streams = CAPTURE_STREAMS.lease(backend, keys)
+        if streams is None:
+            self._failed_at = CAPTURE_STREAMS.generation
+            return None
+        self.streams = streams
+        self.handles = {key: backend.stream_handle(s) for key, s in streams.items()}
+        self._release = weakref.finalize(
+            self, CAPTURE_STREAMS.release, list(self.handles.values())
+        )
+        return streams
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+            self.streams, self.handles = {}, {}
+
+
 class FrameCaptures(Protocol):
     """A frame's capture state (FrameGraphs or FrameSegments), as the owner sees it."""
 

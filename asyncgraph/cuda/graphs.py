@@ -52,7 +52,6 @@ executions' work while one thread captures.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -61,11 +60,11 @@ import torch
 
 from asyncgraph.cuda.capture import (
     CAPTURE_LOCK,
-    CAPTURE_STREAMS,
     CAPTURE_WAIT_S,
     Capture,
     CaptureState,
     CudaGraphs,
+    FrameLease,
     clone_outputs,
     copy_inputs,
     empty_like,
@@ -104,8 +103,8 @@ class FrameGraphs:
     """
 
     __slots__ = (
-        "__weakref__", "_capture_set", "_fork", "_gpu", "_joins", "_lease_failed", "_owner",
-        "_pool", "_release", "_states",
+        "__weakref__", "_capture_set", "_fork", "_gpu", "_joins", "_lease", "_owner",
+        "_pool", "_states",
     )
 
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
@@ -117,8 +116,7 @@ class FrameGraphs:
         others = len(owner.runtime.plan.streams_used) - 1
         self._joins = [backend.new_event() for _ in range(others)]
         self._capture_set: StreamSet | None = None  # leased at the frame's first capture
-        self._release: weakref.finalize[Any, Any] | None = None  # the lease back (close, GC)
-        self._lease_failed = -1  # CAPTURE_STREAMS.generation when no streams were free
+        self._lease = FrameLease()
         # One memory pool for all the frame's captures: a frame replays one graph at a time
         # and clones its outputs right after, on the same stream, so a graph's intermediates
         # may reuse another's (memory: frames x the largest signature, not x signatures).
@@ -164,24 +162,18 @@ class FrameGraphs:
             if state.capture is not None:
                 state.capture.free()
         self._states.clear()
-        if self._release is not None:
-            self._release()  # the frame's capture streams go back (CaptureStreamLeases)
-            self._release, self._capture_set = None, None
+        self._lease.release()  # the frame's capture streams go back (CaptureStreamLeases)
+        self._capture_set = None
 
     def _lease_capture_set(self) -> StreamSet | None:
         """The frame's capture streams, leased once for its life (CaptureStreamLeases); None
         while every capture stream is held by other frames (tried again after a release)."""
         if self._capture_set is not None:
             return self._capture_set
-        if self._lease_failed == CAPTURE_STREAMS.generation:
-            return None
         runtime = self._owner.runtime
-        streams = CAPTURE_STREAMS.lease(runtime.backend, runtime.plan.streams_used)
+        streams = self._lease.get(runtime.backend, runtime.plan.streams_used)
         if streams is None:
-            self._lease_failed = CAPTURE_STREAMS.generation
             return None
-        handles = [runtime.backend.stream_handle(s) for s in streams.values()]
-        self._release = weakref.finalize(self, CAPTURE_STREAMS.release, handles)
         self._capture_set = StreamSet(-1, streams, runtime.plan, runtime.backend)
         return self._capture_set
 

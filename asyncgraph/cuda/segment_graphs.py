@@ -9,7 +9,6 @@ graphs, and how whole executions are captured.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,10 +17,10 @@ import torch
 
 from asyncgraph.cuda.capture import (
     CAPTURE_LOCK,
-    CAPTURE_STREAMS,
     Capture,
     CaptureState,
     CudaGraphs,
+    FrameLease,
     clone_outputs,
     copy_inputs,
     empty_like,
@@ -67,8 +66,7 @@ class FrameSegments:
     """
 
     __slots__ = (
-        "__weakref__", "_after", "_gpu", "_handles", "_lease_failed", "_marks", "_owner",
-        "_private", "_release", "_states", "version",
+        "__weakref__", "_after", "_gpu", "_lease", "_marks", "_owner", "_states", "version",
     )
 
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
@@ -80,10 +78,7 @@ class FrameSegments:
         ]
         self._marks = {key: backend.new_event() for key in owner.runtime.plan.streams_used}
         self._after = backend.new_event()
-        self._private: dict[StreamKey, Any] = {}  # capture streams, leased at first capture
-        self._handles: dict[StreamKey, Any] = {}
-        self._release: weakref.finalize[Any, Any] | None = None  # the lease back (close, GC)
-        self._lease_failed = -1  # CAPTURE_STREAMS.generation when no streams were free
+        self._lease = FrameLease()  # the frame's capture streams, leased at first capture
         self.version = 0
 
     @property
@@ -112,10 +107,7 @@ class FrameSegments:
                 if state.capture is not None:
                     state.capture.free()
             states.clear()
-        if self._release is not None:
-            self._release()  # the frame's capture streams go back (CaptureStreamLeases)
-            self._release = None
-            self._private, self._handles = {}, {}
+        self._lease.release()  # the frame's capture streams go back (CaptureStreamLeases)
 
     def run_segment(self, index: int, values: list[Any]) -> None:
         """Run segment `index` of the loaded execution: on the stream path (warm-up, a failed
@@ -211,7 +203,7 @@ class FrameSegments:
             ready.record(origin)
             streams[seg.origin].wait_event(ready)  # after the static inputs
             self._record(seg, list(private), streams)
-            with backend.capture(graph, pool, self._handles[seg.origin]):
+            with backend.capture(graph, pool, self._lease.handles[seg.origin]):
                 self._record(seg, private, streams)
         except Exception as exc:
             with contextlib.suppress(Exception):
@@ -225,24 +217,10 @@ class FrameSegments:
         return capture
 
     def _capture_streams(self) -> dict[StreamKey, Any] | None:
-        """The frame's capture streams, leased once for its life (CaptureStreamLeases), or
-        None while every capture stream is held by other frames."""
-        if self._private:
-            return self._private
-        if self._lease_failed == CAPTURE_STREAMS.generation:
-            return None
+        """The frame's capture streams (FrameLease), or None while every capture stream is
+        held by other frames."""
         runtime = self._owner.runtime
-        backend = runtime.backend
-        streams = CAPTURE_STREAMS.lease(backend, runtime.plan.streams_used)
-        if streams is None:
-            self._lease_failed = CAPTURE_STREAMS.generation
-            return None
-        self._private = streams
-        self._handles = {key: backend.stream_handle(s) for key, s in streams.items()}
-        self._release = weakref.finalize(
-            self, CAPTURE_STREAMS.release, list(self._handles.values())
-        )
-        return streams
+        return self._lease.get(runtime.backend, runtime.plan.streams_used)
 
     def _record(self, seg: Segment, values: list[Any], streams: dict[StreamKey, Any]) -> None:
         """The segment's nodes inside the capture, on the private streams: fork, nodes with
@@ -268,7 +246,7 @@ class FrameSegments:
                     stream = streams[key]
                     for source in seg.sources[position]:
                         stream.wait_event(inner[source])
-                    token = backend.enter_stream(self._handles[key])
+                    token = backend.enter_stream(self._lease.handles[key])
                     try:
                         result = raw[node](values)
                     finally:
