@@ -37,14 +37,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib
-import logging
 import sys
 import time
-import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +50,7 @@ import torch
 from torch.export import ExportedProgram
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
+from asyncgraph.compiled.onnx_export import quiet_exporter
 from benchmarks.concurrency import measure_concurrent
 from benchmarks.harness import (
     CaseResult,
@@ -173,20 +171,6 @@ def workloads(settings: Settings, names: Sequence[str] = GRAPHS) -> list[Workloa
 # -- ONNX Runtime -----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """torch.onnx's logged advice (torchvision ops it skips) and deprecation warnings off."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
-
-
 def onnx_model(work: Workload, dynamic: bool, cache: Path, notes: dict[str, Any]) -> bytes:
     """The ONNX model of `work.model` (batch 1, or batch dynamic up to MAX_BATCH), exported with
     `torch.onnx.export(dynamo=True)` or read from the cache; export time kept in `notes`."""
@@ -202,7 +186,7 @@ def onnx_model(work: Workload, dynamic: bool, cache: Path, notes: dict[str, Any]
     x = torch.cat([work.x, work.x]) if dynamic else work.x
     shapes = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},) if dynamic else None
     start = time.perf_counter()
-    with _quiet_exporter():
+    with quiet_exporter():
         program = torch.onnx.export(work.model, (x,), dynamo=True, dynamic_shapes=shapes,
                                     verbose=False)
     assert program is not None

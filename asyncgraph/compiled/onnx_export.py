@@ -124,7 +124,7 @@ def _export(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> OnnxMod
     dynamic = tuple(
         {d: torch.export.Dim.AUTO for d, size in enumerate(s.shape) if not isinstance(size, int)}
         or None for s in specs)
-    with _quiet():
+    with quiet_exporter():
         try:
             program = _torch_export(module, args, dynamic)
         except Exception as exc:
@@ -291,7 +291,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_exporter() -> Iterator[None]:
     """No warnings and no torch.onnx log lines (the exporter logs each torchvision op it
     skips) while exporting."""
     logger = logging.getLogger("torch.onnx")
