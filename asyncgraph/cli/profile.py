@@ -44,22 +44,38 @@ def render(metrics: ProfileMetrics, console: Console, top: int) -> None:
         types.add_row(op, str(count), f"{us:.1f}", f"{metrics.percent_per_node_type[op]:.1f}",
                       f"{us / count:.1f}")
     console.print(types)
-    overhead = metrics.wall_time_us - metrics.total_time_us
     folded = (f"; {metrics.folded_nodes_count} nodes read only weights and were folded into "
               "constants" if metrics.folded_nodes_count else "")
     placements = ", ".join(f"{k} {v}" for k, v in sorted(metrics.placement_counts.items()))
     console.print(
         f"nodes {metrics.total_nodes_count} (prim {metrics.prim_nodes_count}, aten "
-        f"{metrics.static_dispatch_nodes_count}); placement: {placements}"
-        f"{folded}\n"
-        f"node time {metrics.total_time_us:.1f} us, wall {metrics.wall_time_us:.1f} us per "
-        f"execution; wall - node time = {overhead:.1f} us "
-        f"({overhead / max(1, metrics.total_nodes_count):.2f} us per node, tracing included)"
+        f"{metrics.static_dispatch_nodes_count}); placement: {placements}{folded}",
+        soft_wrap=True,
     )
+    for line in time_lines(metrics):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     if metrics.cuda_graphs is not None:
         console.print(f"CUDA graphs: {metrics.cuda_graphs} (profiled executions run node by node)")
     for line in metrics.cuda_graph_segments:
         console.print(f"  {line}", markup=False)
+
+
+def time_lines(metrics: ProfileMetrics) -> list[str]:
+    """Where an execution's wall time goes, every figure the mean over the same executions
+    (asyncgraph/tools/profile.py: wall >= nodes running >= critical path by construction)."""
+    nodes = max(1, metrics.total_nodes_count)
+    at_once = "one at a time"
+    if metrics.busy_time_us and metrics.total_time_us > metrics.busy_time_us * 1.005:
+        at_once = (f"{metrics.total_time_us / metrics.busy_time_us:.2f} at once on average "
+                   "while any ran")
+    return [
+        f"wall {metrics.wall_time_us:.1f} us per execution (mean of {metrics.runs}; median "
+        f"{metrics.wall_median_us:.1f} us) = nodes running {metrics.busy_time_us:.1f} us + no "
+        f"node running {metrics.outside_nodes_us:.1f} us (scheduling and tracing, "
+        f"{metrics.outside_nodes_us / nodes:.2f} us per node)",
+        f"node time {metrics.total_time_us:.1f} us summed over {metrics.total_nodes_count} "
+        f"nodes, {at_once}; critical path {metrics.critical_path_us:.1f} us",
+    ]
 
 
 def profile(

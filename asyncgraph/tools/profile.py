@@ -1,13 +1,24 @@
 """Where the time of one execution goes, node by node (`asyncgraph profile` prints it).
 
 Built on the trace spans (ExecutorConfig(trace=True)): the program runs `warmup` times, then
-`runs` times with spans recorded, and each node's time is the mean of its spans. The report
-has the fields of nativert's ProfileMetrics (time per node, time, percent and instances per
-op type, node counts, total time) plus asyncgraph's own: where each node was placed and the
-wall time of an execution, whose difference from the summed node time is the scheduler's
-share (negative when nodes overlap on several threads).
+`runs` times one after another with spans recorded. Every figure is a mean per execution over
+the same `runs` executions, so the figures add up: a node's time is the mean of its spans, the
+summed node time is the sum of those, and per execution
 
-Recording a span costs about a microsecond per node, which the wall time includes.
+    critical path <= nodes running <= wall,    nodes running <= summed node time
+
+hold by construction (`nodes running` is the union of the execution's spans, which all lie
+inside its wall time; a node starts after its inputs' producers ended, so a dependency chain's
+spans do not overlap). `wall - nodes running` is the time no node ran: scheduling, and the
+tracing itself, which records each span after its node ends. The summed node time exceeds
+the time nodes ran only when nodes overlap on several threads. The report has the fields of
+nativert's ProfileMetrics (time per node, time, percent and instances per op type, node
+counts, total time) plus asyncgraph's own: where each node was placed, and these per-execution
+times.
+
+Traced executions run through the dataflow loop one node per unit (no fused straight line),
+so their wall time is that of a traced execution, not of an untraced one. A span holds its
+node's call and one clock read of the loop's (time.thread_time_ns, under a microsecond).
 """
 
 from __future__ import annotations
@@ -24,10 +35,11 @@ import torch
 
 from asyncgraph.cuda.capturable import plan_capture
 from asyncgraph.cuda.segments import segment_plan_for
+from asyncgraph.graph.ir import Graph
 from asyncgraph.kernels import KernelKind
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.tools.compare import random_flat_inputs
-from asyncgraph.tools.trace import TraceRecorder
+from asyncgraph.tools.trace import Span, TraceRecorder
 
 
 @dataclass(frozen=True)
@@ -60,8 +72,13 @@ class ProfileMetrics:
     percent_per_node_type: dict[str, float]
     instances_per_node_type: dict[str, int]
     placement_counts: dict[str, int]
-    total_time_us: float  # summed node time per execution
-    wall_time_us: float  # median time of `await execute_flat(...)`
+    # Per execution, each the mean over the same `runs` executions (the module docstring):
+    total_time_us: float  # summed node time (the sum of time_per_node)
+    wall_time_us: float  # the time of `await execute_flat(...)`
+    busy_time_us: float = 0.0  # the time at least one node ran: the union of its spans
+    critical_path_us: float = 0.0  # the longest chain of dependent nodes' spans
+    outside_nodes_us: float = 0.0  # wall_time_us - busy_time_us: when no node ran, >= 0
+    wall_median_us: float = 0.0  # the median wall time, for the spread (slow outliers)
     folded_nodes_count: int = 0  # run once per weights version, not per execution
     # GPU programs: whether executions are captured as CUDA graphs, and if not, why (None
     # without CUDA nodes). Decided for the program as configured without tracing: profiled
@@ -102,19 +119,60 @@ async def collect(
     for _ in range(warmup):
         await ex.execute_flat(inputs)
     recorder.clear()
-    walls = []
+    executions: list[_Execution] = []
+    clock = time.perf_counter_ns
     for _ in range(runs):
-        start = time.perf_counter()
+        first = len(recorder.spans)
+        start = clock()
         await ex.execute_flat(inputs)
-        walls.append(time.perf_counter() - start)
-    per_node = [0] * ex.plan.num_nodes
-    for span in recorder.spans:
-        per_node[span.node] += span.end_ns - span.start_ns
+        wall = clock() - start
+        # every span of this execution was recorded before its last node completed
+        executions.append(_Execution(wall, recorder.spans[first:]))
     recorder.clear()
-    return _metrics(ex, [ns / runs / 1e3 for ns in per_node], runs, statistics.median(walls))
+    return _metrics(ex, executions)
 
 
-def _metrics(ex: Executor, mean_us: list[float], runs: int, wall_s: float) -> ProfileMetrics:
+@dataclass(frozen=True)
+class _Execution:
+    wall_ns: int
+    spans: list[Span]
+
+
+@dataclass(frozen=True)
+class _Times:
+    """One execution's times in ns: node time summed, nodes running, critical path, wall."""
+
+    per_node: list[int]
+    busy: int
+    critical_path: int
+    wall: int
+
+
+def _times(graph: Graph, execution: _Execution) -> _Times:
+    per_node = [0] * len(graph.nodes)
+    for span in execution.spans:
+        per_node[span.node] += span.end_ns - span.start_ns
+    busy, end = 0, None  # the union of the spans, by start
+    for span in sorted(execution.spans, key=lambda s: s.start_ns):
+        if end is None or span.start_ns >= end:
+            busy += span.end_ns - span.start_ns
+            end = span.end_ns
+        elif span.end_ns > end:
+            busy += span.end_ns - end
+            end = span.end_ns
+    chain = [0] * len(graph.nodes)  # nodes are in topological order
+    for node in graph.nodes:
+        producers = (graph.values[v].producer for v in node.inputs())
+        chain[node.index] = per_node[node.index] + max(
+            (chain[p] for p in producers if p is not None), default=0
+        )
+    return _Times(per_node, busy, max(chain, default=0), execution.wall_ns)
+
+
+def _metrics(ex: Executor, executions: Sequence[_Execution]) -> ProfileMetrics:
+    runs = len(executions)
+    times = [_times(ex.graph, e) for e in executions]
+    mean_us = [sum(t.per_node[i] for t in times) / runs / 1e3 for i in range(len(ex.graph.nodes))]
     total = sum(mean_us)
     nodes = []
     by_type: dict[str, float] = defaultdict(float)
@@ -145,7 +203,11 @@ def _metrics(ex: Executor, mean_us: list[float], runs: int, wall_s: float) -> Pr
         instances_per_node_type={k: instances[k] for k in order},
         placement_counts=dict(placements),
         total_time_us=total,
-        wall_time_us=wall_s * 1e6,
+        wall_time_us=sum(t.wall for t in times) / runs / 1e3,
+        busy_time_us=sum(t.busy for t in times) / runs / 1e3,
+        critical_path_us=sum(t.critical_path for t in times) / runs / 1e3,
+        outside_nodes_us=sum(t.wall - t.busy for t in times) / runs / 1e3,
+        wall_median_us=statistics.median(t.wall for t in times) / 1e3,
         folded_nodes_count=ex.statistics().folded_nodes,
         cuda_graphs=cuda_graph_decision(ex),
         cuda_graph_segments=cuda_graph_segments(ex),

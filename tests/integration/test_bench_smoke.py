@@ -86,6 +86,66 @@ async def test_profile_collects_every_node(tmp_path: Path) -> None:
     assert json.loads(json.dumps(metrics.as_dict()))["runs"] == 2
 
 
+class _Elementwise(torch.nn.Module):
+    """Many tiny elementwise ops: every node is placed inline, on the loop thread."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(20):
+            x = x * 1.001 + 0.01
+            x = torch.relu(x) if i % 2 else x
+        return x
+
+
+async def test_profile_times_of_an_inline_model_add_up(tmp_path: Path) -> None:
+    """Issue #37: node time (a mean) against wall (a median) made `wall - node time` negative.
+    Every figure is now a mean over the same executions: wall = nodes running + no node
+    running, with no node running >= 0, and on one thread summed node time = nodes running
+    = critical path."""
+    import asyncgraph
+
+    ep = torch.export.export(_Elementwise(), (torch.randn(4, 8),))
+    ex = asyncgraph.Executor(ep, asyncgraph.ExecutorConfig(trace=True))
+    try:
+        metrics = await collect(ex, example_inputs(ex), runs=30, warmup=2)
+    finally:
+        await ex.aclose()
+    assert set(metrics.placement_counts) == {"inline"}, metrics.placement_counts
+    assert metrics.outside_nodes_us >= 0
+    assert metrics.wall_time_us == pytest.approx(
+        metrics.busy_time_us + metrics.outside_nodes_us)
+    assert metrics.wall_time_us >= metrics.busy_time_us >= metrics.critical_path_us > 0
+    assert metrics.total_time_us == pytest.approx(sum(n.mean_us for n in metrics.time_per_node))
+    # one thread: no two spans overlap, and the graph is one chain
+    assert metrics.total_time_us == pytest.approx(metrics.busy_time_us)
+    assert metrics.critical_path_us == pytest.approx(metrics.busy_time_us)
+
+
+async def test_profile_times_of_a_parallel_model_are_ordered(tmp_path: Path) -> None:
+    """Nodes overlapping on worker threads: summed node time may pass the wall, but nodes
+    running (the union of the spans) and the critical path never do."""
+    import asyncgraph
+
+    class Wide(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ls = torch.nn.ModuleList(torch.nn.Linear(128, 128) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return sum((torch.relu(layer(x)) for layer in self.ls), torch.zeros(()))
+
+    ep = torch.export.export(Wide().eval(), (torch.randn(32, 128),))
+    config = asyncgraph.ExecutorConfig(trace=True, max_parallel_ops=2)
+    ex = asyncgraph.Executor(ep, config)
+    try:
+        metrics = await collect(ex, example_inputs(ex), runs=10, warmup=2)
+    finally:
+        await ex.aclose()
+    assert metrics.outside_nodes_us >= 0
+    assert metrics.wall_time_us >= metrics.busy_time_us >= metrics.critical_path_us > 0
+    assert metrics.total_time_us >= metrics.busy_time_us * (1 - 1e-9)
+    assert metrics.total_time_us == pytest.approx(sum(n.mean_us for n in metrics.time_per_node))
+
+
 async def test_nativert_compare_tiny_runs_its_graphs_and_peers(tmp_path: Path) -> None:
     """benchmarks/nativert_compare.py at tiny sizes: its graph builders and the asyncgraph peers
     run and agree with eager; nativert joins where this torch has a working PyModelRunner
