@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncgraph.errors import ExecutorClosedError, InputValidationError, OverloadedError
 from asyncgraph.runtime.executor import Executor
@@ -97,7 +97,17 @@ class ClientDisconnected(Exception):
 
 
 class ExecutionTimeout(Exception):
-    """The request took longer than timeout_ms; its execution was cancelled."""
+    """The request passed its deadline: before it ran (`ran` False: it never executed) or
+    while it ran (its execution was cancelled)."""
+
+    def __init__(self, message: str, *, ran: bool) -> None:
+        super().__init__(message)
+        self.ran = ran
+
+
+#: The ASGI scope key holding the loop time a request reached the app (`_StampArrival`): its
+#: deadline counts from there, so the body's read and everything before the route runs count.
+ARRIVAL_KEY = "asyncgraph.arrival"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +121,29 @@ class Deadline:
 
     def remaining(self) -> float:
         return self.at - asyncio.get_running_loop().time()
+
+    def passed(self) -> bool:
+        return self.remaining() <= 0
+
+    def describe(self) -> str:
+        """`0.2 ms timeout (parameters.timeout = 200 us)`: the unit a client sent too."""
+        text = f"{self.timeout_s * 1e3:g} ms timeout ({self.source}"
+        if self.source == "parameters.timeout":
+            text += f" = {round(self.timeout_s * 1e6)} us"
+        return text + ")"
+
+    def exceeded(self, model: str, phase: str, ran: bool, queue_s: float | None = None) -> (
+        ExecutionTimeout
+    ):
+        """The 504 of a request that passed this deadline while in `phase`."""
+        since = asyncio.get_running_loop().time() - (self.at - self.timeout_s)
+        queued = "" if queue_s is None else f", queued {queue_s * 1e3:.1f} ms"
+        return ExecutionTimeout(
+            f"model {model!r}: the request exceeded the {self.describe()} while {phase} "
+            f"({since * 1e3:.1f} ms after it reached the server{queued}); "
+            + ("its execution was cancelled" if ran else "it never ran"),
+            ran=ran,
+        )
 
 
 def deadline_for(
@@ -242,8 +275,10 @@ class InferenceServer:
     # -- inference --------------------------------------------------------------------------
 
     async def infer(self, request: Request) -> Response:
-        start = time.perf_counter()
-        arrival = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        # the deadline counts from when the request reached the app (its headers), stamped by
+        # _StampArrival; a route called without it (a test calling the handler) counts from now
+        arrival = request.scope.get(ARRIVAL_KEY) or loop.time()
         name = request.path_params["name"]
         served = self.served(name, request.path_params.get("version"))
         timing: list[float] = []
@@ -251,7 +286,7 @@ class InferenceServer:
         self.metrics.observe(
             name,
             response.status_code,
-            total_s=time.perf_counter() - start,
+            total_s=loop.time() - arrival,
             queue_s=timing[0] if timing else None,
             compute_s=timing[1] if timing else None,
             failure=failure,
@@ -266,6 +301,8 @@ class InferenceServer:
         try:
             declared = self._declared_length(request)
             server_deadline = deadline_for(arrival, self.timeout_s, None)
+            if server_deadline is not None and server_deadline.passed():
+                raise server_deadline.exceeded(name, "it waited to be read", ran=False)
             # refused (503) before the body is read if it cannot make the server's deadline
             # or the queue's memory caps are reached
             # the body's bytes are charged as they arrive (Ticket.grow), not as declared
@@ -281,6 +318,8 @@ class InferenceServer:
                     )
                 deadline = deadline_for(arrival, self.timeout_s, decoded.timeout_s)
                 del body  # freed while it queues; the ticket keeps its size as the estimate
+                if deadline is not None and deadline.passed():  # not worth running any more
+                    raise deadline.exceeded(name, "it was read and decoded", ran=False)
                 outputs, queue_s, compute_s = await self._execute(
                     request, served, decoded, ticket, deadline
                 )
@@ -308,7 +347,11 @@ class InferenceServer:
         except (ExecutorClosedError, OverloadedError) as exc:
             return error_response(ProtocolError(f"model {name!r}: {exc}", 503)), m.REJECTED
         except ExecutionTimeout as exc:
-            return error_response(ProtocolError(str(exc), 504)), m.CANCELED
+            # Triton counts a request that timed out in its scheduler (before it ran) as
+            # REJECTED; a running execution cancelled at its deadline is CANCELED
+            return error_response(ProtocolError(str(exc), 504)), (
+                m.CANCELED if exc.ran else m.REJECTED
+            )
         except (ClientDisconnected, ClientDisconnect):
             return Response(status_code=499), m.CANCELED  # nobody reads it; it is for the log
         except Exception as exc:
@@ -374,15 +417,22 @@ class InferenceServer:
     ) -> tuple[list[Any], float, float]:
         """Queue, execute and time one request; cancelled at its deadline or a disconnect.
 
-        A request whose deadline passes while it queues is answered 504 without running."""
-        phase = "queued"
-        queue_s = 0.0
+        A request whose deadline passes while it queues, or has passed when it is handed its
+        slot, is answered 504 without running."""
+        model = served.interface.model
+        running = False
+        queue_s: float | None = None
 
         async def run() -> tuple[list[Any], float, float]:
-            nonlocal phase, queue_s
+            nonlocal running, queue_s
             remaining = deadline.remaining() if deadline else None
             async with served.admission.slot(ticket, remaining) as queue_s:
-                phase = "running"
+                # checked here, with nothing awaited until the execution starts: a passed
+                # deadline's timer fires only at the next await, and an execution that runs
+                # straight through (no await) would have run, and answered 200, past it
+                if deadline is not None and deadline.passed():
+                    raise deadline.exceeded(model, "queued", ran=False, queue_s=queue_s)
+                running = True
                 started = time.perf_counter()
                 outputs = await served.executor.execute_flat(decoded.inputs)
                 return outputs, queue_s, time.perf_counter() - started
@@ -394,11 +444,8 @@ class InferenceServer:
                 async with asyncio.timeout_at(deadline.at):
                     return await run()
             except TimeoutError:
-                raise ExecutionTimeout(
-                    f"model {served.interface.model!r}: the request exceeded the "
-                    f"{deadline.timeout_s * 1e3:g} ms timeout ({deadline.source}) while "
-                    f"{phase} (queued {queue_s * 1e3:.1f} ms); "
-                    + ("its execution was cancelled" if phase == "running" else "it never ran")
+                raise deadline.exceeded(
+                    model, "running" if running else "queued", ran=running, queue_s=queue_s
                 ) from None
 
         return await _until_disconnect(bounded(), request.receive)
@@ -467,6 +514,7 @@ def create_app(
 
     routes = _routes(server)
     app = Starlette(routes=routes, lifespan=lifespan)
+    app.add_middleware(_StampArrival)
     # a trailing slash is a 404 in the protocol's format, not a 307 to the path without it
     app.router.redirect_slashes = False
     app.add_exception_handler(ProtocolError, _protocol_error_handler)
@@ -549,6 +597,21 @@ async def _http_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = f"{request.method} {request.url.path}: {exc.detail}"
     return JSONResponse({"error": message}, exc.status_code, headers=exc.headers)
+
+
+class _StampArrival:
+    """Stamps each HTTP request's scope with the loop time it reached the app (`ARRIVAL_KEY`)
+    before Starlette's middleware and routing run: the earliest point an ASGI app sees a
+    request, once the server has parsed its headers. Its deadline counts from there. A parent
+    app that stamped it first (mounting this one) keeps its own stamp."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and ARRIVAL_KEY not in scope:
+            scope[ARRIVAL_KEY] = asyncio.get_running_loop().time()
+        await self.app(scope, receive, send)
 
 
 # -- helpers --------------------------------------------------------------------------------

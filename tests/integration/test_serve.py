@@ -12,6 +12,7 @@ import gzip
 import json
 import re
 import threading
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -522,7 +523,7 @@ async def test_a_deadline_that_passes_while_queued_answers_504_without_running()
         )
         assert late.status_code == 504, late.text
         error = late.json()["error"]
-        assert "50 ms timeout (parameters.timeout) while queued" in error
+        assert "50 ms timeout (parameters.timeout = 50000 us) while queued" in error
         assert "it never ran" in error
         assert gate.calls == 2
         gate.release.set()
@@ -530,8 +531,88 @@ async def test_a_deadline_that_passes_while_queued_answers_504_without_running()
         admission = server.served("g").admission
         assert admission.queued == 0 and admission.running == 0
         text = (await client.get("/metrics")).text
-    assert metric(text, "nv_inference_request_failure", model="g", reason="CANCELED") == 1
+    # Triton counts a request that timed out in its scheduler's queue as REJECTED
+    assert metric(text, "nv_inference_request_failure", model="g", reason="REJECTED") == 1
+    assert metric(text, "nv_inference_request_failure", model="g", reason="CANCELED") == 0
     assert ex.statistics().completed == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout_us", [1, 200])
+async def test_a_deadline_that_passed_while_decoding_answers_504_without_running(
+    linear: Any, monkeypatch: pytest.MonkeyPatch, timeout_us: int
+) -> None:
+    """Issue 37: a 64-row request with `parameters.timeout` 1 (microseconds, Triton's unit)
+    got 200: its deadline passed while it was decoded, and an execution that runs straight
+    through never reached the await where the timer fires. Decoding now takes 1 ms, past
+    either timeout: 504 before anything runs, counted REJECTED as Triton counts a request
+    that timed out before it ran. Without a timeout of its own it runs."""
+    from asyncgraph.serve.codec import decode_request
+
+    def slow_decode(*args: Any) -> Any:
+        time.sleep(0.001)  # the decode outlasts the timeout, whatever the machine's speed
+        return decode_request(*args)
+
+    monkeypatch.setattr(app_module, "decode_request", slow_decode)
+    _, ep = linear
+    x = torch.randn(64, 4)
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as (_, client, _url):
+        late = await client.post(
+            "/v2/models/lin/infer", json=infer_body(x, parameters={"timeout": timeout_us})
+        )
+        assert late.status_code == 504, late.text
+        error = late.json()["error"]
+        assert f"(parameters.timeout = {timeout_us} us) while it was read and decoded" in error
+        assert error.endswith("it never ran")
+        assert ex.statistics().completed == 0
+        ok = await client.post("/v2/models/lin/infer", json=infer_body(x))
+        assert ok.status_code == 200, ok.text
+        assert ex.statistics().completed == 1
+        text = (await client.get("/metrics")).text
+    assert metric(text, "nv_inference_request_failure", model="lin", reason="REJECTED") == 1
+    assert metric(text, "nv_inference_request_failure", model="lin", reason="CANCELED") == 0
+    assert metric(text, "asyncgraph_requests_total", model="lin", code="504") == 1
+    assert metric(text, "nv_inference_request_success", model="lin") == 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_deadline_that_passed_when_its_slot_came_answers_504_without_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request handed its slot after its deadline passed, before the deadline's timer
+    could fire (the loop was busy until then: here the slot's hand-over blocks the loop past
+    the deadline), is answered 504 without running."""
+    calls: list[int] = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x * 2
+
+    async with asyncgraph.Executor(gated_graph(double)) as ex, serving({"g": ex}) as (
+        server, client, _url
+    ):
+        admission = server.served("g").admission
+        slot = admission.slot
+
+        @asynccontextmanager
+        async def late_slot(ticket: Any, remaining_s: float | None = None) -> Any:
+            async with slot(ticket, remaining_s) as queue_s:
+                assert remaining_s is not None and remaining_s > 0
+                time.sleep(remaining_s + 0.001)  # the loop is held past the deadline
+                yield queue_s
+
+        monkeypatch.setattr(admission, "slot", late_slot)
+        late = await client.post(
+            "/v2/models/g/infer", json=infer_body(torch.ones(2), parameters={"timeout": 300_000})
+        )
+        assert late.status_code == 504, late.text
+        error = late.json()["error"]
+        assert "(parameters.timeout = 300000 us) while queued" in error
+        assert error.endswith("it never ran")
+        assert calls == [] and ex.statistics().completed == 0
+        assert admission.running == 0 and admission.queued == 0
+        text = (await client.get("/metrics")).text
+    assert metric(text, "nv_inference_request_failure", model="g", reason="REJECTED") == 1
 
 
 def charge_decodes(
@@ -912,6 +993,9 @@ async def test_timeout_cancels_a_slow_execution() -> None:
         assert gate.cancelled == 1
         stats = ex.statistics()
         assert stats.cancelled == 1 and stats.frames.in_use == 0
+        text = (await client.get("/metrics")).text
+    assert metric(text, "nv_inference_request_failure", model="g", reason="CANCELED") == 1
+    assert metric(text, "nv_inference_request_failure", model="g", reason="REJECTED") == 0
 
 
 async def test_kernel_error_is_500_naming_the_node() -> None:
