@@ -62,7 +62,11 @@ class StressConfig:
         cancel_rate: fraction of executions whose caller is cancelled after a random delay.
         timeout_rate: fraction of executions run under asyncio.timeout with a random deadline.
         fault_rate: fraction of executions that hit an injected kernel fault (InjectedFault),
-            spread evenly over the nodes each execution runs (not the folded ones).
+            spread evenly over the nodes each execution runs (not the folded ones). With
+            batching an execution is a batch, and a faulted batch of several requests is
+            retried request by request (BatchingConfig.retry_alone), each retry drawing its
+            own faults: the report counts injected faults, retried batches and the faults
+            that reached callers apart.
         delay_rate: fraction of kernel calls delayed by up to `max_delay_s` (worker and async
             kernels only, so the event loop itself is never put to sleep).
         max_delay_s: the longest injected delay.
@@ -116,7 +120,16 @@ class StressConfig:
 
 @dataclass(frozen=True)
 class StressReport:
-    """The outcome of a stress run; `ok` when there was no violation."""
+    """The outcome of a stress run; `ok` when there was no violation.
+
+    `faulted` counts the callers whose call failed with an injected fault: the faults that
+    reached callers. `injected_faults` counts the kernel calls that raised one, and
+    `retried_batches` the batches of several requests that failed and were retried request by
+    request (0 without batching). A fault reaches at most one caller and a retried batch
+    absorbs at least one fault, so `injected_faults >= faulted + retried_batches` when failed
+    batches are retried (a violation otherwise); the rest hit executions whose callers had
+    gone (cancelled, timed out) or hit the same execution twice (nodes on several threads).
+    """
 
     config: StressConfig
     completed: int
@@ -135,6 +148,8 @@ class StressReport:
     verify_s: float = 0.0  # checking the results against the reference
     total_s: float = 0.0  # everything: making the inputs, the run and the check
     reference_runs: int = 0
+    injected_faults: int = 0
+    retried_batches: int = 0
 
     @property
     def ok(self) -> bool:
@@ -148,7 +163,9 @@ class StressReport:
             f"  completed    {self.completed}",
             f"  cancelled    {self.cancelled}",
             f"  timed out    {self.timed_out}",
-            f"  faulted      {self.faulted}",
+            f"  faulted      {self.faulted} (injected faults that reached callers)",
+            f"  injected     {self.injected_faults} fault(s), {self.retried_batches} failed "
+            "batch(es) retried request by request",
             f"  mismatches   {self.mismatches}",
             f"  errors       {self.errors}",
             f"  weight swaps {self.weight_swaps}",
@@ -310,7 +327,11 @@ async def run_stress(
         stats = executor.statistics()
         await executor.aclose(cancel=True)
     elapsed = time.perf_counter() - started
+    injected = sum(1 for event in faults.events if event.action == "raise")
+    batching = executor.batching_statistics()
+    retried = batching.retried_alone if batching is not None else 0
     _check_after(executor, stats, tally, jobs)
+    _check_faults(executor, injected, retried, tally)
     mismatches = await _verify(references, jobs, versions, tally, progress)
     verified = time.perf_counter()
     lag_p99 = monitor.p99
@@ -336,6 +357,8 @@ async def run_stress(
         verify_s=verified - started - elapsed,
         total_s=verified - began,
         reference_runs=references.runs,
+        injected_faults=injected,
+        retried_batches=retried,
     )
 
 
@@ -536,6 +559,19 @@ def _check_after(
             )
     if sum(1 for j in jobs if j.outputs is not None) != tally.completed:
         tally.violations.append("a completed execution has no outputs")
+
+
+def _check_faults(executor: Executor, injected: int, retried: int, tally: _Tally) -> None:
+    """Each fault a caller saw and each retried batch came from an injected fault of its own
+    execution (a batch's members are retried one by one, each an execution of its own)."""
+    batching = executor.config.batching
+    if batching is not None and not batching.retry_alone:
+        return  # one fault in a batch reaches every member
+    if injected < tally.faulted + retried:
+        tally.violations.append(
+            f"{tally.faulted} fault(s) reached callers and {retried} failed batch(es) were "
+            f"retried, but only {injected} fault(s) were injected"
+        )
 
 
 class _References:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import re
 import threading
 import time
 from pathlib import Path
@@ -107,6 +108,42 @@ async def test_short_soak_with_dynamic_batching(seed: int) -> None:
     total = report.completed + report.cancelled + report.timed_out + report.faulted
     assert total == config.executions and report.errors == 0 and report.completed > 0
     assert "mismatches   0" in report.summary()
+
+
+async def test_batching_reports_injected_retried_and_reached_faults_apart() -> None:
+    """Issue #37: with batching, a faulted batch is retried request by request, so most
+    injected faults never reach a caller; the report counts the three apart, consistently."""
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(Block().eval(), (torch.randn(16, 32),), dynamic_shapes=({0: batch},))
+    config = StressConfig(
+        executions=300, concurrency=16, cancel_rate=0.0, timeout_rate=0.0, fault_rate=0.3,
+        delay_rate=0.0, seed=3,
+    )
+    executor_config = ExecutorConfig(
+        max_concurrent_executions=2, batching=BatchingConfig(max_batch_size=64)  # 4 requests
+    )
+    report = await run_stress(ep, config, executor_config=executor_config)
+    assert report.ok, report.summary()
+    assert report.completed + report.faulted == config.executions and report.errors == 0
+    assert report.retried_batches > 0
+    assert report.injected_faults > report.faulted
+    # each caller's fault and each retried batch had an injected fault of its own execution
+    assert report.injected_faults >= report.faulted + report.retried_batches
+    summary = report.summary()
+    assert f"faulted      {report.faulted} (injected faults that reached callers)" in summary
+    assert (f"injected     {report.injected_faults} fault(s), {report.retried_batches} failed "
+            "batch(es) retried request by request") in summary
+
+
+async def test_without_batching_no_batch_is_retried() -> None:
+    config = StressConfig(executions=60, concurrency=1, cancel_rate=0, timeout_rate=0,
+                          fault_rate=0.3, delay_rate=0.0, seed=9)
+    report = await run_stress(async_graph(), config, inputs=lambda rng: [rng.uniform(-3, 3)])
+    assert report.ok, report.summary()
+    assert report.retried_batches == 0
+    # one caller at a time, no cancellations: every injected fault reaches its caller
+    assert report.injected_faults == report.faulted > 0
 
 
 async def test_short_soak_async_graph() -> None:
@@ -343,9 +380,11 @@ def test_cli_stress(tmp_path: Path, block_ep: torch.export.ExportedProgram) -> N
         "--seed", "2",
     ])
     assert result.exit_code == 0, result.output
-    for word in ("completed", "cancelled", "timed out", "faulted", "mismatches",
-                 "frames high-water", "loop lag p99", "no violation"):
+    for word in ("completed", "cancelled", "timed out", "faults injected",
+                 "faults reached callers", "mismatches", "frames high-water", "loop lag p99",
+                 "no violation"):
         assert word in result.output
+    assert "batches retried alone" not in result.output  # no batching
 
 
 def test_cli_stress_with_batching(tmp_path: Path) -> None:
@@ -356,10 +395,13 @@ def test_cli_stress_with_batching(tmp_path: Path) -> None:
     torch.export.save(ep, path)
     result = CliRunner().invoke(app, [
         "stress", str(path), "--executions", "60", "--concurrency", "8", "--cancel-rate", "0.1",
-        "--fault-rate", "0.1", "--swap-weights-every", "10", "--max-batch-size", "16",
+        "--fault-rate", "0.1", "--swap-weights-every", "10", "--max-batch-size", "64",
     ])
     assert result.exit_code == 0, result.output
     assert "no violation" in result.output
+    rows = dict(re.findall(r"│ ([a-z ]+?) +│ +(\d+) │", result.output))
+    injected, retried = int(rows["faults injected"]), int(rows["batches retried alone"])
+    assert injected >= int(rows["faults reached callers"]) + retried
 
 
 def test_cli_stress_refuses_a_bad_archive(tmp_path: Path) -> None:
