@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import re
 import secrets
 import threading
 from collections.abc import Iterator, Mapping
@@ -646,9 +647,12 @@ def _check_types(values: list[Any], datatype: str, where: str, offset: int) -> N
                 )
     else:
         for k, v in enumerate(values):
-            if type(v) is not float and type(v) is not int:
+            if type(v) is not float and type(v) is not int and not (
+                type(v) is str and v in NONFINITE_STRINGS
+            ):
                 raise ProtocolError(
-                    f"{where}.data[{offset + k}]: expected a number, got {_show(v)}"
+                    f"{where}.data[{offset + k}]: expected a number (or \"NaN\", "
+                    f"\"Infinity\", \"-Infinity\"), got {_show(v)}"
                 )
 
 
@@ -773,15 +777,31 @@ def encode_response(
 ENCODE_PIECE = 1 << 15
 
 
+#: JSON has no NaN or infinities: a float output's non-finite values are written as these
+#: strings (protobuf's JSON mapping of float and double, which JavaScript's Number(), Go's
+#: strconv.ParseFloat and numpy's float conversion read), so that strict parsers (JSON.parse,
+#: Go's encoding/json) accept the response. Input data accepts them as well as the bare
+#: tokens Python and Triton read.
+NONFINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_NONFINITE_TOKEN = re.compile(r"-?Infinity|NaN")
+
+
 def _json_values(tensor: torch.Tensor) -> str:
-    """`json.dumps(tensor.reshape(-1).tolist())` (compact), in pieces."""
+    """`json.dumps(tensor.reshape(-1).tolist())` (compact), in pieces; a float tensor's
+    non-finite values as the strings of `NONFINITE_STRINGS`."""
     flat = tensor.reshape(-1)
     n = flat.numel()
     if n <= ENCODE_PIECE:
-        return json.dumps(flat.tolist(), separators=(",", ":"))
-    parts = [json.dumps(flat[i:i + ENCODE_PIECE].tolist(), separators=(",", ":"))[1:-1]
-             for i in range(0, n, ENCODE_PIECE)]
-    return "[" + ",".join(parts) + "]"
+        text = json.dumps(flat.tolist(), separators=(",", ":"))
+    else:
+        parts = [json.dumps(flat[i:i + ENCODE_PIECE].tolist(), separators=(",", ":"))[1:-1]
+                 for i in range(0, n, ENCODE_PIECE)]
+        text = "[" + ",".join(parts) + "]"
+    if flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
+        # json.dumps wrote them as the bare tokens NaN, Infinity, -Infinity, which no number
+        # it writes contains: quote them
+        text = _NONFINITE_TOKEN.sub(r'"\g<0>"', text)
+    return text
 
 
 #: Bytes of JSON per element at most, by datatype ("-1.2345678901234567e-308," for a float:

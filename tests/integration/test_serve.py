@@ -1003,6 +1003,36 @@ async def test_timeout_cancels_a_slow_execution() -> None:
     assert metric(text, "nv_inference_request_failure", model="g", reason="REJECTED") == 0
 
 
+async def test_nonfinite_outputs_are_json_that_strict_parsers_read() -> None:
+    """Issue 37: `"data":[NaN]` is not JSON (JavaScript's JSON.parse and Go's encoding/json
+    refuse it). NaN and the infinities travel as the strings "NaN", "Infinity", "-Infinity"
+    (docs/serving.md), are accepted back as input data, and binary data is raw bytes."""
+
+    def strict(token: str) -> Any:
+        raise ValueError(f"{token} is not JSON")
+
+    async with asyncgraph.Executor(gated_graph(torch.log)) as ex, serving({"g": ex}) as (
+        _, client, _url
+    ):
+        r = await client.post("/v2/models/g/infer", json=infer_body(torch.tensor([-1.0, 0.0])))
+        assert r.status_code == 200, r.text
+        [out] = json.loads(r.text, parse_constant=strict)["outputs"]
+        assert out["data"] == ["NaN", "-Infinity"]
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2],
+                            "data": ["Infinity", "NaN"]}]}
+        r = await client.post("/v2/models/g/infer", json=body)
+        assert r.status_code == 200, r.text
+        assert json.loads(r.text, parse_constant=strict)["outputs"][0]["data"] == [
+            "Infinity", "NaN"
+        ]
+        body["outputs"] = [{"name": "output_0", "parameters": {"binary_data": True}}]
+        r = await client.post("/v2/models/g/infer", json=body)
+        n = int(r.headers["Inference-Header-Content-Length"])
+        got = np.frombuffer(r.content[n:], dtype=np.float32)
+        assert got[0] == np.inf and np.isnan(got[1])
+        assert ex.statistics().completed == 3
+
+
 async def test_kernel_error_is_500_naming_the_node() -> None:
     def explode(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("boom")
@@ -1086,7 +1116,8 @@ MALFORMED: dict[str, tuple[tuple[bytes, dict[str, str]], str]] = {
         "inputs[0] ('x').data: expected 4 element(s) for shape [1, 4], got 3"),
     "data element": (
         _json(_x(data=[1.0, "a", 2.0, 3.0])),
-        "inputs[0] ('x').data[1]: expected a number, got 'a'"),
+        "inputs[0] ('x').data[1]: expected a number (or \"NaN\", \"Infinity\", "
+        "\"-Infinity\"), got 'a'"),
     "no data": (_json(_x(data=None)), "inputs[0] ('x').data: missing"),
     "bad timeout": (
         _json({**_x(), "parameters": {"timeout": 1.5}}),

@@ -7,6 +7,7 @@ our responses are parsed with `InferenceServerClient.parse_response_body`, for e
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
@@ -81,6 +82,68 @@ def test_roundtrip_with_tritonclient(datatype: str, binary: bool) -> None:
     got = result.as_numpy("output_0")
     assert got.shape == (2, 3)
     np.testing.assert_array_equal(got, to_numpy(x))
+
+
+def strict_json(text: str | bytes) -> Any:
+    """json.loads as strict parsers (JavaScript's JSON.parse, Go's encoding/json) read
+    JSON: NaN, Infinity and -Infinity are not JSON."""
+
+    def refuse(token: str) -> Any:
+        raise ValueError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+NONFINITE = [1.5, math.nan, math.inf, -math.inf, -0.0, 3e38]
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64", "BF16"])
+@pytest.mark.parametrize("n", [len(NONFINITE), 3 * codec.ENCODE_PIECE // 2],
+                         ids=["short", "pieces"])
+def test_nonfinite_outputs_are_strict_json_strings_that_round_trip(datatype: str, n: int) -> None:
+    """Issue 37: `"data":[NaN]` is not JSON. Non-finite values are written as the strings
+    "NaN", "Infinity", "-Infinity" (protobuf's JSON mapping); a strict parser reads the
+    response, the values come back, tritonclient reads them, and the decoder takes them back
+    as input data."""
+    dtype = TORCH_DTYPES[datatype]
+    values = (NONFINITE * (n // len(NONFINITE) + 1))[:n]
+    x = torch.tensor(values, dtype=torch.float64).to(dtype)
+    iface = ModelInterface("m", identity_graph(dtype, (n,)))
+    doc = {"inputs": [{"name": "x", "datatype": datatype, "shape": [n], "data": [0.0] * n}]}
+    request = decode_request(json.dumps(doc).encode(), None, iface)
+    payload, headers = encode_response("m", request, [x])
+    assert headers["content-type"] == "application/json"
+    [out] = strict_json(payload)["outputs"]
+    data = out["data"]
+    assert data[:4] == [float(x[0]), "NaN", "Infinity", "-Infinity"]
+    assert {v for v in data if isinstance(v, str)} == {"NaN", "Infinity", "-Infinity"}
+    back = torch.tensor([codec.NONFINITE_STRINGS.get(v, v) for v in data], dtype=dtype)
+    torch.testing.assert_close(back, x, equal_nan=True, rtol=0, atol=0)
+    if datatype != "BF16":  # tritonclient refuses BF16 as JSON
+        got = th.InferenceServerClient.parse_response_body(payload).as_numpy("output_0")
+        np.testing.assert_array_equal(got, x.numpy())
+    # the response's data, sent back as a request's, decodes to the same values
+    doc["inputs"][0]["data"] = data
+    echoed = decode_request(json.dumps(doc).encode(), None, iface).inputs[0]
+    torch.testing.assert_close(echoed, x, equal_nan=True, rtol=0, atol=0)
+
+
+def test_finite_and_integer_outputs_are_written_as_plain_numbers() -> None:
+    iface = ModelInterface("m", identity_graph(torch.int64, (3,)))
+    doc = {"inputs": [{"name": "x", "datatype": "INT64", "shape": [3], "data": [1, 2, 3]}]}
+    request = decode_request(json.dumps(doc).encode(), None, iface)
+    payload, _ = encode_response("m", request, [torch.tensor([1, -2, 3])])
+    assert b'"data":[1,-2,3]' in payload
+    payload, _ = encode_response("m", request, [torch.tensor([0.5, -1e30, 2.0])])
+    assert strict_json(payload)["outputs"][0]["data"] == [0.5, float(torch.tensor(-1e30)), 2.0]
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "1.5", ""])
+def test_other_strings_in_float_data_are_refused(bad: str) -> None:
+    iface = ModelInterface("m", identity_graph(torch.float32, (2,)))
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, bad]}]}
+    with pytest.raises(ProtocolError, match=r"data\[1\]: expected a number \(or \"NaN\""):
+        decode_request(json.dumps(doc).encode(), None, iface)
 
 
 def test_nested_and_flat_json_data_agree() -> None:
