@@ -598,7 +598,7 @@ class FrameStreams:
     """
 
     __slots__ = (
-        "_backend", "_begin_events", "_end_events", "_events", "_host", "_host_waits",
+        "_backend", "_begin_events", "_begun", "_end_events", "_events", "_host", "_host_waits",
         "_outputs", "_set", "_tables", "_waits", "calls", "runtime", "segments",
     )
 
@@ -617,6 +617,7 @@ class FrameStreams:
         self._begin_events = {d: backend.new_event() for d in plan.devices}
         self._end_events = {key: backend.new_event() for key in plan.streams_used}
         self._set: StreamSet | None = None
+        self._begun: tuple[tuple[StreamKey, CudaStream], ...] = ()  # what `finish` awaits
         self._host: dict[int, tuple[Any, ...]] = {}  # per device: the caller's streams
         self.segments: SegmentCalls | None = None
         # id(schedule) -> (schedule, its unit calls, its unit placements): see unit_tables
@@ -671,7 +672,7 @@ class FrameStreams:
         self._tables[id(schedule)] = (schedule, *tables)
         return tables
 
-    def begin(self) -> None:
+    def begin(self, only: StreamKey | None = None) -> None:
         """Lease a stream set; order its streams after the caller's work (loop thread).
 
         The inputs and weights may have been written by kernels still queued on the caller's
@@ -680,23 +681,32 @@ class FrameStreams:
         the loop thread, whose current stream is the caller's, or on worker threads, whose
         current stream is the default one; asking `host_streams` again from the thread that
         enqueues the CUDA node (a worker, possibly) could miss the caller's stream.
+
+        `only`: the one stream this execution enqueues on (a replay of a whole capture uses
+        the origin alone); the others are neither ordered nor awaited by `finish`, which
+        saves an event record, wait and poll per idle stream.
         """
         if self._set is not None:
             raise RuntimeError("begin() called twice without finish()")
         runtime = self.runtime
         stream_set = runtime.pool.acquire()
+        begun = tuple(
+            (key, stream) for key, stream in stream_set.streams.items()
+            if only is None or key == only
+        )
         try:
             host = {d: tuple(runtime.backend.host_streams(d)) for d in self._begin_events}
             for device, event in self._begin_events.items():
                 for host_stream in host[device]:
                     event.record(host_stream)
-                    for (d, _), stream in stream_set.streams.items():
+                    for (d, _), stream in begun:
                         if d == device:
                             stream.wait_event(event)
         except BaseException:
             runtime.pool.release(stream_set)
             raise
         self._host = host
+        self._begun = begun
         self._set = stream_set
 
     @contextlib.contextmanager
@@ -836,7 +846,7 @@ class FrameStreams:
         runtime = self.runtime
         try:
             ends = []
-            for key, stream in stream_set.streams.items():
+            for key, stream in self._begun:
                 event = self._end_events[key]
                 event.record(stream)
                 ends.append(event)
@@ -851,6 +861,7 @@ class FrameStreams:
                     absorbed = exc
         finally:
             self._set = None
+            self._begun = ()
             runtime.pool.release(stream_set)
         if absorbed is not None:
             raise absorbed

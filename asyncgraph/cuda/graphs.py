@@ -196,7 +196,7 @@ class FrameGraphs:
         other request. The frame is this execution's alone meanwhile, and the capture is
         thread-local, so other threads go on enqueueing their work."""
         gpu = self._gpu
-        gpu.begin()
+        gpu.begin(only=self._owner.capture_plan.origin)  # the rest runs on capture streams
         try:
             return await anyio.to_thread.run_sync(
                 self._capture_here, frame.values, flat, key, version
@@ -249,6 +249,9 @@ class FrameGraphs:
             return None
         finally:
             CAPTURE_LOCK.release()
+        # The warm-up's kernels ran on the capture streams and read the static inputs; the
+        # origin `finish` awaits (and the next replay's input copy) must come after them.
+        self._leased_origin().wait_stream(origin)
         for slot, x in zip(owner.input_slots, flat, strict=True):
             values[slot] = x  # an input returned as an output is the caller's, not static
         outputs = {slot: values[slot] for slot in owner.capture_plan.produced_outputs}
@@ -257,7 +260,7 @@ class FrameGraphs:
         token = backend.enter_stream(handle)
         try:
             graph.replay()
-            clone_outputs(values, outputs)
+            self._clone_outputs(values, outputs)
         finally:
             backend.leave_stream(token)
         return capture
@@ -268,9 +271,7 @@ class FrameGraphs:
         workspace, 32 MiB on Hopper), which would otherwise be allocated inside the capture,
         in the graph's pool. Ordered after the static inputs, made on the leased origin; the
         frame's values are put back as they were."""
-        stream_set = self._gpu.stream_set
-        assert stream_set is not None
-        leased = stream_set.streams[self._owner.capture_plan.origin]  # type: ignore[index]
+        leased = self._leased_origin()
         ready = self._owner.runtime.backend.new_event()
         ready.record(leased)
         origin.wait_event(ready)
@@ -325,23 +326,35 @@ class FrameGraphs:
         stream after the caller's; then await the GPU (cancellation absorbed until done)."""
         backend = self._owner.runtime.backend
         gpu = self._gpu
-        gpu.begin()
+        gpu.begin(only=self._owner.capture_plan.origin)  # a replay is one launch on one stream
         try:
             token = backend.enter_stream(self._origin_handle())
             try:
                 copy_inputs(capture.static_inputs, flat)
                 capture.graph.replay()
-                clone_outputs(frame.values, capture.outputs)
+                self._clone_outputs(frame.values, capture.outputs)
             finally:
                 backend.leave_stream(token)
         finally:
             await gpu.finish()
 
-    def _origin_handle(self) -> Any:
+    def _clone_outputs(self, values: list[Any], outputs: dict[int, Any]) -> None:
+        """`clone_outputs` under the Executor's inference mode, so a replay's outputs are
+        inference tensors exactly when the stream path's are."""
+        guard = torch._C._InferenceMode(self._owner.inference_mode)
+        try:
+            clone_outputs(values, outputs)
+        finally:
+            del guard
+
+    def _leased_origin(self) -> Any:
+        """The origin stream of the stream set this execution leased (`begin`)."""
         stream_set = self._gpu.stream_set
         assert stream_set is not None
-        origin = stream_set.streams[self._owner.capture_plan.origin]  # type: ignore[index]
-        return self._owner.runtime.backend.stream_handle(origin)
+        return stream_set.streams[self._owner.capture_plan.origin]  # type: ignore[index]
+
+    def _origin_handle(self) -> Any:
+        return self._owner.runtime.backend.stream_handle(self._leased_origin())
 
 
 # -- segments (issue #15) -------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from tests.support.cuda_graph_fake import (
     CaptureBackend,
     CaptureEvent,
     CaptureGpu,
+    CaptureStream,
     diamond_graph,
     diamond_program,
     fake_kernel,
@@ -46,7 +47,7 @@ from tests.support.cuda_graph_fake import (
     stats,
     with_parameters,
 )
-from tests.support.fake_gpu import RecordingCuda, gpu_running
+from tests.support.fake_gpu import FakeStream, RecordingCuda, gpu_running
 from tests.support.real_gpu import CUDA, needs_gpu
 
 aten = torch.ops.aten
@@ -830,6 +831,97 @@ def test_a_capture_records_only_on_capture_streams_no_stream_set_uses(backend: s
         assert all(name.startswith("cap") for name in recorded), recorded
         assert not recorded & set_streams
         assert gpu.errors == []
+
+    run(body, backend)
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_orders_and_awaits_only_the_origin_stream(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay is one launch on the origin stream: the set's other streams get no begin
+    wait and no end event (each would cost an event record, a wait and a poll). Before,
+    `begin` and `finish` touched all of the set's streams on every replay."""
+    touched: list[str] = []
+    record, wait = CaptureEvent.record, CaptureStream.wait_event
+
+    def logged_record(self: Any, stream: Any) -> None:
+        touched.append(stream.name)
+        record(self, stream)
+
+    def logged_wait(self: Any, event: Any) -> None:
+        touched.append(self.name)
+        wait(self, event)
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=5)
+        ex = make_executor(diamond_program(), gpu, cuda_graph_warmup=0, cuda_streams=2)
+        async with running(ex, gpu):
+            await ex.execute(inputs(0))  # the capture
+            runtime = ex.cuda_runtime
+            assert runtime is not None
+            (stream_set,) = runtime.pool.sets
+            assert len(stream_set.streams) == 2  # the diamond's two branches
+            monkeypatch.setattr(CaptureEvent, "record", logged_record)
+            monkeypatch.setattr(CaptureStream, "wait_event", logged_wait)
+            for k in range(1, 3):
+                out = await ex.execute(inputs(k))
+                torch.testing.assert_close(out, expected(inputs(k), torch.full((4,), 2.0)))
+            monkeypatch.undo()
+            assert stats(ex).replays == 2
+            origin = stream_set.streams[ex.cuda_graph_plan.origin]  # type: ignore[union-attr]
+            set_names = {s.name for s in stream_set.streams.values()}
+            assert {name for name in touched if name in set_names} == {origin.name}
+        assert gpu.errors == []
+
+    run(body, backend)
+
+
+@pytest.mark.timeout(60)
+def test_a_capture_orders_the_origin_after_the_warm_up_on_the_capture_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The warm-up before a capture runs real kernels on the capture streams, reading the
+    static input buffers; the leased origin (which `finish` awaits, and on which the next
+    replay copies new inputs into those buffers) waits for the capture origin."""
+    waits: list[tuple[str, str]] = []
+    wait_stream = FakeStream.wait_stream
+
+    def logged(self: Any, other: Any) -> None:
+        waits.append((self.name, other.name))
+        wait_stream(self, other)
+
+    monkeypatch.setattr(FakeStream, "wait_stream", logged)
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=6)
+        cuda = CaptureBackend(gpu)
+        ex = make_executor(diamond_program(), gpu, cuda, cuda_graph_warmup=0, cuda_streams=2)
+        async with running(ex, gpu):
+            await ex.execute(inputs(0))
+            runtime = ex.cuda_runtime
+            assert runtime is not None
+            (stream_set,) = runtime.pool.sets
+            origin = stream_set.streams[ex.cuda_graph_plan.origin]  # type: ignore[union-attr]
+        (captured_on,) = cuda.captured_on
+        assert (origin.name, captured_on.name) in waits
+        assert gpu.errors == []
+
+    run(body, "asyncio")
+
+
+@pytest.mark.timeout(60)
+def test_replayed_outputs_are_inference_tensors_as_the_stream_paths_are(backend: str) -> None:
+    async def body() -> None:
+        gpu = CaptureGpu(seed=7)
+        for inference_mode in (True, False):
+            ex = make_executor(
+                diamond_program(), gpu, cuda_graph_warmup=1, inference_mode=inference_mode
+            )
+            async with running(ex, gpu):
+                seen = [(await ex.execute(inputs(k))).is_inference() for k in range(4)]
+                assert stats(ex).replays == 2  # warm-up, capture, two replays
+            assert seen == [inference_mode] * 4
 
     run(body, backend)
 
