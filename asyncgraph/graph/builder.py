@@ -44,9 +44,9 @@ class GraphBuilder:
         self._names: set[str] = set()
 
     def input(self, name: str) -> Ref:
-        """Declare the next positional input."""
+        """Declare the next positional input; errors about it call it `name`."""
         ref = self._new_value(name, None)
-        self._inputs.append(InputSpec(InputKind.USER_INPUT, ref.id, f"args[{len(self._inputs)}]"))
+        self._inputs.append(InputSpec(InputKind.USER_INPUT, ref.id, name))
         return ref
 
     def call(

@@ -51,6 +51,7 @@ from asyncgraph.graph.ir import (
     TensorSpec,
     Value,
     ValueSpec,
+    spec_children,
 )
 
 
@@ -163,7 +164,9 @@ def from_exported_program(ep: ExportedProgram) -> Program:
             f"{len(sig.input_specs)} inputs"
         )
     weights: dict[str, Any] = {}
-    user_paths = iter(_user_input_paths(ep.call_spec.in_spec, len(sig.user_inputs)))
+    reference = ep.module()
+    arg_names = _positional_names(_export_arg_names(ep, reference), ep.call_spec.in_spec)
+    user_paths = iter(_user_input_paths(ep.call_spec.in_spec, len(sig.user_inputs), arg_names))
     inputs: list[InputSpec] = []
     for fx_node, ispec in zip(placeholders, sig.input_specs, strict=True):
         vid = builder.add_placeholder(fx_node)
@@ -204,11 +207,10 @@ def from_exported_program(ep: ExportedProgram) -> Program:
     ranges = {
         sym: (_lower(vr.lower), _upper(vr.upper)) for sym, vr in ep.range_constraints.items()
     }
-    reference = ep.module()
     guards, dim_names = _input_guards(ep, reference)
     signature = Signature(
         tuple(inputs), tuple(outputs), ep.call_spec.in_spec, ep.call_spec.out_spec, ranges,
-        guards, dim_names,
+        guards, dim_names, arg_names,
     )
     graph = Graph(builder.values, builder.nodes, signature)
     return Program(graph, weights, name="exported_program", reference=reference, exported=ep)
@@ -296,7 +298,13 @@ def from_graph_module(gm: torch.fx.GraphModule) -> Program:
     params = dict(gm.named_parameters())
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     in_spec = _fx_in_spec(gm)
-    paths = _user_input_paths(in_spec, len(placeholders))
+    arg_names: tuple[str, ...] = ()
+    if in_spec is None:  # forward(x, y): the placeholders are the parameters
+        paths = [str(n.target).lstrip("*") for n in placeholders]
+    else:  # forward(*args) that flattens its arguments by the input spec
+        info = getattr(gm.graph._codegen, "pytree_info", None)
+        arg_names = _positional_names(list(getattr(info, "orig_args", None) or ()), in_spec)
+        paths = _user_input_paths(in_spec, len(placeholders), arg_names)
     for fx_node, path in zip(placeholders, paths, strict=True):
         inputs.append(InputSpec(InputKind.USER_INPUT, builder.add_placeholder(fx_node), path))
     for fx_node in gm.graph.nodes:
@@ -312,7 +320,7 @@ def from_graph_module(gm: torch.fx.GraphModule) -> Program:
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     leaves, out_spec = pytree.tree_flatten(out_node.args[0])
     outputs = [OutputSpec(OutputKind.USER_OUTPUT, builder.convert(a)) for a in leaves]
-    signature = Signature(tuple(inputs), tuple(outputs), in_spec, out_spec)
+    signature = Signature(tuple(inputs), tuple(outputs), in_spec, out_spec, arg_names=arg_names)
     graph = Graph(builder.values, builder.nodes, signature)
     return Program(graph, weights, name=type(gm).__name__, reference=gm)
 
@@ -489,27 +497,77 @@ def _mutated_input_path(
     raise GraphValidationError(f"output mutates user input {target!r}, which is not an input")
 
 
-def _user_input_paths(in_spec: pytree.TreeSpec | None, count: int) -> list[str]:
-    """Readable paths of the flat user inputs: args[0], kwargs['mask'], args[1]['a']."""
+def _user_input_paths(
+    in_spec: pytree.TreeSpec | None, count: int, arg_names: tuple[str, ...] = ()
+) -> list[str]:
+    """The flat user inputs' paths in the user's words, computed once at load for every
+    message that names an input: `x` (a positional parameter, by `arg_names`), `mask` (a
+    keyword), `inputs['a'][0]` (into a structure); `args[0]` / `kwargs['k']` where no name is
+    known."""
+    fallback = [f"args[{i}]" for i in range(count)]
     if in_spec is None:
-        return [f"args[{i}]" for i in range(count)]
+        return fallback
     dummy = pytree.tree_unflatten(list(range(in_spec.num_leaves)), in_spec)
     paths = []
     for path, _ in pytree.tree_flatten_with_path(dummy)[0]:
-        text = pytree.keystr(path)
-        if text.startswith("[0]"):
-            text = "args" + text[3:]
-        elif text.startswith("[1]"):
-            text = "kwargs" + text[3:]
-        paths.append(text)
-    if len(paths) != count:
-        return [f"args[{i}]" for i in range(count)]
-    return paths
+        if len(path) < 2:
+            return fallback
+        side, first, rest = getattr(path[0], "idx", None), path[1], pytree.keystr(path[2:])
+        index, key = getattr(first, "idx", None), getattr(first, "key", None)
+        if side == 0 and isinstance(index, int):
+            paths.append((arg_names[index] if index < len(arg_names) else f"args[{index}]") + rest)
+        elif side == 1 and isinstance(key, str):
+            paths.append((key if key.isidentifier() else f"kwargs[{key!r}]") + rest)
+        else:
+            return fallback
+    return paths if len(paths) == count else fallback
+
+
+def _export_arg_names(ep: ExportedProgram, module: torch.nn.Module) -> list[str]:
+    """The forward's argument names as ep.module() takes them (positional, then keywords):
+    export keeps them in its module call graph (a loaded .pt2 too)."""
+    try:
+        names = ep.module_call_graph[0].signature.forward_arg_names  # type: ignore[union-attr]
+        if names:
+            return [str(n) for n in names]
+    except (AttributeError, IndexError):
+        pass
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _positional_names(names: list[str], in_spec: pytree.TreeSpec | None) -> tuple[str, ...]:
+    """The names of the (args, kwargs) spec's positional arguments: the first of `names`,
+    when they fit (as many, distinct identifiers, none a keyword's); () otherwise."""
+    if in_spec is None:
+        return ()
+    args_spec, kwargs_spec = spec_children(in_spec)
+    count = args_spec.num_children
+    positional = names[:count]
+    keywords = set(kwargs_spec.context or ())
+    if (len(positional) != count or len(set(positional)) != count or keywords & set(positional)
+            or not all(n.isidentifier() for n in positional)):
+        return ()
+    return tuple(positional)
 
 
 def _fx_in_spec(gm: torch.fx.GraphModule) -> pytree.TreeSpec | None:
+    """The input spec of a pytree-flattening GraphModule, as (args, kwargs): ep.module()'s
+    is already; make_fx's holds the positional arguments only (fx's codegen tells the two
+    apart by the same test)."""
     info = getattr(getattr(gm.graph, "_codegen", None), "pytree_info", None)
-    return getattr(info, "in_spec", None)
+    spec: pytree.TreeSpec | None = getattr(info, "in_spec", None)
+    if spec is None:
+        return None
+    children = spec_children(spec)
+    if (spec.type is tuple and len(children) == 2 and children[0].type is tuple
+            and children[1].type is dict):
+        return spec
+    if spec.type is not tuple:
+        spec = pytree.TreeSpec(tuple, None, [spec])
+    return pytree.TreeSpec(tuple, None, [spec, pytree.tree_structure({})])
 
 
 def _get_attr(gm: torch.nn.Module, target: str) -> Any:

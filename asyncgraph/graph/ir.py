@@ -124,7 +124,9 @@ WEIGHT_KINDS = frozenset({InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONST
 
 @dataclass(frozen=True, slots=True)
 class InputSpec:
-    """One graph input. `target` is the weight name, or for user inputs their path."""
+    """One graph input. `target` is the weight name, or for user inputs their path in the
+    user's words: the forward's parameter (`x`), a keyword's name (`mask`), into structures
+    (`inputs['a'][0]`); `args[0]` / `kwargs['k']` only where no name is known."""
 
     kind: InputKind
     value: int
@@ -162,6 +164,7 @@ class Signature:
     range_constraints: dict[sympy.Symbol, tuple[int, float]] = field(default_factory=dict)
     guards: tuple[InputGuard, ...] = ()
     dim_names: dict[tuple[int, int], str] = field(default_factory=dict)  # (input, dim) -> Dim
+    arg_names: tuple[str, ...] = ()  # the positional parameters' names (forward's), if known
 
     @property
     def user_inputs(self) -> list[InputSpec]:
@@ -174,6 +177,14 @@ class Signature:
     @property
     def user_outputs(self) -> list[OutputSpec]:
         return [s for s in self.outputs if s.kind is OutputKind.USER_OUTPUT]
+
+
+def spec_children(spec: TreeSpec) -> list[TreeSpec]:
+    """A TreeSpec's children, across torch versions (children_specs is deprecated in 2.10+)."""
+    children = getattr(spec, "children", None)
+    if callable(children):
+        return list(children())
+    return list(spec.children_specs)
 
 
 def target_name(target: Any) -> str:

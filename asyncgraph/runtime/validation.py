@@ -3,10 +3,13 @@
 nativert checks count, dtype and device. We check those, the pytree structure, and every static
 or symbolic dimension against its range, binding each symbol on first sight so that two inputs
 sharing a dimension must agree, then every guard export recorded that ep.module() checks
-(divisible sizes, derived dims, specializations: Signature.guards). Messages name the input path
-and say expected versus actual, e.g. `args[0].shape[1]: expected 64, got 32`, or the guard and
-the dim by the user's name. All of it runs once per input signature (shapes, dtypes, scalar
-values): later calls with a signature that passed cost one dict lookup.
+(divisible sizes, derived dims, specializations: Signature.guards). Messages name the input by
+the user's path (the forward's parameter, a keyword's name, into structures: InputSpec.target)
+and a dynamic dim by the user's `Dim` name where export kept it, and say expected versus
+actual: `x.shape[1]: expected 64, got 32`, `x.shape[0]: expected a size in [1, 64]
+(Dim 'batch'), got 100`. The names are worked out once, when the validator is made. All of
+the checks run once per input signature (shapes, dtypes, scalar values): later calls with a
+signature that passed cost one dict lookup.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from asyncgraph.errors import InputValidationError
-from asyncgraph.graph.ir import Graph, InputGuard, InputKind, ScalarSpec, TensorSpec, ValueSpec
+from asyncgraph.graph.ir import (
+    Graph,
+    InputGuard,
+    InputKind,
+    ScalarSpec,
+    TensorSpec,
+    ValueSpec,
+    spec_children,
+)
 
 _MAX_PASSED = 256
 _PLAIN_SCALARS = (int, float, bool, str, type(None))
@@ -67,12 +78,12 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
-def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
-    """A TreeSpec's children, across torch versions (children_specs is deprecated in 2.10+)."""
-    children = getattr(spec, "children", None)
-    if callable(children):
-        return list(children())
-    return list(spec.children_specs)
+_children = spec_children
+
+
+def _keyword(key: Any) -> str:
+    """A keyword argument as the user wrote it: `mask`, or `kwargs['a-b']`."""
+    return key if isinstance(key, str) and key.isidentifier() else f"kwargs[{key!r}]"
 
 
 def _call_signature(positional: list[str], keywords: list[str]) -> str:
@@ -95,6 +106,15 @@ class InputValidator:
         self.count = len(users)
         self.guards = [(guard, _compile_guard(guard)) for guard in sig.guards]
         self.dim_names = sig.dim_names
+        self.arg_names = sig.arg_names
+        # the user's Dim name of each symbol export kept one for (Dim("batch") -> s77)
+        self.symbol_names: dict[sympy.Expr, str] = {}
+        for (i, dim), name in sig.dim_names.items():
+            spec = self.specs[i] if i < len(self.specs) else None
+            if isinstance(spec, TensorSpec) and dim < len(spec.shape):
+                want = spec.shape[dim]
+                if isinstance(want, sympy.Symbol):
+                    self.symbol_names.setdefault(want, name)
         self._passed: dict[tuple[Any, ...], None] = {}  # signatures of inputs that passed
         self._last: Signature | None = None  # the last of them: returned as the same object
         # Most programs take plain positional leaves: flatten those without pytree (~10 us).
@@ -151,9 +171,14 @@ class InputValidator:
         args_spec, kwargs_spec = _children(self.in_spec)
         positional, leaf = [], 0
         for i, child in enumerate(_children(args_spec)):
-            positional.append(self.names[leaf] if child.is_leaf() else f"args[{i}]")
+            positional.append(self._arg_name(i) if not child.is_leaf() or self.arg_names
+                              else self.names[leaf])
             leaf += child.num_leaves
         return positional, list(kwargs_spec.context or [])
+
+    def _arg_name(self, i: int) -> str:
+        """The i-th positional argument's name: the forward's parameter, or `args[i]`."""
+        return self.arg_names[i] if i < len(self.arg_names) else f"args[{i}]"
 
     @staticmethod
     def _unexpected_keywords(unknown: list[str], positional: list[str], names: list[str]) -> str:
@@ -168,9 +193,9 @@ class InputValidator:
         self, args: tuple[Any, ...], kwargs: dict[str, Any], spec: pytree.TreeSpec
     ) -> str:
         args_spec, kwargs_spec = _children(spec)
-        pairs = [(f"args[{i}]", a, s) for i, (a, s) in
+        pairs = [(self._arg_name(i), a, s) for i, (a, s) in
                  enumerate(zip(args, _children(args_spec), strict=False))]
-        pairs += [(f"kwargs[{k!r}]", kwargs[k], s) for k, s in
+        pairs += [(_keyword(k), kwargs[k], s) for k, s in
                   zip(kwargs_spec.context or [], _children(kwargs_spec), strict=False)]
         for path, value, expected in pairs:
             got = pytree.tree_structure(value, is_leaf=_is_none)
@@ -206,7 +231,7 @@ class InputValidator:
 
     def _check(self, flat: Sequence[Any]) -> None:
         bound: dict[sympy.Expr, tuple[int, str]] = {}
-        derived: list[tuple[str, sympy.Expr, int]] = []
+        derived: list[tuple[str, str, sympy.Expr, int]] = []
         for path, spec, value in zip(self.paths, self.specs, flat, strict=True):
             if isinstance(spec, TensorSpec):
                 self._check_tensor(path, spec, value, bound, derived)
@@ -214,13 +239,15 @@ class InputValidator:
                 self._check_scalar(path, spec, value, bound)
         if derived:
             values = {sym: v for sym, (v, _) in bound.items()}
-            for where, expr, got in derived:
+            for path, where, expr, got in derived:
                 expected = expr.subs(values)
                 if expected.free_symbols:
                     continue
                 if int(expected) != got:
                     raise InputValidationError(
-                        f"{where}: expected {int(expected)} (= {expr}), got {got}", where
+                        f"{where}: expected {int(expected)} (= {self._formula(expr, bound)}), "
+                        f"got {got}",
+                        path,
                     )
         for guard, holds in self.guards:
             if not holds(flat):
@@ -233,11 +260,10 @@ class InputValidator:
         found = re.search(r"args\[(\d+)\]\.size\(\)\[(\d+)\]", guard.code)
         if found is not None:
             i, dim = int(found[1]), int(found[2])
-            spec = self.specs[i]
-            name = self.dim_names.get((i, dim)) or (
-                str(spec.shape[dim]) if isinstance(spec, TensorSpec) else "?")
+            name = self.dim_names.get((i, dim))
+            label = f" (Dim {name!r})" if name else ""
             return InputValidationError(
-                f"{self.paths[i]}.shape[{dim}] = {flat[i].shape[dim]} (dimension {name}) {text}",
+                f"{self.paths[i]}.shape[{dim}] = {flat[i].shape[dim]}{label} {text}",
                 self.paths[i],
             )
         found = re.search(r"args\[(\d+)\]", guard.code)
@@ -252,7 +278,7 @@ class InputValidator:
         spec: TensorSpec,
         value: Any,
         bound: dict[sympy.Expr, tuple[int, str]],
-        derived: list[tuple[str, sympy.Expr, int]],
+        derived: list[tuple[str, str, sympy.Expr, int]],
     ) -> None:
         if not isinstance(value, torch.Tensor):
             raise InputValidationError(
@@ -282,9 +308,9 @@ class InputValidator:
                 if want != got:
                     raise InputValidationError(f"{where}: expected {want}, got {got}", path)
             elif isinstance(want, sympy.Symbol):
-                self._bind(where, want, got, bound)
+                self._bind(path, where, want, got, bound)
             else:
-                derived.append((where, want, got))
+                derived.append((path, where, want, got))
 
     def _check_scalar(
         self, path: str, spec: ScalarSpec, value: Any, bound: dict[sympy.Expr, tuple[int, str]]
@@ -314,20 +340,26 @@ class InputValidator:
                 # an int without an upper bound sizes allocations inside kernels: cap it
                 raise InputValidationError(
                     f"{path}: expected an int in [0, {self.max_unbounded_int}] "
-                    f"(max_unbounded_int) for unbounded {spec.expr}, got {number}",
+                    f"(max_unbounded_int, as its exported range has no upper bound), "
+                    f"got {number}",
                     path,
                 )
-            self._bind(path, spec.expr, number, bound)
+            self._bind(path, path, spec.expr, number, bound)
 
     def _bind(
-        self, where: str, sym: sympy.Symbol, got: int, bound: dict[sympy.Expr, tuple[int, str]]
+        self, path: str, where: str, sym: sympy.Symbol, got: int,
+        bound: dict[sympy.Expr, tuple[int, str]],
     ) -> None:
+        """Bind `sym` to the size `got` that `where` (a dim of input `path`, or the int input
+        itself) has, checking its range on first sight and equality after."""
+        name = self.symbol_names.get(sym)
         if sym in bound:
             value, first = bound[sym]
             if value != got:
+                dim = f"Dim {name!r}: " if name else ""
                 raise InputValidationError(
-                    f"{where}: expected {value} (the same dimension {sym} as {first}), got {got}",
-                    where.split(".shape")[0],
+                    f"{where}: expected {value} ({dim}the same dimension as {first}), got {got}",
+                    path,
                 )
             return
         lo, hi = self.ranges.get(str(sym), (0, float("inf")))
@@ -337,8 +369,19 @@ class InputValidator:
             # Dim.DYNAMIC: its 0/1 specialization), and the program runs at 1. A range the
             # user bounded (Dim("n", min=2, max=16)) is kept as written.
             upper = "inf" if hi == float("inf") else str(int(hi))
+            if where == path:  # an int input
+                raise InputValidationError(
+                    f"{where}: expected an int in [{lo}, {upper}], got {got}", path
+                )
+            dim = f"Dim {name!r}" if name else f"dynamic dim {sym}"
             raise InputValidationError(
-                f"{where}: expected a size in [{lo}, {upper}] for dimension {sym}, got {got}",
-                where.split(".shape")[0],
+                f"{where}: expected a size in [{lo}, {upper}] ({dim}), got {got}", path
             )
         bound[sym] = (got, where)
+
+    def _formula(self, expr: sympy.Expr, bound: dict[sympy.Expr, tuple[int, str]]) -> str:
+        """A derived dim's expression over the user's names: each symbol by its Dim name, or
+        else by the input dim that bound it (`2*batch`, `x.shape[0] - 1`)."""
+        names = {sym: sympy.Symbol(self.symbol_names.get(sym) or bound[sym][1])
+                 for sym in expr.free_symbols if sym in self.symbol_names or sym in bound}
+        return str(expr.xreplace(names))

@@ -78,7 +78,7 @@ async def test_check_passes_and_prints_every_leaf(stateful_pt2: Path) -> None:
     assert code == 0, output
     assert "sample inputs" in output
     for row in ("out['y']", "out['steps']", "out['pair'][0]", "out['pair'][1]",
-                "input args[1]['acc']", "buffer steps"):
+                "input extra['acc']", "buffer steps"):
         assert row in output, row
     assert "MISMATCH" not in output
     assert "leaves match in every run" in output
@@ -96,7 +96,7 @@ async def test_check_report_rows(stateful_pt2: Path) -> None:
     rows = [what for what, _, _ in report.rows]
     assert rows == [
         "out['y']", "out['steps']", "out['pair'][0]", "out['pair'][1]",
-        "input args[1]['acc']", "buffer steps",
+        "input extra['acc']", "buffer steps",
     ]
     assert report.ok
     assert set(report.runs) == {"eager", "serial", "parallel(2)"}

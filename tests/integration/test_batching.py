@@ -308,7 +308,7 @@ async def test_an_invalid_request_is_rejected_before_it_queues(
     ("model", "args", "dynamic", "message"),
     [
         (Rows(), (torch.randn(2, 3, 8), torch.randn(2, 1, 1)), None,
-         r"input 'args\[0\]' has shape \[2, 3, 8\].*Dim\('batch'\)"),
+         r"input 'x' has shape \[2, 3, 8\].*Dim\('batch'\)"),
         (SumOverBatch(), (torch.randn(4, 8),), ({0: BATCH},),
          r"output 0 has shape \[8\]"),
         (RowsAndCount(), (torch.randn(4, 8),), ({0: BATCH},), r"output 1 is int"),

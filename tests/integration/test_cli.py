@@ -123,7 +123,7 @@ def test_run_errors_are_one_line(model_file: Any, tmp_path: Path) -> None:
     np.save(tmp_path / "x64.npy", np.zeros((2, 4)))  # float64, the program takes float32
     np.save(tmp_path / "bias.npy", np.zeros(3, dtype=np.float32))
     result = invoke("run", path, "-i", tmp_path / "x64.npy", "-i", tmp_path / "bias.npy")
-    expected = "error: args[0].dtype: expected torch.float32, got torch.float64"
+    expected = "error: x.dtype: expected torch.float32, got torch.float64"
     assert one_error_line(result) == expected
 
     result = invoke("run", path, "-i", f"nope={tmp_path / 'bias.npy'}")
@@ -270,7 +270,7 @@ def test_serve_with_batching_refuses_a_model_that_cannot_batch_in_one_line(
     _, path = model_file  # its second input, the bias, has no batch dimension
     line = one_error_line(invoke("serve", str(path), "--max-batch-size", "8"))
     assert line.startswith("error: batching needs dim 0 of every tensor input")
-    assert "args[1]" in line and "[3]" in line
+    assert "'bias'" in line and "[3]" in line
 
 
 # -- the intra-op thread policy (ExecutorConfig.intra_op_threads, --threads) -------------------

@@ -48,7 +48,7 @@ async def test_fastapi_example_owns_its_executor() -> None:
         served = await client.post("/kserve/v2/models/mlp/infer", json=body)
         assert served.status_code == 200, served.text
         bad = await client.post("/predict", json={"x": [[1.0, 2.0]]})
-        assert bad.status_code == 400 and "args[0].shape[1]: expected 8, got 2" in bad.text
+        assert bad.status_code == 400 and "x.shape[1]: expected 8, got 2" in bad.text
         metrics = (await client.get("/kserve/metrics")).text
         assert 'nv_inference_request_success{model="mlp",version="1"} 1.0' in metrics
         assert 'asyncgraph_calibrated{model="mlp"} 1.0' in metrics

@@ -503,7 +503,7 @@ async def test_huge_dimension_rejected_before_any_allocation() -> None:
     faults = FaultInjector()
     async with Executor(ep, kernel_factory=faults.kernel_factory()) as ex:
         huge = torch.zeros(1, 8).expand(2**40, 8)  # 2**43 elements, no memory behind them
-        with pytest.raises(InputValidationError, match=r"args\[0\]\.shape\[0\].*\[1, 1024\]"):
+        with pytest.raises(InputValidationError, match=r"^x\.shape\[0\].*\[1, 1024\]"):
             await ex.execute(huge)
         wrong = torch.zeros(1).expand(2**40)
         with pytest.raises(InputValidationError, match="expected 2 dimension"):
@@ -519,7 +519,7 @@ async def test_negative_size_rejected_before_any_allocation() -> None:
                              dynamic_shapes={"x": None, "n": Dim.DYNAMIC})
     faults = FaultInjector()
     async with Executor(ep, kernel_factory=faults.kernel_factory()) as ex:
-        with pytest.raises(InputValidationError, match=r"args\[1\]"):
+        with pytest.raises(InputValidationError, match=r"^n: "):
             await ex.execute(torch.ones(3), -3)
         assert ex.statistics().started == 0
         assert sum(faults.calls(n.name) for n in ex.graph.nodes) == 0

@@ -123,6 +123,6 @@ def test_format_prints_inputs_nodes_and_outputs() -> None:
     b.output({"y": y, "k": 3})
     text = b.build().format()
     assert text == (
-        "graph(\n    %x : user_input target='args[0]'\n):\n"
+        "graph(\n    %x : user_input target='x'\n):\n"
         "    %double = _operator.mul(%x, 2)\n    return (%double, 3)"
     )

@@ -44,19 +44,19 @@ def pair_ep() -> torch.export.ExportedProgram:
         ((torch.randn(4, 8),), {"y": torch.randn(4, 8), "scale": 2.0},
          "unexpected keyword argument(s) 'y'; the program takes (x, y, *, scale): "
          "pass y by position"),
-        ((torch.randn(4, 8), 3), {"scale": 2.0}, "args[1]: expected a Tensor, got int"),
+        ((torch.randn(4, 8), 3), {"scale": 2.0}, "y: expected a Tensor, got int"),
         ((torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8)), {"scale": 2.0},
-         "args[0].dtype: expected torch.float32, got torch.float64"),
+         "x.dtype: expected torch.float32, got torch.float64"),
         ((torch.randn(4, 8), torch.randn(4, 8, 1)), {"scale": 2.0},
-         "args[1]: expected 2 dimension(s), got 3 (shape (4, 8, 1))"),
+         "y: expected 2 dimension(s), got 3 (shape (4, 8, 1))"),
         ((torch.randn(4, 32), torch.randn(4, 8)), {"scale": 2.0},
-         "args[0].shape[1]: expected 8, got 32"),
+         "x.shape[1]: expected 8, got 32"),
         ((torch.randn(4, 8), torch.randn(5, 8)), {"scale": 2.0},
-         "args[1].shape[0]: expected 4 (the same dimension s77 as args[0].shape[0]), got 5"),
+         "y.shape[0]: expected 4 (Dim 'b': the same dimension as x.shape[0]), got 5"),
         ((torch.randn(32, 8), torch.randn(32, 8)), {"scale": 2.0},
-         "args[0].shape[0]: expected a size in [2, 16] for dimension s77, got 32"),
+         "x.shape[0]: expected a size in [2, 16] (Dim 'b'), got 32"),
         ((torch.randn(4, 8), torch.randn(4, 8)), {"scale": 3.0},
-         "kwargs['scale']: expected 2.0 (fixed when the program was exported), got 3.0"),
+         "scale: expected 2.0 (fixed when the program was exported), got 3.0"),
     ],
 )
 async def test_bad_inputs_get_exact_errors(
@@ -79,7 +79,7 @@ async def test_nested_structure_mismatch_names_the_argument() -> None:
         with pytest.raises(InputValidationError) as info:
             await ex.execute({"a": torch.randn(3)})
         assert str(info.value) == (
-            "args[0]: expected structure "
+            "d: expected structure "
             f"{torch.utils._pytree.tree_structure({'a': 0, 'b': 0})}, "
             f"got {torch.utils._pytree.tree_structure({'a': 0})}"
         )
@@ -114,7 +114,7 @@ def test_device_index_is_checked() -> None:
     graph = b.build()
     validator = InputValidator(graph)
     validator.specs = [TensorSpec(torch.float32, torch.device("meta", 0), (2,), (2,))]
-    with pytest.raises(InputValidationError, match=r"^args\[0\]\.device: expected meta:0, got"):
+    with pytest.raises(InputValidationError, match=r"^x\.device: expected meta:0, got"):
         validator.check([torch.empty(2, device="meta")])
 
 
@@ -167,7 +167,7 @@ async def test_nested_positional_arguments_are_named_by_path() -> None:
         with pytest.raises(InputValidationError) as info:
             await ex.execute()
         assert str(info.value) == (
-            "expected 1 positional argument(s), got 0; the program takes (args[0])"
+            "expected 1 positional argument(s), got 0; the program takes (d)"
         )
 
 
@@ -188,6 +188,6 @@ def test_check_returns_the_signature_that_inputs_alike_share() -> None:
     again = validator.check([torch.randn(2, 3)])
     assert again == signature  # from the passed checks
     assert validator.check([torch.randn(2, 3)]) is again
-    wrong = r"args\[0\]\.dtype: expected torch.float32, got torch.int64"
+    wrong = r"x\.dtype: expected torch.float32, got torch.int64"
     with pytest.raises(InputValidationError, match=wrong):
         validator.check([torch.zeros(2, 3, dtype=torch.int64)])
