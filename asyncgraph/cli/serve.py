@@ -1,12 +1,17 @@
 """`asyncgraph serve`: one or more .pt2 models over the Open Inference Protocol on uvicorn.
 
-Loading happens before the server starts, so a bad file is one error line and no half-started
-server. The app owns its executors and closes them when uvicorn shuts down (SIGINT, SIGTERM).
+The address is bound first, then the models are loaded, before the server starts: a port in
+use or a bad file is one error line (exit 1), and nothing half-started. The app owns its
+executors and closes them when uvicorn shuts down: SIGINT and SIGTERM both drain the requests
+in flight (within --shutdown-timeout-s), close the executors and exit 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -30,7 +35,8 @@ console = Console()
 
 
 class ServeConfigError(AsyncGraphError, ValueError):
-    """The serve command's model list is inconsistent (a name given twice, no model)."""
+    """The serve command cannot start as asked: its model list is inconsistent (a name given
+    twice, no model), or its address cannot be bound (a port in use)."""
 
 
 def model_specs(
@@ -124,6 +130,11 @@ def serve(
         str, typer.Option(help="Event loop: uvloop, or asyncio (refuses a sustained overload "
                           "of new connections sooner: docs/serving.md).")
     ] = "uvloop",
+    shutdown_timeout_s: Annotated[
+        int, typer.Option(min=0, help="On SIGTERM or SIGINT, seconds the requests in flight "
+                          "get to finish before they are cancelled (keep it below the "
+                          "container runtime's grace period).")
+    ] = 8,
     ray: Annotated[
         bool, typer.Option("--ray", help="Serve on Ray Serve (needs asyncgraph[ray]): "
                            "replicas behind Serve's HTTP proxy, docs/scale-out.md.")
@@ -146,7 +157,7 @@ def serve(
     from asyncgraph.runtime.config import BatchingConfig
     from asyncgraph.runtime.executor import Executor
     from asyncgraph.serve import create_app, run
-    from asyncgraph.serve.runner import LOOPS
+    from asyncgraph.serve.runner import LOOPS, bind, url_of
 
     if loop not in LOOPS:
         raise typer.BadParameter(f"expected one of {', '.join(LOOPS)}, got {loop!r}",
@@ -174,39 +185,54 @@ def serve(
         return
     if address is not None or replicas != 1:
         raise ServeConfigError("--address and --replicas need --ray")
-    executors: dict[str, Executor] = {}
-    for key, path in specs.items():
-        with console.status(f"loading {key} from {path} ..."):
-            executors[key] = load_executor(path, executor_config(threads, **config),
-                                           trust_compiled)
-    app = create_app(
-        executors,
-        max_queue=max_queue,
-        max_queue_bytes=max_queue_bytes or None,
-        timeout_ms=timeout_ms or None,
-        max_request_bytes=max_request_bytes,
-        max_json_bytes=max_json_bytes,
-        max_response_bytes=max_response_bytes,
-        body_timeout_s=body_timeout_s,
-        close_executors=True,
-    )
-    table = Table(title=f"asyncgraph serve on http://{host}:{port}")
-    for column in ("model", "file", "nodes", "inputs", "outputs"):
-        table.add_column(column)
-    interfaces = app.state.asyncgraph
-    for key, ex in executors.items():
-        iface = interfaces.served(key).interface
-        table.add_row(
-            key, str(specs[key]), str(ex.plan.num_nodes),
-            ", ".join(f"{i.name} {i.datatype}{i.shape}" for i in iface.inputs),
-            ", ".join(f"{o.name} {o.datatype}{o.shape}" for o in iface.outputs),
+    sock = _bind(host, port, bind)  # before loading: a port in use is one line, nothing loaded
+    with sock:  # closed on every path (run closes it too)
+        executors: dict[str, Executor] = {}
+        for key, path in specs.items():
+            with console.status(f"loading {key} from {path} ..."):
+                executors[key] = load_executor(path, executor_config(threads, **config),
+                                               trust_compiled)
+        app = create_app(
+            executors,
+            max_queue=max_queue,
+            max_queue_bytes=max_queue_bytes or None,
+            timeout_ms=timeout_ms or None,
+            max_request_bytes=max_request_bytes,
+            max_json_bytes=max_json_bytes,
+            max_response_bytes=max_response_bytes,
+            body_timeout_s=body_timeout_s,
+            close_executors=True,
         )
-    console.print(table)
-    # uvicorn shuts down gracefully on SIGINT, then re-raises it for the caller to see; the
-    # shutdown is complete by then, so Ctrl+C is a normal end, not an error
-    with contextlib.suppress(KeyboardInterrupt):
-        run(app, host, port, log_level=log_level, access_log=access_log, loop=loop)
+        table = Table(title=f"asyncgraph serve on {url_of(sock)}")
+        for column in ("model", "file", "nodes", "inputs", "outputs"):
+            table.add_column(column)
+        interfaces = app.state.asyncgraph
+        for key, ex in executors.items():
+            iface = interfaces.served(key).interface
+            table.add_row(
+                key, str(specs[key]), str(ex.plan.num_nodes),
+                ", ".join(f"{i.name} {i.datatype}{i.shape}" for i in iface.inputs),
+                ", ".join(f"{o.name} {o.datatype}{o.shape}" for o in iface.outputs),
+            )
+        console.print(table)
+        # uvicorn shuts down gracefully on SIGINT, then re-raises it for the caller to see;
+        # the shutdown is complete by then, so Ctrl+C is a normal end, not an error (SIGTERM
+        # ends the same way: runner.run)
+        with contextlib.suppress(KeyboardInterrupt):
+            run(app, host, port, log_level=log_level, access_log=access_log, loop=loop,
+                sock=sock, graceful_shutdown_s=shutdown_timeout_s)
     console.print("server stopped")
+
+
+def _bind(host: str, port: int, bind: Callable[[str, int], socket.socket]) -> socket.socket:
+    """The server's socket, bound before anything is loaded: one error line if it cannot be."""
+    try:
+        return bind(host, port)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            why = f"port {port} is in use by another process (choose another with --port)"
+        raise ServeConfigError(f"cannot listen on {host}:{port}: {why}") from None
 
 
 def _serve_on_ray(

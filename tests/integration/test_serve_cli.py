@@ -1,0 +1,198 @@
+"""`asyncgraph serve` as a process: its address is bound before anything loads, and SIGTERM
+drains like SIGINT (issue 37 item 4).
+
+Each test starts the console script in a subprocess on 127.0.0.1, reads its output on a thread,
+and bounds every wait by WAIT_S.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).eval()
+    batch = torch.export.Dim("batch", min=1, max=32)
+    ep = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
+    path = tmp_path_factory.mktemp("models") / "lin.pt2"
+    torch.export.save(ep, path)
+    return path
+
+
+class Served:
+    """A running `asyncgraph serve` process and the lines it has printed so far."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        """The first line matching `pattern` (waiting for it), or fail with the output."""
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, self.output()
+                continue
+            self.seen.append(line)
+            if found := re.search(pattern, line):
+                return found
+        raise AssertionError(f"no line matching {pattern!r} in:\n{self.output()}")
+
+    def output(self) -> str:
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return "".join(self.seen)
+
+
+@contextmanager
+def serve(*args: str) -> Iterator[Served]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncgraph.cli.main", "serve", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    served = Served(proc)
+    try:
+        yield served
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=WAIT_S)
+        served.reader.join(timeout=WAIT_S)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_port_in_use_is_one_error_line_before_anything_loads(model_file: Path) -> None:
+    """Before: the start banner, the model loaded and calibrated, then uvicorn's `ERROR:
+    [Errno 98] ... address already in use` and exit 3. Now: one `error:` line naming the
+    port, exit 1, nothing loaded."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncgraph.cli.main", "serve", str(model_file),
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=WAIT_S,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [
+        f"error: cannot listen on 127.0.0.1:{port}: port {port} is in use by another process "
+        f"(choose another with --port)"
+    ], proc.stderr
+    # nothing was loaded, calibrated or served: no banner, no uvicorn line
+    assert proc.stdout.strip() == "", proc.stdout
+
+
+def _partial_request(url: str, body: bytes) -> socket.socket:
+    """An inference request on a connection of its own, sent but for its body's last byte:
+    the server has it in flight (admitted, reading its body) until that byte comes."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)), timeout=WAIT_S)
+    head = (
+        f"POST /v2/models/lin/infer HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    conn.sendall(head + body[:-1])
+    return conn
+
+
+def _response(conn: socket.socket) -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(rest) < length:
+        chunk = conn.recv(65536)
+        assert chunk, rest
+        rest += chunk
+    return int(head.split()[1]), rest
+
+
+def _queued(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=WAIT_S).text
+    found = re.search(r'^asyncgraph_queued_requests\{model="lin"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _refuses_connections(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/v2/health/live", timeout=1.0)
+    except httpx.TransportError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_drains_the_requests_in_flight_and_exits_0(
+    model_file: Path, sig: signal.Signals
+) -> None:
+    """Before, SIGTERM (what container runtimes send) ended the process with 143 after the
+    drain. Now it ends as SIGINT does: new connections are refused, the request in flight is
+    answered 200, the executors are closed, exit 0."""
+    body_doc: dict[str, Any] = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 4],
+                                            "data": [0.5] * 8}]}
+    body = httpx.Request("POST", "http://x", json=body_doc).content
+    with serve(str(model_file), "--port", "0") as served:
+        url = served.wait_for(r"Uvicorn running on (http://127\.0\.0\.1:\d+)").group(1)
+        conn = _partial_request(url, body)
+        with conn:
+            deadline = time.monotonic() + WAIT_S
+            while _queued(url) < 1:
+                assert time.monotonic() < deadline, "the request never reached the app"
+                time.sleep(0.01)
+            served.proc.send_signal(sig)
+            served.wait_for(r"Shutting down")
+            deadline = time.monotonic() + WAIT_S
+            while not _refuses_connections(url):  # no new connections while it drains
+                assert time.monotonic() < deadline, "still accepting connections"
+                time.sleep(0.05)
+            assert served.proc.poll() is None  # still draining: its request is in flight
+            conn.sendall(body[-1:])
+            status, payload = _response(conn)
+        assert status == 200, payload
+        assert b'"outputs"' in payload
+        assert served.proc.wait(timeout=WAIT_S) == 0, served.output()
+        output = served.output()
+    assert "Finished server process" in output and "server stopped" in output, output
+    assert "Traceback" not in output, output
