@@ -109,9 +109,11 @@ class InputValidator:
         self.arg_names = sig.arg_names
         # the user's Dim name of each symbol export kept one for (Dim("batch") -> s77)
         self.symbol_names: dict[sympy.Expr, str] = {}
+        self.where_names: dict[str, str] = {}  # "x.shape[0]" -> its Dim's name
         for (i, dim), name in sig.dim_names.items():
             spec = self.specs[i] if i < len(self.specs) else None
             if isinstance(spec, TensorSpec) and dim < len(spec.shape):
+                self.where_names[f"{self.paths[i]}.shape[{dim}]"] = name
                 want = spec.shape[dim]
                 if isinstance(want, sympy.Symbol):
                     self.symbol_names.setdefault(want, name)
@@ -244,8 +246,10 @@ class InputValidator:
                 if expected.free_symbols:
                     continue
                 if int(expected) != got:
+                    name = self.where_names.get(where)
+                    dim = f"Dim {name!r} = " if name else "= "
                     raise InputValidationError(
-                        f"{where}: expected {int(expected)} (= {self._formula(expr, bound)}), "
+                        f"{where}: expected {int(expected)} ({dim}{self._formula(expr, bound)}), "
                         f"got {got}",
                         path,
                     )
@@ -380,8 +384,13 @@ class InputValidator:
         bound[sym] = (got, where)
 
     def _formula(self, expr: sympy.Expr, bound: dict[sympy.Expr, tuple[int, str]]) -> str:
-        """A derived dim's expression over the user's names: each symbol by its Dim name, or
-        else by the input dim that bound it (`2*batch`, `x.shape[0] - 1`)."""
-        names = {sym: sympy.Symbol(self.symbol_names.get(sym) or bound[sym][1])
-                 for sym in expr.free_symbols if sym in self.symbol_names or sym in bound}
+        """A derived dim's expression in the user's words: each symbol by its Dim's name
+        (`2*batch`), or else by the input dim that bound it (`y.shape[0] + 1`)."""
+        names: dict[sympy.Basic, sympy.Basic] = {}
+        for sym in expr.free_symbols:
+            name = self.symbol_names.get(sym, "")
+            if name.isidentifier():
+                names[sym] = sympy.Symbol(name)
+            elif sym in bound:
+                names[sym] = sympy.Symbol(bound[sym][1])
         return str(expr.xreplace(names))
