@@ -6,15 +6,26 @@ TraceRecorder (ExecutorConfig.trace), compiled/scripted.py's `script_segments`
 (ExecutorConfig.script_segments, imported when an Executor first asks for it: torch.jit on
 demand) and compiled/onnx_segments.py's `onnx_segments` (ExecutorConfig.onnx_segments: ONNX
 Runtime and the exporter on demand, from the optional `asyncgraph[onnxruntime]` extra).
+Each is imported when first used, so `import asyncgraph` imports no torch.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from asyncgraph.runtime.extensions import GraphPass, register_pass
-from asyncgraph.runtime.instrument import register_tracer
-from asyncgraph.tools.trace import TraceRecorder
+from asyncgraph.runtime.instrument import Instrument, register_tracer
+
+if TYPE_CHECKING:
+    from asyncgraph.graph.ir import Graph
 
 ONNX_EXTRA = "pip install 'asyncgraph[onnxruntime]'"
+
+
+def _trace_recorder(graph: Graph) -> Instrument:
+    from asyncgraph.tools.trace import TraceRecorder  # torch on demand
+
+    return TraceRecorder(graph)
 
 
 def _script_segments() -> GraphPass:
@@ -34,6 +45,6 @@ def _onnx_segments() -> GraphPass:
     return onnx_segments
 
 
-register_tracer(TraceRecorder)
+register_tracer(_trace_recorder)
 register_pass("script_segments", _script_segments)
 register_pass("onnx_segments", _onnx_segments)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -22,7 +22,9 @@ from asyncgraph.cli.options import (
     executor_config,
     load_executor,
 )
-from asyncgraph.tools.profile import ProfileMetrics, collect, example_inputs
+
+if TYPE_CHECKING:  # torch is imported when the command runs, so `--help` stays quick
+    from asyncgraph.tools.profile import ProfileMetrics
 
 
 def render(metrics: ProfileMetrics, console: Console, top: int) -> None:
@@ -92,6 +94,8 @@ def profile(
     json_out: bool = typer.Option(False, "--json", help="Print ProfileMetrics as JSON."),
 ) -> None:
     """Per-node time, percent, totals per op type and the placement chosen, for a .pt2."""
+    from asyncgraph.tools.profile import collect, example_inputs
+
     options: dict[str, Any] = {"trace": True, "script_segments": script_segments}
     if max_parallel_ops is not None:
         options["max_parallel_ops"] = max_parallel_ops

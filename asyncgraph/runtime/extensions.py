@@ -10,11 +10,13 @@ only on demand.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
 
-from asyncgraph.graph.ir import Graph
+if TYPE_CHECKING:  # `import asyncgraph` registers passes here without importing torch
+    from asyncgraph.graph.ir import Graph
 
 # A pass that replaces parts of a graph by delegate nodes: the new graph and their names.
-GraphPass = Callable[[Graph], tuple[Graph, list[str]]]
+GraphPass: TypeAlias = "Callable[[Graph], tuple[Graph, list[str]]]"
 
 _PASSES: dict[str, Callable[[], GraphPass]] = {}
 

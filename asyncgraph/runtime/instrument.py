@@ -10,9 +10,10 @@ asyncgraph/plugins.py (run by `import asyncgraph`) registers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncgraph.graph.ir import Graph
+if TYPE_CHECKING:  # `import asyncgraph` registers the tracer here without importing torch
+    from asyncgraph.graph.ir import Graph
 
 
 class Instrument(Protocol):

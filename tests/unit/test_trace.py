@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import asyncgraph
+import asyncgraph.tools.trace
 from asyncgraph.graph.builder import GraphBuilder
 
 pytestmark = pytest.mark.usefixtures("leak_check")
