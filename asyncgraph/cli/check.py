@@ -6,6 +6,7 @@ anything differs or a run fails, so the command can gate a deployment.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config
+from asyncgraph.cli.options import InputsOpt, ThreadsOpt, TrustCompiledOpt, executor_config
 from asyncgraph.tools.check import CheckReport, run_check
 
 console = Console()
@@ -25,6 +26,7 @@ def check(
     model: Annotated[
         Path, typer.Argument(metavar="MODEL", help="A .pt2 file written by torch.export.save.")
     ],
+    inputs: InputsOpt = None,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
     random: Annotated[
         bool,
@@ -42,9 +44,20 @@ def check(
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
 ) -> None:
-    """Run MODEL through asyncgraph and through ep.module(); compare every output leaf."""
+    """Run MODEL through asyncgraph and through ep.module(); compare every output leaf.
+
+    The inputs are the files given with --input (as `asyncgraph run` reads them), else the
+    sample inputs stored in the file, else random ones with the exported shapes.
+    """
     if (rtol is None) != (atol is None):
         raise typer.BadParameter("give both --rtol and --atol, or neither")
+    if inputs and random:
+        raise typer.BadParameter("give input files or --random, not both")
+    given = None
+    if inputs:
+        from asyncgraph.cli.inputs import load_inputs
+
+        given = functools.partial(load_inputs, sources=list(inputs))
     with warnings.catch_warnings():  # torch's own pytree deprecation noise
         warnings.filterwarnings(
             "ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning
@@ -52,11 +65,21 @@ def check(
         executor_config(threads, max_parallel_ops=parallel)  # this thread's torch threads
         report = run_check(
             model, seed=seed, use_random=random, parallel=parallel, rtol=rtol, atol=atol,
-            threads=threads, trust_compiled=trust_compiled,
+            threads=threads, trust_compiled=trust_compiled, user_inputs=given,
+            user_inputs_source=f"inputs from {_files(inputs or [])}",
         )
     print_report(report)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _files(sources: list[str]) -> str:
+    """The --input sources by file name (NAME=file.npy, file.pt), for the report's title."""
+    names = []
+    for source in sources:
+        name, eq, path = source.rpartition("=") if "=" in source else ("", "", source)
+        names.append(f"{name}{eq}{Path(path).name}")
+    return ", ".join(names)
 
 
 def print_report(report: CheckReport) -> None:

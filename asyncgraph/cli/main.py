@@ -3,12 +3,18 @@
 The command line is the `cli` extra (`pip install 'asyncgraph[cli]'`, which brings the `serve`
 extra for `asyncgraph serve`); the core install has only the library. Without the extra, the
 console script says so in one line instead of a traceback.
+
+Its own import cost stays small: this module and the command modules import no torch at module
+level (`asyncgraph --help` and `--version` never import it; tests/integration/test_cli.py
+checks), and each command imports what it runs when it runs. `--debug` is taken before or
+after the command's name.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import copy
+from typing import Any, NoReturn
 
 try:
     import typer
@@ -54,13 +60,17 @@ _CONTROL_FLOW = _control_flow_exceptions()
 
 
 def _usage_error_types() -> tuple[type[BaseException], ...]:
-    """The CLI library's usage errors (a bad option value, a missing argument)."""
+    """The CLI library's usage errors (a bad option value, a missing argument, an unknown
+    option). typer >= 0.29 exports only BadParameter of its vendored click; UsageError, the
+    base of them all (NoSuchOption too), is found through it."""
     found: list[type[BaseException]] = []
     for module in (typer, getattr(typer, "core", None)):
         for name in ("UsageError", "BadParameter"):
             kind = getattr(module, name, None)
             if isinstance(kind, type) and issubclass(kind, BaseException):
                 found.append(kind)
+    for kind in list(found):
+        found += [base for base in kind.__mro__ if base.__name__ == "UsageError"]
     try:
         import click
     except ImportError:
@@ -75,6 +85,25 @@ def _print_error(text: str) -> None:
     Console(stderr=True).print(f"error: {text}", markup=False, highlight=False, soft_wrap=True)
 
 
+_DEBUG = "asyncgraph.debug"  # ctx.meta key (shared by a command's context and the root's)
+
+
+def _debug(ctx: Any, exc: BaseException | None = None) -> bool:
+    """Whether --debug was given, before the command's name or after it."""
+    if ctx.params.get("debug") or ctx.meta.get(_DEBUG):
+        return True
+    failed = getattr(exc, "ctx", None)  # a usage error of a command: what it parsed so far
+    return bool(failed is not None and failed.params.get("debug"))
+
+
+def _usage_error(exc: Any) -> NoReturn:
+    """A usage error as one line that points at the command's --help; exits with status 1."""
+    path = getattr(getattr(exc, "ctx", None), "command_path", None) or ""
+    command = " ".join(["asyncgraph", *path.split()[1:]])  # the program as documented
+    _print_error(f"{exc.format_message()} (see '{command} --help')")
+    raise typer.Exit(1) from None
+
+
 class _OneLineErrors(TyperGroup):
     """Every command's errors as one line on stderr and exit status 1; --debug re-raises.
 
@@ -87,21 +116,35 @@ class _OneLineErrors(TyperGroup):
         super().__init__(*args, **kwargs)
         for param in self.params:
             _flag_without_type(param)
+        # every command takes --debug too (`asyncgraph run m.pt2 --debug`); _Command.invoke
+        # moves its value into ctx.meta, since the command's function has no such parameter
+        debug = next((p for p in self.params if p.name == "debug"), None)
+        if debug is not None:
+            for command in self.commands.values():
+                if isinstance(command, _Command) and all(p.name != "debug" for p in command.params):
+                    command.params.append(copy.copy(debug))
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        """The root's own usage errors (`asyncgraph --bogus`) as one line too."""
+        try:
+            return super().make_context(*args, **kwargs)
+        except _USAGE_ERRORS as exc:
+            given = args[1] if len(args) > 1 else kwargs.get("args", ())
+            if "--debug" in given:
+                raise
+            _usage_error(exc)
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except _USAGE_ERRORS as exc:
-            if ctx.params.get("debug"):
+            if _debug(ctx, exc):
                 raise
-            path = getattr(getattr(exc, "ctx", None), "command_path", None) or ""
-            command = " ".join(["asyncgraph", *path.split()[1:]])  # the program as documented
-            _print_error(f"{exc.format_message()} (see '{command} --help')")  # type: ignore[attr-defined]
-            raise typer.Exit(1) from None
+            _usage_error(exc)
         except _CONTROL_FLOW:
             raise
         except Exception as exc:
-            if ctx.params.get("debug"):
+            if _debug(ctx):
                 raise
             _print_error(error_line(exc))
             raise typer.Exit(1) from None
@@ -118,6 +161,11 @@ class _Command(TyperCommand):
         super().__init__(*args, **kwargs)
         for param in self.params:
             _flag_without_type(param)
+
+    def invoke(self, ctx: Any) -> Any:
+        if ctx.params.pop("debug", False):
+            ctx.meta[_DEBUG] = True
+        return super().invoke(ctx)
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -160,10 +208,36 @@ app = typer.Typer(
 console = Console()
 
 
+def version_line() -> str:
+    """asyncgraph's version and the torch it runs with, read from the installed packages'
+    metadata: torch is not imported."""
+    from importlib import metadata
+
+    try:
+        ours = metadata.version("asyncgraph")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        from asyncgraph import __version__ as ours
+    try:
+        torch = f"torch {metadata.version('torch')}"
+    except metadata.PackageNotFoundError:
+        torch = "torch not installed"
+    return f"asyncgraph {ours} ({torch})"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(
         False, "--debug", help="Show full tracebacks instead of one-line errors."
+    ),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_show_version,
+        help="Print asyncgraph's version and torch's, and exit.",
     ),
 ) -> None:
     """asyncgraph: an asyncio-native dataflow executor for torch.export programs."""

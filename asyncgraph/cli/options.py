@@ -30,6 +30,15 @@ ThreadsOpt = Annotated[
     ),
 ]
 
+InputsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--input", "-i",
+        help="An input file (.pt, .npy, .safetensors), as PATH or NAME=PATH; repeatable "
+             "(asyncgraph/cli/inputs.py reads them).",
+    ),
+]
+
 TrustCompiledOpt = Annotated[
     bool,
     typer.Option(

@@ -15,19 +15,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config, load_executor
+from asyncgraph.cli.options import (
+    InputsOpt,
+    ThreadsOpt,
+    TrustCompiledOpt,
+    executor_config,
+    load_executor,
+)
 
 console = Console()
 
 ModelArg = Annotated[
     Path, typer.Argument(metavar="MODEL", help="A .pt2 file written by torch.export.save.")
-]
-InputsOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--input", "-i",
-        help="An input file (.pt, .npy, .safetensors), as PATH or NAME=PATH; repeatable.",
-    ),
 ]
 RandomOpt = Annotated[
     bool, typer.Option("--random", help="Random inputs with the example shapes of the program.")

@@ -1,11 +1,13 @@
 """Run a program through asyncgraph and through ep.module(), and compare: `run_check`.
 
-The program runs on its sample inputs (torch.export.save stores the example inputs) or, when
-there are none or `use_random` is set, on random inputs that fit its signature. It runs once
-through eager PyTorch (a fresh `ep.module()`), once through a serial executor
-(max_parallel_ops=1) and once through a parallel one, each on its own copy of the inputs, and
-every output leaf, every mutated input and every mutated buffer is compared (see compare.py).
-`asyncgraph check` (asyncgraph/cli/check.py) prints the report and exits 1 when it is not ok.
+The program runs on the inputs given (`user_inputs`: `asyncgraph check -i` reads them from
+files, validated against the signature first), else on its sample inputs (torch.export.save
+stores the example inputs) or, when there are none or `use_random` is set, on random inputs
+that fit its signature. It runs once through eager PyTorch (a fresh `ep.module()`), once
+through a serial executor (max_parallel_ops=1) and once through a parallel one, each on its
+own copy of the inputs, and every output leaf, every mutated input and every mutated buffer
+is compared (see compare.py). `asyncgraph check` (asyncgraph/cli/check.py) prints the report
+and exits 1 when it is not ok.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported by the command, so `asyncgraph --help` stays quick
     from asyncgraph.graph.importers import Program
+    from asyncgraph.graph.ir import Graph
     from asyncgraph.tools.compare import LeafComparison
 
 
@@ -58,18 +62,30 @@ def run_check(
     atol: float | None = None,
     threads: int | None = None,
     trust_compiled: bool = False,
+    user_inputs: Callable[[Graph], list[Any]] | None = None,
+    user_inputs_source: str = "the inputs given",
 ) -> CheckReport:
     """Load `model`, run it eagerly and through asyncgraph, and compare (no printing).
 
-    `trust_compiled` lets a package of `asyncgraph compile` load (it runs native code)."""
+    `trust_compiled` lets a package of `asyncgraph compile` load (it runs native code).
+    `user_inputs(graph)` gives the flat user inputs, in signature order, to check on (what
+    `user_inputs_source` describes); they must fit the signature."""
     from asyncgraph.loading import load_program
-    from asyncgraph.tools.compare import random_inputs
+    from asyncgraph.runtime.validation import InputValidator
+    from asyncgraph.tools.compare import random_inputs, structured_inputs
 
+    if user_inputs is not None and use_random:
+        raise ValueError("give inputs or use_random, not both")
     program = load_program(model, trust_compiled=trust_compiled)
     ep = program.exported
     assert ep is not None
     sample = getattr(ep, "example_inputs", None)
-    if sample is not None and not use_random:
+    if user_inputs is not None:
+        flat = user_inputs(program.graph)
+        InputValidator(program.graph).check(flat)  # a bad file: one error, before any run
+        args, kwargs = structured_inputs(program.graph, flat)
+        source = user_inputs_source
+    elif sample is not None and not use_random:
         args, kwargs = tuple(sample[0]), dict(sample[1])
         source = "sample inputs stored in the file"
     else:

@@ -153,7 +153,13 @@ def random_inputs(
     graph: Graph, seed: int = 0, *, vary_dims: bool = False
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Random `(args, kwargs)` that fit the graph's signature (see random_flat_inputs)."""
-    flat = random_flat_inputs(graph, seed, vary_dims=vary_dims)
+    return structured_inputs(graph, random_flat_inputs(graph, seed, vary_dims=vary_dims))
+
+
+def structured_inputs(
+    graph: Graph, flat: list[Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Flat user inputs, in signature order, as the `(args, kwargs)` of a call."""
     in_spec = graph.signature.in_spec
     if in_spec is None:
         return tuple(flat), {}

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -439,3 +440,98 @@ def test_help_has_plain_usage_and_flags_without_a_type(command: list[str]) -> No
     if command and command[0] in _MODEL_COMMANDS:
         assert "MODEL" in usage, usage
     assert "<bool>" not in result.output
+
+
+# -- issue #37: --debug after the command, --version, check -i, the CLI's import cost ---------
+
+_ALL_COMMANDS = ["bench", "check", "compile", "demo", "profile", "run", "serve", "stress",
+                 "trace"]
+
+
+def test_every_command_is_listed() -> None:
+    from typer.main import get_command
+
+    assert sorted(get_command(app).commands) == _ALL_COMMANDS  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", _ALL_COMMANDS)
+def test_debug_is_taken_after_every_command(command: str) -> None:
+    result = invoke(command, "--debug", "--help")
+    assert result.exit_code == 0, result.output
+    assert "--debug" in result.output and "Show full" in result.output
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_after_the_command_shows_the_exception(where: str, tmp_path: Path) -> None:
+    missing = tmp_path / "missing.pt2"
+    args = ["--debug", "run", missing] if where == "before" else ["run", missing, "--debug"]
+    result = invoke(*args)
+    assert result.exit_code != 0
+    assert type(result.exception).__name__ == "ProgramLoadError"
+    assert "no such file" in str(result.exception)
+    # without it: one line
+    assert one_error_line(invoke("run", missing)) == f"error: {missing}: no such file"
+
+
+@pytest.mark.parametrize(
+    ("args", "command"),
+    [(["run", "x.pt2", "--bogus"], "asyncgraph run"), (["--bogus"], "asyncgraph"),
+     (["nope"], "asyncgraph")],
+)
+def test_unknown_options_and_commands_are_one_error_line(args: list[str], command: str) -> None:
+    line = one_error_line(invoke(*args))
+    assert f"(see '{command} --help')" in line, line
+
+
+def test_version_names_asyncgraph_and_torch() -> None:
+    from importlib import metadata
+
+    result = invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == (
+        f"asyncgraph {metadata.version('asyncgraph')} (torch {torch.__version__})"
+    )
+
+
+def test_help_and_version_do_not_import_torch() -> None:
+    """The console script's own import cost: `asyncgraph --help`, `--version` and every
+    command's --help run without importing torch (a fresh interpreter: this one has it)."""
+    runs = [["--help"], ["--version"], *([c, "--help"] for c in _ALL_COMMANDS)]
+    code = textwrap.dedent(f"""
+        import json, sys
+        from asyncgraph.cli.main import main
+        seen = []
+        for args in {runs!r}:
+            sys.argv = ["asyncgraph", *args]
+            try:
+                main()
+            except SystemExit as exc:
+                code = exc.code
+            seen.append([args, code, "torch" in sys.modules])
+        print("RESULT " + json.dumps(seen))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.rpartition("RESULT ")[2])
+    assert [(args, code) for args, code, _ in seen] == [(args, 0) for args in runs]
+    assert [args for args, _, imported in seen if imported] == []
+
+
+def test_check_runs_on_input_files(model_file: Any, tmp_path: Path) -> None:
+    _, path = model_file
+    inputs = tmp_path / "inputs.safetensors"
+    save_file({"x": torch.randn(5, 4), "bias": torch.randn(3)}, str(inputs))
+    result = invoke("check", path, "-i", inputs)
+    assert result.exit_code == 0, result.output
+    assert "on inputs from inputs.safetensors" in result.output
+    assert "[5, 3]" in result.output  # the rows of the file, not the example's 2
+
+    np.save(tmp_path / "x64.npy", np.zeros((2, 4)))  # float64, the program takes float32
+    np.save(tmp_path / "bias.npy", np.zeros(3, dtype=np.float32))
+    result = invoke("check", path, "-i", tmp_path / "x64.npy", "-i", tmp_path / "bias.npy")
+    assert "dtype: expected torch.float32, got torch.float64" in one_error_line(result)
+    result = invoke("check", path, "-i", f"nope={tmp_path / 'bias.npy'}")
+    assert "unknown input 'nope'; expected one of x, bias" in one_error_line(result)
+    result = invoke("check", path, "-i", inputs, "--random")
+    assert "give input files or --random, not both" in one_error_line(result)
