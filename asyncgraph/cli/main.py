@@ -130,8 +130,8 @@ class _OneLineErrors(TyperGroup):
             return super().make_context(*args, **kwargs)
         except _USAGE_ERRORS as exc:
             given = args[1] if len(args) > 1 else kwargs.get("args", ())
-            if "--debug" in given:
-                raise
+            if "--debug" in given or type(exc).__name__ == "NoArgsIsHelpError":
+                raise  # a bare `asyncgraph` shows the help, as before
             _usage_error(exc)
 
     def invoke(self, ctx: Any) -> Any:

@@ -535,3 +535,8 @@ def test_check_runs_on_input_files(model_file: Any, tmp_path: Path) -> None:
     assert "unknown input 'nope'; expected one of x, bias" in one_error_line(result)
     result = invoke("check", path, "-i", inputs, "--random")
     assert "give input files or --random, not both" in one_error_line(result)
+
+
+def test_a_bare_asyncgraph_shows_the_help() -> None:
+    result = invoke()
+    assert "Usage" in result.output and "error:" not in result.output
