@@ -28,6 +28,12 @@ ones stack inline, cheaper than the thread hop. Each batch's outputs are split b
 per-request views. A failing batch of several requests runs each request alone, so one bad
 request fails alone. A request cancelled while queued leaves the queue; a batch whose callers
 have all gone is cancelled.
+
+Padding (`BatchingConfig.buckets`): a batch is padded with copies of its last row up to the
+next bucket, and the padding's output rows are dropped. CUDA graphs are captured per input
+signature, so without it every batch size would be a capture of its own (MAX_CAPTURES per
+frame, evicted round-robin under load); with powers of two, a few captures serve all sizes.
+A padded batch that fails is retried request by request, unpadded.
 """
 
 from __future__ import annotations
@@ -63,15 +69,34 @@ OFFLOAD_BYTES = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class BatchLayout:
-    """Which flat inputs are batched along dim 0 (the others must be equal within a batch)."""
+    """Which flat inputs are batched along dim 0 (the others must be equal within a batch),
+    and the batch sizes a batch is padded up to (`BatchingConfig.buckets`, resolved)."""
 
     batched: tuple[bool, ...]
     symbol: sympy.Symbol
     max_rows: int
+    buckets: tuple[int, ...] = ()
+
+    def padding(self, rows: int) -> int:
+        """Rows to add to a batch of `rows`: up to the next bucket, none past the last."""
+        if rows <= 0:
+            return 0
+        for size in self.buckets:
+            if size >= rows:
+                return size - rows
+        return 0
 
 
-def batch_layout(graph: Graph, config: BatchingConfig) -> BatchLayout:
-    """The layout of a program that can batch, or a BatchingError saying why it cannot."""
+def default_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """Powers of two below max_batch_size, then max_batch_size: log2(max) + 1 captures
+    serve every batch, each padding a batch to less than twice its rows."""
+    sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i < max_batch_size]
+    return (*sizes, max_batch_size)
+
+
+def batch_layout(graph: Graph, config: BatchingConfig, *, captured: bool = False) -> BatchLayout:
+    """The layout of a program that can batch, or a BatchingError saying why it cannot.
+    `captured`: the Executor replays CUDA graphs, so `buckets=None` pads to default_buckets."""
     sig = graph.signature
     mutated = [o.target for o in sig.outputs
                if o.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)]
@@ -103,8 +128,12 @@ def batch_layout(graph: Graph, config: BatchingConfig) -> BatchLayout:
             f"max_batch_size {config.max_batch_size} is above the largest batch the program "
             f"was exported for ({symbol} <= {int(upper)})"
         )
+    buckets = config.buckets
+    if buckets is None:
+        buckets = default_buckets(config.max_batch_size) if captured else ()
     return BatchLayout(
-        tuple(isinstance(spec, TensorSpec) for _, spec in inputs), symbol, config.max_batch_size
+        tuple(isinstance(spec, TensorSpec) for _, spec in inputs), symbol,
+        config.max_batch_size, buckets,
     )
 
 
@@ -136,8 +165,9 @@ def _check_batched(what: str, spec: TensorSpec, symbol: sympy.Symbol) -> None:
 
 @dataclass(frozen=True, slots=True)
 class BatcherStatistics:
-    """Requests and batches so far; `mean_rows` is the average batch size in rows; `refused`
-    counts the requests that found the queue full (OverloadedError)."""
+    """Requests and batches so far; `mean_rows` is the average batch size in rows, padding
+    left out; `refused` counts the requests that found the queue full (OverloadedError);
+    `padded_rows` the rows added to reach a bucket (BatchingConfig.buckets)."""
 
     requests: int
     batches: int
@@ -148,6 +178,7 @@ class BatcherStatistics:
     cancelled_in_queue: int
     retried_alone: int
     refused: int = 0
+    padded_rows: int = 0
 
     @property
     def mean_rows(self) -> float:
@@ -181,7 +212,7 @@ class Batcher:
         self._delay_timer = False  # whether _dispatch_handle is a max_delay_s timer
         self._closed = False
         self._requests = self._batch_count = self._rows = self._largest = 0
-        self._cancelled_in_queue = self._retried_alone = self._refused = 0
+        self._cancelled_in_queue = self._retried_alone = self._refused = self._padded = 0
         self._waiting = 0  # requests in the queue that no one has cancelled
 
     async def submit(self, flat: list[Any]) -> list[Any]:
@@ -330,20 +361,24 @@ class Batcher:
         task = batch[0].batch  # set by _start before this task's first step
         cancelled_exc = self._loop().cancelled_exc
         try:
-            if len(batch) == 1:
+            pad = self.layout.padding(sum(r.rows for r in batch))
+            if len(batch) == 1 and not pad:
                 await self._run_alone(batch[0])
                 return
+            self._padded += pad
             try:
-                outputs = await self._run(await self._joined(batch))
+                outputs = await self._run(await self._joined(batch, pad))
             except Exception:
-                if not self.config.retry_alone:
+                # one request failing padded is retried as it came: the padding may be
+                # what failed (a size the program's guards refuse)
+                if not self.config.retry_alone and len(batch) > 1:
                     raise
                 self._retried_alone += 1
                 async with anyio.create_task_group() as group:
                     for request in batch:
                         group.start_soon(self._run_alone, request)
                 return
-            self._split(batch, outputs)
+            self._split(batch, outputs, pad)
         except cancelled_exc:
             for request in batch:
                 self._abandon(request)
@@ -373,11 +408,11 @@ class Batcher:
             if not request.future.done():
                 request.future.set_result(outputs)
 
-    async def _joined(self, batch: list[_Request]) -> list[Any]:
+    async def _joined(self, batch: list[_Request], pad: int) -> list[Any]:
         """`_join`, on a thread when the batch is large (see OFFLOAD_BYTES)."""
         if self._stacked_bytes(batch) > OFFLOAD_BYTES:
-            return await anyio.to_thread.run_sync(self._join, batch)
-        return self._join(batch)
+            return await anyio.to_thread.run_sync(self._join, batch, pad)
+        return self._join(batch, pad)
 
     def _stacked_bytes(self, batch: list[_Request]) -> int:
         return sum(
@@ -387,21 +422,30 @@ class Batcher:
             if batched and isinstance(x, torch.Tensor)
         )
 
-    def _join(self, batch: list[_Request]) -> list[Any]:
-        """The batch's flat inputs: batched inputs concatenated along dim 0, the others as
-        the first request has them (the key made them equal)."""
+    def _join(self, batch: list[_Request], pad: int) -> list[Any]:
+        """The batch's flat inputs: batched inputs concatenated along dim 0, then `pad`
+        copies of the last row (real data: padding rows take no path a request could not),
+        the others as the first request has them (the key made them equal)."""
         flats = [r.flat for r in batch]
-        return [
-            torch.cat([f[i] for f in flats]) if batched else flats[0][i]
-            for i, batched in enumerate(self.layout.batched)
-        ]
+        joined = []
+        for i, batched in enumerate(self.layout.batched):
+            if not batched:
+                joined.append(flats[0][i])
+                continue
+            rows = [f[i] for f in flats]
+            if pad:  # padding(rows) > 0 only when some request has a row
+                last = next(r for r in reversed(rows) if r.shape[0])[-1:]
+                rows.append(last.expand(pad, *last.shape[1:]))
+            joined.append(torch.cat(rows))
+        return joined
 
-    def _split(self, batch: list[_Request], outputs: list[Any]) -> None:
-        """Each request's rows of every output (views of the batch's outputs).
+    def _split(self, batch: list[_Request], outputs: list[Any], pad: int) -> None:
+        """Each request's rows of every output (views of the batch's outputs; the padding's
+        rows are dropped).
 
         Inline whatever the batch's size: views copy nothing, and a split costs ~0.4 us per
         request and output (51 us for 32 requests x 4 outputs), under a thread hop."""
-        rows = [r.rows for r in batch]
+        rows = [r.rows for r in batch] + ([pad] if pad else [])
         pieces = [torch.split(out, rows) for out in outputs]
         for i, request in enumerate(batch):
             if not request.future.done():
@@ -472,4 +516,5 @@ class Batcher:
             cancelled_in_queue=self._cancelled_in_queue,
             retried_alone=self._retried_alone,
             refused=self._refused,
+            padded_rows=self._padded,
         )

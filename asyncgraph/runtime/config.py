@@ -6,6 +6,7 @@ max_parallel_ops, max_concurrent_executions, frame cleanup), in snake_case.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 from collections.abc import Callable
@@ -78,12 +79,28 @@ def check(config: Any, rules: tuple[Rule, ...]) -> None:
         rule(config)
 
 
+def _buckets_increasing_within_max(config: BatchingConfig) -> None:
+    """buckets, when given, rise strictly from 1 up to max_batch_size at most."""
+    buckets = config.buckets
+    if buckets is None:
+        return
+    ordered = all(a < b for a, b in itertools.pairwise(buckets))
+    if not ordered or any(not isinstance(b, int) or b < 1 for b in buckets) or (
+        buckets and buckets[-1] > config.max_batch_size
+    ):
+        raise ValueError(
+            "buckets must be strictly increasing batch sizes from 1 to max_batch_size "
+            f"({config.max_batch_size}), got {buckets!r}"
+        )
+
+
 #: BatchingConfig's checks, in the order they run.
 BATCHING_RULES: tuple[Rule, ...] = (
     Range("max_batch_size", ">=", 1),
     Range("max_delay_s", ">=", 0),
     Range("max_concurrent_batches", ">=", 1),
     Range("max_queued_requests", ">=", 1),
+    _buckets_increasing_within_max,
 )
 
 
@@ -103,6 +120,11 @@ class BatchingConfig:
         max_queued_requests: requests that may wait in the batcher's queue (4096); the next
             caller gets OverloadedError at once, so a flood of callers cannot pin unbounded
             memory. Raise it for bursts larger than that.
+        buckets: batch sizes a batch is padded up to (the next one at or above its rows;
+            past the largest, no padding), as GPU serving engines do, so a few CUDA graphs
+            serve every size instead of one capture per exact size. None: powers of two up
+            to max_batch_size when the Executor captures CUDA graphs, no padding otherwise
+            (on a CPU padding only adds work); (): never pad.
     """
 
     max_batch_size: int = 32
@@ -110,6 +132,7 @@ class BatchingConfig:
     max_concurrent_batches: int = 2
     retry_alone: bool = True
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check(self, BATCHING_RULES)

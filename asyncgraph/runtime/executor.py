@@ -183,9 +183,10 @@ class Executor:
             for o in sig.outputs
             if o.kind is OutputKind.USER_INPUT_MUTATION
         ]
+        captured = self.config.cuda_graphs and self.cuda_runtime is not None
         self._batcher = (
-            Batcher(batch_layout(self.graph, self.config.batching), self.config.batching,
-                    self._execute)
+            Batcher(batch_layout(self.graph, self.config.batching, captured=captured),
+                    self.config.batching, self._execute)
             if self.config.batching is not None
             else None
         )

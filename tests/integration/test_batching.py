@@ -240,9 +240,9 @@ async def test_a_large_batch_is_stacked_off_the_loop(
     joined_on: list[int] = []
     join = Batcher._join
 
-    def recording_join(self: Batcher, batch: Any) -> list[Any]:
+    def recording_join(self: Batcher, batch: Any, pad: int) -> list[Any]:
         joined_on.append(threading.get_ident())
-        return join(self, batch)
+        return join(self, batch, pad)
 
     monkeypatch.setattr(Batcher, "_join", recording_join)
     xs = [torch.randn(1, width, generator=torch.Generator().manual_seed(i)) for i in range(8)]
@@ -465,3 +465,85 @@ def test_batch_keys_separate_what_cannot_be_stacked() -> None:
 
 async def _never_run(flat: list[Any]) -> list[Any]:
     raise AssertionError("not expected to run")
+
+
+# -- padding to batch-size buckets ---------------------------------------------------------
+
+
+def test_default_buckets_are_powers_of_two_up_to_the_largest_batch() -> None:
+    from asyncgraph.runtime.batching import default_buckets
+
+    assert default_buckets(32) == (1, 2, 4, 8, 16, 32)
+    assert default_buckets(24) == (1, 2, 4, 8, 16, 24)
+    assert default_buckets(1) == (1,)
+    layout = BatchLayout((True,), sympy.Symbol("s0"), 24, default_buckets(24))
+    assert [layout.padding(r) for r in (0, 1, 3, 5, 16, 17, 24, 30)] == [0, 0, 1, 3, 0, 7, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "buckets", [(2, 1), (1, 1), (0, 4), (1, 2, 16)], ids=["falling", "repeated", "zero", "big"]
+)
+def test_buckets_must_rise_from_one_to_max_batch_size(buckets: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=r"buckets must be strictly increasing .* \(8\)"):
+        BatchingConfig(max_batch_size=8, buckets=buckets)
+
+
+async def test_batches_are_padded_to_the_next_bucket_and_the_padding_dropped() -> None:
+    """The run sees only bucket sizes, padded with copies of the last row; each caller gets
+    exactly its own rows back."""
+    seen: list[int] = []
+
+    async def run(flat: list[Any]) -> list[Any]:
+        x, scale = flat
+        seen.append(x.shape[0])
+        return [x * scale]
+
+    layout = BatchLayout((True, False), sympy.Symbol("s0"), 8, (1, 2, 4, 8))
+    batcher = Batcher(layout, BatchingConfig(max_batch_size=8), run)
+    rows = [3, 1, 2, 5, 1]
+    xs = [torch.full((r, 2), float(i + 1)) for i, r in enumerate(rows)]
+    outs = await asyncio.gather(*(batcher.submit([x, 2.0]) for x in xs))
+    await batcher.aclose()
+    assert all(size in (1, 2, 4, 8) for size in seen), seen
+    stats = batcher.statistics()
+    assert stats.padded_rows == sum(seen) - sum(rows) > 0
+    assert stats.rows == sum(rows)
+    for x, (out,) in zip(xs, outs, strict=True):
+        assert out.shape == x.shape  # the padding's rows went to no caller
+        torch.testing.assert_close(out, x * 2.0)
+
+
+async def test_a_padded_request_that_fails_is_retried_unpadded() -> None:
+    """A size the program refuses (say, a guard on the batch) must not fail a request that
+    would run as it came."""
+    seen: list[int] = []
+
+    async def run(flat: list[Any]) -> list[Any]:
+        seen.append(flat[0].shape[0])
+        if flat[0].shape[0] == 4:
+            raise RuntimeError("4 rows refused")
+        return [flat[0] + 1]
+
+    layout = BatchLayout((True,), sympy.Symbol("s0"), 4, (1, 2, 4))
+    batcher = Batcher(layout, BatchingConfig(max_batch_size=4, retry_alone=False), run)
+    (out,) = await batcher.submit([torch.zeros(3, 2)])
+    await batcher.aclose()
+    torch.testing.assert_close(out, torch.ones(3, 2))
+    assert seen == [4, 3]
+    assert batcher.statistics().retried_alone == 1
+
+
+async def test_a_cpu_executor_pads_only_when_asked(
+    rows_program: tuple[torch.nn.Module, Any],
+) -> None:
+    model, ep = rows_program
+    for buckets, padded in ((None, False), ((1, 2, 4, 8), True)):
+        async with Executor(ep, _batched(max_batch_size=8, buckets=buckets)) as ex:
+            requests = [_request(rows=3, seq=4, seed=i) for i in range(3)]
+            outs = await asyncio.gather(*(ex.execute(x, s) for x, s in requests))
+            stats = ex.batching_statistics()
+        for (x, s), (y, m) in zip(requests, outs, strict=True):
+            want_y, want_m = _alone(model, x, s)
+            torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(m, want_m, rtol=1e-5, atol=1e-5)
+        assert stats is not None and (stats.padded_rows > 0) is padded

@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+import sympy
 import torch
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
@@ -1109,5 +1110,36 @@ def test_profile_says_whether_the_program_is_captured_and_why_not(backend: str) 
         reason = "node 'item_1' (aten._local_scalar_dense.default) reads a GPU value on the host"
         assert lines["item"][0] == f"not captured: {reason}"
         assert f"CUDA graphs: not captured: {reason}" in lines["item"][1]
+
+    run(body, backend)
+
+
+@pytest.mark.timeout(90)
+def test_batches_padded_to_buckets_capture_one_graph_per_bucket(backend: str) -> None:
+    """With CUDA graphs, batching pads each batch to the next power of two (buckets=None):
+    eight batch sizes are served by the captures of four buckets, not eight captures."""
+    from asyncgraph import BatchingConfig
+
+    batch = sympy.Symbol("s0", positive=True, integer=True)
+    rows = TensorSpec(torch.float32, torch.device("cpu"), (batch, 4), (4, 1))  # the fake's
+    graph = _with_specs(diamond_graph(), {"x": rows, "gpu_join": rows})
+    program = with_parameters(graph, {"w": torch.full((4,), 2.0)})
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=8)
+        ex = make_executor(
+            program, gpu, cuda_graph_warmup=0, max_concurrent_executions=1,
+            batching=BatchingConfig(max_batch_size=8),
+        )
+        async with running(ex, gpu):
+            for n in (1, 2, 3, 4, 5, 6, 7, 8) * 2:
+                x = inputs(n, 4 * n).reshape(n, 4)
+                torch.testing.assert_close(await ex.execute(x), expected(x, torch.full((4,), 2.0)))
+            batching = ex.batching_statistics()
+            assert batching is not None and batching.padded_rows == 2 * (1 + 3 + 2 + 1)
+            s = stats(ex)
+            # the fake's tensors are on the CPU, so the diamond is captured as one segment
+            assert (s.segment_captures, s.segment_replays, s.live_graphs) == (4, 12, 4), s
+        assert gpu.errors == []
 
     run(body, backend)
