@@ -256,12 +256,12 @@ def test_settings_and_mutated_inputs_are_reasons() -> None:
     assert plan.reason is not None and plan.reason.startswith("trace=True")
     g = diamond_graph()
     join = g.signature.outputs[0].arg
-    mutation = OutputSpec(OutputKind.USER_INPUT_MUTATION, join, "args[0]")
+    mutation = OutputSpec(OutputKind.USER_INPUT_MUTATION, join, "x")  # the builder's input name
     mutating = Graph(list(g.values), list(g.nodes), Signature(
         g.signature.inputs, (*g.signature.outputs, mutation), None, g.signature.out_spec
     ))
     assert (plan := plan_of(mutating)) is not None
-    assert plan.reason == "the program mutates input 'args[0]': a replay writes its static copy"
+    assert plan.reason == "the program mutates input 'x': a replay writes its static copy"
 
 
 async def test_a_cpu_program_has_no_capture_state(
