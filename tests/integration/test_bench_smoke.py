@@ -120,6 +120,42 @@ async def test_profile_times_of_an_inline_model_add_up(tmp_path: Path) -> None:
     assert metrics.critical_path_us == pytest.approx(metrics.busy_time_us)
 
 
+async def test_profile_a_slow_execution_weighs_on_wall_and_node_time_alike() -> None:
+    """The reported case: one execution's node stalls (a GC pause, a preemption). Node time
+    was a mean and wall a median, so the stall raised one and not the other and `wall - node
+    time` went negative; both are now means over the same executions."""
+    import time
+
+    import asyncgraph
+
+    calls = 0
+
+    def stall_once(x: int) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 5:  # the 3rd profiled execution, after the 2 warm-up ones
+            time.sleep(0.05)
+        return x + 1
+
+    b = asyncgraph.GraphBuilder()
+    v = b.input("x")
+    v = b.call(stall_once, v, placement="inline")
+    for _ in range(10):
+        v = b.call(lambda x: x + 1, v, placement="inline")
+    b.output(v)
+    ex = asyncgraph.Executor(b.build(), asyncgraph.ExecutorConfig(trace=True))
+    try:
+        metrics = await collect(ex, [1], runs=20, warmup=2)
+    finally:
+        await ex.aclose()
+    assert calls == 22
+    assert metrics.outside_nodes_us >= 0
+    assert metrics.wall_time_us >= metrics.busy_time_us == pytest.approx(metrics.total_time_us)
+    # the stall is in the node's mean and in the wall's mean: >= 50 ms / 20 runs each
+    assert metrics.time_per_node[0].mean_us >= 50_000 / 20
+    assert metrics.wall_time_us >= metrics.time_per_node[0].mean_us
+
+
 async def test_profile_times_of_a_parallel_model_are_ordered(tmp_path: Path) -> None:
     """Nodes overlapping on worker threads: summed node time may pass the wall, but nodes
     running (the union of the spans) and the critical path never do."""
