@@ -72,6 +72,12 @@ def serve(
     ] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: a free one).")] = 8000,
+    grpc_port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="Also serve the protocol over gRPC "
+                                 "(inference.GRPCInferenceService, what tritonclient.grpc "
+                                 "calls) on this port of --host; off when not given. Needs "
+                                 "asyncgraph[grpc].")
+    ] = None,
     max_queue: Annotated[
         int, typer.Option(min=0, help="Hard cap for memory: requests that may wait per model "
                           "beyond the free execution slots; more get 503.")
@@ -173,6 +179,9 @@ def serve(
     if max_batch_size:
         config["batching"] = BatchingConfig(max_batch_size, batch_delay_ms / 1000)
     if ray:
+        if grpc_port is not None:
+            raise ServeConfigError("--grpc-port serves the local server; Ray Serve's gRPC "
+                                   "proxy is not wired (docs/scale-out.md)")
         if loop != "uvloop":
             raise ServeConfigError("--loop applies to the local server; Ray Serve runs its own")
         _serve_on_ray(
@@ -185,6 +194,8 @@ def serve(
         return
     if address is not None or replicas != 1:
         raise ServeConfigError("--address and --replicas need --ray")
+    if grpc_port is not None:
+        _check_grpc(host, grpc_port, port, bind)
     sock = _bind(host, port, bind)  # before loading: a port in use is one line, nothing loaded
     with sock:  # closed on every path (run closes it too)
         executors: dict[str, Executor] = {}
@@ -203,7 +214,13 @@ def serve(
             body_timeout_s=body_timeout_s,
             close_executors=True,
         )
-        table = Table(title=f"asyncgraph serve on {url_of(sock)}")
+        title = f"asyncgraph serve on {url_of(sock)}"
+        if grpc_port is not None:
+            from asyncgraph.serve.grpc_server import add_grpc
+
+            endpoint = add_grpc(app, host, grpc_port, grace_s=shutdown_timeout_s)
+            title += f" and gRPC on {endpoint.address}"
+        table = Table(title=title)
         for column in ("model", "file", "nodes", "inputs", "outputs"):
             table.add_column(column)
         interfaces = app.state.asyncgraph
@@ -233,6 +250,31 @@ def _bind(host: str, port: int, bind: Callable[[str, int], socket.socket]) -> so
         if exc.errno == errno.EADDRINUSE:
             why = f"port {port} is in use by another process (choose another with --port)"
         raise ServeConfigError(f"cannot listen on {host}:{port}: {why}") from None
+
+
+def _check_grpc(
+    host: str, grpc_port: int, port: int, bind: Callable[[str, int], socket.socket]
+) -> None:
+    """--grpc-port: grpcio is installed and the port is free now (one error line, nothing
+    loaded). gRPC binds it itself when the server starts: a process that takes the port in
+    between makes the start fail instead."""
+    if grpc_port == port and port != 0:
+        raise ServeConfigError(f"--grpc-port {grpc_port}: the same port as --port")
+    try:
+        import grpc  # noqa: F401
+    except ImportError as exc:
+        raise ServeConfigError(
+            f"--grpc-port needs grpcio: pip install 'asyncgraph[grpc]' ({exc})"
+        ) from None
+    if grpc_port:
+        try:
+            bind(host, grpc_port).close()
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            if exc.errno == errno.EADDRINUSE:
+                why = f"port {grpc_port} is in use by another process (choose another with " \
+                      f"--grpc-port)"
+            raise ServeConfigError(f"cannot listen on {host}:{grpc_port} (gRPC): {why}") from None
 
 
 def _serve_on_ray(

@@ -320,44 +320,37 @@ class InferenceServer:
                 del body  # freed while it queues; the ticket keeps its size as the estimate
                 if deadline is not None and deadline.passed():  # not worth running any more
                     raise deadline.exceeded(name, "it was read and decoded", ran=False)
-                outputs, queue_s, compute_s = await self._execute(
+                outputs, queue_s, compute_s = await self.execute(
                     request, served, decoded, ticket, deadline
                 )
             timing += [queue_s, compute_s]
-            size = response_bytes(decoded, outputs)
-            if size > self.max_response_bytes:
-                raise ProtocolError(
-                    f"model {name!r}: the response would be up to {size} bytes "
-                    f"({len(decoded.outputs)} output(s)), over the limit of "
-                    f"{self.max_response_bytes} bytes (--max-response-bytes); request fewer "
-                    f"outputs, binary data, or a smaller batch"
-                )
+            size = self.response_size(name, decoded, outputs)
             with served.admission.encoding():
                 payload, headers = await _maybe_offload(
                     size, encode_response, name, decoded, outputs, self.version,
                 )
             return Response(payload, 200, headers=headers), None
-        except ProtocolError as exc:
-            response = error_response(exc)
-            if exc.status == 408:  # the rest of the body may still come: do not read it
-                response.headers["connection"] = "close"
-            return response, m.REJECTED if exc.status == 503 else m.OTHER
-        except InputValidationError as exc:
-            return error_response(ProtocolError(f"model {name!r}: {exc}")), m.OTHER
-        except (ExecutorClosedError, OverloadedError) as exc:
-            return error_response(ProtocolError(f"model {name!r}: {exc}", 503)), m.REJECTED
-        except ExecutionTimeout as exc:
-            # Triton counts a request that timed out in its scheduler (before it ran) as
-            # REJECTED; a running execution cancelled at its deadline is CANCELED
-            return error_response(ProtocolError(str(exc), 504)), (
-                m.CANCELED if exc.ran else m.REJECTED
-            )
         except (ClientDisconnected, ClientDisconnect):
             return Response(status_code=499), m.CANCELED  # nobody reads it; it is for the log
         except Exception as exc:
-            logger.exception("model %r: inference failed", name)
-            error = ProtocolError(f"model {name!r}: {_describe(exc)}", 500)
-            return error_response(error), m.BACKEND
+            error, failure = request_failure(name, exc)
+            response = error_response(error)
+            if error.status == 408:  # the rest of the body may still come: do not read it
+                response.headers["connection"] = "close"
+            return response, failure
+
+    def response_size(self, name: str, decoded: InferRequest, outputs: list[Any]) -> int:
+        """The response's estimated size (codec.response_bytes), or a 400 past
+        --max-response-bytes."""
+        size = response_bytes(decoded, outputs)
+        if size > self.max_response_bytes:
+            raise ProtocolError(
+                f"model {name!r}: the response would be up to {size} bytes "
+                f"({len(decoded.outputs)} output(s)), over the limit of "
+                f"{self.max_response_bytes} bytes (--max-response-bytes); request fewer "
+                f"outputs, binary data, or a smaller batch"
+            )
+        return size
 
     def _declared_length(self, request: Request) -> int | None:
         """The Content-Length header, checked against the size limit (413)."""
@@ -407,9 +400,9 @@ class InferenceServer:
             )
         return body
 
-    async def _execute(
+    async def execute(
         self,
-        request: Request,
+        request: Request | None,
         served: _Served,
         decoded: InferRequest,
         ticket: Ticket,
@@ -418,7 +411,8 @@ class InferenceServer:
         """Queue, execute and time one request; cancelled at its deadline or a disconnect.
 
         A request whose deadline passes while it queues, or has passed when it is handed its
-        slot, is answered 504 without running."""
+        slot, is answered 504 without running. Without an HTTP `request` (gRPC: the RPC's task
+        is cancelled when its client goes away) nothing watches for a disconnect."""
         model = served.interface.model
         running = False
         queue_s: float | None = None
@@ -448,6 +442,8 @@ class InferenceServer:
                     model, "running" if running else "queued", ran=running, queue_s=queue_s
                 ) from None
 
+        if request is None:
+            return await bounded()
         return await _until_disconnect(bounded(), request.receive)
 
 
@@ -575,6 +571,24 @@ def _routes(server: InferenceServer) -> list[Route]:
         Route(versioned + "/infer", server.infer, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+
+
+def request_failure(model: str, exc: Exception) -> tuple[ProtocolError, str]:
+    """A failed inference request's error, with the HTTP status it is answered with, and
+    Triton's failure reason it is counted under: what every transport answers (HTTP here,
+    gRPC in grpc_server.py maps the status to a gRPC code)."""
+    if isinstance(exc, ProtocolError):
+        return exc, m.REJECTED if exc.status == 503 else m.OTHER
+    if isinstance(exc, InputValidationError):
+        return ProtocolError(f"model {model!r}: {exc}"), m.OTHER
+    if isinstance(exc, (ExecutorClosedError, OverloadedError)):
+        return ProtocolError(f"model {model!r}: {exc}", 503), m.REJECTED
+    if isinstance(exc, ExecutionTimeout):
+        # Triton counts a request that timed out in its scheduler (before it ran) as
+        # REJECTED; a running execution cancelled at its deadline is CANCELED
+        return ProtocolError(str(exc), 504), m.CANCELED if exc.ran else m.REJECTED
+    logger.error("model %r: inference failed", model, exc_info=exc)
+    return ProtocolError(f"model {model!r}: {_describe(exc)}", 500), m.BACKEND
 
 
 def error_response(exc: ProtocolError) -> Response:

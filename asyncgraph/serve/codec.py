@@ -137,17 +137,45 @@ def decode_request(
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"id: expected a string, got {_kind(request_id)}")
     parameters = _object(doc.get("parameters", {}), "parameters")
-    planned = _plan_inputs(
-        doc.get("inputs"), iface, len(body) - binary_start, binary_start, max_json_bytes
+    return decode_entries(
+        request_id, parameters, doc.get("inputs"), doc.get("outputs"), iface, body,
+        binary_start, max_json_bytes,
     )
-    outputs = _requested_outputs(doc.get("outputs"), parameters, iface)
+
+
+#: Where an input entry says how many bytes of the binary data are its own.
+BINARY_SIZE_FIELD = "parameters.binary_data_size"
+
+
+def decode_entries(
+    request_id: str | None,
+    parameters: dict[str, Any],
+    inputs: Any,
+    outputs: Any,
+    iface: ModelInterface,
+    body: bytes,
+    binary_start: int,
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
+    *,
+    raw_field: str = BINARY_SIZE_FIELD,
+) -> InferRequest:
+    """Check and decode a request already parsed into the protocol's entries (the JSON
+    document's `inputs` and `outputs`, or a gRPC request's, grpc_codec.py): every transport
+    shares this validation. An input entry's values are its `data` (JSON values, or a numpy
+    array of a gRPC request's typed contents), or the next `parameters.binary_data_size`
+    bytes of `body` from `binary_start` on; `raw_field` names that size in error messages."""
+    planned = _plan_inputs(
+        inputs, iface, len(body) - binary_start, binary_start, max_json_bytes,
+        raw_field=raw_field,
+    )
+    requested = _requested_outputs(outputs, parameters, iface)
     timeout_s = request_timeout_s(parameters)
     flat: list[Any] = [None] * iface.count
     for position, value in iface.fixed.items():
         flat[position] = value
     for plan in planned:
         flat[plan.info.position] = _materialize(plan, body)
-    return InferRequest(request_id, flat, outputs, parameters, timeout_s)
+    return InferRequest(request_id, flat, requested, parameters, timeout_s)
 
 
 def request_timeout_s(parameters: Mapping[str, Any]) -> float | None:
@@ -420,6 +448,8 @@ def _plan_inputs(
     binary_size: int,
     binary_start: int,
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
+    *,
+    raw_field: str = BINARY_SIZE_FIELD,
 ) -> list[_Planned]:
     """Pass one: check every input entry against the interface; allocate nothing."""
     if not isinstance(entries, list):
@@ -464,21 +494,20 @@ def _plan_inputs(
         plan = _Planned(info, shape)
         if size is not None:
             if "data" in entry:
-                raise ProtocolError(f"{where}: has both data and parameters.binary_data_size")
+                raise ProtocolError(f"{where}: has both data and {raw_field}")
             if not _is_int(size) or size < 0:
                 raise ProtocolError(
-                    f"{where}.parameters.binary_data_size: expected a non-negative integer, "
-                    f"got {_show(size)}"
+                    f"{where}.{raw_field}: expected a non-negative integer, got {_show(size)}"
                 )
-            if binary_size == 0:
+            if binary_size == 0 and size:
                 raise ProtocolError(
-                    f"{where}.parameters.binary_data_size: set, but the request has no binary "
+                    f"{where}.{raw_field}: set, but the request has no binary "
                     f"data (no {HEADER} header)"
                 )
             want = numel * dt.itemsize(info.datatype)
             if size != want:
                 raise ProtocolError(
-                    f"{where}.parameters.binary_data_size: expected {want} bytes for "
+                    f"{where}.{raw_field}: expected {want} bytes for "
                     f"{info.datatype} {list(shape)}, got {_show(size)}"
                 )
             plan.offset, plan.size = offset, size
@@ -559,7 +588,11 @@ def _check_data(
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
 ) -> np.ndarray:
     """The values of JSON data (flat or nested, row-major), checked for their count and
-    types, as a numpy array (float64 for the float datatypes, cast to the datatype later)."""
+    types, as a numpy array (float64 for the float datatypes, cast to the datatype later).
+    A numpy array (a gRPC request's typed contents, already of their field's type) is
+    checked for its count and, for the narrower integer datatypes, its range."""
+    if isinstance(data, np.ndarray):
+        return _check_array(data, info.datatype, shape, numel, where)
     if isinstance(data, RawArray) and data.count() != numel:
         if len(data) > max_json_bytes:  # else parsed whole below, for the exact count
             raise ProtocolError(
@@ -600,6 +633,25 @@ def _check_data(
             f"{where}.data: expected {numel} element(s) for shape {list(shape)}, got {len(flat)}"
         )
     return _values(flat, info.datatype, where, 0, None)
+
+
+def _check_array(
+    data: np.ndarray, datatype: str, shape: tuple[int, ...], numel: int, where: str
+) -> np.ndarray:
+    if data.size != numel:
+        raise ProtocolError(
+            f"{where}.contents: expected {numel} element(s) for shape {list(shape)}, "
+            f"got {data.size}"
+        )
+    if data.size and datatype in dt.INTEGER_DATATYPES:
+        lo, hi = dt.integer_range(datatype)
+        low, high = data.min(), data.max()
+        if low < lo or high > hi:
+            k = int(np.argmax((data < lo) | (data > hi)))
+            raise ProtocolError(
+                f"{where}.contents[{k}]: {data[k]} is out of range for {datatype} [{lo}, {hi}]"
+            )
+    return data
 
 
 def _values(
@@ -755,7 +807,7 @@ def encode_response(
     blobs: list[bytes] = []
     for wanted in request.outputs:
         value = outputs[wanted.info.position]
-        entry, blob, values = _encode_output(wanted.info.name, value, wanted.binary)
+        entry, blob, values = encode_output(wanted.info.name, value, wanted.binary)
         text = json.dumps(entry, separators=(",", ":"))
         if values is not None:
             text = text[:-1] + ',"data":' + _json_values(values) + "}"
@@ -834,13 +886,13 @@ def json_request_body(inputs: Mapping[str, Any]) -> bytes:
     client sends it: what the server's start-up calibration decodes (calibration.py)."""
     entries = []
     for name, value in inputs.items():
-        entry, _, values = _encode_output(name, value, binary=False)
+        entry, _, values = encode_output(name, value, binary=False)
         assert values is not None
         entries.append({**entry, "data": values.reshape(-1).tolist()})
     return json.dumps({"inputs": entries}, separators=(",", ":")).encode()
 
 
-def _encode_output(
+def encode_output(
     name: str, value: Any, binary: bool
 ) -> tuple[dict[str, Any], bytes | None, torch.Tensor | None]:
     """An output's entry without its data, and its data: the binary blob, or the tensor

@@ -107,7 +107,25 @@ def _sigterm_ends_normally() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-class _ForegroundServer(uvicorn.Server):
+#: An app's `state` attribute listing coroutine functions to start when the server's shutdown
+#: begins (the gRPC endpoint's drain, grpc_server.py): they drain alongside the HTTP side
+#: instead of after it, when the app's lifespan ends.
+DRAINS_KEY = "asyncgraph_drains"
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn that starts the app's other drains (`DRAINS_KEY`) as its own shutdown begins."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        state = getattr(self.config.app, "state", None)
+        drains = [asyncio.ensure_future(drain()) for drain in getattr(state, DRAINS_KEY, ())]
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            await asyncio.gather(*drains, return_exceptions=True)
+
+
+class _ForegroundServer(_DrainingServer):
     """uvicorn on sockets bound beforehand: it logs the address it runs on only for the
     sockets it binds itself, so this says it, once the app has started."""
 
@@ -134,7 +152,7 @@ def log_config(log_level: str) -> dict[str, Any]:
     return config
 
 
-class _EmbeddedServer(uvicorn.Server):
+class _EmbeddedServer(_DrainingServer):
     """A uvicorn server that leaves signal handlers alone: the host program owns them."""
 
     @contextlib.contextmanager

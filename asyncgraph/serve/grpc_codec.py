@@ -1,0 +1,147 @@
+"""gRPC inference requests and responses: `ModelInferRequest` in, `ModelInferResponse` out.
+
+A request is turned into the protocol's input and output entries (what a JSON body holds) and
+checked and decoded by the same code as HTTP's (`codec.decode_entries`): names, datatypes,
+every dimension against the signature, sizes, ranges, before a tensor is made; error messages
+name the field at fault (`inputs[0] ('x').raw_input_contents`).
+
+Input values come one of two ways, as Triton takes them:
+
+- `raw_input_contents`: one buffer per input, in the order of `inputs`, little-endian,
+  row-major (what tritonclient.grpc sends): each is the input's binary data;
+- `contents`: the typed field of the input's datatype (`fp32_contents` for FP32,
+  `int_contents` for INT8/INT16/INT32, ...; FP16 and BF16 have none and go raw).
+
+The response answers in kind: raw outputs (`raw_output_contents`) when the request used raw
+inputs (or has none), typed `contents` otherwise, except that a response with an FP16 or
+BF16 output, which has no typed field, is raw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncgraph.serve import datatypes as dt
+from asyncgraph.serve import grpc_protocol as pb
+from asyncgraph.serve.codec import InferRequest, decode_entries, encode_output
+from asyncgraph.serve.errors import ProtocolError
+from asyncgraph.serve.interface import ModelInterface
+
+#: The typed contents field of each datatype (FP16 and BF16 have none: raw only).
+TYPED_FIELDS: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+#: The numpy type a typed field's values arrive in.
+FIELD_DTYPES: dict[str, Any] = {
+    "bool_contents": np.bool_, "int_contents": np.int32, "int64_contents": np.int64,
+    "uint_contents": np.uint32, "uint64_contents": np.uint64, "fp32_contents": np.float32,
+    "fp64_contents": np.float64,
+}
+_ALL_FIELDS = (*FIELD_DTYPES, "bytes_contents")
+
+
+def parameters_of(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """A `map<string, InferParameter>` as the dict a JSON request's `parameters` is."""
+    out: dict[str, Any] = {}
+    for key, value in parameters.items():
+        which = value.WhichOneof("parameter_choice")
+        out[key] = None if which is None else getattr(value, which)
+    return out
+
+
+def decode_infer_request(message: Any, iface: ModelInterface) -> tuple[InferRequest, bool]:
+    """The decoded request (codec.InferRequest) and whether it should be answered raw."""
+    raw = message.raw_input_contents
+    inputs = message.inputs
+    if raw and len(raw) != len(inputs):
+        raise ProtocolError(
+            f"raw_input_contents: {len(raw)} buffer(s) for {len(inputs)} input(s); give one "
+            f"per input, in the order of inputs, or none (typed contents)"
+        )
+    entries: list[dict[str, Any]] = []
+    for i, tensor in enumerate(inputs):
+        entry: dict[str, Any] = {
+            "name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
+            "parameters": parameters_of(tensor.parameters),
+        }
+        where = f"inputs[{i}] ({tensor.name!r})"
+        if raw:
+            if tensor.HasField("contents"):
+                raise ProtocolError(f"{where}: has both contents and raw_input_contents[{i}]")
+            entry["parameters"]["binary_data_size"] = len(raw[i])
+        else:
+            entry["data"] = _typed_values(tensor, where)
+        entries.append(entry)
+    outputs = [
+        {"name": o.name, "parameters": parameters_of(o.parameters)} for o in message.outputs
+    ]
+    decoded = decode_entries(
+        message.id or None, parameters_of(message.parameters), entries, outputs or None,
+        iface, b"".join(raw), 0, raw_field="raw_input_contents",
+    )
+    answer_raw = bool(raw) or not inputs or any(
+        o.info.datatype not in TYPED_FIELDS for o in decoded.outputs
+    )
+    for wanted in decoded.outputs:  # what response_bytes estimates the response by
+        wanted.binary = True
+    return decoded, answer_raw
+
+
+def _typed_values(tensor: Any, where: str) -> np.ndarray:
+    """An input's typed contents as a numpy array of its field's type."""
+    if not tensor.HasField("contents"):
+        raise ProtocolError(f"{where}: no contents and no raw_input_contents")
+    contents = tensor.contents
+    field = TYPED_FIELDS.get(tensor.datatype)
+    if field is None and tensor.datatype in dt.TORCH_DTYPES:
+        raise ProtocolError(
+            f"{where}.contents: {tensor.datatype} has no typed contents field; send it in "
+            f"raw_input_contents"
+        )
+    for other in _ALL_FIELDS:
+        if other != field and len(getattr(contents, other)):
+            expected = f"{field}" if field else "none (the datatype is checked next)"
+            raise ProtocolError(
+                f"{where}.contents.{other}: values of the wrong field for datatype "
+                f"{tensor.datatype!r}; expected {expected}"
+            )
+    if field is None:  # an unknown datatype: the shared check names it
+        return np.empty(0, np.float32)
+    return np.asarray(getattr(contents, field), dtype=FIELD_DTYPES[field])
+
+
+def encode_infer_response(
+    model: str, version: str, request: InferRequest, outputs: list[Any], raw: bool
+) -> Any:
+    """The ModelInferResponse of a request's requested outputs: raw or typed (see the
+    module docstring)."""
+    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request.id or "")
+    for wanted in request.outputs:
+        entry, blob, tensor = encode_output(
+            wanted.info.name, outputs[wanted.info.position], binary=raw
+        )
+        out = response.outputs.add(
+            name=entry["name"], datatype=entry["datatype"], shape=entry["shape"]
+        )
+        if raw:
+            assert blob is not None
+            response.raw_output_contents.append(blob)
+        else:
+            assert tensor is not None
+            getattr(out.contents, TYPED_FIELDS[entry["datatype"]]).extend(_values(tensor))
+    return response
+
+
+def _values(tensor: torch.Tensor) -> list[Any]:
+    return tensor.reshape(-1).tolist()  # type: ignore[no-any-return]
