@@ -314,6 +314,53 @@ async def test_stream_answers_in_order_and_goes_on_after_an_error(linear: Any) -
         assert ex.statistics().completed == 5
 
 
+async def test_cancelling_a_stream_cancels_its_executions() -> None:
+    gate = Gate()
+    async with asyncgraph.Executor(gated_graph(gate)) as ex, serving({"g": ex}) as s:
+        request = tpb.ModelInferRequest(model_name="g", raw_input_contents=[b"\0" * 8])
+        request.inputs.add(name="x", datatype="FP32", shape=[2])
+        call = s.stub.ModelStreamInfer(iter([request, request]), timeout=WAIT_S)
+        await eventually(lambda: gate.calls == 2, "both requests running")
+        call.cancel()
+        await eventually(lambda: gate.cancelled == 2, "both executions cancelled")
+        await eventually(lambda: ex.statistics().frames.in_use == 0, "the frames back")
+        await eventually(
+            lambda: s.server.metrics.counters["g"].failure.get("CANCELED") == 2, "counted"
+        )
+
+
+async def test_methods_it_does_not_serve_are_unimplemented(linear: Any) -> None:
+    _, ep = linear
+    async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as s:
+        with pytest.raises(InferenceServerException) as config:
+            await s.client.get_model_config("lin")
+        assert code_of(config.value) == "StatusCode.UNIMPLEMENTED"
+
+
+async def test_shutdown_drains_the_calls_in_flight() -> None:
+    gate = Gate()
+    async with asyncgraph.Executor(gated_graph(gate)) as ex:
+        app = create_app({"g": ex}, calibrate=False)
+        endpoint = add_grpc(app, "127.0.0.1", 0, grace_s=WAIT_S)
+        server: InferenceServer = app.state.asyncgraph
+
+        async def release_once_draining() -> None:
+            await eventually(lambda: server.shutting_down, "the drain started")
+            gate.release.set()
+
+        async with running_server(app):
+            client = tga.InferenceServerClient(endpoint.address)
+            call = asyncio.ensure_future(client.infer("g", [raw_input(np.ones(2, np.float32))]))
+            await asyncio.wait_for(gate.started.wait(), WAIT_S)
+            releaser = asyncio.ensure_future(release_once_draining())
+        # the server has stopped: the call in flight was answered first
+        await releaser
+        result = await call
+        await client.close()
+        np.testing.assert_array_equal(result.as_numpy("output_0"), [2.0, 2.0])
+        assert gate.cancelled == 0
+
+
 # -- one process, two transports ------------------------------------------------------------
 
 
