@@ -144,23 +144,32 @@ class InferenceService:
     ) -> AsyncIterator[Any]:
         """Answer each request of the stream in order; up to STREAM_WINDOW run at once."""
         window = asyncio.Semaphore(STREAM_WINDOW)
-        queue: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[Any, asyncio.Future[Any]] | None] = asyncio.Queue()
 
         async def read() -> None:
             try:
                 async for request in requests:
                     await window.acquire()
-                    queue.put_nowait(asyncio.ensure_future(self.infer(request, context)))
+                    task = asyncio.ensure_future(self.infer(request, context))
+                    queue.put_nowait((request, task))
             finally:
                 queue.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         try:
-            while (task := await queue.get()) is not None:
+            while (item := await queue.get()) is not None:
+                request, task = item
                 result = await task
                 window.release()
                 if isinstance(result, ProtocolError):
-                    yield pb.ModelStreamInferResponse(error_message=result.message)
+                    # with the request's model and id, so a client can tell which one failed
+                    yield pb.ModelStreamInferResponse(
+                        error_message=result.message,
+                        infer_response=pb.ModelInferResponse(
+                            model_name=request.model_name, model_version=request.model_version,
+                            id=request.id,
+                        ),
+                    )
                 else:
                     yield pb.ModelStreamInferResponse(infer_response=result)
             await reader  # the stream's own read error, if it had one
@@ -170,8 +179,8 @@ class InferenceService:
             while not queue.empty():
                 item = queue.get_nowait()
                 if item is not None:
-                    item.cancel()
-                    left.append(item)
+                    item[1].cancel()
+                    left.append(item[1])
             # the executions must be cancelled and their frames back before the RPC ends
             await asyncio.gather(*left, return_exceptions=True)
 

@@ -312,6 +312,11 @@ async def test_stream_answers_in_order_and_goes_on_after_an_error(linear: Any) -
                 expected = model(torch.from_numpy(x)).numpy()
             np.testing.assert_allclose(result.as_numpy("output_0"), expected, rtol=1e-5, atol=1e-6)
         assert ex.statistics().completed == 5
+        # the error names the request it answers (its model and id), as Triton's do
+        bad = tpb.ModelInferRequest(model_name="nope", id="bad")
+        [answer] = [r async for r in s.stub.ModelStreamInfer(iter([bad]), timeout=WAIT_S)]
+        assert answer.error_message == "unknown model 'nope'; serving 'lin'"
+        assert (answer.infer_response.model_name, answer.infer_response.id) == ("nope", "bad")
 
 
 async def test_cancelling_a_stream_cancels_its_executions() -> None:
