@@ -16,8 +16,12 @@ parsed in pieces, codec.py) -> wait for an execution slot -> execute, cancelled 
 deadline (504) or by the client going away -> check the response's estimated size against
 --max-response-bytes (400) -> encode JSON or binary outputs (timed: the gate counts decode
 and encode as the loop time a request costs).
-A request's deadline is its arrival plus the smaller of `timeout_ms` and its own
-`parameters.timeout` (Triton's, in microseconds).
+A request's deadline is its arrival (when the app is called with it, `_StampArrival`) plus
+the smaller of `timeout_ms` and its own `parameters.timeout` (Triton's, in microseconds). It is
+checked before the body is read, once it is decoded and when its slot comes: a request past it
+is answered 504 and never runs (counted REJECTED, as Triton counts a request that timed out in
+its scheduler); one that passes it while waiting or running is cancelled (a running one
+counted CANCELED).
 
 When the app's lifespan starts, before it takes traffic, each model's gate is calibrated with
 a representative request (calibration.py), so the deadline check predicts from the first
