@@ -193,7 +193,7 @@ def test_serve_loop_option_reaches_uvicorn(
 
     monkeypatch.setattr(asyncgraph.serve, "run", fake_run)
     for flags, expected in (([], "uvloop"), (["--loop", "asyncio"], "asyncio")):
-        result = invoke("serve", path, *flags)
+        result = invoke("serve", path, "--port", "0", *flags)  # it binds before `run`
         assert result.exit_code == 0, result.output
         assert loops.pop() == expected
     result = invoke("serve", path, "--loop", "trio")
