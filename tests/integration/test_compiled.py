@@ -12,6 +12,7 @@ import random
 import re
 import threading
 import time
+import types
 import warnings
 import zipfile
 from collections.abc import Callable, Sequence
@@ -564,15 +565,21 @@ def test_choose_kernels_keeps_autotuned_only_when_it_is_faster(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The timing compares the two compiles round by round; a tie keeps the default kernels
-    (the autotuned ones cost a repack at every swap). Runners 5x apart, by sleeping."""
+    (the autotuned ones cost a repack at every swap). Runners 5x apart on a clock of the
+    test's own (each call advances it): sleeping ones overslept under a CPU burner (0.56)."""
     import asyncgraph.compiled.choice as choice
 
     monkeypatch.setattr(choice, "SAMPLE_S", 0.004)
     monkeypatch.setattr(choice, "ROUNDS", 5)
     naps = {"fast": 0.0002, "slow": 0.001, "same": 0.001}
+    clock = [0.0]
+    monkeypatch.setattr(choice, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def runner(path: Path, args: Sequence[Any]) -> Callable[[], None]:
-        return lambda: time.sleep(naps[path.name])
+        def call() -> None:
+            clock[0] += naps[path.name]
+
+        return call
 
     monkeypatch.setattr(choice, "_runner", runner)
     faster = choice.choose_kernels(Path("fast"), Path("slow"), [])
