@@ -153,6 +153,25 @@ def serve(
     replicas: Annotated[
         int, typer.Option(min=1, help="With --ray: replicas, each with its own executors.")
     ] = 1,
+    model_repository: Annotated[
+        Path | None, typer.Option(help="Serve a model repository laid out as Triton's "
+                                  "(DIR/<model>/<version>/model.pt2 or DIR/<model>/<version>"
+                                  ".pt2) instead of MODEL/--model, with the repository "
+                                  "endpoints (docs/serving.md 'Model control').")
+    ] = None,
+    model_control: Annotated[
+        str, typer.Option(help="With --model-repository: 'none' loads every model at start "
+                          "and refuses load/unload requests; 'explicit' loads only "
+                          "--load-model ones and serves load/unload (hot reload).")
+    ] = "none",
+    load_model: Annotated[
+        list[str] | None, typer.Option(help="With --model-control explicit: a model to load "
+                                       "at start; repeatable.")
+    ] = None,
+    version_policy: Annotated[
+        str, typer.Option(help="With --model-repository: the versions served, 'latest:N', "
+                          "'specific:1,3' or 'all' (a model's config.json may set its own).")
+    ] = "latest:1",
 ) -> None:
     """Serve models over the Open Inference Protocol (KServe v2 REST) on uvicorn + uvloop.
 
@@ -168,7 +187,18 @@ def serve(
     if loop not in LOOPS:
         raise typer.BadParameter(f"expected one of {', '.join(LOOPS)}, got {loop!r}",
                                  param_hint="--loop")
-    specs = model_specs(model, name, models)
+    if model_repository is not None:
+        if model is not None or name is not None or models:
+            raise ServeConfigError("--model-repository serves the repository's models: give "
+                                   "no MODEL, --name or --model with it")
+        if ray:
+            raise ServeConfigError("--model-repository is served by the local server, not "
+                                   "on --ray")
+        specs: dict[str, Path] = {}
+    elif load_model or model_control != "none":
+        raise ServeConfigError("--model-control and --load-model need --model-repository")
+    else:
+        specs = model_specs(model, name, models)
     config: dict[str, Any] = {"max_concurrent_executions": frames}
     if parallel_ops is not None:
         config["max_parallel_ops"] = parallel_ops
@@ -197,6 +227,26 @@ def serve(
     if grpc_port is not None:
         _check_grpc(host, grpc_port, port, bind)
     sock = _bind(host, port, bind)  # before loading: a port in use is one line, nothing loaded
+    if model_repository is not None:
+        from asyncgraph.cli.serve_repository import serve_repository
+
+        with sock:
+            serve_repository(
+                sock, model_repository, control_mode=model_control,
+                load_models=load_model or [], version_policy=version_policy,
+                config=executor_config(threads, **config), trust_compiled=trust_compiled,
+                app_options={
+                    "max_queue": max_queue, "max_queue_bytes": max_queue_bytes or None,
+                    "timeout_ms": timeout_ms or None, "max_request_bytes": max_request_bytes,
+                    "max_json_bytes": max_json_bytes, "max_response_bytes": max_response_bytes,
+                    "body_timeout_s": body_timeout_s,
+                },
+                host=host, grpc_port=grpc_port,
+                run_options={"log_level": log_level, "access_log": access_log, "loop": loop,
+                             "graceful_shutdown_s": shutdown_timeout_s},
+                console=console, error=ServeConfigError,
+            )
+        return
     with sock:  # closed on every path (run closes it too)
         executors: dict[str, Executor] = {}
         for key, path in specs.items():

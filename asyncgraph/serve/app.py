@@ -37,7 +37,7 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -61,6 +61,9 @@ from asyncgraph.serve.codec import (
 )
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
+
+if TYPE_CHECKING:
+    from asyncgraph.serve.model_control import ModelControl
 
 logger = logging.getLogger("asyncgraph.serve")
 
@@ -166,6 +169,7 @@ class _Served:
     executor: Executor
     interface: ModelInterface
     admission: Admission
+    version: str | None = None  # a repository's version (model_control.py); None: the app's
 
 
 class InferenceServer:
@@ -212,6 +216,9 @@ class InferenceServer:
         self.max_request_bytes = max_request_bytes
         self.version = version
         self.shutting_down = False
+        #: Model control over a repository (model_control.py: add_model_control); None: the
+        #: models given, at `version`
+        self.control: ModelControl | None = None
         self._served: dict[str, _Served] = {}
         self.metrics = m.ServerMetrics(models, self._admission, version)
         for name in list(models):
@@ -220,6 +227,8 @@ class InferenceServer:
     # -- models -----------------------------------------------------------------------------
 
     def served(self, name: str, version: str | None = None) -> _Served:
+        if self.control is not None:
+            return self.control.served(name, version)
         ex = self.models.get(name)
         if ex is None:
             serving = ", ".join(repr(n) for n in self.models) or "none"
@@ -241,6 +250,13 @@ class InferenceServer:
             )
             self._served[name] = served
         return served
+
+    def versions(self, name: str) -> list[str]:
+        """The versions of model `name` served (404 for an unknown model)."""
+        if self.control is not None:
+            return self.control.versions(name)
+        self.served(name)
+        return [self.version]
 
     async def calibrate(self) -> None:
         """Calibrate every model's admission gate (calibration.py) before traffic comes; a
@@ -331,7 +347,8 @@ class InferenceServer:
             size = self.response_size(name, decoded, outputs)
             with served.admission.encoding():
                 payload, headers = await _maybe_offload(
-                    size, encode_response, name, decoded, outputs, self.version,
+                    size, encode_response, name, decoded, outputs,
+                    served.version or self.version,
                 )
             return Response(payload, 200, headers=headers), None
         except (ClientDisconnected, ClientDisconnect):
@@ -524,6 +541,8 @@ def create_app(
 
 
 def _routes(server: InferenceServer) -> list[Route]:
+    from asyncgraph.serve.repository_http import repository_routes  # (imports app.py)
+
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
 
@@ -537,8 +556,11 @@ def _routes(server: InferenceServer) -> list[Route]:
     async def server_metadata(request: Request) -> Response:
         from asyncgraph import __version__
 
+        extensions = ["binary_tensor_data"]
+        if server.control is not None:
+            extensions.append("model_repository")
         return JSONResponse(
-            {"name": "asyncgraph", "version": __version__, "extensions": ["binary_tensor_data"]}
+            {"name": "asyncgraph", "version": __version__, "extensions": extensions}
         )
 
     async def model_metadata(request: Request) -> Response:
@@ -546,13 +568,15 @@ def _routes(server: InferenceServer) -> list[Route]:
         served = server.served(name, request.path_params.get("version"))
         return JSONResponse({
             "name": name,
-            "versions": [server.version],
+            "versions": server.versions(name),
             "platform": "asyncgraph",
             **served.interface.metadata(),
         })
 
     async def model_ready(request: Request) -> Response:
         name = request.path_params["name"]
+        if server.control is not None and server.control.not_loaded(name):
+            return JSONResponse({"name": name, "ready": False}, 503, headers=_retry_after(503))
         server.served(name, request.path_params.get("version"))
         ok = server.model_ready(name)
         status = 200 if ok else 503
@@ -574,6 +598,7 @@ def _routes(server: InferenceServer) -> list[Route]:
         Route(model + "/infer", server.infer, methods=["POST"]),
         Route(versioned + "/infer", server.infer, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *repository_routes(server),  # Triton's model repository extension
     ]
 
 

@@ -42,6 +42,9 @@ ModelInferResponse = _message("ModelInferResponse")
 ModelStreamInferResponse = _message("ModelStreamInferResponse")
 InferParameter = _message("InferParameter")
 InferTensorContents = _message("InferTensorContents")
+RepositoryIndexResponse = _message("RepositoryIndexResponse")
+RepositoryModelLoadResponse = _message("RepositoryModelLoadResponse")
+RepositoryModelUnloadResponse = _message("RepositoryModelUnloadResponse")
 
 #: method name -> (request class, response class, client streaming, server streaming)
 METHODS: dict[str, tuple[Any, Any, bool, bool]] = {}

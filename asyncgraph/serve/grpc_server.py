@@ -52,6 +52,7 @@ from asyncgraph.serve.app import (
 )
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.grpc_codec import decode_infer_request, encode_infer_response
+from asyncgraph.serve.model_control import load_model, repository_index, unload_model
 from asyncgraph.serve.runner import DRAINS_KEY
 
 logger = logging.getLogger("asyncgraph.serve")
@@ -106,6 +107,9 @@ class InferenceService:
         return pb.ServerReadyResponse(ready=ready)
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        control = self.server.control
+        if control is not None and control.not_loaded(request.name):
+            return pb.ModelReadyResponse(ready=False)  # in the repository, not loaded
         await self._served_or_abort(request.name, request.version, context)
         return pb.ModelReadyResponse(ready=self.server.model_ready(request.name))
 
@@ -118,7 +122,8 @@ class InferenceService:
         served = await self._served_or_abort(request.name, request.version, context)
         iface = served.interface
         return pb.ModelMetadataResponse(
-            name=request.name, versions=[self.server.version], platform="asyncgraph",
+            name=request.name, versions=self.server.versions(request.name),
+            platform="asyncgraph",
             inputs=[i.metadata() for i in iface.inputs],
             outputs=[o.metadata() for o in iface.outputs],
         )
@@ -130,6 +135,30 @@ class InferenceService:
             return self.server.served(name, version or None)
         except ProtocolError as exc:
             await _abort(context, exc)
+
+    # -- the model repository extension (model_control.py) ---------------------------------
+
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        entries = repository_index(self.server, request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[pb.RepositoryIndexResponse.ModelIndex(**e) for e in entries]
+        )
+
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            await load_model(self.server, request.model_name, _parameters(request))
+        except ProtocolError as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        try:
+            await unload_model(self.server, request.model_name, _parameters(request))
+        except ProtocolError as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelUnloadResponse()
 
     # -- inference --------------------------------------------------------------------------
 
@@ -242,11 +271,21 @@ class InferenceService:
             size = server.response_size(name, decoded, outputs)
             with served.admission.encoding():
                 response = await _maybe_offload(
-                    size, encode_infer_response, name, server.version, decoded, outputs, raw
+                    size, encode_infer_response, name, served.version or server.version,
+                    decoded, outputs, raw,
                 )
             return response, None
         except Exception as exc:
             return request_failure(name, exc)
+
+
+def _parameters(request: Any) -> dict[str, Any]:
+    """A repository request's parameters map as Python values."""
+    out: dict[str, Any] = {}
+    for key, value in request.parameters.items():
+        which = value.WhichOneof("parameter_choice")
+        out[key] = getattr(value, which) if which else None
+    return out
 
 
 def _client_deadline(arrival: float, context: grpc.aio.ServicerContext) -> Deadline | None:

@@ -58,7 +58,8 @@ def test_every_method_matches_tritonclients() -> None:
         )
     assert set(ours.METHODS) == {
         "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-        "ModelInfer", "ModelStreamInfer",
+        "ModelInfer", "ModelStreamInfer", "RepositoryIndex", "RepositoryModelLoad",
+        "RepositoryModelUnload",
     }
 
 
