@@ -11,7 +11,11 @@ hold the requests of one file's Executor in flight.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,6 +36,7 @@ from asyncgraph.serve.grpc_server import add_grpc
 from asyncgraph.serve.model_control import NOT_ALLOWED, ModelControl, add_model_control
 from asyncgraph.serve.repository import ModelRepository, RepositoryError, VersionPolicy
 from tests.integration.test_serve import eventually, metric
+from tests.integration.test_serve_cli import serve as cli_serve
 from tests.support.models import Affine
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(120)]
@@ -540,3 +545,69 @@ async def test_grpc_repository_calls_without_a_repository_are_unavailable(files:
                 assert code_of(refused.value) == "StatusCode.UNAVAILABLE"
             finally:
                 await client.close()
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncgraph.cli.main", "serve", *args], capture_output=True,
+        text=True, timeout=120, env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def test_the_command_serves_a_repository_with_explicit_model_control(
+    tmp_path: Path, files: Files
+) -> None:
+    put(tmp_path, "a", 1, files.a0)
+    put(tmp_path, "w", 1, files.wide, folder=False)
+    with cli_serve("--model-repository", str(tmp_path), "--model-control", "explicit",
+                   "--load-model", "a", "--port", "0") as served:
+        url = served.wait_for(r"Uvicorn running on (http://127\.0\.0\.1:\d+)").group(1)
+        banner = " ".join(served.output().split())  # the table's title may wrap
+        assert "model control explicit, version policy latest:1" in banner, banner
+        with httpx.Client(base_url=url, timeout=WAIT_S) as http:
+            index = http.post("/v2/repository/index").json()
+            assert [(e["name"], e["state"]) for e in index] == [
+                ("a", "READY"), ("w", "UNAVAILABLE")
+            ]
+            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 4],
+                                "data": X.reshape(-1).tolist()}]}
+            assert http.post("/v2/models/w/infer", json=body).status_code == 404
+            assert http.post("/v2/repository/models/w/load").status_code == 200
+            out = http.post("/v2/models/w/infer", json=body).json()["outputs"][0]
+            np.testing.assert_allclose(np.asarray(out["data"]).reshape(out["shape"]),
+                                       files.wide_out, rtol=1e-5)
+            put(tmp_path, "a", 2, files.a1)  # a weights-only version: a hot swap
+            assert http.post("/v2/repository/models/a/load").status_code == 200
+            answer = http.post("/v2/models/a/infer", json=body).json()
+            assert answer["model_version"] == "2"
+            assert http.post("/v2/repository/models/a/unload").status_code == 200
+            assert http.get("/v2/models/a/ready").status_code == 503
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=WAIT_S) == 0, served.output()
+    assert "Traceback" not in served.output(), served.output()
+
+
+def test_the_command_names_a_bad_repository_in_one_line_before_serving(
+    tmp_path: Path, files: Files
+) -> None:
+    put(tmp_path, "a", 1, files.a0)
+    (tmp_path / "b" / "3").mkdir(parents=True)  # none mode loads every model: b fails
+    done = _run_cli("--model-repository", str(tmp_path), "--port", "0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert errors == [f"error: model 'b': version folder {tmp_path}/b/3 has no model.pt2 "
+                      f"(expected {tmp_path}/b/3/model.pt2)"], done.stderr
+    assert "Uvicorn running" not in done.stdout + done.stderr
+    for args, message in [
+        (["--load-model", "a"], "--load-model needs --model-control explicit"),
+        (["--model-control", "explicit", "--version-policy", "newest"],
+         "version policy 'newest': expected"),
+        (["--model-control", "explicit", "--load-model", "zz"], "model 'zz': no folder"),
+    ]:
+        done = _run_cli("--model-repository", str(tmp_path), "--port", "0", *args)
+        assert done.returncode == 1 and message in done.stderr, done.stdout + done.stderr
+    done = _run_cli(str(files.a0), "--model-control", "explicit")
+    assert done.returncode == 1 and "need --model-repository" in done.stderr, done.stderr
