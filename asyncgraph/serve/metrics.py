@@ -81,7 +81,8 @@ class ServerMetrics:
             "Time an inference request waited for a free execution slot.",
             ["model"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
-        self.registry.register(_LiveCollector(models, admission, self.counters, version))
+        self.live = _LiveCollector(models, admission, self.counters, version)
+        self.registry.register(self.live)
 
     def observe(
         self,
@@ -125,12 +126,14 @@ class _LiveCollector(Collector):
         self.admission = admission
         self.counters = counters
         self.version = version
+        #: A model's version label (model control: the version its unversioned requests
+        #: reach); None: `version` for every model
+        self.version_of: Callable[[str], str] | None = None
 
     def describe(self) -> list[Metric]:
         return []  # names vary with the models served; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        v = self.version
         untyped = {
             "nv_inference_request_success": "Number of successful inference requests.",
             "nv_inference_request_failure": "Number of failed inference requests, by reason.",
@@ -187,6 +190,7 @@ class _LiveCollector(Collector):
             name: GaugeMetricFamily(name, doc, labels=["model"]) for name, doc in gauges.items()
         }
         for model, ex in list(self.models.items()):
+            v = self.version_of(model) if self.version_of is not None else self.version
             c = self.counters.get(model, ModelCounters())
             labels = {"model": model, "version": v}
             families["nv_inference_request_success"].add_sample(

@@ -117,6 +117,7 @@ class ModelControl:
             "(a load that failed).", ["model", "kind"], registry=server.metrics.registry,
         )
         server.metrics.registry.register(_StateCollector(self))
+        server.metrics.live.version_of = self._default_version
 
     # -- lookups (InferenceServer.served delegates here) ------------------------------------
 
@@ -390,6 +391,10 @@ class ModelControl:
         else:
             self._models.pop(name, None)
             self.server._served.pop(name, None)
+
+    def _default_version(self, name: str) -> str:
+        versions = self.loaded.get(name)
+        return str(max(versions)) if versions else ""
 
     def _failed(self, name: str, reason: str) -> None:
         self.changes.labels(name, "failure").inc()

@@ -583,6 +583,8 @@ def test_the_command_serves_a_repository_with_explicit_model_control(
             assert http.post("/v2/repository/models/a/load").status_code == 200
             answer = http.post("/v2/models/a/infer", json=body).json()
             assert answer["model_version"] == "2"
+            metrics = http.get("/metrics").text
+            assert metric(metrics, "nv_inference_request_success", model="a", version="2") == 1
             assert http.post("/v2/repository/models/a/unload").status_code == 200
             assert http.get("/v2/models/a/ready").status_code == 503
         served.proc.send_signal(signal.SIGTERM)
