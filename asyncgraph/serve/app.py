@@ -37,7 +37,7 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -61,9 +61,7 @@ from asyncgraph.serve.codec import (
 )
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
-
-if TYPE_CHECKING:
-    from asyncgraph.serve.model_control import ModelControl
+from asyncgraph.serve.repository_http import NOT_ALLOWED, repository_routes
 
 logger = logging.getLogger("asyncgraph.serve")
 
@@ -172,6 +170,17 @@ class _Served:
     version: str | None = None  # a repository's version (model_control.py); None: the app's
 
 
+class ModelControlHooks(Protocol):
+    """What the server asks of model control (model_control.ModelControl)."""
+
+    def served(self, name: str, version: str | None = None) -> _Served: ...
+    def versions(self, name: str) -> list[str]: ...
+    def not_loaded(self, name: str) -> bool: ...
+    def index(self, ready: bool = False) -> list[dict[str, str]]: ...
+    async def load(self, name: str, parameters: Mapping[str, Any] | None = None) -> None: ...
+    async def unload(self, name: str, parameters: Mapping[str, Any] | None = None) -> None: ...
+
+
 class InferenceServer:
     """The state behind the routes: models, their queues, limits and metrics."""
 
@@ -218,7 +227,7 @@ class InferenceServer:
         self.shutting_down = False
         #: Model control over a repository (model_control.py: add_model_control); None: the
         #: models given, at `version`
-        self.control: ModelControl | None = None
+        self.control: ModelControlHooks | None = None
         self._served: dict[str, _Served] = {}
         self.metrics = m.ServerMetrics(models, self._admission, version)
         for name in list(models):
@@ -257,6 +266,32 @@ class InferenceServer:
             return self.control.versions(name)
         self.served(name)
         return [self.version]
+
+    # -- model control (Triton's model repository extension) -------------------------------
+
+    def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
+        """The index; without model control, the models served at the app's version, each
+        READY (UNAVAILABLE once its executor is closed)."""
+        if self.control is not None:
+            return self.control.index(ready)
+        entries = [
+            {"name": n, "version": self.version,
+             "state": "READY" if self.model_ready(n) else "UNAVAILABLE", "reason": ""}
+            for n in list(self.models)
+        ]
+        return [e for e in entries if e["state"] == "READY"] if ready else entries
+
+    async def load_model(self, name: str, parameters: Mapping[str, Any] | None = None) -> None:
+        if self.control is None:
+            raise ProtocolError(NOT_ALLOWED, 503)  # as Triton when model control is off
+        await self.control.load(name, parameters)
+
+    async def unload_model(
+        self, name: str, parameters: Mapping[str, Any] | None = None
+    ) -> None:
+        if self.control is None:
+            raise ProtocolError(NOT_ALLOWED, 503)
+        await self.control.unload(name, parameters)
 
     async def calibrate(self) -> None:
         """Calibrate every model's admission gate (calibration.py) before traffic comes; a
@@ -300,6 +335,8 @@ class InferenceServer:
         # _StampArrival; a route called without it (a test calling the handler) counts from now
         arrival = request.scope.get(ARRIVAL_KEY) or loop.time()
         name = request.path_params["name"]
+        # nothing awaited from this lookup to admission.enter: model control closes a replaced
+        # version once its gate is empty (model_control.py)
         served = self.served(name, request.path_params.get("version"))
         timing: list[float] = []
         response, failure = await self._infer(request, served, arrival, timing)
@@ -541,8 +578,6 @@ def create_app(
 
 
 def _routes(server: InferenceServer) -> list[Route]:
-    from asyncgraph.serve.repository_http import repository_routes  # (imports app.py)
-
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
 
@@ -598,7 +633,8 @@ def _routes(server: InferenceServer) -> list[Route]:
         Route(model + "/infer", server.infer, methods=["POST"]),
         Route(versioned + "/infer", server.infer, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
-        *repository_routes(server),  # Triton's model repository extension
+        # Triton's model repository extension
+        *repository_routes(server.repository_index, server.load_model, server.unload_model),
     ]
 
 

@@ -52,7 +52,6 @@ from asyncgraph.serve.app import (
 )
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.grpc_codec import decode_infer_request, encode_infer_response
-from asyncgraph.serve.model_control import load_model, repository_index, unload_model
 from asyncgraph.serve.runner import DRAINS_KEY
 
 logger = logging.getLogger("asyncgraph.serve")
@@ -139,14 +138,14 @@ class InferenceService:
     # -- the model repository extension (model_control.py) ---------------------------------
 
     async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        entries = repository_index(self.server, request.ready)
+        entries = self.server.repository_index(request.ready)
         return pb.RepositoryIndexResponse(
             models=[pb.RepositoryIndexResponse.ModelIndex(**e) for e in entries]
         )
 
     async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            await load_model(self.server, request.model_name, _parameters(request))
+            await self.server.load_model(request.model_name, _parameters(request))
         except ProtocolError as exc:
             await _abort(context, exc)
         return pb.RepositoryModelLoadResponse()
@@ -155,7 +154,7 @@ class InferenceService:
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
         try:
-            await unload_model(self.server, request.model_name, _parameters(request))
+            await self.server.unload_model(request.model_name, _parameters(request))
         except ProtocolError as exc:
             await _abort(context, exc)
         return pb.RepositoryModelUnloadResponse()
@@ -218,7 +217,7 @@ class InferenceService:
         with (HTTP status and message; counted in the metrics either way)."""
         loop = asyncio.get_running_loop()
         arrival = loop.time()
-        try:
+        try:  # nothing awaited from here to admission.enter (see app.InferenceServer.infer)
             served = self.server.served(request.model_name, request.model_version or None)
         except ProtocolError as exc:
             return exc  # an unknown model: not counted, as over HTTP

@@ -58,11 +58,9 @@ from asyncgraph.serve.codec import decode_request, encode_response
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
 from asyncgraph.serve.repository import ModelRepository, RepositoryError
+from asyncgraph.serve.repository_http import NOT_ALLOWED
 
 logger = logging.getLogger("asyncgraph.serve")
-
-#: Triton's answer (UNAVAILABLE, HTTP 503) to a load or unload when model control is off.
-NOT_ALLOWED = "explicit model load / unload is not allowed if polling is enabled"
 
 READY = "READY"
 UNAVAILABLE = "UNAVAILABLE"
@@ -467,38 +465,6 @@ class _StateCollector(Collector):
         for e in entries:
             family.add_metric([e["name"], e["version"], e["state"]], 1)
         return [family]
-
-
-# -- the transports' entry points (HTTP routes in app.py, gRPC in grpc_server.py) -----------
-
-
-def repository_index(server: InferenceServer, ready: bool = False) -> list[dict[str, str]]:
-    """The index; without model control, the models served, each READY (or UNAVAILABLE once
-    closed) at the app's version."""
-    if server.control is not None:
-        return server.control.index(ready)
-    entries = []
-    for name in list(server.models):
-        ok = server.model_ready(name)
-        entries.append({"name": name, "version": server.version,
-                        "state": READY if ok else UNAVAILABLE, "reason": ""})
-    return [e for e in entries if e["state"] == READY] if ready else entries
-
-
-async def load_model(
-    server: InferenceServer, name: str, parameters: Mapping[str, Any] | None = None
-) -> None:
-    if server.control is None:
-        raise ProtocolError(NOT_ALLOWED, 503)
-    await server.control.load(name, parameters)
-
-
-async def unload_model(
-    server: InferenceServer, name: str, parameters: Mapping[str, Any] | None = None
-) -> None:
-    if server.control is None:
-        raise ProtocolError(NOT_ALLOWED, 503)
-    await server.control.unload(name, parameters)
 
 
 def add_model_control(

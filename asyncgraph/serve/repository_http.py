@@ -10,7 +10,8 @@ Bodies are optional (empty or `{}`); errors are the protocol's `{"error": "..."}
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,8 +19,11 @@ from starlette.routing import Route
 
 from asyncgraph.serve.errors import ProtocolError
 
-if TYPE_CHECKING:
-    from asyncgraph.serve.app import InferenceServer
+#: Triton's answer (UNAVAILABLE, HTTP 503) to a load or unload when model control is off.
+NOT_ALLOWED = "explicit model load / unload is not allowed if polling is enabled"
+
+Index = Callable[[bool], list[dict[str, str]]]
+Action = Callable[[str, Mapping[str, Any]], Awaitable[None]]
 
 #: A model control request's body is a small JSON object: more is refused unread.
 MAX_BODY_BYTES = 64 << 10
@@ -53,24 +57,26 @@ def _parameters(body: dict[str, Any]) -> dict[str, Any]:
     return parameters
 
 
-def repository_routes(server: InferenceServer) -> list[Route]:
-    from asyncgraph.serve.model_control import load_model, repository_index, unload_model
+def repository_routes(repository_index: Index, load_model: Action,
+                      unload_model: Action) -> list[Route]:
+    """The routes, answering with `InferenceServer`'s repository_index, load_model and
+    unload_model (passed in: this module imports neither app.py nor model_control.py)."""
 
     async def index(request: Request) -> Response:
         body = await _body(request, {"ready"})
         ready = body.get("ready", False)
         if not isinstance(ready, bool):
             raise ProtocolError(f"ready: expected a boolean, got {ready!r}")
-        return JSONResponse(repository_index(server, ready))
+        return JSONResponse(repository_index(ready))
 
     async def load(request: Request) -> Response:
         body = await _body(request, {"parameters"})
-        await load_model(server, request.path_params["name"], _parameters(body))
+        await load_model(request.path_params["name"], _parameters(body))
         return Response(status_code=200)
 
     async def unload(request: Request) -> Response:
         body = await _body(request, {"parameters"})
-        await unload_model(server, request.path_params["name"], _parameters(body))
+        await unload_model(request.path_params["name"], _parameters(body))
         return Response(status_code=200)
 
     models = "/v2/repository/models/{name}"
