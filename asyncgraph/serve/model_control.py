@@ -251,17 +251,13 @@ class ModelControl:
             return  # loaded as it is on disk: nothing to do (Triton's reload of the same)
         if not current:
             self.state[name] = (LOADING, "")
-        built: dict[int, _Version] = {}
         try:
-            for number in arriving:
-                built[number] = await self._arrive(name, number, wanted[number], stamps[number],
-                                                   leaving)
+            built = await self._arrive(name, wanted, stamps, arriving, leaving)
         except Exception as exc:
-            for entry in built.values():
-                if all(entry.served.executor is not e.served.executor for e in current.values()):
-                    await entry.served.executor.aclose()
             self._failed(name, str(exc))
-            raise
+            if isinstance(exc, ProtocolError):
+                raise
+            raise ProtocolError(f"failed to load {name!r}: {_describe(exc)}", 500) from None
         reused = {id(e.served.executor) for e in built.values()}
         self.loaded[name] = dict(sorted({**keep, **built}.items()))
         self.state.pop(name, None)
@@ -273,40 +269,75 @@ class ModelControl:
                     ", ".join(map(str, sorted(self.loaded[name]))))
 
     async def _arrive(
-        self, name: str, number: int, path: Path, stamp: tuple[int, int], leaving: list[_Version]
-    ) -> _Version:
-        """Version `number` ready to publish: a leaving version's Executor with its weights
-        swapped in, or an Executor built beside the serving ones and calibrated."""
+        self, name: str, wanted: dict[int, Path], stamps: dict[int, tuple[int, int]],
+        arriving: list[int], leaving: list[_Version],
+    ) -> dict[int, _Version]:
+        """The arriving versions, ready to publish: each loaded on a thread, then either a
+        leaving version's Executor with its weights swapped in (the same program), or its own
+        Executor, calibrated. Nothing serving changes until every one has loaded: a failure
+        closes what was built and leaves the model as it was. The swaps come last."""
+        loaded: dict[int, Executor] = {}
         try:
-            executor = await asyncio.to_thread(self.load_executor, path)
+            for number in arriving:
+                try:
+                    loaded[number] = await asyncio.to_thread(self.load_executor, wanted[number])
+                except Exception as exc:
+                    raise ProtocolError(
+                        f"failed to load {name!r} version {number} from {wanted[number]}: "
+                        f"{_describe(exc)}"
+                    ) from None
+            swaps: dict[int, _Version] = {}  # arriving version -> the leaving one it swaps into
+            free = list(leaving)
+            for number in arriving:
+                match = next((e for e in free
+                              if _same_program(e.served.executor, loaded[number], wanted[number])),
+                             None)
+                if match is not None:
+                    free.remove(match)  # one arriving version per leaving Executor
+                    swaps[number] = match
+            built: dict[int, _Version] = {}
+            for number in arriving:
+                if number not in swaps:
+                    built[number] = await self._own(name, number, wanted[number], stamps[number],
+                                                    loaded[number])
+        except BaseException:
+            for executor in loaded.values():
+                await executor.aclose()
+            raise
+        for number, entry in swaps.items():
+            executor, old = loaded[number], entry.served.executor
+            try:
+                await old.aswap_weights(executor.program.weights)
+            except Exception as exc:  # not expected (the same names and shapes): rebuild
+                logger.warning("model %r: version %d could not be swapped into version %d's "
+                               "executor (%s); built beside it", name, number, entry.number,
+                               _describe(exc))
+                try:
+                    built[number] = await self._own(name, number, wanted[number],
+                                                    stamps[number], executor)
+                except BaseException:
+                    await executor.aclose()
+                    raise
+                continue
+            await executor.aclose()  # never started: only its threads to stop
+            self.changes.labels(name, "swap").inc()
+            logger.info("model %r: version %d hot-swapped into version %d's executor", name,
+                        number, entry.number)
+            served = _Served(old, entry.served.interface, entry.served.admission, str(number))
+            built[number] = _Version(number, wanted[number], stamps[number], served)
+        return built
+
+    async def _own(
+        self, name: str, number: int, path: Path, stamp: tuple[int, int], executor: Executor
+    ) -> _Version:
+        """Version `number` on an Executor of its own, its gate calibrated."""
+        try:
+            served = self._serve(name, executor, number)
         except Exception as exc:
             raise ProtocolError(
                 f"failed to load {name!r} version {number} from {path}: {_describe(exc)}"
             ) from None
-        try:
-            for entry in leaving:
-                old = entry.served.executor
-                if not _same_program(old, executor, path):
-                    continue
-                leaving.remove(entry)  # one arriving version per leaving Executor
-                await old.aswap_weights(executor.program.weights)
-                await executor.aclose()  # never started: only its kernels and threads to stop
-                self.changes.labels(name, "swap").inc()
-                logger.info("model %r: version %d hot-swapped into version %d's executor",
-                            name, number, entry.number)
-                served = _Served(old, entry.served.interface, entry.served.admission,
-                                 str(number))
-                return _Version(number, path, stamp, served)
-            try:
-                served = self._serve(name, executor, number)
-            except Exception as exc:
-                raise ProtocolError(
-                    f"failed to load {name!r} version {number} from {path}: {_describe(exc)}"
-                ) from None
-            await self._calibrate(served)
-        except BaseException:
-            await executor.aclose()
-            raise
+        await self._calibrate(served)
         self.changes.labels(name, "load").inc()
         return _Version(number, path, stamp, served)
 

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -421,6 +422,41 @@ async def test_unload_finishes_the_requests_in_flight_and_refuses_new_ones(
         assert [e["state"] for e in await s.index()] == ["UNAVAILABLE"]
 
 
+class SlowLoader(Loader):
+    """A Loader whose loads wait (on their thread) until `go` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.waiting = 0
+
+    def __call__(self, path: Path) -> asyncgraph.Executor:
+        self.waiting += 1
+        assert self.go.wait(WAIT_S), "the test never let the load go on"
+        return super().__call__(path)
+
+
+async def test_a_first_load_is_loading_and_concurrent_loads_run_one_at_a_time(
+    tmp_path: Path, files: Files
+) -> None:
+    put(tmp_path, "a", 1, files.a0)
+    loader = SlowLoader()
+    async with serving(tmp_path, loader=loader) as s:
+        first = asyncio.ensure_future(s.http.post("/v2/repository/models/a/load"))
+        second = asyncio.ensure_future(s.client.load_model("a"))
+        await eventually(lambda: loader.waiting == 1, "the first load on its thread")
+        assert await s.index() == [{"name": "a", "version": "", "state": "LOADING",
+                                    "reason": ""}]
+        loading = await s.infer("a")
+        assert loading.status_code == 404 and "not ready: loading" in loading.json()["error"]
+        assert (await s.http.get("/v2/health/live")).status_code == 200  # the loop serves
+        loader.go.set()
+        assert (await first).status_code == 200
+        await second  # the same files: nothing more to load
+        assert loader.loads == 1
+        np.testing.assert_allclose(output(await s.infer("a")), files.a0_out, rtol=1e-5)
+
+
 # -- version policies --------------------------------------------------------------------------
 
 
@@ -442,6 +478,9 @@ async def test_latest_two_serves_two_versions_under_their_urls(
         assert (await s.http.get("/v2/models/a/versions/3/ready")).status_code == 200
         assert (await s.http.get("/v2/models/a/versions/1/ready")).status_code == 404
         assert [e["version"] for e in await s.index()] == ["2", "3"]
+        metadata = await s.client.get_model_metadata("a")
+        assert list(metadata.versions) == ["2", "3"]
+        assert (await s.grpc_infer("a")).get_response().model_version == "3"
 
 
 async def test_a_models_config_sets_specific_versions(tmp_path: Path, files: Files) -> None:
