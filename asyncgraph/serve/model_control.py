@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +107,7 @@ class ModelControl:
         self._models: dict[str, Executor] = server.models
         self._locks: dict[str, asyncio.Lock] = {}
         self._retiring: set[asyncio.Task[None]] = set()
+        self._actions: set[asyncio.Task[None]] = set()  # loads and unloads running
         self._calibrated: set[int] = set()  # id() of the gates calibrated
         self._orphans: list[Executor] = []  # built by a preload that failed: closed at the end
         self.changes = Counter(
@@ -210,8 +211,7 @@ class ModelControl:
                 f"files as they are; no parameters are accepted)"
             )
         self._check_known(name)
-        async with self._lock(name):
-            await self._load(name)
+        await self._run(name, self._load)
 
     async def unload(self, name: str, parameters: Mapping[str, Any] | None = None) -> None:
         """Unload model `name` (Triton's RepositoryModelUnload): out of routing at once, then
@@ -222,17 +222,34 @@ class ModelControl:
                 raise ProtocolError(f"unload parameters: {key!r} is not supported")
         if name not in self.loaded:
             self._check_known(name)
-        async with self._lock(name):
-            versions = self.loaded.pop(name, {})
-            if not versions:
-                self.state[name] = (UNAVAILABLE, "unloaded")
-                return
-            self.state[name] = (UNLOADING, "")
-            self._publish(name)
-            logger.info("model %r: unloading version(s) %s", name,
-                        ", ".join(map(str, sorted(versions))))
-            retire = [self._retire(name, e.served) for e in versions.values()]
-            await asyncio.shield(asyncio.gather(*retire))
+        await self._run(name, self._unload)
+
+    async def _run(self, name: str, action: Callable[[str], Awaitable[None]]) -> None:
+        """Run a load or unload of `name` after those before it, to its end even if the
+        caller goes away (a client that disconnects or cancels its call): a load half done
+        would leave its model LOADING, an unload UNLOADING."""
+
+        async def serialized() -> None:
+            async with self._lock(name):
+                await action(name)
+
+        task = asyncio.ensure_future(serialized())
+        self._actions.add(task)
+        task.add_done_callback(_forget(self._actions))
+        await asyncio.shield(task)
+
+    async def _unload(self, name: str) -> None:
+        versions = self.loaded.pop(name, {})
+        if not versions:
+            self.state[name] = (UNAVAILABLE, "unloaded")
+            return
+        self.state[name] = (UNLOADING, "")
+        self._publish(name)
+        logger.info("model %r: unloading version(s) %s", name,
+                    ", ".join(map(str, sorted(versions))))
+        try:
+            await asyncio.gather(*(self._retire(name, e.served) for e in versions.values()))
+        finally:
             self.state[name] = (UNAVAILABLE, "unloaded")
 
     async def _load(self, name: str) -> None:
@@ -382,9 +399,13 @@ class ModelControl:
         """Close a version's Executor once the last request that took it has left its gate.
         A request holds the gate from its lookup on (no await between the two)."""
         gate = served.admission
-        # polled: the gate has no idle event, and this runs once per version retired
-        while gate.pending or gate.running:  # noqa: ASYNC110
-            await asyncio.sleep(RETIRE_POLL_S)
+        try:
+            # polled: the gate has no idle event, and this runs once per version retired
+            while gate.pending or gate.running:  # noqa: ASYNC110
+                await asyncio.sleep(RETIRE_POLL_S)
+        except asyncio.CancelledError:  # at shutdown, past RETIRE_AT_CLOSE_S: closed anyway
+            await served.executor.aclose(cancel=True)
+            raise
         await served.executor.aclose()
         self.changes.labels(name, "unload").inc()
 
@@ -394,8 +415,11 @@ class ModelControl:
         task.add_done_callback(self._retiring.discard)
 
     async def aclose(self) -> None:
-        """At the app's end: let retiring versions drain (bounded), then close every
-        Executor."""
+        """At the app's end: cancel the loads and unloads running (their caller is gone), let
+        retiring versions drain (bounded), then close every Executor."""
+        for task in list(self._actions):
+            task.cancel()
+        await asyncio.gather(*self._actions, return_exceptions=True)
         if self._retiring:
             _, late = await asyncio.wait(set(self._retiring), timeout=RETIRE_AT_CLOSE_S)
             for task in late:
@@ -447,6 +471,18 @@ class ModelControl:
         if lock is None:
             lock = self._locks[name] = asyncio.Lock()
         return lock
+
+
+def _forget(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    """A done callback: drop the task from `tasks`, its error retrieved (its caller, if
+    still there, got it through the shield)."""
+
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    return done
 
 
 def _stamp(path: Path) -> tuple[int, int]:

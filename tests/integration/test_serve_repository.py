@@ -457,6 +457,27 @@ async def test_a_first_load_is_loading_and_concurrent_loads_run_one_at_a_time(
         np.testing.assert_allclose(output(await s.infer("a")), files.a0_out, rtol=1e-5)
 
 
+async def test_an_unload_whose_caller_goes_away_still_finishes(
+    tmp_path: Path, files: Files
+) -> None:
+    v1 = put(tmp_path, "a", 1, files.a0)
+    loader = Loader()
+    release = loader.hold(v1)
+    async with serving(tmp_path, preload=["a"], loader=loader) as s:
+        executor = s.control.loaded["a"][1].served.executor
+        held = asyncio.ensure_future(s.infer("a"))
+        await eventually(lambda: loader.held == 1, "a request held")
+        with pytest.raises(InferenceServerException) as timed_out:
+            await s.client.unload_model("a", client_timeout=0.2)
+        assert code_of(timed_out.value) == "StatusCode.DEADLINE_EXCEEDED"
+        assert [e["state"] for e in await s.index()] == ["UNLOADING"]
+        release.set()
+        np.testing.assert_allclose(output(await held), files.a0_out, rtol=1e-5)
+        await eventually(lambda: executor.statistics().closed, "closed after its request")
+        await eventually(lambda: s.control.state.get("a") == ("UNAVAILABLE", "unloaded"),
+                         "unloaded")
+
+
 # -- version policies --------------------------------------------------------------------------
 
 
