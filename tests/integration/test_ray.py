@@ -29,6 +29,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install -e '.[ray]'")
 serve = pytest.importorskip("ray.serve")
+serve_api = pytest.importorskip("ray.serve._private.api")  # HTTP_PROXY_TIMEOUT (the fixture)
 
 from starlette.applications import Starlette  # noqa: E402
 from starlette.responses import JSONResponse, Response  # noqa: E402
@@ -104,6 +105,11 @@ def cluster(models: dict[str, Any]) -> Iterator[str]:
     # 2-core machine it did, and every test of the module errored. The tests are not about that.
     for check in ("READY_CHECK", "HEALTH_CHECK"):
         os.environ.setdefault(f"RAY_SERVE_PROXY_{check}_TIMEOUT_S", "120")
+    # serve.start waits for the proxy HTTP_PROXY_TIMEOUT (60 s), a constant with no setting:
+    # under a CPU burner the proxy took longer and every test of the module errored ("HTTP
+    # proxies not available after 60s"). The wait is read from the api module at call time.
+    if hasattr(serve_api, "HTTP_PROXY_TIMEOUT"):
+        serve_api.HTTP_PROXY_TIMEOUT = max(serve_api.HTTP_PROXY_TIMEOUT, 300)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = _free_port()
