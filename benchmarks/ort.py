@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import torch
 from torch.export import ExportedProgram
 
@@ -92,6 +93,7 @@ ISSUE = 40  # the targets' number in the report: issue 40's
 PLAIN = "asyncgraph"
 SCRIPTED = "asyncgraph (scripted)"
 COMPILED = "asyncgraph (compiled)"
+ONNX_SEGMENTS = "asyncgraph (onnx segments)"
 BATCHED = "asyncgraph (batched)"
 SCRIPTED_BATCHED = "asyncgraph (scripted, batched)"
 COMPILED_BATCHED = "asyncgraph (compiled, batched)"
@@ -331,6 +333,11 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
     if compiled is not None:
         executors.append(compiled)
         peers.append(asyncgraph_peer(COMPILED, compiled, [x], "compile_program(ep, path, 'auto')"))
+    delegated = await _with_onnx_segments(work.ep, x)
+    if delegated is not None:
+        executors.append(delegated)
+        peers.append(asyncgraph_peer(ONNX_SEGMENTS, delegated, [x],
+                                     "ExecutorConfig(onnx_segments=True), sessions ready"))
     for threads in ORT_THREADS:
         call = ort_call(ort_session(static, threads))
         peers.append(sync_peer(ort_name(threads), lambda call=call: call(x),
@@ -351,13 +358,31 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
         return case
     case.params["onnxruntime_reference"] = best
     for peer, what in ((PLAIN, "plain graph"), (SCRIPTED, "scripted segments"),
-                       (COMPILED, "compiled segments")):
-        if peer == COMPILED and compiled is None:
+                       (COMPILED, "compiled segments"), (ONNX_SEGMENTS, "onnx segments")):
+        if (peer == COMPILED and compiled is None) or (peer == ONNX_SEGMENTS and not delegated):
             continue
         case.targets.append(Target(
             ISSUE, f"{work.key}: batch-1 latency, {what} / {best}", case.ratio(peer, best),
             "<=", 1.0, rounds=case.round_spread(peer, best)))
     return case
+
+
+async def _with_onnx_segments(ep: ExportedProgram, x: Any) -> Executor | None:
+    """An Executor with ONNX Runtime segments whose sessions are built and whose signature
+    is checked (the first calls run the plain nodes while the builder thread works), or None
+    when no segment was made."""
+    from asyncgraph.compiled.onnx_delegate import OnnxDelegate
+
+    ex = Executor(ep, ExecutorConfig(onnx_segments=True))
+    delegates = [k.fn for k in ex.kernels if isinstance(k.fn, OnnxDelegate)]
+    if not delegates:
+        await ex.aclose()
+        return None
+    for _ in range(3):  # sessions, then the check of this signature, then ONNX Runtime
+        await ex.execute(x)
+        for delegate in delegates:
+            await anyio.to_thread.run_sync(delegate.wait_idle, 120)
+    return ex
 
 
 async def _concurrent_case(

@@ -123,9 +123,10 @@ async def test_quick_scenario_runs_every_peer_and_matches(
         assert names[0] == ort.PLAIN, case["case"]
         assert ort.COMPILED not in names, "--quick compiles nothing"
         if case["columns"] == "time":
-            assert set(names) == {ort.PLAIN, ort.SCRIPTED, "eager model(x)"} | ort_latency
+            assert set(names) == {ort.PLAIN, ort.SCRIPTED, ort.ONNX_SEGMENTS,
+                                  "eager model(x)"} | ort_latency
             assert case["params"]["onnxruntime_reference"] in ort_latency
-            assert len(case["targets"]) == 2  # plain graph and scripted segments
+            assert len(case["targets"]) == 3  # plain graph, scripted and ONNX segments
         else:
             assert set(names) == {ort.PLAIN, ort.SCRIPTED, ort.BATCHED,
                                   ort.SCRIPTED_BATCHED} | ort_concurrent
