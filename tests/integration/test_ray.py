@@ -114,20 +114,25 @@ def cluster(models: dict[str, Any]) -> Iterator[str]:
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(
-            {"affine": models["dir"] / "affine.pt2", "slow": models["dir"] / "slow.pt2"},
-            num_replicas=2,
-            executor_config=ExecutorConfig(max_concurrent_executions=2, intra_op_threads=1),
-            ray_actor_options={"num_cpus": 0.5},
-            metrics_interval_s=None,
-            graceful_shutdown_wait_loop_s=0.5,
-        )
-        serve.run(app, name=APP, route_prefix="/")
+        _deploy_shared_app(models)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
         os.environ.pop(PROXY_CALLBACK_ENV, None)
+
+
+def _deploy_shared_app(models: dict[str, Any]) -> None:
+    """The module's 2-replica app of the affine and slow models, at route `/`."""
+    app = build_app(
+        {"affine": models["dir"] / "affine.pt2", "slow": models["dir"] / "slow.pt2"},
+        num_replicas=2,
+        executor_config=ExecutorConfig(max_concurrent_executions=2, intra_op_threads=1),
+        ray_actor_options={"num_cpus": 0.5},
+        metrics_interval_s=None,
+        graceful_shutdown_wait_loop_s=0.5,
+    )
+    serve.run(app, name=APP, route_prefix="/")
 
 
 def affine_body(x: torch.Tensor) -> dict[str, Any]:
@@ -378,9 +383,14 @@ async def _kill_under_load(cluster: str, models: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(300)
 def test_deleting_the_app_drains_requests_in_flight(cluster: str, models: dict[str, Any]) -> None:
-    """Last in the module: serve.delete while 8 requests run; each gets its correct answer.
-    (A sync test: the app is deleted once.)"""
-    asyncio.run(_drain(cluster, models))
+    """serve.delete while 8 requests run; each gets its correct answer. The shared app is
+    deployed again after, so the tests that run later in any order find it (shuffled by
+    pytest-randomly, the 200-request test ran after this one and got 404s). A sync test: the
+    app is deleted once."""
+    try:
+        asyncio.run(_drain(cluster, models))
+    finally:
+        _deploy_shared_app(models)
 
 
 def _send_then_answer(cluster: str, body: dict[str, Any], sent: threading.Event) -> httpx.Response:
