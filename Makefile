@@ -17,7 +17,7 @@ SOAK_SCALE ?= 1
 CI_SOAK_SCALE ?= 0.1
 
 # The lowest torch pyproject admits gets the whole suite too, in a venv of its own: PyPI's wheel
-# (a CUDA build, about 4.6 GB with its libraries, which runs on the CPU here) and the same pins
+# (a CUDA build, 5.4 GB of venv on disk with its libraries (2026-11-27), which runs on the CPU here) and the same pins
 # as the main venv but torch's.
 TORCH_MIN ?= 2.11.0
 VENV_MIN ?= .venv-torch-min
