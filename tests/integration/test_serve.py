@@ -26,17 +26,14 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 import asyncgraph
-from asyncgraph.graph.builder import GraphBuilder
-from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.serve import InferenceServer, ProtocolError, create_app, running_server
 from asyncgraph.serve import app as app_module
 from asyncgraph.testing import FaultInjector
 from tests.support.models import Affine
+from tests.support.serving import WAIT_S, Gate, eventually, gated_graph, metric
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
-CPU = torch.device("cpu")
-WAIT_S = 20.0  # the bound on every wait for something the server must do
 
 
 @pytest.fixture(scope="module")
@@ -75,62 +72,11 @@ async def serving(
         yield app.state.asyncgraph, client, url
 
 
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    """Poll server-side state that has no event to wait on, bounded by WAIT_S."""
-    deadline = asyncio.get_running_loop().time() + WAIT_S
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting: {what}"
-        await asyncio.sleep(0.005)
-
 
 def infer_body(x: torch.Tensor, name: str = "x", **extra: Any) -> dict[str, Any]:
     return {"inputs": [{"name": name, "datatype": "FP32", "shape": list(x.shape),
                         "data": x.reshape(-1).tolist()}], **extra}
 
-
-class Gate:
-    """An async kernel that signals it started, then waits to be released (or cancelled)."""
-
-    def __init__(self) -> None:
-        self.started = asyncio.Event()
-        self.release = asyncio.Event()
-        self.calls = 0
-        self.cancelled = 0
-
-    async def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        self.started.set()
-        try:
-            await self.release.wait()
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-        return x * 2
-
-
-def gated_graph(gate: Any) -> Graph:
-    """x (FP32 [2]) -> gate(x); the async kernel lets a test hold an execution in flight."""
-    b = GraphBuilder()
-    x = b.input("x")
-    y = b.call(gate, x, name="gate")
-    b.output(y)
-    graph = b.build()
-    spec = TensorSpec(torch.float32, CPU, (2,), (2,))
-    graph.values[x.id].spec = spec
-    graph.values[y.id].spec = spec
-    return graph
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample's value from Prometheus text, matched by exact name and these labels."""
-    for line in text.splitlines():
-        m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)", line)
-        if not m or m.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(m.group(4))
-    raise AssertionError(f"no sample {name}{labels} in metrics")
 
 
 # -- endpoints ------------------------------------------------------------------------------

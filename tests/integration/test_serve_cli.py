@@ -8,22 +8,20 @@ and bounds every wait by WAIT_S.
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
+
+from tests.support.serving import serve
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -39,60 +37,6 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "lin.pt2"
     torch.export.save(ep, path)
     return path
-
-
-class Served:
-    """A running `asyncgraph serve` process and the lines it has printed so far."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc = proc
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in iter(self.proc.stdout.readline, ""):
-            self.lines.put(line)
-
-    def wait_for(self, pattern: str) -> re.Match[str]:
-        """The first line matching `pattern` (waiting for it), or fail with the output."""
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                assert self.proc.poll() is None, self.output()
-                continue
-            self.seen.append(line)
-            if found := re.search(pattern, line):
-                return found
-        raise AssertionError(f"no line matching {pattern!r} in:\n{self.output()}")
-
-    def output(self) -> str:
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
-        return "".join(self.seen)
-
-
-@contextmanager
-def serve(*args: str) -> Iterator[Served]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncgraph.cli.main", "serve", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-    served = Served(proc)
-    try:
-        yield served
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=WAIT_S)
-        served.reader.join(timeout=WAIT_S)
-        assert proc.stdout is not None
-        proc.stdout.close()
 
 
 @pytest.mark.timeout(120)

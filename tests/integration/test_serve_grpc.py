@@ -32,9 +32,8 @@ from tritonclient.utils import InferenceServerException
 import asyncgraph
 from asyncgraph.serve import InferenceServer, create_app, running_server
 from asyncgraph.serve.grpc_server import add_grpc
-from tests.integration.test_serve import Gate, eventually, gated_graph, metric
-from tests.integration.test_serve_cli import serve
 from tests.support.models import Affine
+from tests.support.serving import Gate, eventually, gated_graph, metric, serve
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

@@ -11,11 +11,9 @@ hold the requests of one file's Executor in flight.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,15 +28,17 @@ import torch
 import tritonclient.grpc.aio as tga
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
+from typer.testing import CliRunner
 
 import asyncgraph
+from asyncgraph.cli.main import app as cli_app
 from asyncgraph.serve import create_app, running_server
 from asyncgraph.serve.grpc_server import add_grpc
 from asyncgraph.serve.model_control import NOT_ALLOWED, ModelControl, add_model_control
 from asyncgraph.serve.repository import ModelRepository, RepositoryError, VersionPolicy
-from tests.integration.test_serve import eventually, metric
-from tests.integration.test_serve_cli import serve as cli_serve
 from tests.support.models import Affine
+from tests.support.serving import eventually, metric
+from tests.support.serving import serve as cli_serve
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(120)]
 
@@ -611,10 +611,10 @@ async def test_grpc_repository_calls_without_a_repository_are_unavailable(files:
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "asyncgraph.cli.main", "serve", *args], capture_output=True,
-        text=True, timeout=120, env={**os.environ, "COLUMNS": "200"},
-    )
+    """`asyncgraph serve ARGS` in this process (typer's runner), for the errors it gives
+    before serving: a subprocess per case cost ~5 s of importing torch each."""
+    result = CliRunner().invoke(cli_app, ["serve", *args])
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
 def test_the_command_serves_a_repository_with_explicit_model_control(
