@@ -19,9 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
-from tests.support.serving import serve
+from tests.support.serving import save_linear, serve
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -30,13 +29,7 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3).eval()
-    batch = torch.export.Dim("batch", min=1, max=32)
-    ep = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
-    path = tmp_path_factory.mktemp("models") / "lin.pt2"
-    torch.export.save(ep, path)
-    return path
+    return save_linear(tmp_path_factory.mktemp("models") / "lin.pt2")
 
 
 @pytest.mark.timeout(120)

@@ -33,7 +33,7 @@ import asyncgraph
 from asyncgraph.serve import InferenceServer, create_app, running_server
 from asyncgraph.serve.grpc_server import add_grpc
 from tests.support.models import Affine
-from tests.support.serving import Gate, eventually, gated_graph, metric, serve
+from tests.support.serving import Gate, eventually, gated_graph, metric, save_linear, serve
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -394,13 +394,7 @@ async def test_http_and_grpc_share_one_executor_and_metrics(linear: Any) -> None
 
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3).eval()
-    batch = torch.export.Dim("batch", min=1, max=32)
-    ep = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
-    path = tmp_path_factory.mktemp("models") / "lin.pt2"
-    torch.export.save(ep, path)
-    return path
+    return save_linear(tmp_path_factory.mktemp("models") / "lin.pt2")
 
 
 def _free_port() -> int:

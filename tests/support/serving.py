@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,6 +77,17 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             return float(m.group(4))
     raise AssertionError(f"no sample {name}{labels} in metrics")
+
+
+def save_linear(path: Path) -> Path:
+    """A Linear(4, 3) exported with a dynamic batch (1-32), saved at `path`: the model the
+    command-line tests serve."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).eval()
+    batch = torch.export.Dim("batch", min=1, max=32)
+    ep = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
+    torch.export.save(ep, path)
+    return path
 
 
 class Served:
