@@ -42,7 +42,6 @@ seeded random order each round, medians after warm-up, ratios of medians of the 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import os
@@ -50,7 +49,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +65,9 @@ from benchmarks.harness import (
     Peer,
     Settings,
     Target,
-    environment,
     measure,
     new_results,
     sync_peer,
-    torch_threads,
 )
 from benchmarks.models import call_nodes, exported_chain, exported_encoder
 from benchmarks.peers import asyncgraph_peer, in_inference
@@ -498,20 +495,15 @@ async def _concurrent_case(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few rounds: a look, not a figure")
-    parser.add_argument("--rounds", type=int, help="measured rounds (15; 5 with --quick)")
-    parser.add_argument("--warmup", type=int, help="warm-up rounds dropped (3; 1 with --quick)")
-    parser.add_argument("--graph", action="append", choices=GRAPHS,
-                        help="only these graphs (repeatable); all by default")
+    from benchmarks import suite
+
+    parser = suite.standalone_parser(__doc__.splitlines()[0], GRAPHS)
     parser.add_argument("--no-compile", action="store_true",
                         help="leave out AOTInductor and compiled segments")
     parser.add_argument("--cache", type=Path, default=CACHE, help="compiled packages' folder")
     parser.add_argument("--compare-binding", action="store_true",
                         help="also the compiled peers with their segments called through "
                         "torch's binding (holds the GIL), in the same rounds")
-    parser.add_argument("--json", action="store_true", help="JSON on stdout, progress on stderr")
-    parser.add_argument("-o", "--output", type=Path, help="also write the JSON report here")
     args = parser.parse_args(argv)
 
     _, why = check_nativert()
@@ -519,34 +511,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nativert_compare: cannot run: {why}. Run `make bench-nativert` (torch 2.11).",
               file=sys.stderr)
         return 2
-    from rich.console import Console
-
-    from benchmarks import suite
-
-    settings = Settings(size="quick" if args.quick else "full", rounds=args.rounds,
-                        warmup=args.warmup)
     options = Options(graphs=tuple(args.graph or GRAPHS), compiled=not args.no_compile,
                       cache=args.cache, compare_binding=args.compare_binding)
-
-    def start_task(description: str, total: int) -> Callable[[], None]:
-        print(f"{description}: {total} rounds", file=sys.stderr, flush=True)
-        return lambda: None
-
-    report = suite.Report(environment(), asdict(settings))
-    start = time.perf_counter()
-    with torch_threads(settings.threads), asyncio.Runner() as loop:
-        report.cases = loop.run(run(Context(settings, start_task), options))
-    report.elapsed_s = time.perf_counter() - start
-    report.environment["torch_threads"] = settings.threads
-    report.environment["load_average_end"] = environment()["load_average"]
-    text = suite.to_json(report)
-    if args.output is not None:
-        args.output.write_text(text)
-    if args.json:
-        print(text)
-    else:
-        suite.render(report, Console(width=None if sys.stdout.isatty() else 130))
-    return 0
+    return suite.run_standalone(args, lambda ctx: run(ctx, options), width=130)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +59,9 @@ from benchmarks.harness import (
     Peer,
     Settings,
     Target,
-    environment,
     measure,
     new_results,
     sync_peer,
-    torch_threads,
 )
 from benchmarks.models import call_nodes, exported_encoder
 from benchmarks.nativert_compare import (
@@ -472,48 +470,17 @@ async def _concurrent_case(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few rounds: a look, not a figure")
-    parser.add_argument("--rounds", type=int, help="measured rounds (15; 5 with --quick)")
-    parser.add_argument("--warmup", type=int, help="warm-up rounds dropped (3; 1 with --quick)")
-    parser.add_argument("--graph", action="append", choices=GRAPHS,
-                        help="only these graphs (repeatable); all by default")
+    from benchmarks import suite
+
+    parser = suite.standalone_parser((__doc__ or "").splitlines()[0], GRAPHS)
     parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
                         help="AOTInductor compiled segments too (compiled on the first run, "
                         "then cached); default: in full runs, not with --quick")
     parser.add_argument("--cache", type=Path, default=CACHE, help="exports' and packages' folder")
-    parser.add_argument("--json", action="store_true", help="JSON on stdout, progress on stderr")
-    parser.add_argument("-o", "--output", type=Path, help="also write the JSON report here")
     args = parser.parse_args(argv)
-
-    from rich.console import Console
-
-    from benchmarks import suite
-
-    settings = Settings(size="quick" if args.quick else "full", rounds=args.rounds,
-                        warmup=args.warmup)
     options = Options(graphs=tuple(args.graph or GRAPHS), compiled=args.compiled,
                       cache=args.cache)
-
-    def start_task(description: str, total: int) -> Callable[[], None]:
-        print(f"{description}: {total} rounds", file=sys.stderr, flush=True)
-        return lambda: None
-
-    report = suite.Report(environment(), asdict(settings))
-    start = time.perf_counter()
-    with torch_threads(settings.threads), asyncio.Runner() as loop:
-        report.cases = loop.run(run(Context(settings, start_task), options))
-    report.elapsed_s = time.perf_counter() - start
-    report.environment["torch_threads"] = settings.threads
-    report.environment["load_average_end"] = environment()["load_average"]
-    text = suite.to_json(report)
-    if args.output is not None:
-        args.output.write_text(text)
-    if args.json:
-        print(text)
-    else:
-        suite.render(report, Console(width=None if sys.stdout.isatty() else 150))
-    return 0
+    return suite.run_standalone(args, lambda ctx: run(ctx, options), width=150)
 
 
 if __name__ == "__main__":

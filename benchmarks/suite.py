@@ -6,11 +6,14 @@ functions run under pytest in the smoke test with `Settings(size="tiny")`.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
+import pathlib
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
@@ -21,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from benchmarks import chain, concurrency, memory, ort, steady_state, transformer, wide
-from benchmarks.harness import CaseResult, Context, Settings, environment
+from benchmarks.harness import CaseResult, Context, Settings, environment, torch_threads
 
 SCENARIOS: dict[str, ModuleType] = {
     m.NAME: m for m in (chain, transformer, wide, concurrency, memory, steady_state)
@@ -134,6 +137,54 @@ def run_suite(
 
         with asyncio.Runner(loop_factory=factory) as runner:
             return runner.run(run_scenarios(chosen, settings, start_task))
+
+
+# -- a scenario run as its own script (python -m benchmarks.ort, benchmarks.nativert_compare) ---
+
+
+def standalone_parser(description: str, graphs: Sequence[str]) -> argparse.ArgumentParser:
+    """The options every standalone scenario takes; the script adds its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="few rounds: a look, not a figure")
+    parser.add_argument("--rounds", type=int, help="measured rounds (15; 5 with --quick)")
+    parser.add_argument("--warmup", type=int, help="warm-up rounds dropped (3; 1 with --quick)")
+    parser.add_argument("--graph", action="append", choices=graphs,
+                        help="only these graphs (repeatable); all by default")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout, progress on stderr")
+    parser.add_argument("-o", "--output", type=pathlib.Path,
+                        help="also write the JSON report here")
+    return parser
+
+
+def run_standalone(
+    args: argparse.Namespace,
+    cases: Callable[[Context], Awaitable[list[CaseResult]]],
+    width: int,
+) -> int:
+    """Run one scenario's `cases` on asyncio with progress lines on stderr, then print its
+    report (JSON with --json, else tables `width` columns wide when not on a terminal)."""
+    settings = Settings(size="quick" if args.quick else "full", rounds=args.rounds,
+                        warmup=args.warmup)
+
+    def start_task(description: str, total: int) -> Callable[[], None]:
+        print(f"{description}: {total} rounds", file=sys.stderr, flush=True)
+        return lambda: None
+
+    report = Report(environment(), asdict(settings))
+    start = time.perf_counter()
+    with torch_threads(settings.threads), asyncio.Runner() as loop:
+        report.cases = loop.run(cases(Context(settings, start_task)))
+    report.elapsed_s = time.perf_counter() - start
+    report.environment["torch_threads"] = settings.threads
+    report.environment["load_average_end"] = environment()["load_average"]
+    text = to_json(report)
+    if args.output is not None:
+        args.output.write_text(text)
+    if args.json:
+        print(text)
+    else:
+        render(report, Console(width=None if sys.stdout.isatty() else width))
+    return 0
 
 
 # -- output ----------------------------------------------------------------------------------
