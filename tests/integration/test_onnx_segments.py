@@ -14,6 +14,7 @@ import anyio
 import pytest
 import torch
 
+from tests.support.models import Chain, eager_output, export_model
 from tests.support.soak import full_soak_only
 
 pytest.importorskip("onnxruntime", reason="ONNX segments need the asyncgraph[onnxruntime] extra")
@@ -79,22 +80,6 @@ class Attention(torch.nn.Module):
         return out
 
 
-class Chain(torch.nn.Module):
-    """Ten aten nodes in a row after an embedding: one segment with weights."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(50, 16)
-        self.linear = torch.nn.Linear(16, 16)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for _ in range(3):
-            h = torch.tanh(self.linear(h)) * 0.5 + h
-        return h.sum(dim=-1)
-
-
 class Untranslatable(torch.nn.Module):
     """A polygamma (no ONNX function, no decomposition) between two long runs."""
 
@@ -119,19 +104,6 @@ class TwoSegments(torch.nn.Module):
         return idx.sum(dim=0)
 
 
-def _export(model: torch.nn.Module, x: torch.Tensor, dynamic: bool = False) -> Any:
-    shapes = ({0: torch.export.Dim("batch", min=1, max=64)},) if dynamic else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return torch.export.export(model.eval(), (x,), dynamic_shapes=shapes)
-
-
-def _eager(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        out: torch.Tensor = model.eval()(x)
-        return out
-
-
 def _delegates(ex: Executor) -> list[OnnxDelegate]:
     return [k.fn for k in ex.kernels if isinstance(k.fn, OnnxDelegate)]
 
@@ -153,23 +125,23 @@ async def _settled(ex: Executor) -> OnnxDelegate:
     (Attention(), torch.randint(0, 50, (2, 7))),
 ], ids=["mlp", "attention"])
 async def test_results_equal_eager(model: torch.nn.Module, x: torch.Tensor) -> None:
-    async with Executor(_export(model, x), ONNX) as ex:
+    async with Executor(export_model(model, x), ONNX) as ex:
         assert ex.onnx == ["onnx_segment_0"]
         outs = [await ex.execute(x) for _ in range(4)]  # the first runs the plain nodes
         stats = _delegates(ex)[0].statistics()
     for out in outs:
-        torch.testing.assert_close(out, _eager(model, x))
+        torch.testing.assert_close(out, eager_output(model, x))
     assert (stats["plain_calls"], stats["onnx_calls"], stats["checked"]) == (1, 3, 1)
     assert stats["refused"] == {} and stats["sessions_built"] == 1
 
 
 async def test_each_input_shape_is_checked_once_with_one_session() -> None:
     model = Chain()
-    async with Executor(_export(model, torch.randint(0, 50, (2, 5)), dynamic=True),
+    async with Executor(export_model(model, torch.randint(0, 50, (2, 5)), dynamic=True),
                         ONNX) as ex:
         for batch in (2, 5, 2, 5, 1):
             x = torch.randint(0, 50, (batch, 5))
-            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
         stats = _delegates(ex)[0].statistics()
     assert (stats["checked"], stats["sessions_built"]) == (3, 1)
     assert (stats["plain_calls"], stats["onnx_calls"]) == (3, 2)  # a shape's first call: plain
@@ -181,7 +153,7 @@ async def test_a_run_the_exporter_refuses_keeps_its_plain_nodes(
     """The op without an ONNX function stays plain, with the reason; the runs around it are
     exported on their own."""
     model, x = Untranslatable(), torch.randn(3, 4)
-    ep = _export(model, x)
+    ep = export_model(model, x)
     with caplog.at_level(logging.WARNING, logger="asyncgraph.onnx"):
         plan = onnx_segments.plan_onnx_segments(imported(ep).graph, min_nodes=2)
     assert len(plan.names) == 2
@@ -191,7 +163,7 @@ async def test_a_run_the_exporter_refuses_keeps_its_plain_nodes(
     assert [n.name for n in plan.graph.nodes if "polygamma" in n.name] == ["polygamma"]
     async with Executor(ep, ONNX) as ex:
         for _ in range(3):
-            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
         assert "polygamma" in {n.name for n in ex.graph.nodes}
         assert all(d.statistics()["onnx_calls"] == 2 for d in _delegates(ex))
 
@@ -204,12 +176,12 @@ async def test_a_run_whose_export_fails_stays_plain_with_the_reason(
 
     monkeypatch.setattr(onnx_segments, "export_segment", refuse)
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    ep = _export(model, x)
+    ep = export_model(model, x)
     plan = onnx_segments.plan_onnx_segments(imported(ep).graph)
     assert plan.names == [] and [s.reason for s in plan.skipped] == ["exporter says no"]
     async with Executor(ep, ONNX) as ex:
         assert ex.onnx == [] and not _delegates(ex)
-        torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+        torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
 
 
 async def test_outputs_that_differ_from_the_plain_nodes_keep_the_signature_plain(
@@ -227,9 +199,9 @@ async def test_outputs_that_differ_from_the_plain_nodes_keep_the_signature_plain
 
     monkeypatch.setattr(onnx_delegate, "_make_session", wrong)
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    async with Executor(_export(model, x), ONNX) as ex:
+    async with Executor(export_model(model, x), ONNX) as ex:
         for _ in range(3):
-            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
         stats = _delegates(ex)[0].statistics()
     assert stats["onnx_calls"] == 0 and stats["plain_calls"] == 3
     (reason,) = stats["refused"].values()
@@ -240,7 +212,7 @@ async def test_a_weights_swap_runs_the_new_weights() -> None:
     """Weights are baked into the session: a swap makes a second session (the first call on
     the new version runs the plain nodes meanwhile); executions get the new results."""
     model, x = MLP(), torch.randn(2, 64)
-    async with Executor(_export(model, x), ONNX) as ex:
+    async with Executor(export_model(model, x), ONNX) as ex:
         before = [await ex.execute(x) for _ in range(2)]
         torch.manual_seed(1)
         new = {k: torch.randn_like(v) * 0.1 for k, v in model.state_dict().items()}
@@ -249,10 +221,10 @@ async def test_a_weights_swap_runs_the_new_weights() -> None:
         await ex.aswap_weights(dict(model.state_dict()))
         back = [await ex.execute(x) for _ in range(2)]
         stats = _delegates(ex)[0].statistics()
-    expected_before = _eager(model, x)
+    expected_before = eager_output(model, x)
     model.load_state_dict(new)
     for out in after:
-        torch.testing.assert_close(out, _eager(model, x))
+        torch.testing.assert_close(out, eager_output(model, x))
     for out in (*before, *back):
         torch.testing.assert_close(out, expected_before)
     assert stats["sessions_built"] == 3 and stats["sessions"] == onnx_delegate.MAX_SESSIONS
@@ -261,7 +233,7 @@ async def test_a_weights_swap_runs_the_new_weights() -> None:
 
 async def test_a_failing_call_names_the_aten_node_that_failed() -> None:
     model = Chain()
-    async with Executor(_export(model, torch.randint(0, 50, (3, 5)), dynamic=True),
+    async with Executor(export_model(model, torch.randint(0, 50, (3, 5)), dynamic=True),
                         ONNX) as ex:
         await ex.execute(torch.randint(0, 50, (3, 5)))  # (3, 5) checked: ONNX Runtime next
         for shape in ((2, 5), (3, 5)):  # a signature's first (plain) call, then a checked one
@@ -271,7 +243,7 @@ async def test_a_failing_call_names_the_aten_node_that_failed() -> None:
             assert "%embedding = aten.embedding" in notes, notes
             assert "onnx_segment_0" in notes, notes
         x = torch.zeros(3, 5, dtype=torch.long)
-        torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+        torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
         stats = _delegates(ex)[0].statistics()
     assert stats["checked"] == 1 and stats["refused"] == {}
     assert stats["onnx_calls"] == 1  # the call after the failure: still ONNX Runtime
@@ -283,7 +255,7 @@ async def test_a_cancelled_execution_ends_after_the_segment_running() -> None:
     model, x = TwoSegments(), torch.randn(4, 6)
     config = ExecutorConfig(onnx_segments=True, max_parallel_ops=2, heavy_op_flops=0,
                             adaptive_placement=False)
-    async with Executor(_export(model, x), config) as ex:
+    async with Executor(export_model(model, x), config) as ex:
         await ex.execute(x)
         await ex.execute(x)  # both segments checked: ONNX Runtime from now on
         first, second = _delegates(ex)
@@ -312,7 +284,7 @@ async def test_a_cancelled_execution_ends_after_the_segment_running() -> None:
         assert finished.is_set()
         assert second.statistics()["calls"] == second_calls  # the next segment never ran
         session.run = run
-        torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+        torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
         assert ex.statistics().cancelled == 1
 
 
@@ -332,17 +304,17 @@ async def test_a_new_shape_is_checked_off_the_calling_thread(
 
     monkeypatch.setattr(onnx_delegate, "_make_session", slow_make)
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    async with Executor(_export(model, x), ONNX) as ex:
+    async with Executor(export_model(model, x), ONNX) as ex:
         x_used = x.clone()
-        torch.testing.assert_close(await ex.execute(x_used), _eager(model, x))
+        torch.testing.assert_close(await ex.execute(x_used), eager_output(model, x))
         x_used.fill_(99)  # past the embedding: a check on the caller's tensor would fail
         for _ in range(2):  # the session is held: the plain nodes run these
-            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
         delegate = _delegates(ex)[0]
         assert delegate.statistics()["pending"] == 2  # the session, the check
         release.set()
         await _settled(ex)
-        torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+        torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
         stats = delegate.statistics()
     assert threads == ["asyncgraph-onnx-onnx_segment_0"]
     assert (stats["checked"], stats["refused"], stats["pending"]) == (1, {}, 0)
@@ -362,7 +334,7 @@ async def test_aclose_waits_for_the_builder(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(onnx_delegate, "_make_session", slow_make)
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    ex = Executor(_export(model, x), ONNX)
+    ex = Executor(export_model(model, x), ONNX)
     await ex.execute(x)
     assert await anyio.to_thread.run_sync(started.wait, 60)
     asyncio.get_running_loop().call_later(0.05, release.set)
@@ -372,7 +344,7 @@ async def test_aclose_waits_for_the_builder(monkeypatch: pytest.MonkeyPatch) -> 
 
 async def test_off_by_default_and_short_runs_stay_plain() -> None:
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    ep = _export(model, x)
+    ep = export_model(model, x)
     async with Executor(ep) as plain:
         assert plain.onnx == [] and not _delegates(plain)
     graph, names = onnx_segments.onnx_segments(imported(ep).graph, min_nodes=10_000)
@@ -389,7 +361,7 @@ async def test_without_the_extra_the_error_names_it(
     model, x = Chain(), torch.randint(0, 50, (3, 5))
     with pytest.raises(ImportError, match=rf"\({missing} is missing\): "
                                           r"pip install 'asyncgraph\[onnxruntime\]'"):
-        Executor(_export(model, x), ONNX)
+        Executor(export_model(model, x), ONNX)
 
 
 # -- the conformance corpus -----------------------------------------------------------------------

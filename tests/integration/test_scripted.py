@@ -18,6 +18,7 @@ from conformance.models import CASES, CASES_BY_NAME, export_case
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.compiled import scripted
 from asyncgraph.compiled.scripted import ScriptedDelegate
+from tests.support.models import Chain, eager_output, export_model
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -27,35 +28,6 @@ CONFIGS = {
     "scripted, parallel": ExecutorConfig(script_segments=True, max_parallel_ops=2,
                                          heavy_op_flops=0, ready_order_seed=7),
 }
-
-
-class Chain(torch.nn.Module):
-    """Ten aten nodes in a row after an embedding: one segment with weights."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(50, 16)
-        self.linear = torch.nn.Linear(16, 16)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for _ in range(3):
-            h = torch.tanh(self.linear(h)) * 0.5 + h
-        return h.sum(dim=-1)
-
-
-def _export(model: torch.nn.Module, x: torch.Tensor, dynamic: bool = False) -> Any:
-    shapes = ({0: torch.export.Dim("batch", min=1, max=64)},) if dynamic else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return torch.export.export(model.eval(), (x,), dynamic_shapes=shapes)
-
-
-def _eager(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        out: torch.Tensor = model(x)
-        return out
 
 
 def _delegates(ex: Executor) -> list[ScriptedDelegate]:
@@ -134,7 +106,7 @@ async def test_most_of_the_corpus_gets_scripted_segments(short_runs: None) -> No
 
 async def test_one_segment_replaces_the_run_and_matches_eager() -> None:
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    async with Executor(_export(model, x), SCRIPTED) as ex:
+    async with Executor(export_model(model, x), SCRIPTED) as ex:
         first = await ex.execute(x)  # the fx module runs it while the trace is made
         assert ex.scripted == ["scripted_segment_0"]
         delegate = await _settled(ex)
@@ -142,17 +114,17 @@ async def test_one_segment_replaces_the_run_and_matches_eager() -> None:
         out = await ex.execute(x)  # the trace
         stats = delegate.statistics()
     assert (stats["traced"], stats["calls"], stats["untraced_calls"]) == (1, 2, 1)
-    torch.testing.assert_close(first, _eager(model, x))
-    torch.testing.assert_close(out, _eager(model, x))
+    torch.testing.assert_close(first, eager_output(model, x))
+    torch.testing.assert_close(out, eager_output(model, x))
 
 
 async def test_each_input_shape_is_traced_once() -> None:
     model = Chain()
-    async with Executor(_export(model, torch.randint(0, 50, (2, 5)), dynamic=True),
+    async with Executor(export_model(model, torch.randint(0, 50, (2, 5)), dynamic=True),
                         SCRIPTED) as ex:
         for batch in (2, 5, 2, 5, 1):
             x = torch.randint(0, 50, (batch, 5))
-            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
         stats = (await _settled(ex)).statistics()
     assert (stats["traced"], stats["signatures"], stats["calls"]) == (3, 3, 5)
 
@@ -161,13 +133,13 @@ async def test_the_oldest_trace_is_dropped_beyond_max_traces(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = Chain()
-    async with Executor(_export(model, torch.randint(0, 50, (2, 5)), dynamic=True),
+    async with Executor(export_model(model, torch.randint(0, 50, (2, 5)), dynamic=True),
                         SCRIPTED) as ex:
         (delegate,) = _delegates(ex)
         delegate.max_traces = 2
         for batch in (1, 2, 3, 1):
             x = torch.randint(0, 50, (batch, 5))
-            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
             await _settled(ex)
         stats = delegate.statistics()
     assert (stats["traced"], stats["signatures"], stats["dropped"]) == (4, 2, 2)
@@ -177,20 +149,20 @@ async def test_concurrent_executions_on_workers_trace_each_shape_once() -> None:
     model = Chain()
     config = ExecutorConfig(script_segments=True, max_parallel_ops=2, heavy_op_flops=0,
                             adaptive_placement=False)
-    async with Executor(_export(model, torch.randint(0, 50, (2, 5)), dynamic=True),
+    async with Executor(export_model(model, torch.randint(0, 50, (2, 5)), dynamic=True),
                         config) as ex:
         xs = [torch.randint(0, 50, (1 + i % 3, 5)) for i in range(24)]
         outs = await asyncio.gather(*(ex.execute(x) for x in xs))
         stats = (await _settled(ex)).statistics()
         assert ex.statistics().workers.items_run >= 24  # the segment ran on worker threads
     for x, out in zip(xs, outs, strict=True):
-        torch.testing.assert_close(out, _eager(model, x))
+        torch.testing.assert_close(out, eager_output(model, x))
     assert (stats["traced"], stats["signatures"]) == (3, 3)
 
 
 async def test_a_weights_swap_reaches_the_traces_without_tracing_again() -> None:
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    async with Executor(_export(model, x), SCRIPTED) as ex:
+    async with Executor(export_model(model, x), SCRIPTED) as ex:
         before = await ex.execute(x)
         await _settled(ex)
         new = {"linear.weight": torch.randn(16, 16), "embed.weight": torch.randn(50, 16)}
@@ -198,14 +170,14 @@ async def test_a_weights_swap_reaches_the_traces_without_tracing_again() -> None
         after = await ex.execute(x)
         traced = _delegates(ex)[0].statistics()["traced"]
     model.load_state_dict(new, strict=False)
-    torch.testing.assert_close(after, _eager(model, x))
+    torch.testing.assert_close(after, eager_output(model, x))
     assert not torch.allclose(before, after)
     assert traced == 1
 
 
 async def test_a_failing_call_names_the_aten_node_that_failed() -> None:
     model = Chain()
-    async with Executor(_export(model, torch.randint(0, 50, (3, 5)), dynamic=True),
+    async with Executor(export_model(model, torch.randint(0, 50, (3, 5)), dynamic=True),
                         SCRIPTED) as ex:
         for shape in ((2, 5), (3, 5)):  # the first call of a signature, then a traced one
             if shape == (3, 5):
@@ -219,7 +191,7 @@ async def test_a_failing_call_names_the_aten_node_that_failed() -> None:
         (delegate,) = _delegates(ex)
         assert delegate.statistics()["traced"] == 1  # the failed first call traced nothing
         x = torch.zeros(2, 5, dtype=torch.long)
-        torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+        torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
         stats = (await _settled(ex)).statistics()
     assert (stats["traced"], stats["untraceable"]) == (2, "")  # (2, 5) traced on its next call
 
@@ -232,13 +204,13 @@ async def test_a_run_the_tracer_refuses_runs_as_its_fx_module(
 
     monkeypatch.setattr(scripted, "_TRACE", refuse)
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    async with Executor(_export(model, x), SCRIPTED) as ex:
+    async with Executor(export_model(model, x), SCRIPTED) as ex:
         out = await ex.execute(x)
         await _settled(ex)
         again = await ex.execute(x)
         stats = _delegates(ex)[0].statistics()
-    torch.testing.assert_close(out, _eager(model, x))
-    torch.testing.assert_close(again, _eager(model, x))
+    torch.testing.assert_close(out, eager_output(model, x))
+    torch.testing.assert_close(again, eager_output(model, x))
     assert stats["untraceable"] == "RuntimeError: tracer says no"
     assert (stats["traced"], stats["signatures"], stats["untraced_calls"]) == (0, 1, 1)
 
@@ -258,8 +230,8 @@ async def test_a_new_shape_is_traced_off_the_calling_thread(
 
     monkeypatch.setattr(scripted, "_TRACE", slow_trace)
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    expected = _eager(model, x)
-    async with Executor(_export(model, x), SCRIPTED) as ex:
+    expected = eager_output(model, x)
+    async with Executor(export_model(model, x), SCRIPTED) as ex:
         for _ in range(3):  # the trace is held: the fx module runs each of these
             torch.testing.assert_close(await ex.execute(x.clone()), expected)
         (delegate,) = _delegates(ex)
@@ -288,7 +260,7 @@ async def test_aclose_waits_for_the_trace_in_progress(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(scripted, "_TRACE", slow_trace)
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    ex = Executor(_export(model, x), SCRIPTED)
+    ex = Executor(export_model(model, x), SCRIPTED)
     await ex.execute(x)
     assert await anyio.to_thread.run_sync(started.wait, 60)
     asyncio.get_running_loop().call_later(0.05, release.set)
@@ -314,18 +286,18 @@ class DataDependent(torch.nn.Module):
 async def test_ops_with_data_dependent_shapes_stay_outside_the_traces(short_runs: None) -> None:
     model = DataDependent()
     x = torch.randn(4, 6)
-    async with Executor(_export(model, x), SCRIPTED) as ex:
+    async with Executor(export_model(model, x), SCRIPTED) as ex:
         inside = {name for d in _delegates(ex) for name in d.node_names}
         assert inside and not any("nonzero" in name for name in inside)
         for seed in range(3):  # as many nonzeros as the values give: no trace may bake one in
             torch.manual_seed(seed)
             x = torch.randn(4, 6)
-            torch.testing.assert_close(await ex.execute(x), _eager(model, x))
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
 
 
 async def test_off_by_default_and_short_runs_stay_interpreted() -> None:
     model, x = Chain(), torch.randint(0, 50, (3, 5))
-    ep = _export(model, x)
+    ep = export_model(model, x)
     async with Executor(ep) as plain, Executor(ep, SCRIPTED) as short:
         assert plain.scripted == [] and not _delegates(plain)
         assert short.scripted  # the Chain's run is long enough
@@ -354,7 +326,7 @@ def test_the_cli_scripts_segments_on_request(tmp_path: Path) -> None:
 
     model, x = Chain(), torch.randint(0, 50, (3, 5))
     path = tmp_path / "chain.pt2"
-    torch.export.save(_export(model, x), path)
+    torch.export.save(export_model(model, x), path)
     args = ["profile", str(path), "--runs", "2", "--warmup", "0", "--json"]
     scripted_run = CliRunner().invoke(app, [*args, "--script-segments"])
     plain_run = CliRunner().invoke(app, args)

@@ -6,6 +6,7 @@ making fresh inputs for a call (so calls differ from the export example).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,38 @@ import torch
 from torch.export import Dim
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def export_model(model: torch.nn.Module, x: torch.Tensor, dynamic: bool = False) -> Any:
+    """`model` in eval mode exported on one input, dim 0 a dynamic batch (1-64) if asked."""
+    shapes = ({0: torch.export.Dim("batch", min=1, max=64)},) if dynamic else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.export.export(model.eval(), (x,), dynamic_shapes=shapes)
+
+
+def eager_output(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What `model` gives on `x` in eval mode, without autograd: the reference."""
+    with torch.no_grad():
+        out: torch.Tensor = model.eval()(x)
+        return out
+
+
+class Chain(torch.nn.Module):
+    """Ten aten nodes in a row after an embedding: one segment with weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 16)
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for _ in range(3):
+            h = torch.tanh(self.linear(h)) * 0.5 + h
+        return h.sum(dim=-1)
+
 
 
 class Affine(torch.nn.Module):
