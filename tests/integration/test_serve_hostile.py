@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,10 +21,9 @@ import torch
 import asyncgraph
 from asyncgraph.serve import InferenceServer, create_app, running_server
 from tests.support.models import Affine
+from tests.support.serving import WAIT_S, eventually, metric
 
 pytestmark = pytest.mark.usefixtures("leak_check")
-
-WAIT_S = 20.0  # the bound on every wait for something the server must do
 
 
 @pytest.fixture(scope="module")
@@ -50,27 +48,9 @@ async def serving(
         yield app.state.asyncgraph, client, (host, int(port))
 
 
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + WAIT_S
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting: {what}"
-        await asyncio.sleep(0.005)
-
-
 def infer_body(x: torch.Tensor, **extra: Any) -> dict[str, Any]:
     return {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
                         "data": x.reshape(-1).tolist()}], **extra}
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    for line in text.splitlines():
-        m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(\{(.*)\})? (\S+)", line)
-        if not m or m.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(m.group(4))
-    raise AssertionError(f"no sample {name}{labels} in metrics")
 
 
 def head(length: int, path: str = "/v2/models/lin/infer") -> bytes:
