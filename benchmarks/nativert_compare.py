@@ -420,6 +420,31 @@ def _load_compiled(
             os.environ[CALL_ENV] = before
 
 
+async def callers_case(
+    ctx: Context, scenario: str, work: Workload, peers: list[Peer], executors: list[Executor],
+    load: tuple[int, int], batched: Executor,
+) -> CaseResult:
+    """`load` = (callers, requests per caller) calling every peer at once, round by round; the
+    executors closed after; the case with the batched Executor's mean batch rows."""
+    callers, per_caller = load
+    results = new_results(peers)
+    try:
+        await measure_concurrent(ctx, peers, results, callers, per_caller,
+                                 f"{scenario}: {work.key}, {callers} callers")
+    finally:
+        for ex in executors:
+            await ex.aclose()
+    case = CaseResult(scenario, f"{work.key} x {callers} callers",
+                      f"{work.title}; {callers} concurrent callers x {per_caller} requests",
+                      {"nodes": call_nodes(work.ep), "callers": callers,
+                       "requests_per_caller": per_caller},
+                      [results[p.name] for p in peers], columns="metrics")
+    stats = batched.batching_statistics()
+    if stats is not None:
+        case.params["mean_batch_rows"] = round(stats.mean_rows, 1)
+    return case
+
+
 async def _concurrent_case(
     ctx: Context, work: Workload, built: Built, runner: Any, options: Options
 ) -> CaseResult:
@@ -461,21 +486,8 @@ async def _concurrent_case(
             return await asyncio.to_thread(run_native, x)
 
         peers.append(Peer(NATIVERT_THREAD, native_in_thread, "asyncio.to_thread(runner.run, x)"))
-    results = new_results(peers)
-    try:
-        await measure_concurrent(ctx, peers, results, callers, per_caller,
-                                 f"{NAME}: {work.key}, {callers} callers")
-    finally:
-        for ex in executors:
-            await ex.aclose()
-    case = CaseResult(NAME, f"{work.key} x {callers} callers",
-                      f"{work.title}; {callers} concurrent callers x {per_caller} requests",
-                      {"nodes": call_nodes(work.ep), "callers": callers,
-                       "requests_per_caller": per_caller},
-                      [results[p.name] for p in peers], columns="metrics")
-    stats = batched.batching_statistics()
-    if stats is not None:
-        case.params["mean_batch_rows"] = round(stats.mean_rows, 1)
+    case = await callers_case(ctx, NAME, work, peers, executors, (callers, per_caller), batched)
+    results = {r.name: r for r in case.peers}
     if runner is not None:
         base = results[NATIVERT_THREAD].extra.get("throughput")
         for number, peer, limit in ((3, "asyncgraph", 1.5), (3, SCRIPTED, 1.5),

@@ -52,7 +52,6 @@ from torch.export import ExportedProgram
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
 from asyncgraph.compiled.onnx_export import quiet_exporter
-from benchmarks.concurrency import measure_concurrent
 from benchmarks.harness import (
     CaseResult,
     Context,
@@ -60,7 +59,6 @@ from benchmarks.harness import (
     Settings,
     Target,
     measure,
-    new_results,
     sync_peer,
 )
 from benchmarks.models import call_nodes, exported_encoder
@@ -71,6 +69,7 @@ from benchmarks.nativert_compare import (
     _compile_segments,
     _export,
     _load_compiled,
+    callers_case,
     digest,
     mlp,
 )
@@ -428,21 +427,9 @@ async def _concurrent_case(
         peers.append(Peer(ort_batcher_name(threads), batched,
                           f"OrtBatcher: up to {MAX_BATCH} rows, {IN_FLIGHT} in flight, "
                           f"{threads} intra-op"))
-    results = new_results(peers)
-    try:
-        await measure_concurrent(ctx, peers, results, callers, per_caller,
-                                 f"{NAME}: {work.key}, {callers} callers")
-    finally:
-        for ex in executors:
-            await ex.aclose()
-    case = CaseResult(NAME, f"{work.key} x {callers} callers",
-                      f"{work.title}; {callers} concurrent callers x {per_caller} requests",
-                      {"nodes": call_nodes(work.ep), "callers": callers,
-                       "requests_per_caller": per_caller},
-                      [results[p.name] for p in peers], columns="metrics")
-    stats = executors[2].batching_statistics()
-    if stats is not None:
-        case.params["mean_batch_rows"] = round(stats.mean_rows, 1)
+    case = await callers_case(ctx, NAME, work, peers, executors, (callers, per_caller),
+                              executors[2])
+    results = {r.name: r for r in case.peers}
     for name, batcher in batchers.items():
         if batcher.batches:
             case.params[f"{name} mean rows"] = round(batcher.rows / batcher.batches, 1)
