@@ -474,7 +474,7 @@ class StreamSet:
     """One execution's streams: the stream of each (device, index) and of each CUDA node,
     and each CUDA node's stream handle (`Backend.stream_handle`, computed here once)."""
 
-    __slots__ = ("by_node", "handles", "index", "streams", "users")
+    __slots__ = ("by_node", "handles", "index", "items", "streams", "users")
 
     def __init__(
         self, index: int, streams: dict[StreamKey, CudaStream], plan: StreamPlan,
@@ -482,6 +482,7 @@ class StreamSet:
     ) -> None:
         self.index = index
         self.streams = streams
+        self.items = tuple(streams.items())  # what an execution using them all begins
         self.by_node: tuple[CudaStream | None, ...] = tuple(
             streams[(d, s)] if d is not None and s is not None else None
             for d, s in zip(plan.device, plan.stream, strict=True)
@@ -690,10 +691,7 @@ class FrameStreams:
             raise RuntimeError("begin() called twice without finish()")
         runtime = self.runtime
         stream_set = runtime.pool.acquire()
-        begun = tuple(
-            (key, stream) for key, stream in stream_set.streams.items()
-            if only is None or key == only
-        )
+        begun = stream_set.items if only is None else ((only, stream_set.streams[only]),)
         try:
             host = {d: tuple(runtime.backend.host_streams(d)) for d in self._begin_events}
             for device, event in self._begin_events.items():
