@@ -217,7 +217,7 @@ class Executor:
             flat = validator.flatten(args, kwargs)
         inputs, signature = self._accept(flat, bound)
         if self._batcher is not None:
-            outputs = await self._batcher.submit(inputs)
+            outputs = await self._batcher.submit(inputs, signature)
         else:
             outputs = await self._execute(inputs, flat, caller, signature)
         if self._single_output:
@@ -234,7 +234,7 @@ class Executor:
         flat = list(inputs)
         accepted, signature = self._accept(flat)
         if self._batcher is not None:
-            return await self._batcher.submit(accepted)
+            return await self._batcher.submit(accepted, signature)
         return await self._execute(accepted, flat, caller, signature)
 
     def _calling_task(self) -> asyncio.Task[Any] | None:

@@ -463,6 +463,33 @@ def test_batch_keys_separate_what_cannot_be_stacked() -> None:
         assert key(x3, odd)[1] != key(x3, odd)[1]
 
 
+def test_a_repeated_signature_gets_the_key_computed_for_it_requires_grad_included() -> None:
+    """The key is remembered for the validated signature, but requires_grad (outside the
+    signature) is read every time, and a key of its own is never handed on."""
+    layout = BatchLayout((True, False), sympy.Symbol("s0"), 8)
+    batcher = Batcher(layout, BatchingConfig(max_batch_size=8), _never_run)
+    x, scale = torch.zeros(3, 4), 1.5
+    signature = ("the validator's signature of", x.shape)
+    rows, key = batcher._rows_and_key([x, scale], signature)
+    assert batcher._rows_and_key([torch.ones(3, 4), scale], signature) == (rows, key)
+    grad_rows, grad_key = batcher._rows_and_key([x.requires_grad_(), scale], signature)
+    assert grad_rows == 3 and grad_key != key
+    assert batcher._rows_and_key([x.detach(), scale], signature) == (rows, key)
+    odd = [torch.zeros(3, 4), torch.ones(2)]  # a tensor in the scalar's place: a key alone
+    assert batcher._rows_and_key(odd, ("other",))[1] != batcher._rows_and_key(odd, ("other",))[1]
+
+
+def test_stacked_bytes_counts_every_row_of_the_batch() -> None:
+    from asyncgraph.runtime.batching import _Request
+
+    layout = BatchLayout((True, False), sympy.Symbol("s0"), 8)
+    batcher = Batcher(layout, BatchingConfig(max_batch_size=8), _never_run)
+    requests = [_Request([torch.zeros(rows, 4), 1.5], rows, (), None) for rows in (3, 1, 4)]
+    assert batcher._stacked_bytes(requests) == 8 * 4 * 4
+    empty = [_Request([torch.zeros(0, 4), 1.5], 0, (), None), requests[0]]
+    assert batcher._stacked_bytes(empty) == 3 * 4 * 4
+
+
 async def _never_run(flat: list[Any]) -> list[Any]:
     raise AssertionError("not expected to run")
 
