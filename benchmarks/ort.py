@@ -20,11 +20,14 @@ Latency (one caller): asyncgraph `execute` on the plain graph, with `script_segm
 (a torch.jit trace per segment: builds in seconds), with AOTInductor compiled segments
 (`compile_program(ep, path, "auto")`, loaded with trust_compiled=True: 18-33 s per program on
 2 cores, cached next to the exports; in full runs, not with --quick, `--no-compiled` leaves
-them out), ONNX Runtime's `session.run` and eager `model(x)` for context.
+them out), with ONNX Runtime segments (`onnx_segments=True`, sessions built and signatures
+checked before timing), ONNX Runtime's `session.run` and eager `model(x)` for context.
 
 64 callers x N requests (throughput): asyncgraph each request its own execution (plain,
-scripted, compiled), with dynamic batching (`BatchingConfig(max_batch_size=32)`: plain,
-scripted, and compiled from the dynamic-batch program), against
+scripted, compiled, ONNX Runtime segments), with dynamic batching
+(`BatchingConfig(max_batch_size=32)`: plain, scripted, compiled from the dynamic-batch program,
+and ONNX Runtime segments with batches padded to powers of two, one checked signature each),
+against
 `asyncio.to_thread(session.run, ...)` and against `OrtBatcher`, the simple batcher a user would
 write around a session (up to 32 rows, 2 batches in flight, each on a thread).
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import sys
 import time
@@ -52,6 +56,7 @@ from torch.export import ExportedProgram
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
 from asyncgraph.compiled.onnx_export import quiet_exporter
+from asyncgraph.runtime.batching import default_buckets
 from benchmarks.harness import (
     CaseResult,
     Context,
@@ -94,6 +99,7 @@ ONNX_SEGMENTS = "asyncgraph (onnx segments)"
 BATCHED = "asyncgraph (batched)"
 SCRIPTED_BATCHED = "asyncgraph (scripted, batched)"
 COMPILED_BATCHED = "asyncgraph (compiled, batched)"
+ONNX_BATCHED = "asyncgraph (onnx segments, batched)"
 
 
 def ort_name(threads: int) -> str:
@@ -330,7 +336,7 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
     if compiled is not None:
         executors.append(compiled)
         peers.append(asyncgraph_peer(COMPILED, compiled, [x], "compile_program(ep, path, 'auto')"))
-    delegated = await _with_onnx_segments(work.ep, x)
+    delegated = await _with_onnx_segments(work.ep, [x])
     if delegated is not None:
         executors.append(delegated)
         peers.append(asyncgraph_peer(ONNX_SEGMENTS, delegated, [x],
@@ -364,19 +370,23 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
     return case
 
 
-async def _with_onnx_segments(ep: ExportedProgram, x: Any) -> Executor | None:
-    """An Executor with ONNX Runtime segments whose sessions are built and whose signature
-    is checked (the first calls run the plain nodes while the builder thread works), or None
-    when no segment was made."""
+async def _with_onnx_segments(
+    ep: ExportedProgram, xs: Sequence[Any], config: ExecutorConfig | None = None
+) -> Executor | None:
+    """An Executor with ONNX Runtime segments (`config` with onnx_segments on) whose sessions
+    are built and whose signatures, one per input in `xs`, are checked (the first calls run
+    the plain nodes while the builder thread works), or None when no segment was made."""
     from asyncgraph.compiled.onnx_delegate import OnnxDelegate
 
-    ex = Executor(ep, ExecutorConfig(onnx_segments=True))
+    config = dataclasses.replace(config or ExecutorConfig(), onnx_segments=True)
+    ex = Executor(ep, config)
     delegates = [k.fn for k in ex.kernels if isinstance(k.fn, OnnxDelegate)]
     if not delegates:
         await ex.aclose()
         return None
-    for _ in range(3):  # sessions, then the check of this signature, then ONNX Runtime
-        await ex.execute(x)
+    for _ in range(3):  # sessions, then the checks of these signatures, then ONNX Runtime
+        for x in xs:
+            await ex.execute(x)
         for delegate in delegates:
             await anyio.to_thread.run_sync(delegate.wait_idle, 120)
     return ex
@@ -410,6 +420,19 @@ async def _concurrent_case(
         if loaded is not None:
             executors.append(loaded)
             peers.append(asyncgraph_peer(name, loaded, [x], "compiled segments"))
+    delegated = await _with_onnx_segments(work.ep, [x])
+    buckets = default_buckets(MAX_BATCH)  # a signature each, checked before the storm
+    delegated_batched = await _with_onnx_segments(
+        dynamic_ep, [x.expand(rows, *x.shape[1:]).contiguous() for rows in buckets],
+        ExecutorConfig(batching=dataclasses.replace(batching, buckets=buckets)))
+    for name, ex, note in (
+        (ONNX_SEGMENTS, delegated, "onnx_segments=True, unbatched"),
+        (ONNX_BATCHED, delegated_batched,
+         f"onnx_segments=True, dynamic batching up to {MAX_BATCH} rows, padded to {buckets}"),
+    ):
+        if ex is not None:
+            executors.append(ex)
+            peers.append(asyncgraph_peer(name, ex, [x], note))
     batchers: dict[str, OrtBatcher] = {}
     for threads in ORT_THREADS:
         call = ort_call(ort_session(static, threads))
@@ -440,9 +463,11 @@ async def _concurrent_case(
     for peer, base, limit in ((PLAIN, to_thread, 1.0), (SCRIPTED, to_thread, 1.0),
                               (COMPILED, to_thread, 1.0), (BATCHED, to_thread, 2.0),
                               (SCRIPTED_BATCHED, to_thread, 2.0),
-                              (COMPILED_BATCHED, to_thread, 2.0), (BATCHED, batcher_best, 1.0),
+                              (COMPILED_BATCHED, to_thread, 2.0), (ONNX_SEGMENTS, to_thread, 1.0),
+                              (ONNX_BATCHED, to_thread, 2.0), (BATCHED, batcher_best, 1.0),
                               (SCRIPTED_BATCHED, batcher_best, 1.0),
-                              (COMPILED_BATCHED, batcher_best, 1.0)):
+                              (COMPILED_BATCHED, batcher_best, 1.0),
+                              (ONNX_BATCHED, batcher_best, 1.0)):
         if base is None or peer not in names:
             continue
         mine, theirs = results[peer].extra.get("throughput"), results[base].extra.get("throughput")

@@ -128,11 +128,11 @@ async def test_quick_scenario_runs_every_peer_and_matches(
             assert case["params"]["onnxruntime_reference"] in ort_latency
             assert len(case["targets"]) == 3  # plain graph, scripted and ONNX segments
         else:
-            assert set(names) == {ort.PLAIN, ort.SCRIPTED, ort.BATCHED,
-                                  ort.SCRIPTED_BATCHED} | ort_concurrent
+            assert set(names) == {ort.PLAIN, ort.SCRIPTED, ort.BATCHED, ort.SCRIPTED_BATCHED,
+                                  ort.ONNX_SEGMENTS, ort.ONNX_BATCHED} | ort_concurrent
             assert case["params"]["callers"] == 64
             assert 1 <= case["params"]["mean_batch_rows"] <= ort.MAX_BATCH
-            assert len(case["targets"]) == 6  # 2 unbatched, 2 batched vs to_thread, 2 vs batcher
+            assert len(case["targets"]) == 9  # 3 unbatched, 3 batched vs to_thread, 3 vs batcher
         for peer in case["peers"]:
             where = f"{case['case']} / {peer['name']}"
             assert peer["matched"] is True, f"{where}: {peer['error']}"
