@@ -67,6 +67,20 @@ def gated_graph(gate: Any) -> Graph:
     return graph
 
 
+def identity_graph(dtype: torch.dtype, shape: tuple[Any, ...]) -> Graph:
+    """x -> a copy of x, declared as `dtype` of `shape` (ints, or sympy symbols for dynamic
+    dimensions): the smallest model the protocol codecs can be checked against."""
+    b = GraphBuilder()
+    x = b.input("x")
+    y = b.call(torch.clone, x, name="copy")
+    b.output(y)
+    graph = b.build()
+    hint = tuple(d if isinstance(d, int) else 2 for d in shape)
+    graph.values[x.id].spec = TensorSpec(dtype, CPU, shape, hint)
+    graph.values[y.id].spec = TensorSpec(dtype, CPU, shape, hint)
+    return graph
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """One sample's value from Prometheus text, matched by exact name and these labels."""
     for line in text.splitlines():

@@ -21,25 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncgraph
-from asyncgraph.graph.builder import GraphBuilder
-from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.serve import ModelInterface, ProtocolError, codec, decode_request, encode_response
 from asyncgraph.serve.datatypes import TORCH_DTYPES
 from asyncgraph.serve.interface import output_names
+from tests.support.serving import identity_graph
 
 CPU = torch.device("cpu")
-
-
-def identity_graph(dtype: torch.dtype, shape: tuple[Any, ...]) -> Graph:
-    b = GraphBuilder()
-    x = b.input("x")
-    y = b.call(torch.clone, x, name="copy")
-    b.output(y)
-    graph = b.build()
-    hint = tuple(d if isinstance(d, int) else 2 for d in shape)
-    graph.values[x.id].spec = TensorSpec(dtype, CPU, shape, hint)
-    graph.values[y.id].spec = TensorSpec(dtype, CPU, shape, hint)
-    return graph
 
 
 def sample(datatype: str, shape: tuple[int, ...]) -> torch.Tensor:
