@@ -60,7 +60,7 @@ class LoopBudget:
 
     __slots__ = (
         "_deadline", "_deferred", "_extended", "_loop", "_open", "_peek", "_queue", "_scheduled",
-        "_slices", "slice_s",
+        "_slices", "others_wait", "slice_s",
     )
 
     def __init__(self, loop: SoonLoop, slice_s: float) -> None:
@@ -76,6 +76,9 @@ class LoopBudget:
         self._scheduled = False
         self._peek = _shows_its_queues(loop)
         self._extended = 0
+        # The last `extend` found other work ready on the loop (a pure-Python asyncio loop's
+        # peek; never set where the loop does not show its queues): the loop is contended.
+        self.others_wait = False
 
     @property
     def is_open(self) -> bool:
@@ -119,7 +122,8 @@ class LoopBudget:
         if not self._peek:
             return None
         loop = self._loop()
-        if loop is None or not _idle(loop, 1 + self._scheduled):  # the budget's own callbacks
+        self.others_wait = loop is not None and not _idle(loop, 1 + self._scheduled)
+        if loop is None or self.others_wait:  # _idle counts the budget's own callbacks
             return None
         if now is None:
             now = time.perf_counter()

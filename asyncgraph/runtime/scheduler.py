@@ -142,13 +142,21 @@ class Scheduler:
 
         An execution that `run_straight` refused only because this iteration's slice was
         spent, and that a whole slice holds, first waits one loop iteration and tries the
-        straight line once more (StraightRunner.run_now).
+        straight line once more (StraightRunner.run_now); unless other work was seen waiting
+        on the loop and the line can go to a worker thread instead (`contended`:
+        StraightRunner.takes_worker), which then runs it beside the loop.
         """
+        contended = False
         if self.straight.retry is frame:
             self.straight.retry = None
-            await anyio.lowlevel.checkpoint()  # others' callbacks, I/O and timers run first
-            if self.run_straight(frame):
-                return
+            budget = self.state.budget
+            straight = _schedule(frame).straight
+            contended = (budget is not None and budget.others_wait and straight is not None
+                         and self.straight.takes_worker(straight, contended=True))
+            if not contended:
+                await anyio.lowlevel.checkpoint()  # others' callbacks, I/O and timers first
+                if self.run_straight(frame):
+                    return
         state = self.state
         if state.loop is None or state.budget is None:
             state.bind()
@@ -159,16 +167,17 @@ class Scheduler:
             if self._seed is not None:
                 frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
             frame.load_counters()
-        await self._run_dataflow(frame, loop, straight)
+        await self._run_dataflow(frame, loop, straight, contended)
         if frame.errors:
             raise_errors(frame)
 
     async def _run_dataflow(
-        self, frame: ExecutionFrame, loop: Loop, straight: StraightLine | None = None
+        self, frame: ExecutionFrame, loop: Loop, straight: StraightLine | None = None,
+        contended: bool = False,
     ) -> None:
         """The WorkUnits of the execution, across the loop, workers, tasks and streams; or,
         given the schedule's `straight` form, its units in order in the loop's slices or
-        on a worker (straight.py).
+        on a worker (straight.py; `contended`: see run_dataflow).
 
         Cancelled (asyncio's CancelledError, trio's Cancelled), it stops dispatching, waits
         shielded until the units in flight end, then re-raises the original cancellation.
@@ -178,7 +187,7 @@ class Scheduler:
             gpu.begin()  # lease a stream set, ordered after the caller's stream
         state = self.state
         state.running += 1
-        on_worker = straight is not None and self.straight.takes_worker(straight)
+        on_worker = straight is not None and self.straight.takes_worker(straight, contended)
         state.lines_on_workers += on_worker
         cancelled: BaseException | None = None
         try:

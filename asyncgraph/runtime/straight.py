@@ -84,7 +84,7 @@ class StraightRunner:
             raise_errors(frame)
         return True
 
-    def takes_worker(self, straight: StraightLine) -> bool:
+    def takes_worker(self, straight: StraightLine, contended: bool = False) -> bool:
         """Whether this straight line runs on a worker thread rather than in the loop's
         slices: another execution is in flight to overlap it, fewer lines than CPUs but one
         run on workers already (the loop keeps a CPU), it takes at least a slice (on
@@ -97,16 +97,21 @@ class StraightRunner:
         loop and one on a worker: 4.12x nativert's throughput against 3.87x without, in
         alternating storms on a 2-vCPU machine whose second vCPU adds only ~20% to
         compute-bound threads (two threads of eager batch-32 BERT ran 1.19x one).
+
+        `contended`: the line found the loop's slice spent with other work waiting on the loop
+        (LoopBudget.others_wait), so that work is there to overlap it and the loop's CPU is
+        taken: a line shorter than a slice goes too, and no other execution need be in flight
+        (executions that run straight on the loop finish before the next one starts).
         """
         state = self.state
         budget = state.budget
         return (
-            state.running > 1
+            (contended or state.running > 1)
             and state.lines_on_workers < state.max_lines_on_workers
             and straight.any_thread
             and straight.node_seconds >= self._worker_node_s
             and budget is not None
-            and straight.seconds >= budget.slice_s
+            and (contended or straight.seconds >= budget.slice_s)
         )
 
     def hand_off(self, frame: ExecutionFrame, straight: StraightLine) -> None:

@@ -470,6 +470,43 @@ async def test_overlapping_long_executions_run_one_straight_line_on_a_worker() -
         assert ex.statistics().worker_executions == 1
 
 
+@needs_two_cpus
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # a loop whose queues the budget can see
+async def test_a_short_line_that_finds_the_loop_contended_goes_to_a_worker() -> None:
+    """Four callers at once of a 0.6 ms line (under a 1 ms slice): the first runs on the loop,
+    the next finds the slice spent with the other callers waiting, and rather than wait a loop
+    iteration it runs on a worker beside the loop. One caller alone never leaves the loop."""
+    kernel = _ThreadSpin(0.0003)
+    config = ExecutorConfig(profile_executions=1, loaded_heavy_node_us=1e9)  # whole lines only
+    async with Executor(_movable_chain(kernel, 2), config) as ex:
+        for _ in range(3):
+            assert await ex.execute(0) == 2
+        for _ in range(20):  # back to back, alone: the slice is extended, nothing waits
+            assert await ex.execute(0) == 2
+        assert ex.statistics().worker_executions == 0
+        kernel.threads.clear()
+        assert await asyncio.gather(*(ex.execute(0) for _ in range(4))) == [2] * 4
+        stats = ex.statistics()
+        assert stats.worker_executions >= 1 and stats.frames.in_use == 0
+        loop_thread = threading.get_ident()
+        assert loop_thread in kernel.threads  # the first ran on the loop
+        assert any(t != loop_thread for t in kernel.threads)  # and some on a worker
+        budget = ex._scheduler.state.budget
+        assert budget is not None and budget.statistics().slices >= 1
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_where_the_loop_hides_its_queues_a_short_line_waits_for_the_loop() -> None:
+    """uvloop does not show what waits on it, so a refused short line retries on the loop
+    after one iteration, as before."""
+    kernel = _ThreadSpin(0.0003)
+    async with Executor(_movable_chain(kernel, 2), ExecutorConfig(profile_executions=1)) as ex:
+        for _ in range(3):
+            assert await ex.execute(0) == 2
+        assert await asyncio.gather(*(ex.execute(0) for _ in range(4))) == [2] * 4
+        assert ex.statistics().worker_executions == 0
+
+
 @pytest.mark.parametrize("config", [
     {"worker_execution_node_us": None},  # turned off
     {"worker_execution_node_us": 1000.0},  # the nodes are 400 us: under the bar
