@@ -269,8 +269,8 @@ class Batcher:
 
         The answer depends on nothing but the validated `signature` (shapes, dtypes, devices,
         scalar values) and the batched tensors' requires_grad, so it is kept for the last
-        signature, which validation hands back as the same object for a repeat caller: 0.3
-        us instead of 2.2 on a one-input MLP, about a tenth of a batched request's cost."""
+        signature, which validation hands back as the same object for a repeat caller: 0.6
+        us instead of 2.3 on a one-input MLP, about a tenth of a batched request's cost."""
         if signature is not None and signature is self._last_signature:
             rows, key, grads = self._last_answer
             if grads == [flat[i].requires_grad for i in self._batched_positions]:
