@@ -341,11 +341,7 @@ class InferenceServer:
         timing: list[float] = []
         response, failure = await self._infer(request, served, arrival, timing)
         self.metrics.observe(
-            name,
-            response.status_code,
-            total_s=loop.time() - arrival,
-            queue_s=timing[0] if timing else None,
-            compute_s=timing[1] if timing else None,
+            name, response.status_code, total_s=loop.time() - arrival, timing=timing,
             failure=failure,
         )
         return response

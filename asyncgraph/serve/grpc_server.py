@@ -226,18 +226,14 @@ class InferenceService:
         try:
             result, failure = await self._infer(request, served, arrival, timing, context)
         except asyncio.CancelledError:  # the client cancelled, went away or ran out of time
-            self.server.metrics.observe(
-                name, _CANCELLED, total_s=loop.time() - arrival,
-                queue_s=timing[0] if timing else None, failure=m.CANCELED,
+            self.server.metrics.observe(  # no compute time: the execution did not finish
+                name, _CANCELLED, total_s=loop.time() - arrival, timing=timing[:1],
+                failure=m.CANCELED,
             )
             raise
         self.server.metrics.observe(
-            name,
-            200 if failure is None else result.status,
-            total_s=loop.time() - arrival,
-            queue_s=timing[0] if timing else None,
-            compute_s=timing[1] if timing else None,
-            failure=failure,
+            name, 200 if failure is None else result.status, total_s=loop.time() - arrival,
+            timing=timing, failure=failure,
         )
         return result
 

@@ -21,7 +21,7 @@ apps in one process (tests, a parent app mounting two) never collide in the glob
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -90,10 +90,13 @@ class ServerMetrics:
         code: int,
         *,
         total_s: float,
-        queue_s: float | None = None,
-        compute_s: float | None = None,
+        timing: Sequence[float] = (),
         failure: str | None = None,
     ) -> None:
+        """Count one request. `timing`: its seconds queued, then computing, as far as the
+        request got (both transports collect them as the request goes)."""
+        queue_s = timing[0] if timing else None
+        compute_s = timing[1] if len(timing) > 1 else None
         counters = self.counters.setdefault(model, ModelCounters())
         self.requests.labels(model, str(code)).inc()
         if failure is None:
