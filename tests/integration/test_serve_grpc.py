@@ -91,6 +91,13 @@ def typed_request(model: str, x: np.ndarray, **fields: Any) -> Any:
     return request
 
 
+def gated_request() -> Any:
+    """A raw ModelInferRequest for gated_graph's model "g": two FP32 zeros."""
+    request = tpb.ModelInferRequest(model_name="g", raw_input_contents=[b"\0" * 8])
+    request.inputs.add(name="x", datatype="FP32", shape=[2])
+    return request
+
+
 def code_of(exc: InferenceServerException) -> str:
     return str(exc.status())
 
@@ -217,8 +224,7 @@ async def test_overload_is_unavailable_with_a_retry_hint() -> None:
             s.client.infer("g", [raw_input(np.ones(2, np.float32))])
         )
         await asyncio.wait_for(gate.started.wait(), WAIT_S)
-        request = tpb.ModelInferRequest(model_name="g", raw_input_contents=[b"\0" * 8])
-        request.inputs.add(name="x", datatype="FP32", shape=[2])
+        request = gated_request()
         call = s.stub.ModelInfer(request, timeout=WAIT_S)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call
@@ -251,8 +257,7 @@ async def test_a_short_client_deadline_cancels_the_execution() -> None:
 async def test_a_client_cancel_cancels_the_execution() -> None:
     gate = Gate()
     async with asyncgraph.Executor(gated_graph(gate)) as ex, serving({"g": ex}) as s:
-        request = tpb.ModelInferRequest(model_name="g", raw_input_contents=[b"\0" * 8])
-        request.inputs.add(name="x", datatype="FP32", shape=[2])
+        request = gated_request()
         call = s.stub.ModelInfer(request, timeout=WAIT_S)
         await asyncio.wait_for(gate.started.wait(), WAIT_S)
         call.cancel()
@@ -321,8 +326,7 @@ async def test_stream_answers_in_order_and_goes_on_after_an_error(linear: Any) -
 async def test_cancelling_a_stream_cancels_its_executions() -> None:
     gate = Gate()
     async with asyncgraph.Executor(gated_graph(gate)) as ex, serving({"g": ex}) as s:
-        request = tpb.ModelInferRequest(model_name="g", raw_input_contents=[b"\0" * 8])
-        request.inputs.add(name="x", datatype="FP32", shape=[2])
+        request = gated_request()
         call = s.stub.ModelStreamInfer(iter([request, request]), timeout=WAIT_S)
         await eventually(lambda: gate.calls == 2, "both requests running")
         call.cancel()
