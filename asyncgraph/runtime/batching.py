@@ -271,13 +271,13 @@ class Batcher:
         scalar values) and the batched tensors' requires_grad, so it is kept for the last
         signature, which validation hands back as the same object for a repeat caller: 0.6
         us instead of 2.3 on a one-input MLP, about a tenth of a batched request's cost."""
-        if signature is not None and signature is self._last_signature:
-            rows, key, grads = self._last_answer
-            if grads == [flat[i].requires_grad for i in self._batched_positions]:
-                return rows, key
+        if signature is None:
+            return self._compute_rows_and_key(flat)
+        grads = [flat[i].requires_grad for i in self._batched_positions]
+        if signature is self._last_signature and grads == self._last_answer[2]:
+            return self._last_answer[0], self._last_answer[1]
         rows, key = self._compute_rows_and_key(flat)
-        if signature is not None and isinstance(key, tuple):  # not a unique key
-            grads = [flat[i].requires_grad for i in self._batched_positions]
+        if isinstance(key, tuple):  # not a key of its own
             self._last_signature, self._last_answer = signature, (rows, key, grads)
         return rows, key
 
