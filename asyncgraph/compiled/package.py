@@ -38,6 +38,9 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+# registers the package's AOTI members with the archive check: load_compiled checks with them,
+# and a caller may reach it (compile_program's load-back) without asyncgraph.loading
+from asyncgraph.compiled import package_members  # noqa: F401
 from asyncgraph.compiled.delegate import AOTIDelegate
 from asyncgraph.compiled.native_call import (
     CALL_ENV,

@@ -5,9 +5,10 @@ AOTInductor models, `data/aotinductor/aoti_segment_<i>/` each holding one wrappe
 sources and JSON metadata, and a manifest `extra/asyncgraph_compiled.json` that lists those
 segments. graph/archive/ checks torch's layout and refuses native code unless the caller
 trusts it, but must not know this shape (graph/ is below compiled/): this module registers it
-there (graph/archive/member_rules.py) when it is imported. asyncgraph/loading.py imports it,
-and `import asyncgraph` imports loading, so the rules are in place before any archive is
-checked, whichever module the caller imported first.
+there (graph/archive/member_rules.py) when it is imported. compiled/package.py (which
+load_compiled, and so compile_program's load-back, lives in) and asyncgraph/loading.py import
+it, so the rules are in place before either checks an archive, whichever public module the
+caller imported first (`import asyncgraph` alone imports neither: its names are lazy).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ import json
 import operator
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -1430,3 +1432,18 @@ def test_a_package_that_does_not_load_back_is_removed(
     with pytest.raises(ProgramLoadError, match="did not load back, so it was removed"):
         build._check_loads(path)
     assert not path.exists()
+
+
+def test_compile_program_imported_alone_loads_its_package_back() -> None:
+    """Regression: `from asyncgraph.compiled import compile_program`, with nothing else of
+    asyncgraph imported, had no rules for the package's AOTI members (only asyncgraph.loading
+    registered them), so the load-back refused and removed every package it wrote. A fresh
+    interpreter: this process has imported loading long ago."""
+    code = (
+        "from asyncgraph.compiled import load_compiled\n"
+        "from asyncgraph.graph.archive.member_rules import registered_member_rules\n"
+        "print(sorted(r.prefix for r in registered_member_rules()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.split() == ["['data/aotinductor/']"]
