@@ -221,6 +221,7 @@ class Built:
     segments: Path | None = None
     autotuned: Path | None = None  # compiled segments with autotune=True
     batched: Path | None = None  # compiled segments of the dynamic-batch export
+    autotuned_batched: Path | None = None  # the same with autotune=True (benchmarks/ort.py)
 
 
 def digest(ep: ExportedProgram) -> str:

@@ -20,14 +20,17 @@ Latency (one caller): asyncgraph `execute` on the plain graph, with `script_segm
 (a torch.jit trace per segment: builds in seconds), with AOTInductor compiled segments
 (`compile_program(ep, path, "auto")`, loaded with trust_compiled=True: 18-33 s per program on
 2 cores, cached next to the exports; in full runs, not with --quick, `--no-compiled` leaves
-them out), with ONNX Runtime segments (`onnx_segments=True`, sessions built and signatures
+them out), with compiled segments autotuned (`autotune=True`: max-autotune, each segment
+keeping the faster of its autotuned and default kernels; timed only where some segment kept
+autotuned kernels, and the manifest's verdicts are in the case's params), with ONNX Runtime
+segments (`onnx_segments=True`, sessions built and signatures
 checked before timing), ONNX Runtime's `session.run` and eager `model(x)` for context.
 
 64 callers x N requests (throughput): asyncgraph each request its own execution (plain,
-scripted, compiled, ONNX Runtime segments), with dynamic batching
+scripted, compiled, autotuned, ONNX Runtime segments), with dynamic batching
 (`BatchingConfig(max_batch_size=32)`: plain, scripted, compiled from the dynamic-batch program,
-and ONNX Runtime segments with batches padded to powers of two, one checked signature each),
-against
+autotuned too where it kept autotuned kernels, and ONNX Runtime segments with batches padded
+to powers of two, one checked signature each), against
 `asyncio.to_thread(session.run, ...)` and against `OrtBatcher`, the simple batcher a user would
 write around a session (up to 32 rows, 2 batches in flight, each on a thread).
 
@@ -95,10 +98,12 @@ ISSUE = 40  # the targets' number in the report: issue 40's
 PLAIN = "asyncgraph"
 SCRIPTED = "asyncgraph (scripted)"
 COMPILED = "asyncgraph (compiled)"
+AUTOTUNED = "asyncgraph (compiled, autotuned)"
 ONNX_SEGMENTS = "asyncgraph (onnx segments)"
 BATCHED = "asyncgraph (batched)"
 SCRIPTED_BATCHED = "asyncgraph (scripted, batched)"
 COMPILED_BATCHED = "asyncgraph (compiled, batched)"
+AUTOTUNED_BATCHED = "asyncgraph (compiled, autotuned, batched)"
 ONNX_BATCHED = "asyncgraph (onnx segments, batched)"
 
 
@@ -312,9 +317,27 @@ async def run(ctx: Context, options: Options | None = None) -> list[CaseResult]:
             built.batched = _compile_segments(
                 notes, "batched_segments", dynamic_ep,
                 folder / f"{work.key}-{digest(dynamic_ep)}.segments-auto-dynamic.pt2")
+            built.autotuned = _autotuned(notes, "autotuned", work.ep, folder / (
+                f"{work.key}-{digest(work.ep)}.segments-auto-autotuned-kept.pt2"))
+            built.autotuned_batched = _autotuned(notes, "autotuned_batched", dynamic_ep, folder / (
+                f"{work.key}-{digest(dynamic_ep)}.segments-auto-dynamic-autotuned-kept.pt2"))
         cases.append(await _latency_case(ctx, work, static, built))
         cases.append(await _concurrent_case(ctx, work, dynamic_ep, static, dynamic, built))
     return cases
+
+
+def _autotuned(notes: dict[str, Any], what: str, ep: ExportedProgram, path: Path) -> Path | None:
+    """`compile_program(..., autotune=True)` (each segment keeps the faster of its autotuned
+    and default kernels): the package when some segment kept autotuned kernels, else None,
+    as it would time the same kernels as the compiled peer. What each kept is in `notes`."""
+    from asyncgraph.compiled.package import read_manifest
+
+    compiled = _compile_segments(notes, what, ep, path, autotune=True)
+    if compiled is None:
+        return None
+    segments = read_manifest(compiled)["segments"]
+    notes[f"{what}_kernels"] = "; ".join(s.get("kernels", "") for s in segments)
+    return compiled if any(s.get("autotuned") for s in segments) else None
 
 
 def _best(case: CaseResult, names: Sequence[str], higher: bool = False) -> str | None:
@@ -336,6 +359,11 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
     if compiled is not None:
         executors.append(compiled)
         peers.append(asyncgraph_peer(COMPILED, compiled, [x], "compile_program(ep, path, 'auto')"))
+    autotuned = _load_compiled(built, built.autotuned)
+    if autotuned is not None:
+        executors.append(autotuned)
+        peers.append(asyncgraph_peer(AUTOTUNED, autotuned, [x], "compile_program(..., "
+                                     "autotune=True): autotuned kernels kept where faster"))
     delegated = await _with_onnx_segments(work.ep, [x])
     if delegated is not None:
         executors.append(delegated)
@@ -361,8 +389,9 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
         return case
     case.params["onnxruntime_reference"] = best
     for peer, what in ((PLAIN, "plain graph"), (SCRIPTED, "scripted segments"),
-                       (COMPILED, "compiled segments"), (ONNX_SEGMENTS, "onnx segments")):
-        if (peer == COMPILED and compiled is None) or (peer == ONNX_SEGMENTS and not delegated):
+                       (COMPILED, "compiled segments"), (AUTOTUNED, "autotuned segments"),
+                       (ONNX_SEGMENTS, "onnx segments")):
+        if peer not in {p.name for p in case.peers}:
             continue
         case.targets.append(Target(
             ISSUE, f"{work.key}: batch-1 latency, {what} / {best}", case.ratio(peer, best),
@@ -414,12 +443,17 @@ async def _concurrent_case(
                         f"script_segments=True, dynamic batching, up to {MAX_BATCH} rows"),
     ]
     batched_config = ExecutorConfig(batching=batching)
-    for name, path, config in ((COMPILED, built.segments, None),
-                               (COMPILED_BATCHED, built.batched, batched_config)):
+    for name, path, config, note in (
+        (COMPILED, built.segments, None, "compiled segments"),
+        (AUTOTUNED, built.autotuned, None, "compiled segments, autotune=True"),
+        (COMPILED_BATCHED, built.batched, batched_config, "compiled segments, batched"),
+        (AUTOTUNED_BATCHED, built.autotuned_batched, batched_config,
+         "compiled segments, autotune=True, batched"),
+    ):
         loaded = _load_compiled(built, path, config)
         if loaded is not None:
             executors.append(loaded)
-            peers.append(asyncgraph_peer(name, loaded, [x], "compiled segments"))
+            peers.append(asyncgraph_peer(name, loaded, [x], note))
     delegated = await _with_onnx_segments(work.ep, [x])
     buckets = default_buckets(MAX_BATCH)  # a signature each, checked before the storm
     delegated_batched = await _with_onnx_segments(
@@ -461,12 +495,15 @@ async def _concurrent_case(
     case.params["onnxruntime_references"] = [to_thread, batcher_best]
     names = {p.name for p in case.peers}
     for peer, base, limit in ((PLAIN, to_thread, 1.0), (SCRIPTED, to_thread, 1.0),
-                              (COMPILED, to_thread, 1.0), (BATCHED, to_thread, 2.0),
+                              (COMPILED, to_thread, 1.0), (AUTOTUNED, to_thread, 1.0),
+                              (BATCHED, to_thread, 2.0),
                               (SCRIPTED_BATCHED, to_thread, 2.0),
-                              (COMPILED_BATCHED, to_thread, 2.0), (ONNX_SEGMENTS, to_thread, 1.0),
+                              (COMPILED_BATCHED, to_thread, 2.0),
+                              (AUTOTUNED_BATCHED, to_thread, 2.0), (ONNX_SEGMENTS, to_thread, 1.0),
                               (ONNX_BATCHED, to_thread, 2.0), (BATCHED, batcher_best, 1.0),
                               (SCRIPTED_BATCHED, batcher_best, 1.0),
                               (COMPILED_BATCHED, batcher_best, 1.0),
+                              (AUTOTUNED_BATCHED, batcher_best, 1.0),
                               (ONNX_BATCHED, batcher_best, 1.0)):
         if base is None or peer not in names:
             continue
