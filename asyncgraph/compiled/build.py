@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import io
+import math
 import os
 import tempfile
 import time
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 from torch.export import Dim, ExportedProgram
@@ -128,6 +130,7 @@ def compile_program(
     inputs = list(example_inputs) if example_inputs is not None else default_inputs(ep, graph)
     say(f"running the program once on its example inputs ({len(graph.nodes)} nodes)")
     values = example_values(program, inputs)
+    larger = _larger_values(program, inputs) if autotune and keep_faster else None
     segments = tensor_bounded_segments(
         graph, mode, lambda vid: isinstance(values[vid], torch.Tensor))
     baked = swappable_weights(graph)
@@ -142,7 +145,7 @@ def compile_program(
             try:
                 aoti, autotuned, kernels = _compile_kernels(
                     graph, segment, values, baked, Path(tmp) / name, inductor_configs or {},
-                    autotune=autotune, keep_faster=keep_faster)
+                    autotune=autotune, keep_faster=keep_faster, larger=larger)
             except Exception as exc:  # export or inductor refused it: keep it interpreted
                 reason = _reason(exc)
                 report.failed.append(FailedSegment(names, reason))
@@ -241,6 +244,56 @@ def _check_loads(path: Path) -> None:
         raise ProgramLoadError(
             f"{path}: the compiled package did not load back, so it was removed: {exc}"
         ) from exc
+
+
+# how much larger than the example's the second size autotuned kernels are timed at may be
+LARGER_AT_MOST = 16
+
+
+def larger_inputs(graph: Graph, inputs: Sequence[Any]) -> tuple[list[Any], str] | None:
+    """`inputs` grown along every dynamic dimension to the largest size the program allows,
+    at most LARGER_AT_MOST times the example's (repeating the example's data, so token ids
+    stay valid), and a label saying the sizes; None when no dimension is dynamic and can
+    grow, or one is an expression of symbols (`2*s0`: it would need solving)."""
+    signature = graph.signature
+    ranges = signature.range_constraints
+    sizes: dict[Any, int] = {}
+    names: dict[Any, str] = {}  # each symbol's Dim name, or the first input dim it sizes
+    grown: list[Any] = []
+    for index, (spec_in, value) in enumerate(zip(signature.user_inputs, inputs, strict=True)):
+        spec = graph.values[spec_in.value].spec
+        if not isinstance(spec, TensorSpec) or not isinstance(value, torch.Tensor):
+            grown.append(value)
+            continue
+        for dim, size in enumerate(spec.shape):
+            if isinstance(size, int):
+                continue
+            if not isinstance(size, sympy.Symbol):
+                return None
+            have = value.shape[dim]
+            names.setdefault(size, signature.dim_names.get(
+                (index, dim), f"{graph.values[spec_in.value].name}.shape[{dim}]"))
+            want = sizes.setdefault(size, int(min(ranges.get(size, (0, math.inf))[1],
+                                                  have * LARGER_AT_MOST)))
+            if want > have:
+                value = value.repeat_interleave(-(-want // have), dim).narrow(dim, 0, want)
+        grown.append(value)
+    if not any(a is not b for a, b in zip(grown, inputs, strict=True)):
+        return None
+    return grown, "at " + ", ".join(f"{names[sym]} = {n}" for sym, n in sizes.items())
+
+
+def _larger_values(program: Program, inputs: Sequence[Any]) -> tuple[list[Any], str] | None:
+    """The program's values on `larger_inputs`, and their label; None when there are none,
+    or when the program refuses them (a guard the grown sizes break): then autotuned kernels
+    are judged at the example's size only."""
+    larger = larger_inputs(program.graph, inputs)
+    if larger is None:
+        return None
+    try:
+        return example_values(program, larger[0]), larger[1]
+    except Exception:
+        return None
 
 
 def default_inputs(ep: ExportedProgram, graph: Graph) -> list[Any]:
@@ -372,9 +425,12 @@ class _CompiledSegment:
 def _compile_kernels(
     graph: Graph, segment: Segment, values: list[Any], baked: Mapping[int, str], stem: Path,
     extra: dict[str, Any], *, autotune: bool, keep_faster: bool,
+    larger: tuple[list[Any], str] | None = None,
 ) -> tuple[_CompiledSegment, bool, str]:
     """The segment compiled as compile_program's options ask: the compile kept, whether it
-    is the autotuned one, and why that one (when both were compiled)."""
+    is the autotuned one, and why that one (when both were compiled). `larger`: the values
+    of the program on inputs grown along its dynamic dimensions, and how (_larger_values),
+    a second size to time the two compiles at."""
     tuned = {**AUTOTUNE, **extra}
     if autotune and not keep_faster:
         return _compile_segment(graph, segment, values, baked, stem.with_suffix(".pt2"),
@@ -388,9 +444,12 @@ def _compile_kernels(
                                      stem.with_suffix(".autotuned.pt2"), tuned)
     except Exception as exc:
         return default, False, f"default kernels kept: autotuning failed: {_reason(exc)}"
-    args = [_plain(values[v]) for v in segment.inputs if not _bakes(v, values, baked)]
+    runtime = [v for v in segment.inputs if not _bakes(v, values, baked)]
+    args = [_plain(values[v]) for v in runtime]
     try:
-        choice = choose_kernels(autotuned.path, default.path, args)
+        choice = (choose_kernels(autotuned.path, default.path, args) if larger is None
+                  else choose_kernels(autotuned.path, default.path, args,
+                                      [_plain(larger[0][v]) for v in runtime], larger[1]))
     except Exception as exc:  # both compiled, but one would not load or run here
         return default, False, f"default kernels kept: timing failed: {_reason(exc)}"
     if choice.keep_autotuned:

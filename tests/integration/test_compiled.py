@@ -513,8 +513,11 @@ def chosen(request: pytest.FixtureRequest, compiled: Compiled,
             raise RuntimeError("no GEMM template fits\nsecond line")
         return compile_segment(*args)
 
-    def choose(autotuned: Path, default: Path, args: Sequence[Any]) -> KernelChoice:
+    def choose(autotuned: Path, default: Path, args: Sequence[Any],
+               larger: Sequence[Any] | None = None, label: str = "") -> KernelChoice:
         assert autotuned.exists() and default.exists() and autotuned != default
+        # the batch is dynamic (Dim.AUTO): also timed with it grown, as far as 16x
+        assert larger is not None and larger[0].shape[0] == 16 * args[0].shape[0], label
         timed.append(len(args))
         assert ratio is not None
         return KernelChoice(0.1 * ratio, 0.1, ratio)
@@ -590,6 +593,70 @@ def test_choose_kernels_keeps_autotuned_only_when_it_is_faster(
     slower = choice.choose_kernels(Path("slow"), Path("fast"), [])
     assert not slower.keep_autotuned and slower.ratio > 2
     assert not choice.KernelChoice(1.0, 1.0, 0.99).keep_autotuned  # within the margin
+
+
+def test_choose_kernels_keeps_autotuned_only_when_faster_at_both_sizes(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With inputs grown along the dynamic dimensions, autotuned kernels faster at the
+    example's size but slower at the larger one are not kept (tiny BERT's batched compile
+    chose them at 2 rows, and served 32-row batches 20% slower); the verdict names both."""
+    import asyncgraph.compiled.choice as choice
+
+    monkeypatch.setattr(choice, "SAMPLE_S", 0.004)
+    monkeypatch.setattr(choice, "ROUNDS", 5)
+    naps = {("tuned", "small"): 0.0002, ("tuned", "large"): 0.003,
+            ("plain", "small"): 0.001, ("plain", "large"): 0.001}
+    clock = [0.0]
+    monkeypatch.setattr(choice, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def runner(path: Path, args: Sequence[Any]) -> Callable[[], None]:
+        def call() -> None:
+            clock[0] += naps[path.name, args[0]]
+
+        return call
+
+    monkeypatch.setattr(choice, "_runner", runner)
+    only_small = choice.choose_kernels(Path("tuned"), Path("plain"), ["small"])
+    assert only_small.keep_autotuned and only_small.larger is None
+    both = choice.choose_kernels(Path("tuned"), Path("plain"), ["small"], ["large"],
+                                 "at batch = 32")
+    assert both.ratio < 0.5 and both.larger is not None and both.larger.ratio > 2
+    assert not both.keep_autotuned
+    assert both.describe().startswith("default kernels kept: ")
+    assert "; at batch = 32: 3.000 ms autotuned, 1.000 ms default (ratio 3.00)" in (
+        both.describe())
+    small_everywhere = choice.choose_kernels(Path("tuned"), Path("plain"), ["small"], ["small"])
+    assert small_everywhere.keep_autotuned
+
+
+class _TwoInputs(torch.nn.Module):
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return tokens.float() * mask
+
+
+def test_larger_inputs_grow_each_dynamic_dimension_to_its_bound() -> None:
+    """The second size autotuned kernels are timed at: every dynamic dimension grown to the
+    program's upper bound (at most LARGER_AT_MOST times the example's), one size per symbol
+    across inputs, the example's data repeated; none for a static program."""
+    from asyncgraph.compiled.build import LARGER_AT_MOST, larger_inputs
+    from asyncgraph.graph.importers import from_exported_program
+
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    mask = torch.ones(2, 3)
+    batch, seq = Dim("batch", max=32), Dim("seq", min=2)
+    ep = torch.export.export(_TwoInputs(), (tokens, mask), dynamic_shapes=(
+        {0: batch, 1: seq}, {0: batch, 1: seq}))
+    grown = larger_inputs(from_exported_program(ep).graph, [tokens, mask])
+    assert grown is not None
+    (big_tokens, big_mask), label = grown
+    assert big_tokens.shape == big_mask.shape == (32, 3 * LARGER_AT_MOST)
+    assert label == f"at batch = 32, seq = {3 * LARGER_AT_MOST}"
+    # each example row and column repeated in place: ids stay ids the model accepts
+    assert torch.equal(big_tokens, tokens.repeat_interleave(16, 0).repeat_interleave(16, 1))
+    torch.testing.assert_close(ep.module()(big_tokens, big_mask), big_tokens.float())
+    static = torch.export.export(_TwoInputs(), (tokens, mask))
+    assert larger_inputs(from_exported_program(static).graph, [tokens, mask]) is None
 
 
 def test_a_failed_timing_keeps_the_default_compile(
