@@ -131,6 +131,16 @@ class LoopBudget:
         self._extended += 1
         return self._deadline
 
+    def others_queued(self) -> bool:
+        """Whether other callbacks are ready to run on the loop now (besides the budget's
+        own): other callers' tasks queued behind the running one. The ready queue only, no
+        selector call: a per-execution check (asyncio's pure-Python loops; False where the
+        loop does not show its queues)."""
+        if not self._peek:
+            return False
+        loop = self._loop()
+        return loop is not None and len(loop._ready) > 1 + self._scheduled  # type: ignore[attr-defined]
+
     def defer(self, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` in a later iteration, after the work deferred before it."""
         self._deferred += 1

@@ -126,7 +126,7 @@ class Scheduler:
         fixed cost.
         """
         runner = self.straight
-        runner.retry = None
+        runner.retry = runner.to_worker = None
         if frame.times is not None or not self._may_straight or frame.gpu is not None:
             return False  # `_straight_of`, inlined: this runs once per execution
         straight = _schedule(frame).straight
@@ -144,10 +144,14 @@ class Scheduler:
         spent, and that a whole slice holds, first waits one loop iteration and tries the
         straight line once more (StraightRunner.run_now); unless other work was seen waiting
         on the loop and the line can go to a worker thread instead (`contended`:
-        StraightRunner.takes_worker), which then runs it beside the loop.
+        StraightRunner.takes_worker), which then runs it beside the loop. One that
+        `run_straight` refused because a worker is idle while other callers queue for the
+        loop goes to that worker at once.
         """
-        contended = False
-        if self.straight.retry is frame:
+        contended = self.straight.to_worker is frame  # takes_worker said yes in run_now
+        if contended:
+            self.straight.to_worker = None
+        elif self.straight.retry is frame:
             self.straight.retry = None
             budget = self.state.budget
             straight = _schedule(frame).straight

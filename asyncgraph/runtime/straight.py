@@ -59,6 +59,7 @@ class StraightRunner:
         bar = config.worker_execution_node_us
         self._worker_node_s = float("inf") if bar is None else bar * 1e-6
         self.retry: ExecutionFrame | None = None  # refused for a spent slice: see run_now
+        self.to_worker: ExecutionFrame | None = None  # refused for an idle worker: see run_now
         self.worker_executions = 0  # straight lines run on a worker thread (hand_off)
 
     def run_now(self, frame: ExecutionFrame, straight: StraightLine) -> bool:
@@ -76,6 +77,10 @@ class StraightRunner:
         if start is None:  # the slice is spent, or left too short for it
             if straight.seconds <= budget.slice_s:
                 self.retry = frame  # a fresh slice would hold it
+            return False
+        if (state.lines_on_workers < state.max_lines_on_workers and budget.others_queued()
+                and self.takes_worker(straight, contended=True)):
+            self.to_worker = frame  # the worker is idle and others queue for the loop
             return False
         self._units(frame, straight, 0)
         state.account(start, time.perf_counter())

@@ -495,6 +495,29 @@ async def test_a_short_line_that_finds_the_loop_contended_goes_to_a_worker() -> 
         assert budget is not None and budget.statistics().slices >= 1
 
 
+@needs_two_cpus
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # a loop whose queues the budget can see
+async def test_with_callers_queued_a_line_that_fits_the_slice_goes_to_an_idle_worker() -> None:
+    """A slice far longer than four 0.6 ms lines, so none ever finds it spent: with other
+    callers queued for the loop and no line on a worker, a line goes to the idle worker
+    (both CPUs work) instead of running on the loop while the worker waits. One caller alone
+    never leaves the loop."""
+    kernel = _ThreadSpin(0.0003)
+    config = ExecutorConfig(profile_executions=1, loaded_heavy_node_us=1e9, loop_slice_s=0.05)
+    async with Executor(_movable_chain(kernel, 2), config) as ex:
+        for _ in range(20):
+            assert await ex.execute(0) == 2
+        assert ex.statistics().worker_executions == 0
+        kernel.threads.clear()
+        assert await asyncio.gather(*(ex.execute(0) for _ in range(4))) == [2] * 4
+        stats = ex.statistics()
+        assert stats.worker_executions >= 1 and stats.frames.in_use == 0
+        loop_thread = threading.get_ident()
+        assert loop_thread in kernel.threads and any(t != loop_thread for t in kernel.threads)
+        budget = ex._scheduler.state.budget
+        assert budget is not None and budget.statistics().deferred == 0  # never spent
+
+
 @pytest.mark.asyncio(loop_factories=["uvloop"])
 async def test_where_the_loop_hides_its_queues_a_short_line_waits_for_the_loop() -> None:
     """uvloop does not show what waits on it, so a refused short line retries on the loop
