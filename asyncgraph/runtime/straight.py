@@ -78,8 +78,9 @@ class StraightRunner:
             if straight.seconds <= budget.slice_s:
                 self.retry = frame  # a fresh slice would hold it
             return False
-        if (state.lines_on_workers < state.max_lines_on_workers and budget.others_queued()
-                and self.takes_worker(straight, contended=True)):
+        if (straight.node_seconds >= self._worker_node_s and straight.any_thread
+                and state.lines_on_workers < state.max_lines_on_workers
+                and budget.others_queued()):  # takes_worker(contended=True), cheapest first
             self.to_worker = frame  # the worker is idle and others queue for the loop
             return False
         self._units(frame, straight, 0)
