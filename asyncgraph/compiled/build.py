@@ -246,19 +246,22 @@ def _check_loads(path: Path) -> None:
         ) from exc
 
 
-# how much larger than the example's the second size autotuned kernels are timed at may be
+# how many times the example's elements the second size autotuned kernels are timed at may hold
 LARGER_AT_MOST = 16
 
 
 def larger_inputs(graph: Graph, inputs: Sequence[Any]) -> tuple[list[Any], str] | None:
-    """`inputs` grown along every dynamic dimension to the largest size the program allows,
-    at most LARGER_AT_MOST times the example's (repeating the example's data, so token ids
-    stay valid), and a label saying the sizes; None when no dimension is dynamic and can
-    grow, or one is an expression of symbols (`2*s0`: it would need solving)."""
+    """`inputs` grown along their dynamic dimensions, each to the largest size the program
+    allows, in the order they appear, until they hold LARGER_AT_MOST times the example's
+    elements (a batch of 2 up to 32 takes all of it), repeating the example's data so token
+    ids stay valid; and a label saying the sizes. None when no dimension can grow, or one is
+    an expression of symbols (`2*s0`: it would need solving)."""
     signature = graph.signature
     ranges = signature.range_constraints
-    sizes: dict[Any, int] = {}
+    sizes: dict[Any, int] = {}  # each symbol's size in the grown inputs
+    examples: dict[Any, int] = {}  # and in the example's
     names: dict[Any, str] = {}  # each symbol's Dim name, or the first input dim it sizes
+    room = float(LARGER_AT_MOST)  # the growth factor left to spend
     grown: list[Any] = []
     for index, (spec_in, value) in enumerate(zip(signature.user_inputs, inputs, strict=True)):
         spec = graph.values[spec_in.value].spec
@@ -271,16 +274,21 @@ def larger_inputs(graph: Graph, inputs: Sequence[Any]) -> tuple[list[Any], str] 
             if not isinstance(size, sympy.Symbol):
                 return None
             have = value.shape[dim]
-            names.setdefault(size, signature.dim_names.get(
-                (index, dim), f"{graph.values[spec_in.value].name}.shape[{dim}]"))
-            want = sizes.setdefault(size, int(min(ranges.get(size, (0, math.inf))[1],
-                                                  have * LARGER_AT_MOST)))
-            if want > have:
+            if size not in sizes:
+                names[size] = signature.dim_names.get(
+                    (index, dim), f"{graph.values[spec_in.value].name}.shape[{dim}]")
+                upper = ranges.get(size, (0, math.inf))[1]
+                examples[size] = have
+                sizes[size] = max(have, int(min(upper, have * room)))
+                room /= sizes[size] / have
+            if sizes[size] > have:
+                want = sizes[size]
                 value = value.repeat_interleave(-(-want // have), dim).narrow(dim, 0, want)
         grown.append(value)
     if not any(a is not b for a, b in zip(grown, inputs, strict=True)):
         return None
-    return grown, "at " + ", ".join(f"{names[sym]} = {n}" for sym, n in sizes.items())
+    return grown, "at " + ", ".join(
+        f"{names[sym]} = {n}" for sym, n in sizes.items() if n > examples[sym])
 
 
 def _larger_values(program: Program, inputs: Sequence[Any]) -> tuple[list[Any], str] | None:

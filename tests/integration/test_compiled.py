@@ -636,25 +636,33 @@ class _TwoInputs(torch.nn.Module):
 
 
 def test_larger_inputs_grow_each_dynamic_dimension_to_its_bound() -> None:
-    """The second size autotuned kernels are timed at: every dynamic dimension grown to the
-    program's upper bound (at most LARGER_AT_MOST times the example's), one size per symbol
-    across inputs, the example's data repeated; none for a static program."""
+    """The second size autotuned kernels are timed at: the dynamic dimensions grown in turn,
+    each to the program's upper bound, until the inputs hold LARGER_AT_MOST (16) times the
+    example's elements; one size per symbol across inputs, the example's data repeated;
+    none for a static program."""
     from asyncgraph.compiled.build import LARGER_AT_MOST, larger_inputs
     from asyncgraph.graph.importers import from_exported_program
 
+    assert LARGER_AT_MOST == 16
     tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
     mask = torch.ones(2, 3)
-    batch, seq = Dim("batch", max=32), Dim("seq", min=2)
-    ep = torch.export.export(_TwoInputs(), (tokens, mask), dynamic_shapes=(
-        {0: batch, 1: seq}, {0: batch, 1: seq}))
-    grown = larger_inputs(from_exported_program(ep).graph, [tokens, mask])
+
+    def grown_by(batch: Dim, seq: Dim) -> tuple[list[Any], str] | None:
+        ep = torch.export.export(_TwoInputs(), (tokens, mask), dynamic_shapes=(
+            {0: batch, 1: seq}, {0: batch, 1: seq}))
+        grown = larger_inputs(from_exported_program(ep).graph, [tokens, mask])
+        if grown is not None:  # inputs the program accepts
+            torch.testing.assert_close(ep.module()(*grown[0]), grown[0][0].float())
+        return grown
+
+    grown = grown_by(Dim("batch", max=8), Dim("seq", min=2))  # 4x the batch, then 4x seq
     assert grown is not None
     (big_tokens, big_mask), label = grown
-    assert big_tokens.shape == big_mask.shape == (32, 3 * LARGER_AT_MOST)
-    assert label == f"at batch = 32, seq = {3 * LARGER_AT_MOST}"
+    assert big_tokens.shape == big_mask.shape == (8, 12) and label == "at batch = 8, seq = 12"
     # each example row and column repeated in place: ids stay ids the model accepts
-    assert torch.equal(big_tokens, tokens.repeat_interleave(16, 0).repeat_interleave(16, 1))
-    torch.testing.assert_close(ep.module()(big_tokens, big_mask), big_tokens.float())
+    assert torch.equal(big_tokens, tokens.repeat_interleave(4, 0).repeat_interleave(4, 1))
+    grown = grown_by(Dim("batch", max=32), Dim("seq", min=2))  # the batch takes all 16x
+    assert grown is not None and grown[0][0].shape == (32, 3) and grown[1] == "at batch = 32"
     static = torch.export.export(_TwoInputs(), (tokens, mask))
     assert larger_inputs(from_exported_program(static).graph, [tokens, mask]) is None
 
