@@ -470,6 +470,22 @@ async def test_overlapping_long_executions_run_one_straight_line_on_a_worker() -
         assert ex.statistics().worker_executions == 1
 
 
+async def _four_callers_reach_a_worker(ex: Executor, kernel: _ThreadSpin) -> LoopBudget:
+    """Alone, the 2-node line never left the loop; four callers of it at once: the first runs
+    on the loop, some on a worker, and no frame stays in use. The loop's budget, after."""
+    assert ex.statistics().worker_executions == 0
+    kernel.threads.clear()
+    assert await asyncio.gather(*(ex.execute(0) for _ in range(4))) == [2] * 4
+    stats = ex.statistics()
+    assert stats.worker_executions >= 1 and stats.frames.in_use == 0
+    loop_thread = threading.get_ident()
+    assert loop_thread in kernel.threads  # the first ran on the loop
+    assert any(t != loop_thread for t in kernel.threads)  # and some on a worker
+    budget = ex._scheduler.state.budget
+    assert budget is not None
+    return budget
+
+
 @needs_two_cpus
 @pytest.mark.asyncio(loop_factories=["asyncio"])  # a loop whose queues the budget can see
 async def test_a_short_line_that_finds_the_loop_contended_goes_to_a_worker() -> None:
@@ -483,16 +499,8 @@ async def test_a_short_line_that_finds_the_loop_contended_goes_to_a_worker() -> 
             assert await ex.execute(0) == 2
         for _ in range(20):  # back to back, alone: the slice is extended, nothing waits
             assert await ex.execute(0) == 2
-        assert ex.statistics().worker_executions == 0
-        kernel.threads.clear()
-        assert await asyncio.gather(*(ex.execute(0) for _ in range(4))) == [2] * 4
-        stats = ex.statistics()
-        assert stats.worker_executions >= 1 and stats.frames.in_use == 0
-        loop_thread = threading.get_ident()
-        assert loop_thread in kernel.threads  # the first ran on the loop
-        assert any(t != loop_thread for t in kernel.threads)  # and some on a worker
-        budget = ex._scheduler.state.budget
-        assert budget is not None and budget.statistics().slices >= 1
+        budget = await _four_callers_reach_a_worker(ex, kernel)
+        assert budget.statistics().slices >= 1
 
 
 @needs_two_cpus
@@ -507,15 +515,8 @@ async def test_with_callers_queued_a_line_that_fits_the_slice_goes_to_an_idle_wo
     async with Executor(_movable_chain(kernel, 2), config) as ex:
         for _ in range(20):
             assert await ex.execute(0) == 2
-        assert ex.statistics().worker_executions == 0
-        kernel.threads.clear()
-        assert await asyncio.gather(*(ex.execute(0) for _ in range(4))) == [2] * 4
-        stats = ex.statistics()
-        assert stats.worker_executions >= 1 and stats.frames.in_use == 0
-        loop_thread = threading.get_ident()
-        assert loop_thread in kernel.threads and any(t != loop_thread for t in kernel.threads)
-        budget = ex._scheduler.state.budget
-        assert budget is not None and budget.statistics().deferred == 0  # never spent
+        budget = await _four_callers_reach_a_worker(ex, kernel)
+        assert budget.statistics().deferred == 0  # never spent
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
