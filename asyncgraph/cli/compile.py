@@ -35,8 +35,9 @@ def compile_command(
         typer.Option(
             "--autotune",
             help="Compile each segment with max-autotune too (inductor's C++ GEMM: minutes "
-                 "more of compile), time both here and keep the autotuned one only where it "
-                 "is faster. Weights stay swappable; a segment whose packed weights cannot be "
+                 "more of compile), time both here (at the example's size and, for dynamic "
+                 "dimensions, a larger one) and keep the autotuned one only where it is faster "
+                 "at both. Weights stay swappable; a segment whose packed weights cannot be "
                  "traced is reported frozen.",
         ),
     ] = False,
