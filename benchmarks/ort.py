@@ -23,8 +23,8 @@ Latency (one caller): asyncgraph `execute` on the plain graph, with `script_segm
 them out), with compiled segments autotuned (`autotune=True`: max-autotune, each segment
 keeping the faster of its autotuned and default kernels; timed only where some segment kept
 autotuned kernels, and the manifest's verdicts are in the case's params), with ONNX Runtime
-segments (`onnx_segments=True`, sessions built and signatures
-checked before timing), ONNX Runtime's `session.run` and eager `model(x)` for context.
+segments (`onnx_segments=True`, sessions built and signatures checked before timing), ONNX
+Runtime's `session.run` and eager `model(x)` for context.
 
 64 callers x N requests (throughput): asyncgraph each request its own execution (plain,
 scripted, compiled, autotuned, ONNX Runtime segments), with dynamic batching
