@@ -142,25 +142,18 @@ class Scheduler:
 
         An execution that `run_straight` refused only because this iteration's slice was
         spent, and that a whole slice holds, first waits one loop iteration and tries the
-        straight line once more (StraightRunner.run_now); unless other work was seen waiting
-        on the loop and the line can go to a worker thread instead (`contended`:
-        StraightRunner.takes_worker), which then runs it beside the loop. One that
-        `run_straight` refused because a worker is idle while other callers queue for the
-        loop goes to that worker at once.
+        straight line once more (`retry`); one it refused because other work waits on the
+        loop while a worker is free goes to that worker at once (`to_worker`, `contended`:
+        StraightRunner.run_now, takes_worker).
         """
-        contended = self.straight.to_worker is frame  # takes_worker said yes in run_now
+        contended = self.straight.to_worker is frame
         if contended:
             self.straight.to_worker = None
         elif self.straight.retry is frame:
             self.straight.retry = None
-            budget = self.state.budget
-            straight = _schedule(frame).straight
-            contended = (budget is not None and budget.others_wait and straight is not None
-                         and self.straight.takes_worker(straight, contended=True))
-            if not contended:
-                await anyio.lowlevel.checkpoint()  # others' callbacks, I/O and timers first
-                if self.run_straight(frame):
-                    return
+            await anyio.lowlevel.checkpoint()  # others' callbacks, I/O and timers first
+            if self.run_straight(frame):
+                return
         state = self.state
         if state.loop is None or state.budget is None:
             state.bind()
