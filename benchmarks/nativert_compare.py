@@ -256,13 +256,7 @@ def build_compiled(work: Workload, options: Options) -> Built:
         kinds.append("autotuned")
         # "kept": each segment's autotuned kernels kept only where they timed faster
         autotuned_path = folder / f"{key}.segments-auto-autotuned-kept-{SEGMENTS_FORMAT}.pt2"
-        built.autotuned = _compile_segments(built.notes, "autotuned", work.ep, autotuned_path,
-                                            autotune=True)
-        if built.autotuned is not None:  # which kernels each segment kept, and their times
-            from asyncgraph.compiled.package import read_manifest
-
-            built.notes["autotuned_kernels"] = "; ".join(
-                s.get("kernels", "") for s in read_manifest(built.autotuned)["segments"])
+        built.autotuned = compile_autotuned(built.notes, "autotuned", work.ep, autotuned_path)
     if work.targets and work.dynamic is not None:  # the batched rows' own compile
         kinds.append("batched")
         dynamic = work.dynamic()
@@ -293,6 +287,20 @@ def _compile_segments(
         notes[f"{what}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         return None
     return path
+
+
+def compile_autotuned(
+    notes: dict[str, Any], what: str, ep: ExportedProgram, path: Path
+) -> Path | None:
+    """`_compile_segments(..., autotune=True)`, and which kernels each segment kept, with their
+    times, in `notes` (as `<what>_kernels`)."""
+    compiled = _compile_segments(notes, what, ep, path, autotune=True)
+    if compiled is not None:
+        from asyncgraph.compiled.package import read_manifest
+
+        notes[f"{what}_kernels"] = "; ".join(
+            s.get("kernels", "") for s in read_manifest(compiled)["segments"])
+    return compiled
 
 
 def _cached(path: Path, compile_now: Callable[[], Any]) -> tuple[float, bool]:

@@ -78,6 +78,7 @@ from benchmarks.nativert_compare import (
     _export,
     _load_compiled,
     callers_case,
+    compile_autotuned,
     digest,
     mlp,
 )
@@ -332,12 +333,11 @@ def _autotuned(notes: dict[str, Any], what: str, ep: ExportedProgram, path: Path
     as it would time the same kernels as the compiled peer. What each kept is in `notes`."""
     from asyncgraph.compiled.package import read_manifest
 
-    compiled = _compile_segments(notes, what, ep, path, autotune=True)
+    compiled = compile_autotuned(notes, what, ep, path)
     if compiled is None:
         return None
-    segments = read_manifest(compiled)["segments"]
-    notes[f"{what}_kernels"] = "; ".join(s.get("kernels", "") for s in segments)
-    return compiled if any(s.get("autotuned") for s in segments) else None
+    kept = any(s.get("autotuned") for s in read_manifest(compiled)["segments"])
+    return compiled if kept else None
 
 
 def _best(case: CaseResult, names: Sequence[str], higher: bool = False) -> str | None:
