@@ -8,9 +8,14 @@ inference is idempotent, so the right answer is the one `asyncgraph serve` gives
 serve a request now: 503 with `Retry-After: 1` and the protocol's `{"error": ...}` body.
 
 `ReplicaLostMiddleware` wraps the proxy's app and sends exactly that when the app returns
-without having started a response. Responses the proxy or a replica did start pass through
-untouched (a kernel error stays a 500, Serve's own 503/408 stay as they are). It is installed
-with Serve's proxy callback, an environment variable the proxy reads when it starts:
+without having sent a response. The replica's messages reach the proxy in batches, so a replica
+can die after its `http.response.start` was forwarded and before its body was: the client then
+got headers (a Content-Length) and a closed connection, which no HTTP client reads as "retry".
+The middleware therefore holds the start of each response until its body is complete (or until
+a streamed body begins, after which a cut cannot be undone) and answers 503 in its place when
+the body never came. Responses that finish pass through untouched (a kernel error stays a 500,
+Serve's own 503/408 stay as they are). It is installed with Serve's proxy callback, an
+environment variable the proxy reads when it starts:
 
     RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=asyncgraph.ray.proxy:proxy_middlewares
 
@@ -45,31 +50,42 @@ def proxy_middlewares() -> list[Middleware]:
 
 
 class ReplicaLostMiddleware:
-    """Answer 503 + Retry-After where the proxy's app ended an HTTP request with no response."""
+    """Answer 503 + Retry-After where the proxy's app ended an HTTP request with no whole response.
+
+    A response's start is held until its body ends (one message: the usual inference answer)
+    or streams (`more_body`), so "never started" and "started, body lost" both become a 503."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.replica_lost = 0  # 503s sent (statistics)
+        self.body_lost = 0  # of those, responses whose start was held and whose body never came
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        held: Message | None = None  # the response's start, until its body comes
+        body_sent = False
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
+        async def holding_send(message: Message) -> None:
+            nonlocal held, body_sent
             if message["type"] == "http.response.start":
-                started = True
+                held = message
+                return
+            if held is not None:
+                start, held = held, None
+                await send(start)
+            body_sent = body_sent or message["type"] == "http.response.body"
             await send(message)
 
-        await self.app(scope, receive, tracking_send)
-        if not started:
+        await self.app(scope, receive, holding_send)
+        if not body_sent:
             self.replica_lost += 1
+            self.body_lost += held is not None
             await _send_replica_lost(scope, send)
 
     def statistics(self) -> dict[str, int]:
-        return {"replica_lost": self.replica_lost}
+        return {"replica_lost": self.replica_lost, "body_lost": self.body_lost}
 
 
 async def _send_replica_lost(scope: Scope, send: Send) -> None:

@@ -174,20 +174,44 @@ def metric_values(text: str, name: str) -> list[float]:
 # -- the proxy middleware, without Ray ----------------------------------------------------------
 
 
-async def test_a_request_that_ends_with_no_response_gets_503_with_retry_after() -> None:
+@pytest.mark.parametrize("sent", ["nothing", "start only"])
+async def test_a_request_that_ends_with_no_response_gets_503_with_retry_after(sent: str) -> None:
     """What Serve's proxy does when the replica holding a request dies: its app returns without
-    a response (uvicorn would answer 500). The middleware answers a retryable 503."""
+    a response (uvicorn would answer 500), or, when the replica died between the batch carrying
+    its response's start and the one carrying its body, with only the start sent (the client
+    got headers and a closed connection: CI, 2026-11-27). The middleware answers a retryable
+    503 in both cases."""
 
     async def lost(scope: Any, receive: Any, send: Any) -> None:
-        return None
+        if sent == "start only":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"190")]})
 
-    transport = httpx.ASGITransport(app=ReplicaLostMiddleware(lost))
+    middleware = ReplicaLostMiddleware(lost)
+    transport = httpx.ASGITransport(app=middleware)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         r = await client.post("/v2/models/m/infer", json={})
     assert r.status_code == 503
     assert r.headers["retry-after"] == "1"
     assert r.headers[REPLICA_LOST_HEADER] == "1"
     assert "POST /v2/models/m/infer" in r.json()["error"]
+    assert middleware.statistics() == {"replica_lost": 1, "body_lost": int(sent == "start only")}
+
+
+async def test_a_streamed_response_passes_through_chunk_by_chunk() -> None:
+    """The start is held only until the first body message: a streamed body is not buffered."""
+
+    async def streamed(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        await send({"type": "http.response.body", "body": b"b"})
+
+    middleware = ReplicaLostMiddleware(streamed)
+    transport = httpx.ASGITransport(app=middleware)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        r = await client.get("/s")
+    assert (r.status_code, r.content) == (200, b"ab")
+    assert middleware.statistics() == {"replica_lost": 0, "body_lost": 0}
 
 
 async def test_responses_that_started_pass_through_untouched() -> None:
@@ -201,7 +225,7 @@ async def test_responses_that_started_pass_through_untouched() -> None:
         r = await client.post("/x")
     assert (r.status_code, r.json()) == (500, {"error": "node 'mm' failed"})
     assert REPLICA_LOST_HEADER not in r.headers
-    assert middleware.statistics() == {"replica_lost": 0}
+    assert middleware.statistics() == {"replica_lost": 0, "body_lost": 0}
 
 
 # -- the replica, without Ray -------------------------------------------------------------------
