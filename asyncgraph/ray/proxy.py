@@ -65,21 +65,21 @@ class ReplicaLostMiddleware:
             await self.app(scope, receive, send)
             return
         held: Message | None = None  # the response's start, until its body comes
-        body_sent = False
+        answered = False  # the start and a message after it went out
 
         async def holding_send(message: Message) -> None:
-            nonlocal held, body_sent
+            nonlocal held, answered
             if message["type"] == "http.response.start":
                 held = message
                 return
-            if held is not None:
+            if held is not None:  # the body's first message (or an extension's send)
                 start, held = held, None
                 await send(start)
-            body_sent = body_sent or message["type"] == "http.response.body"
+                answered = True
             await send(message)
 
         await self.app(scope, receive, holding_send)
-        if not body_sent:
+        if not answered:
             self.replica_lost += 1
             self.body_lost += held is not None
             await _send_replica_lost(scope, send)
