@@ -52,8 +52,9 @@ def proxy_middlewares() -> list[Middleware]:
 class ReplicaLostMiddleware:
     """Answer 503 + Retry-After where the proxy's app ended an HTTP request with no whole response.
 
-    A response's start is held until its body ends (one message: the usual inference answer)
-    or streams (`more_body`), so "never started" and "started, body lost" both become a 503."""
+    A response's start is held until the app's next message (its body, whole in the usual
+    inference answer, or a streamed body's first chunk), so "never started" and "started,
+    body lost" both become a 503."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -199,18 +199,26 @@ async def test_a_request_that_ends_with_no_response_gets_503_with_retry_after(se
 
 
 async def test_a_streamed_response_passes_through_chunk_by_chunk() -> None:
-    """The start is held only until the first body message: a streamed body is not buffered."""
+    """The start is held only until the first body message: a streamed body is not buffered
+    (the client has the start and the first chunk before the app sends the second)."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b"", "more_body": False}
 
     async def streamed(scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
+        assert sent == []  # held
         await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
         await send({"type": "http.response.body", "body": b"b"})
 
     middleware = ReplicaLostMiddleware(streamed)
-    transport = httpx.ASGITransport(app=middleware)
-    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-        r = await client.get("/s")
-    assert (r.status_code, r.content) == (200, b"ab")
+    await middleware({"type": "http", "method": "GET", "path": "/s"}, receive, send)
+    assert [m.get("body") for m in sent] == [None, b"a", b"b"]
     assert middleware.statistics() == {"replica_lost": 0, "body_lost": 0}
 
 
