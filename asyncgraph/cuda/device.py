@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -60,6 +62,8 @@ from asyncgraph.cuda.streams import StreamKey, StreamPlan
 from asyncgraph.graph.ir import TensorSpec, ValueSpec
 from asyncgraph.runtime.device import Calls, UnitSchedule
 from asyncgraph.runtime.plan import Placement
+
+logger = logging.getLogger("asyncgraph.cuda.graphs")  # capture.py logs captures there too
 
 
 class CudaStream(Protocol):
@@ -328,7 +332,35 @@ class TorchCudaBackend:
                 if release is not None:
                     with contextlib.suppress(Exception):  # a pool already given back
                         release(device, pool)
+            self._end_rng_capture()
             raise
+
+    def _end_rng_capture(self) -> None:
+        """One empty capture on the current (capture) stream, after a capture that failed.
+
+        `capture_begin` puts the device's default CUDA generator in capture mode, and only
+        the `capture_end` of a capture that succeeds takes it out (`capture_epilogue`, after
+        `cudaStreamEndCapture`). After one failed end, every random op of the process raised
+        "Offset increment outside graph capture encountered unexpectedly": `torch.randn` on
+        the GPU, dropout, any later capture (seen on an H200, torch 2.11, 2026-11-27). An
+        empty capture that ends takes the generator out of capture mode; its pool is given
+        back by `reset()`. Should that fail too, the capture's own error is still raised and
+        this one is logged."""
+        graph = self.new_graph()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns that the graph is empty
+                graph.capture_begin(  # type: ignore[attr-defined]
+                    capture_error_mode="thread_local"
+                )
+                graph.capture_end()  # type: ignore[attr-defined]
+            graph.reset()
+        except Exception:
+            logger.warning(
+                "after a failed CUDA graph capture, the empty capture that takes the CUDA "
+                "generator out of capture mode failed too: random ops on this device may "
+                "raise 'Offset increment outside graph capture'", exc_info=True,
+            )
 
 
 def _cuda_tensors(value: Any) -> Iterator[Any]:

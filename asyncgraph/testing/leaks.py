@@ -14,10 +14,14 @@ trio keeps no list of all tasks.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
+import types
+import warnings
 import weakref
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -116,9 +120,9 @@ class LeakChecker:
                 f"frame or budget of the runtime holding its loop?): {loops[:3]!r}"
             )
         del loops
-        grown = _cuda_growth(self._cuda_before, self.cuda_slack_bytes)
-        if grown:
-            problems.append(f"CUDA memory grew by {grown} bytes")
+        cuda = _cuda_growth(self._cuda_before, self.cuda_slack_bytes)
+        if cuda:
+            problems.append(cuda)
         if problems:
             raise LeakError("leak check failed:\n  " + "\n  ".join(problems))
 
@@ -178,14 +182,78 @@ def _cuda_allocated() -> int | None:
     return int(torch.cuda.memory_allocated())
 
 
-def _cuda_growth(before: int | None, slack: int) -> int:
-
+def _cuda_growth(before: int | None, slack: int) -> str | None:
+    """What grew since `before`, with what holds the tensors still alive, or None."""
     if not _cuda_in_use():
-        return 0
-    gc.collect()
-    after = _cuda_allocated() or 0
-    grown = after - (before or 0)
-    return grown if grown > slack else 0
+        return None
+    with _nothing_frozen():
+        gc.collect()
+        grown = (_cuda_allocated() or 0) - (before or 0)
+        if grown <= slack:
+            return None
+        return f"CUDA memory grew by {grown} bytes; {_cuda_holders()}"
+
+
+@contextlib.contextmanager
+def _nothing_frozen() -> Iterator[None]:
+    """Objects frozen by `gc.freeze()` (the test suite freezes each module's survivors, to keep
+    its full collections short: tests/conftest.py) are skipped by a collection, so garbage
+    that reaches one is never freed, and `gc.get_objects`/`get_referrers` do not see them. The
+    CUDA reading and the report of what holds the tensors need every object seen: unfrozen
+    for them, frozen again after."""
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.freeze()
+
+
+def _cuda_holders(limit: int = 5) -> str:
+    """The largest CUDA tensors still alive and what refers to each, so that a CUDA growth
+    names its tensors. Some may predate the block: entry keeps no list of tensors, which would
+    cost a walk of every object per test."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    with warnings.catch_warnings():  # isinstance on every object warns at torch's deprecated
+        warnings.simplefilter("ignore")  # module attributes; the suite makes warnings errors
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda
+                   and not isinstance(o, FakeTensor)]  # fake tensors (graph metadata) take none
+        tensors.sort(key=lambda t: t.untyped_storage().nbytes(), reverse=True)
+        largest = tensors[:limit]
+        lines = []
+        for t in largest:
+            held_by = _holders(t, ignore=(tensors, largest))
+            lines.append(f"{tuple(t.shape)} {t.dtype} ({t.untyped_storage().nbytes()} bytes) "
+                         f"held by {', '.join(held_by) or 'nothing the collector sees'}")
+    return f"{len(tensors)} live CUDA tensor(s), largest first:\n    " + "\n    ".join(lines)
+
+
+def _holders(obj: Any, ignore: tuple[Any, ...] = ()) -> list[str]:
+    """What refers to `obj`, each named: a module's global, a dict's key, a running function
+    (its file and line), else the referrer's type. The checker's own frames and the containers
+    in `ignore` are left out."""
+    named = []
+    for holder in gc.get_referrers(obj):
+        if any(holder is c for c in ignore) or _is_own_frame(holder):
+            continue
+        if isinstance(holder, dict):
+            key = next((k for k, v in holder.items() if v is obj), "?")
+            module = holder.get("__name__") if "__builtins__" in holder else None
+            named.append(f"module {module}.{key}" if module else f"dict[{key!r}]")
+        elif isinstance(holder, types.FrameType):
+            code = holder.f_code
+            named.append(f"{code.co_qualname} ({code.co_filename}:{holder.f_lineno})")
+        else:
+            named.append(type(holder).__qualname__)
+    return named
+
+
+def _is_own_frame(obj: Any) -> bool:
+    return isinstance(obj, types.FrameType) and obj.f_code.co_filename == __file__
 
 
 def _cuda_in_use() -> bool:

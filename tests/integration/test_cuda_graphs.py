@@ -788,6 +788,9 @@ class RecordingGraph:
         if self.fail_end:
             raise RuntimeError("capture invalidated")
 
+    def reset(self) -> None:
+        self.cuda.log.append(("reset", self.cuda.current[0]))
+
 
 class StreamRecordingBackend(CaptureBackend):
     """Notes, at the end of each capture, the streams that had work recorded in it."""
@@ -1000,6 +1003,7 @@ def test_torch_backend_gives_the_pool_back_when_the_capture_cannot_end(
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     cuda = RecordingCuda()
     backend = TorchCudaBackend(cuda.functions())
+    monkeypatch.setattr(backend, "new_graph", lambda: RecordingGraph(cuda))
     graph = RecordingGraph(cuda, fail_end=True)
     expected = ValueError if body_fails else RuntimeError
     with pytest.raises(expected), backend.capture(graph, "pool-1", (7, 0, 1)):  # type: ignore[arg-type]
@@ -1007,6 +1011,29 @@ def test_torch_backend_gives_the_pool_back_when_the_capture_cannot_end(
             raise ValueError("a sync inside")
     assert released == [("_cuda_endAllocateToPool", 3, "pool-1"),
                         ("_cuda_releasePool", 3, "pool-1")]
+    # then one empty capture that ends, on the same stream, takes the CUDA generator out of
+    # capture mode (a failed end left every later random op raising), and is reset
+    captures = [c for c in cuda.log if c[0] in ("capture_begin", "capture_end", "reset")]
+    assert captures[-4:] == [
+        ("capture_end", (7, 0, 1)),
+        ("capture_begin", None, "thread_local", (7, 0, 1)),
+        ("capture_end", (7, 0, 1)),
+        ("reset", (7, 0, 1)),
+    ]
+    assert cuda.current[0] == (0, 0, 1)
+
+
+def test_the_capture_error_is_raised_when_the_generator_cannot_be_taken_out_of_capture(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda = RecordingCuda()
+    backend = TorchCudaBackend(cuda.functions())
+    monkeypatch.setattr(backend, "new_graph", lambda: RecordingGraph(cuda, fail_end=True))
+    failing = RecordingGraph(cuda, fail_end=True)
+    with pytest.raises(ValueError, match="a sync"), backend.capture(failing, "p", (7, 0, 1)):  # type: ignore[arg-type]
+        raise ValueError("a sync inside")
+    assert "Offset increment outside graph capture" in caplog.text
     assert cuda.current[0] == (0, 0, 1)
 
 
@@ -1065,6 +1092,65 @@ async def test_gpu_a_held_output_survives_later_replays(
         torch.cuda.synchronize()
         assert torch.equal(held, snapshot)
         assert stats(ex).replays == 5
+
+
+class MaskedFillSync(torch.nn.Module):
+    """`aten.masked_fill.Tensor` with a 0-dim CUDA value reads the value with `.item()`: a host
+    sync inside the op, which fails a capture."""
+
+    fill: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("fill", torch.tensor(-1.0))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.relu(x) * 2.0
+        return y.masked_fill(x > 0.5, self.fill), y + 1.0
+
+
+@needs_gpu
+@pytest.mark.timeout(300)
+async def test_gpu_after_a_capture_fails_random_ops_and_later_captures_work(
+    leak_check: LeakChecker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed capture_end left torch's CUDA generator in capture mode: every later
+    `torch.randn` on the GPU, dropout and capture of the process raised "Offset increment
+    outside graph capture encountered unexpectedly" (H200, torch 2.11, 2026-11-27). The
+    planner is made to accept masked_fill so that its capture fails."""
+    from asyncgraph.cuda import capturable
+
+    planner_blocker = capturable.node_blocker
+
+    def accept_masked_fill(graph: Graph, index: int, *args: Any) -> str | None:
+        if "masked_fill" in str(graph.nodes[index].target):
+            return None
+        return planner_blocker(graph, index, *args)
+
+    monkeypatch.setattr(capturable, "node_blocker", accept_masked_fill)
+    torch.manual_seed(0)
+    model = MaskedFillSync().cuda().eval()
+    ep = torch.export.export(model, (torch.randn(1024, device="cuda"),))
+    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=1, adaptive_placement=False)
+    async with Executor(ep, config) as ex:
+        for _ in range(3):
+            x = torch.randn(1024, device="cuda")
+            outs = await ex.execute(x)
+            with torch.no_grad():
+                torch.testing.assert_close(tuple(outs), model(x))
+        assert stats(ex).failures == 1, stats(ex)
+    monkeypatch.undo()
+
+    noise = torch.nn.functional.dropout(torch.ones(4096, device="cuda"), 0.5, training=True)
+    assert 0 < int((noise == 0).sum()) < 4096
+    small = SmallModel().cuda().eval()
+    ep = torch.export.export(small, (torch.randn(16, 64, device="cuda"),))
+    async with Executor(ep, config) as ex:
+        for _ in range(3):
+            x = torch.randn(16, 64, device="cuda")
+            with torch.no_grad():
+                torch.testing.assert_close(await ex.execute(x), small(x))
+        assert (stats(ex).captures, stats(ex).failures) == (1, 0), stats(ex)
 
 
 def test_real_gpu_tests_skip_without_cuda_with_a_reason() -> None:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import tracemalloc
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -403,3 +404,26 @@ async def test_leak_checker_reports_what_is_left_behind() -> None:
     stray.join(5)
     await ex.aclose()
     await checker.check()  # clean again once everything is done
+
+
+_HELD: list[object] = []
+
+
+def test_the_cuda_report_names_what_holds_a_tensor() -> None:
+    """A CUDA growth names the tensors still alive and what refers to each (leaks._holders;
+    any object works the same way, so this runs on the CPU), with the objects that
+    tests/conftest.py froze in view."""
+    from asyncgraph.testing import leaks
+
+    held = types.SimpleNamespace()  # tracked by the collector, as a tensor is
+    _HELD.append(held)
+    box = {"weight": held}
+    try:
+        with leaks._nothing_frozen():
+            holders = leaks._holders(held)
+            assert gc.get_freeze_count() == 0
+        assert "list" in holders and "dict['weight']" in holders, holders
+        assert gc.get_freeze_count() > 0  # frozen again
+    finally:
+        _HELD.clear()
+    del box
