@@ -58,6 +58,8 @@ if str(ROOT) not in sys.path:  # run as `python scripts/gpu_probes.py`: sys.path
 
 import torch  # noqa: E402
 
+from tests.support.real_gpu import MaskedFillSync  # noqa: E402
+
 MiB = 2**20
 
 
@@ -442,19 +444,6 @@ def probe_wait(out: Findings, n: int = 100) -> None:
 
 N_BIG = 1 << 20  # floats per big output: 4 MiB
 GROWTH_RUNS = 20
-
-
-class MaskedFillSync(torch.nn.Module):
-    """`aten.masked_fill.Tensor` with a 0-dim CUDA value: the CUDA kernel reads the value
-    with `.item()`, a host sync inside the op."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("fill", torch.tensor(-1.0))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.relu(x) * 2.0
-        return y.masked_fill(x > 0.5, self.fill), y + 1.0
 
 
 class HistcSync(torch.nn.Module):

@@ -49,7 +49,7 @@ from tests.support.cuda_graph_fake import (
     with_parameters,
 )
 from tests.support.fake_gpu import FakeStream, RecordingCuda, gpu_running
-from tests.support.real_gpu import CUDA, needs_gpu
+from tests.support.real_gpu import CUDA, MaskedFillSync, needs_gpu
 
 aten = torch.ops.aten
 
@@ -1092,21 +1092,6 @@ async def test_gpu_a_held_output_survives_later_replays(
         torch.cuda.synchronize()
         assert torch.equal(held, snapshot)
         assert stats(ex).replays == 5
-
-
-class MaskedFillSync(torch.nn.Module):
-    """`aten.masked_fill.Tensor` with a 0-dim CUDA value reads the value with `.item()`: a host
-    sync inside the op, which fails a capture."""
-
-    fill: torch.Tensor
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("fill", torch.tensor(-1.0))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.relu(x) * 2.0
-        return y.masked_fill(x > 0.5, self.fill), y + 1.0
 
 
 @needs_gpu

@@ -77,6 +77,22 @@ async def run_gpu(ex: Any, state: FrameStreams, x: torch.Tensor) -> list[Any]:
     return outputs
 
 
+class MaskedFillSync(torch.nn.Module):
+    """`aten.masked_fill.Tensor` with a 0-dim CUDA value: the CUDA kernel reads the value
+    with `.item()`, a host sync inside the op, which fails a CUDA graph capture (the
+    capture-failure tests and scripts/gpu_probes.py force the planner to accept it)."""
+
+    fill: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("fill", torch.tensor(-1.0))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.relu(x) * 2.0
+        return y.masked_fill(x > 0.5, self.fill), y + 1.0
+
+
 class TwoBranches(torch.nn.Module):
     """Two independent branches of small matmuls, summed."""
 
