@@ -23,12 +23,17 @@ from asyncgraph.runtime.executor import Executor
 
 
 def load_program(
-    path: str | os.PathLike[str], *, trust_compiled: bool = False, runners: int = 1
+    path: str | os.PathLike[str],
+    *,
+    trust_compiled: bool = False,
+    runners: int = 1,
+    threads: int | None = None,
 ) -> Program:
     """The Program of a .pt2 written by torch.export.save or by `asyncgraph compile`.
 
     A compiled package loads native code, so it is refused unless `trust_compiled`; `runners`
-    is then how many executions each compiled segment runs at once (compiled/package.py).
+    is then how many executions each compiled segment runs at once, `threads` the intra-op
+    count of the threads that run them, when known (compiled/package.py).
     """
     p = open_pt2(path)
     if is_compiled_package(p):
@@ -39,7 +44,7 @@ def load_program(
             )
         from asyncgraph.compiled.package import load_compiled  # torch's AOTI on demand
 
-        compiled: Program = load_compiled(p, runners=runners)
+        compiled: Program = load_compiled(p, runners=runners, threads=threads)
         return compiled
     return read_plain_pt2(p)
 
@@ -57,5 +62,6 @@ def load(
     thread, so parallel executions do not queue on it.
     """
     config = config if config is not None else ExecutorConfig()
-    program = load_program(path, trust_compiled=trust_compiled, runners=config.max_parallel_ops)
+    program = load_program(path, trust_compiled=trust_compiled, runners=config.max_parallel_ops,
+                           threads=config.intra_op_threads_or_default)
     return Executor(program, config)

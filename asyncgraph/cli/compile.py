@@ -1,4 +1,4 @@
-"""`asyncgraph compile MODEL.pt2 -o MODEL.aoti.pt2 [--segments auto|whole] [--autotune]`.
+"""`asyncgraph compile MODEL.pt2 -o OUT.pt2 [--segments auto|whole] [--autotune] [--threads N]`.
 
 Compiles the program's runs of CPU aten nodes with AOTInductor (asyncgraph/compiled) and prints
 what it did: segments, nodes compiled of all, segments left interpreted and why, compile time
@@ -41,6 +41,17 @@ def compile_command(
                  "traced is reported frozen.",
         ),
     ] = False,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            "--threads", min=1,
+            help="The intra-op thread count the kernels are built for: the one each worker "
+                 "thread will run them with (default: as the commands that run a model "
+                 "default it, CPUs / worker threads, at least 1; at 1 the kernels have no "
+                 "OpenMP regions).",
+            show_default=False,
+        ),
+    ] = None,
     compare: Annotated[
         bool,
         typer.Option(
@@ -58,15 +69,17 @@ def compile_command(
         raise typer.BadParameter(f"expected one of {', '.join(MODES)}, got {segments!r}",
                                  param_hint="--segments")
     console = Console()
-    report = compile_program(model, output, segments, autotune=autotune,
+    report = compile_program(model, output, segments, autotune=autotune, threads=threads,
                              progress=lambda message: console.print(message, markup=False))
     table = Table(title=f"asyncgraph compile: {model.name} -> {output.name}")
-    for column in ("segments", "nodes compiled", "left interpreted", "compile s", "package MB"):
+    for column in ("segments", "nodes compiled", "left interpreted", "threads", "compile s",
+                   "package MB"):
         table.add_column(column, justify="right")
     table.add_row(
         str(len(report.segments)),
         f"{report.nodes_compiled}/{report.nodes_total}",
         str(len(report.failed)),
+        str(report.threads),
         f"{report.compile_s:.1f}",
         f"{report.package_bytes / 1e6:.2f}",
     )

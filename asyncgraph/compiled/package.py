@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import platform
 import shutil
@@ -55,6 +56,8 @@ from asyncgraph.compiled.segments import Segment, _segment, replace_segments
 from asyncgraph.errors import ProgramLoadError
 from asyncgraph.graph.archive import COMPILED_MANIFEST, check_pt2_archive
 from asyncgraph.graph.ir import WEIGHT_KINDS, Graph
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "asyncgraph-aoti/2"  # /2: weights are constants of the segments
 _AOTI_DIR = "data/aotinductor/"
@@ -101,6 +104,7 @@ def write_package(
     mode: str,
     nodes_total: int,
     failed: list[dict[str, Any]],
+    threads: int = 1,
 ) -> None:
     """Write the package: `ep` (torch.export.save), each segment's AOTI model, the manifest."""
     import asyncgraph
@@ -110,6 +114,7 @@ def write_package(
         "asyncgraph": asyncgraph.__version__,
         "platform": build_platform(),
         "mode": mode,
+        "threads": threads,  # the intra-op thread count its kernels were built for
         "nodes_total": nodes_total,
         "segments": [asdict(record) for record, _ in segments],
         "failed": failed,
@@ -167,11 +172,15 @@ def check_compatible(path: str | os.PathLike[str], manifest: Mapping[str, Any]) 
             )
 
 
-def load_compiled(path: str | os.PathLike[str], *, runners: int = 1) -> Any:
+def load_compiled(
+    path: str | os.PathLike[str], *, runners: int = 1, threads: int | None = None
+) -> Any:
     """The Program of a compiled package: checked, then imported with its delegate nodes.
 
     `runners` is how many copies of each compiled model can run at once (executions in
-    parallel on worker threads); the caller has already opted in to native code.
+    parallel on worker threads); the caller has already opted in to native code. `threads`:
+    the intra-op thread count the workers run with, when known (a warning says when the
+    package's kernels were built for fewer).
     """
     from asyncgraph.graph.importers import Program, from_exported_program
 
@@ -179,6 +188,13 @@ def load_compiled(path: str | os.PathLike[str], *, runners: int = 1) -> Any:
     check_pt2_archive(p, trust_compiled=True)
     manifest = read_manifest(p)
     check_compatible(p, manifest)
+    built_for = manifest.get("threads")
+    if threads is not None and isinstance(built_for, int) and built_for < threads:
+        logger.warning(
+            "%s: its kernels were built for %d intra-op thread(s) and the workers run %d: "
+            "each compiled segment uses %d (compile again with --threads %d to use them all)",
+            p, built_for, threads, built_for, threads,
+        )
     ep = load_source_program(p)
     program = from_exported_program(ep)
     records = [_record(s) for s in manifest["segments"]]

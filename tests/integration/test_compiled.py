@@ -919,6 +919,50 @@ def test_cli_compile(compiled: Compiled, tmp_path: Path) -> None:
     assert "per execution on the example inputs" in result.output  # --compare by default
 
 
+class Wide(torch.nn.Module):
+    """Elementwise work large enough that inductor splits its loops over threads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * torch.sigmoid(x) + x.relu()
+
+
+@pytest.mark.timeout(600)
+def test_kernels_are_built_for_the_workers_thread_count(tmp_path: Path) -> None:
+    """At one intra-op thread the kernels have no OpenMP regions (their entry costs even with
+    a team of one); at more they do. The manifest records the count; None takes the count the
+    workers of an Executor run with on this machine."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's tracing warnings; tests run with -W error
+        ep = torch.export.export(Wide(), (torch.randn(64, 4096),))
+    pragmas = {}
+    for threads in (1, 2):
+        report = compile_program(ep, tmp_path / f"wide{threads}.pt2", "whole", threads=threads)
+        assert report.threads == threads and read_manifest(report.path)["threads"] == threads
+        with zipfile.ZipFile(report.path) as archive:
+            pragmas[threads] = sum(
+                archive.read(name).decode().count("#pragma omp")
+                for name in archive.namelist() if name.endswith(".cpp"))
+    assert pragmas[1] == 0 and pragmas[2] > 0, pragmas
+
+
+async def test_loading_says_when_the_kernels_were_built_for_fewer_threads(
+    compiled: Compiled, caplog: pytest.LogCaptureFixture, leak_check: Any
+) -> None:
+    from asyncgraph.loading import load_program
+
+    built_for = compiled.reports["auto"].threads  # compile_program's default: the workers' count
+    assert read_manifest(compiled.path("auto"))["threads"] == built_for
+    with caplog.at_level("WARNING", logger="asyncgraph.compiled.package"):
+        load_program(compiled.path("auto"), trust_compiled=True, threads=built_for)
+        assert "intra-op thread" not in caplog.text
+        more = ExecutorConfig(intra_op_threads=built_for + 1)
+        async with asyncgraph.load(compiled.path("auto"), more, trust_compiled=True) as ex:
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(await ex.execute(x), compiled.ep.module()(x))
+    assert f"built for {built_for} intra-op thread(s) and the workers run {built_for + 1}" in (
+        caplog.text)
+
+
 # -- compiled or plain ----------------------------------------------------------------------------
 
 
@@ -1038,27 +1082,28 @@ def test_an_in_memory_program_is_segmented_as_its_package_will_load_it() -> None
 
 
 def test_cli_compile_passes_autotune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--autotune` reaches compile_program (the compile itself: test_cli_compile)."""
+    """`--autotune` and `--threads` reach compile_program (the compile itself: test_cli_compile)."""
     from typer.testing import CliRunner
 
     import asyncgraph.compiled as compiled_pkg
     from asyncgraph.cli.main import app
     from asyncgraph.compiled.build import CompileReport
 
-    seen: list[bool] = []
+    seen: list[tuple[bool, int | None]] = []
 
     def fake_compile(source: Any, output: Any, mode: str, **kwargs: Any) -> CompileReport:
-        seen.append(kwargs["autotune"])
+        seen.append((kwargs["autotune"], kwargs["threads"]))
         return CompileReport(Path(output), mode, nodes_total=1)
 
     monkeypatch.setattr(compiled_pkg, "compile_program", fake_compile)
     model = tmp_path / "m.pt2"
     model.write_bytes(b"")
-    for flags, expected in (([], False), (["--autotune"], True)):
+    for flags, expected in (([], (False, None)), (["--autotune"], (True, None)),
+                            (["--threads", "3"], (False, 3))):
         result = CliRunner().invoke(app, ["compile", str(model), "-o", str(tmp_path / "o.pt2"),
                                           *flags])
         assert result.exit_code == 0, result.output
-        assert seen.pop() is expected
+        assert seen.pop() == expected
 
 
 # -- native calls: the model's C entry points through ctypes, GIL released (native_call.py) ------
