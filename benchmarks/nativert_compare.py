@@ -276,13 +276,17 @@ def build_compiled(work: Workload, options: Options) -> Built:
 def _compile_segments(
     notes: dict[str, Any], what: str, ep: ExportedProgram, path: Path, **options: Any
 ) -> Path | None:
-    """`compile_program(ep, path, "auto", **options)`, from the cache when there: the path, or
-    None with the error in `notes` (as `<what>_error`; times as `<what>_compile_s`)."""
+    """`compile_program(ep, path, "auto", **options)`, from the cache when there: the path
+    (with the thread count its kernels are built for in its name, so that a package built for
+    another count is not reused), or None with the error in `notes` (as `<what>_error`; times
+    as `<what>_compile_s`)."""
     try:
         from asyncgraph.compiled import compile_program
 
+        threads = options.pop("threads", None) or ExecutorConfig().intra_op_threads_or_default
+        path = path.with_name(f"{path.stem}-threads{threads}{path.suffix}")
         notes[f"{what}_compile_s"], notes[f"{what}_cached"] = _cached(
-            path, lambda: compile_program(ep, path, "auto", **options))
+            path, lambda: compile_program(ep, path, "auto", threads=threads, **options))
     except Exception as exc:
         notes[f"{what}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         return None
