@@ -186,7 +186,10 @@ def _cuda_growth(before: int | None, slack: int) -> str | None:
     """What grew since `before`, with what holds the tensors still alive, or None."""
     if not _cuda_in_use():
         return None
-    with _nothing_frozen():
+    gc.collect()
+    if (_cuda_allocated() or 0) - (before or 0) <= slack:
+        return None
+    with _nothing_frozen():  # a full collection, so only once something seems left
         gc.collect()
         grown = (_cuda_allocated() or 0) - (before or 0)
         if grown <= slack:

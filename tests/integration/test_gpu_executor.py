@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import textwrap
 import time
@@ -83,6 +84,37 @@ def test_the_cuda_memory_reading_leaves_out_torchs_own_caches(
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: calls.append("read") or 7)
     assert leaks._cuda_allocated() == 7
     assert calls == ["synchronize", "clear", "empty_cache", "read"]
+
+
+@pytest.mark.parametrize(
+    ("readings", "expected"),
+    [([100], None),  # nothing grew: one cheap collection, nothing unfrozen
+     ([150, 100], None),  # garbage reaching a frozen object: freed by the full collection
+     ([150, 150], "CUDA memory grew by 50 bytes; HOLDERS")],
+)
+def test_the_cuda_growth_is_read_again_with_nothing_frozen_before_it_counts(
+    readings: list[int], expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The suite freezes each module's survivors (tests/conftest.py), and a collection skips
+    frozen objects: what grows after the usual collection is read again after a full one
+    (frozen objects unfrozen, frozen again after), and only then counts, with what holds the
+    CUDA tensors still alive."""
+    from asyncgraph.testing import leaks
+
+    frozen_during: list[int] = []
+
+    def read() -> int:
+        frozen_during.append(gc.get_freeze_count())
+        return readings[len(frozen_during) - 1]
+
+    gc.freeze()
+    monkeypatch.setattr(leaks, "_cuda_in_use", lambda: True)
+    monkeypatch.setattr(leaks, "_cuda_allocated", read)
+    monkeypatch.setattr(leaks, "_cuda_holders", lambda: "HOLDERS")
+    assert leaks._cuda_growth(100, 0) == expected
+    assert len(frozen_during) == len(readings)
+    assert frozen_during[0] > 0 and all(count == 0 for count in frozen_during[1:])
+    assert gc.get_freeze_count() > 0  # frozen again
 
 
 # =============================================================================================
