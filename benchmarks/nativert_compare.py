@@ -283,7 +283,7 @@ def _compile_segments(
     try:
         from asyncgraph.compiled import compile_program
 
-        threads = options.pop("threads", None) or ExecutorConfig().intra_op_threads_or_default
+        threads = ExecutorConfig().intra_op_threads_or_default  # compile_program's default
         path = path.with_name(f"{path.stem}-threads{threads}{path.suffix}")
         notes[f"{what}_compile_s"], notes[f"{what}_cached"] = _cached(
             path, lambda: compile_program(ep, path, "auto", threads=threads, **options))

@@ -158,7 +158,7 @@ def compile_program(
             t0 = time.perf_counter()
             try:
                 aoti, autotuned, kernels = _compile_kernels(
-                    graph, segment, values, baked, Path(tmp) / name, inductor_configs or {},
+                    graph, segment, values, baked, Path(tmp) / name, inductor_configs,
                     autotune=autotune, keep_faster=keep_faster, larger=larger)
             except Exception as exc:  # export or inductor refused it: keep it interpreted
                 reason = _reason(exc)
