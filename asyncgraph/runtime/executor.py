@@ -66,7 +66,7 @@ from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.placement import PlacementStatistics
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
-from asyncgraph.runtime.schedule import ScheduleStatistics
+from asyncgraph.runtime.schedule import Schedule, ScheduleStatistics
 from asyncgraph.runtime.scheduler import Scheduler
 from asyncgraph.runtime.validation import InputValidator, Signature
 from asyncgraph.runtime.weights import Weights
@@ -90,6 +90,7 @@ class ExecutorStatistics:
     closed: bool
     schedules: ScheduleStatistics
     worker_executions: int = 0  # straight lines run on a worker thread (they overlapped others)
+    frameless_executions: int = 0  # straight lines run at once without a frame (_run_alone)
     # input signatures remembered as valid: inputs alike skip the full check (validation.py)
     validated_signatures: int = 0
 
@@ -191,6 +192,16 @@ class Executor:
             else None
         )
         self._ids = itertools.count(1)
+        # Straight-line executions run without a frame where a frame would do nothing more:
+        # straight.py's run_alone, `_run_alone`.
+        self._may_run_alone = (
+            self._fuse and self.recorder is None and self.cuda_runtime is None
+            and self._output_slots is not None and not self.plan.token_slots
+            and not self._buffer_mutations and not self._input_mutations
+        )
+        self._no_values: list[Any] = [None] * self.plan.num_values
+        self._alone_values: list[Any] = list(self._no_values)  # one at a time: synchronous
+        self._alone = 0
         self._loop: Loop | None = None  # the event loop's seam (backend.py), bound on first use
         self._native_loop: object = None  # its asyncio loop (or TrioLoop): the bound check
         self._cancelled_exc: type[BaseException] = asyncio.CancelledError  # the loop's
@@ -289,6 +300,26 @@ class Executor:
                     f"{self.program.name}: the execution was cancelled by aclose(cancel=True)"
                 )
             caller = asyncio.current_task()
+        scheduler = self._scheduler
+        adaptive = self._adaptive
+        try:  # chosen on arrival, before a frame is taken: see _run_alone
+            if adaptive is not None:
+                placement, times = adaptive.choose(flat, scheduler.loaded, signature)
+            else:
+                placement, times = self.plan.placement, None
+            fused = self._fuse and times is None
+            schedule = self._schedules.cached(placement, fused)
+            admitted: float | str | None = None  # StraightRunner.admit's answer, once asked
+            if (self._may_run_alone and times is None and schedule is not None
+                    and schedule.straight is not None and self._pool.has_free()):
+                admitted = scheduler.straight.admit(schedule.straight)
+        except BaseException:  # an execution like any other that failed
+            self._started += 1
+            self._failed += 1
+            raise
+        if admitted is not None and not isinstance(admitted, str):
+            assert schedule is not None
+            return self._run_alone(flat, schedule, admitted)
         execution = next(self._ids)
         if caller is not None:  # before the frame wait, so aclose(cancel=True) reaches waiters
             self._callers.add(caller)
@@ -302,18 +333,10 @@ class Executor:
         try:  # from here on the frame goes back to the pool on every path
             if self.recorder is not None:
                 self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
-            scheduler = self._scheduler
-            adaptive = self._adaptive
-            if adaptive is not None:
-                placement, times = adaptive.choose(flat, scheduler.loaded, signature)
-            else:
-                placement, times = self.plan.placement, None
-            fused = self._fuse and times is None
-            schedule = self._schedules.cached(placement, fused)
             if schedule is None:  # compiled on a thread: milliseconds on large graphs
                 schedule = await self._schedules.aget(placement, fused)
             frame.load(self._weights_template(), flat, execution, schedule, times)
-            if not scheduler.run_straight(frame):  # ran at once, or it takes the dataflow
+            if not scheduler.run_straight(frame, admitted):  # ran at once, or the dataflow
                 graphs = frame.graphs  # a CUDA-graph capture or replay (None: not captured)
                 if graphs is None or not await graphs.run(
                     frame, flat, signature, self._weights.version
@@ -332,6 +355,38 @@ class Executor:
             self._callers.discard(caller)  # type: ignore[arg-type]
             self._pool.release(frame)  # the scheduler returns only once the frame is idle
         self._completed += 1
+        return outputs
+
+    def _run_alone(self, flat: list[Any], schedule: Schedule, start: float) -> list[Any]:
+        """Run an execution whose straight line may start now (at `start`: StraightRunner's
+        admit) without a frame (its run_alone).
+
+        Only where a frame would hold nothing more than the values (`_may_run_alone`: no
+        GPU, trace, seeded order, mutation or effect token) and one is free, so the frames
+        still bound how many executions run. The placement is chosen on arrival, before a
+        frame is taken (adaptive placement's `loaded` reads the loop as the execution finds
+        it)."""
+        values = self._alone_values
+        values[:] = self._weights_template()
+        slots = self.plan.user_input_slots
+        if len(slots) == 1:
+            values[slots[0]] = flat[0]
+        else:
+            for slot, value in zip(slots, flat, strict=True):
+                values[slot] = value
+        outputs_at = self._output_slots
+        assert outputs_at is not None
+        self._started += 1
+        try:
+            self._scheduler.straight.run_alone(schedule, values, start)
+            outputs = [values[slot] for slot in outputs_at]
+        except BaseException:
+            self._failed += 1
+            raise
+        finally:
+            values[:] = self._no_values
+        self._completed += 1
+        self._alone += 1
         return outputs
 
     def _take_outputs(self, frame: ExecutionFrame, flat: list[Any]) -> list[Any]:
@@ -490,6 +545,7 @@ class Executor:
             closed=self._closed,
             schedules=self._schedules.statistics(),
             worker_executions=self._scheduler.straight.worker_executions,
+            frameless_executions=self._alone,
             validated_signatures=self._validator.passed_signatures,
         )
 

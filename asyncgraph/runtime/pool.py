@@ -93,6 +93,12 @@ class FramePool:
                 return self._take(self._factory(self._created))
         return None
 
+    def has_free(self) -> bool:
+        """Whether `try_acquire` would give a frame now: one is idle or may be made, and
+        nobody waits. An execution that runs without a frame (straight.py: run_alone) runs
+        only then, so it never exceeds max_frames nor passes a waiter."""
+        return not (self._closed or self._waiters) and (bool(self._idle) or self.total < self._max)
+
     async def acquire(self) -> ExecutionFrame:
         """Take a frame, awaiting one (first come, first served) when all are in use."""
         frame = self.try_acquire()

@@ -115,7 +115,7 @@ class Scheduler:
 
     # -- one execution, seen from the caller --------------------------------------------------
 
-    def run_straight(self, frame: ExecutionFrame) -> bool:
+    def run_straight(self, frame: ExecutionFrame, admitted: float | str | None = None) -> bool:
         """Run the loaded frame to completion without a coroutine when the execution may take
         the straight line and it fits the loop's slice (straight.py): True once it ran (its
         error raised here); False when not, and the caller awaits `run_dataflow(frame)`
@@ -123,14 +123,15 @@ class Scheduler:
         execution.
 
         On a one-node graph a coroutine to create and await is a tenth of the execution's
-        fixed cost.
+        fixed cost. `admitted`: StraightRunner.admit's answer for this execution, when the
+        Executor asked already (it tries the line without a frame first: `_run_alone`).
         """
         runner = self.straight
         runner.retry = runner.to_worker = None
         if frame.times is not None or not self._may_straight or frame.gpu is not None:
             return False  # `_straight_of`, inlined: this runs once per execution
         straight = _schedule(frame).straight
-        return straight is not None and runner.run_now(frame, straight)
+        return straight is not None and runner.run_now(frame, straight, admitted)
 
     async def run_dataflow(self, frame: ExecutionFrame) -> None:
         """Run the loaded frame through the WorkUnits (the path of every execution

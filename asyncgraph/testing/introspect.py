@@ -8,9 +8,9 @@ they are not Executor methods nor statistics: a public accessor would make them 
 API that applications rely on. Here they are read in one place, typed and documented, instead
 of by each test reaching into private attributes; a change of the internals is fixed here.
 
-Read-only: nothing here changes an Executor. No stability promise beyond asyncgraph's tests;
-applications read `Executor.statistics()`, `placement_statistics()`, `placements()` and the
-other public statistics instead.
+Read-only but for `take_frame`/`return_frame` (a test fills the pool as executions would).
+No stability promise beyond asyncgraph's tests; applications read `Executor.statistics()`,
+`placement_statistics()`, `placements()` and the other public statistics instead.
 """
 
 from __future__ import annotations
@@ -27,15 +27,37 @@ __all__ = [
     "cached_schedule",
     "calling_task",
     "current_placement",
+    "frameless_values",
     "idle_frames",
+    "return_frame",
     "schedule",
     "straight_retry_pending",
+    "take_frame",
 ]
 
 
 def idle_frames(ex: Executor) -> tuple[ExecutionFrame, ...]:
     """The frames in the executor's pool that no execution holds now, oldest first."""
     return tuple(ex._pool._idle)
+
+
+def frameless_values(ex: Executor) -> tuple[Any, ...]:
+    """The value slots of the executions that run without a frame (Executor._run_alone),
+    cleared after each: anything left in them outlives its execution."""
+    return tuple(ex._alone_values)
+
+
+def take_frame(ex: Executor) -> ExecutionFrame:
+    """Take a frame from the executor's pool, as an execution does (tests hold it to fill
+    the pool): give it back with `return_frame`. The one exception to read-only here."""
+    frame = ex._pool.try_acquire()
+    assert frame is not None, "no frame free"
+    return frame
+
+
+def return_frame(ex: Executor, frame: ExecutionFrame) -> None:
+    """Give back a frame `take_frame` took (to the oldest waiter first)."""
+    ex._pool.release(frame)
 
 
 def current_placement(ex: Executor) -> tuple[Placement, ...]:

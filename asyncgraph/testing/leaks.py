@@ -1,11 +1,12 @@
 """LeakChecker: after a block of code, nothing of any Executor it created may be left over.
 
-Checked: frames still in use, waiters for frames, tasks still pending on the loop, worker
-threads that outlive their Executor, event loops closed during the block that the runtime
-still knows (a LoopBudget entry outlives its loop only while something holds the loop), and
-CUDA memory that grew (when CUDA is initialised). It runs on asyncio, uvloop and trio; on trio
-the tasks checked are the runtime's own (async kernels, batches: TrioLoop.pending_tasks), as
-trio keeps no list of all tasks.
+Checked: frames still in use, waiters for frames, values left by an execution that ran
+without a frame, tasks still pending on the loop, worker threads that outlive their
+Executor, event loops closed during the block that the runtime still knows (a LoopBudget
+entry outlives its loop only while something holds the loop), and CUDA memory that grew
+(when CUDA is initialised). It runs on asyncio, uvloop and trio; on trio the tasks checked
+are the runtime's own (async kernels, batches: TrioLoop.pending_tasks), as trio keeps no
+list of all tasks.
 
     async with LeakChecker():
         async with Executor(program) as ex:
@@ -31,6 +32,7 @@ import anyio.lowlevel
 from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.loop_budget import loops_with_budgets
 from asyncgraph.runtime.registry import live_executors
+from asyncgraph.testing.introspect import frameless_values
 
 
 class LeakError(AssertionError):
@@ -94,6 +96,8 @@ class LeakChecker:
                 problems.append(f"{ex!r}: {stats.frames.in_use} frame(s) still in use")
             if stats.frames.waiters:
                 problems.append(f"{ex!r}: {stats.frames.waiters} waiter(s) for frames")
+            if held := sum(v is not None for v in frameless_values(ex)):
+                problems.append(f"{ex!r}: {held} value(s) left by an execution without a frame")
             batching = ex.batching_statistics()
             if batching is not None and (batching.queued or batching.running):
                 problems.append(

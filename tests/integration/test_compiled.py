@@ -221,6 +221,30 @@ def test_delegate_runs_every_call_on_its_own_weights_version() -> None:
     delegate.prepare_weights({"w": versions[0]})  # held already or loaded: never waits
 
 
+@pytest.mark.parametrize(
+    "constants", [("", "weight_1"), ("weight_1", ""), ("weight_1", "", "weight_2")]
+)
+def test_delegate_finds_its_weights_wherever_they_are_among_its_inputs(
+    constants: tuple[str, ...],
+) -> None:
+    """The weights are read as one slice of the call's arguments where they are contiguous,
+    one by one where they are not: either way each call runs on the version it passes."""
+    from asyncgraph.compiled.delegate import AOTIDelegate
+
+    versions = [torch.tensor(float(v)) for v in range(3)]
+    other = torch.tensor(-1.0)  # weight_2: never swapped
+    baked = tuple({"weight_1": versions[0], "weight_2": other}.get(c) for c in constants)
+    delegate = AOTIDelegate(
+        "aoti_segment_0", FakeContainer(), (True,) * len(constants), constants,
+        constants=constants, baked=baked, new_loader=FakeContainer,
+        weight_names=tuple(c.replace("weight", "w") for c in constants),
+    )
+    x = torch.tensor(100.0)
+    for v in (0, 1, 1, 2, 0):
+        args = [{"weight_1": versions[v], "weight_2": other}.get(c, x) for c in constants]
+        assert delegate(*args)[0].item() == 100.0 + v
+
+
 # -- the compiled packages ------------------------------------------------------------------------
 
 

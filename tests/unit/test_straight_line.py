@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -34,17 +35,24 @@ class Chain(torch.nn.Module):
 
 
 def _count_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Executions by path: "straight" (all units at once, run_straight), "sliced" (the
-    straight line over loop slices, run_dataflow) and "dataflow" (the WorkUnits)."""
-    counts = {"straight": 0, "sliced": 0, "dataflow": 0}
-    units, sliced, start = (
-        StraightRunner._units, StraightRunner.run_in_slices, Scheduler._start)
+    """Executions by path: "straight" (all units at once: run_straight, or run_alone without
+    a frame, also counted in "frameless"), "sliced" (the straight line over loop slices,
+    run_dataflow) and "dataflow" (the WorkUnits)."""
+    counts = {"straight": 0, "sliced": 0, "dataflow": 0, "frameless": 0}
+    units, sliced, start, alone = (
+        StraightRunner._units, StraightRunner.run_in_slices, Scheduler._start,
+        StraightRunner.run_alone)
     executions: set[tuple[int, int]] = set()
 
     def straight_units(self: StraightRunner, *args: Any, **kwargs: Any) -> int:
         if (args[3] if len(args) > 3 else kwargs.get("deadline")) is None:  # run_now's
             counts["straight"] += 1
         return units(self, *args, **kwargs)
+
+    def straight_alone(self: StraightRunner, *args: Any) -> None:
+        counts["straight"] += 1  # at once, as run_now's, only without a frame
+        counts["frameless"] += 1
+        alone(self, *args)
 
     def continue_straight(self: StraightRunner, frame: Any, *args: Any) -> None:
         executions.add((id(self), frame.execution_id))  # once per slice, again when deferred
@@ -56,6 +64,7 @@ def _count_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         start(self, *args)
 
     monkeypatch.setattr(StraightRunner, "_units", straight_units)
+    monkeypatch.setattr(StraightRunner, "run_alone", straight_alone)
     monkeypatch.setattr(StraightRunner, "run_in_slices", continue_straight)
     monkeypatch.setattr(Scheduler, "_start", dataflow_start)
     return counts
@@ -603,3 +612,109 @@ async def test_a_kernel_error_on_a_worker_straight_line_names_its_node() -> None
         kernel.fail_off_loop_at = 0
         assert await ex.execute(0) == 8
         assert ex.statistics().frames.in_use == 0 and ex.statistics().failed == 1
+
+
+# =============================================================================================
+# Without a frame (straight.py: run_alone; Executor._run_alone)
+# =============================================================================================
+
+
+async def test_a_straight_execution_runs_without_a_frame_while_one_is_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counts = _count_paths(monkeypatch)
+    ep = torch.export.export(Chain(), (torch.randn(4, 8),))
+    async with Executor(ep, ExecutorConfig(profile_executions=1)) as ex:
+        await _warm_straight(ex)
+        before, stats_before = dict(counts), ex.statistics()
+        for _ in range(5):
+            await asyncio.sleep(0)  # a fresh slice: the execution fits it
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(await ex.execute(x), Chain()(x))
+        stats = ex.statistics()
+        assert counts["frameless"] - before["frameless"] == 5
+        assert stats.frameless_executions - stats_before.frameless_executions == 5
+        assert stats.completed - stats_before.completed == 5
+        assert stats.frames.created == stats_before.frames.created  # no frame taken for them
+        assert all(v is None for v in introspect.frameless_values(ex))
+
+
+async def test_a_kernel_error_without_a_frame_names_its_node_and_keeps_no_value() -> None:
+    fail = {"now": False}
+    made: list[Any] = []
+
+    class Token:
+        """What the first node makes: alive only while an execution holds it."""
+
+    def make(x: int) -> Token:
+        made.append(weakref.ref(token := Token()))
+        return token
+
+    def maybe_fail(token: Token) -> int:
+        if fail["now"]:
+            raise ValueError("boom")
+        return 1
+
+    b = GraphBuilder()
+    b.output(b.call(maybe_fail, b.call(make, b.input("x"), name="make", placement="inline"),
+                    name="maybe_fail", placement="inline"))
+    async with Executor(b.build(), ExecutorConfig(profile_executions=1)) as ex:
+        for _ in range(4):
+            await asyncio.sleep(0)
+            assert await ex.execute(1) == 1
+        before = ex.statistics()
+        fail["now"] = True
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="boom") as info:
+            await ex.execute(1)
+        after = ex.statistics()
+        assert after.frameless_executions == before.frameless_executions  # counts successes
+        assert (after.failed, after.started) == (before.failed + 1, before.started + 1)
+        assert any("maybe_fail" in note for note in getattr(info.value, "__notes__", []))
+        del info
+        assert made[-1]() is None  # the failed execution's value went with it
+        assert all(v is None for v in introspect.frameless_values(ex))
+        fail["now"] = False
+        await asyncio.sleep(0)
+        assert await ex.execute(1) == 1
+        assert ex.statistics().frameless_executions == before.frameless_executions + 1
+
+
+async def test_with_no_frame_free_an_execution_waits_for_one_instead() -> None:
+    """The frames bound how many executions run: one that finds none free waits its turn
+    (FIFO) and runs with the frame it gets, not beside the others without one."""
+    ep = torch.export.export(Chain(), (torch.randn(4, 8),))
+    config = ExecutorConfig(profile_executions=1, max_concurrent_executions=1)
+    async with Executor(ep, config) as ex:
+        await _warm_straight(ex)
+        held = introspect.take_frame(ex)
+        task = asyncio.create_task(ex.execute(x := torch.randn(4, 8)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not task.done() and ex.statistics().frames.waiters == 1
+        before = ex.statistics().frameless_executions
+        introspect.return_frame(ex, held)
+        torch.testing.assert_close(await task, Chain()(x))
+        assert ex.statistics().frameless_executions == before
+
+
+class WithBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x * 2
+
+
+async def test_a_program_that_mutates_a_buffer_keeps_taking_frames() -> None:
+    """A frame does more than hold the values where a program mutates its buffers (the
+    Executor's weights take the new values after the execution): no run without one."""
+    ep = torch.export.export(WithBuffer(), (torch.randn(2),))
+    async with Executor(ep, ExecutorConfig(profile_executions=1)) as ex:
+        for _ in range(6):
+            await asyncio.sleep(0)
+            await ex.execute(torch.randn(2))
+        assert ex.statistics().frameless_executions == 0
+        assert ex.statistics().completed == 6
