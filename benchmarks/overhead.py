@@ -19,22 +19,23 @@ Per node (chain of 1,000 relu, everything inline):
   lock         one `with frame.lock:` alone
   clock        one time.perf_counter() (the run loop reads it every node for the slice)
   execute      `await ex.execute(x)` divided by the nodes: everything
-Per execution (a graph of one relu node), the steps `execute` takes, in order:
+Per execution (a graph of one relu node), the steps `execute` takes, in order (its straight
+line runs without a frame: Executor._run_alone):
   execute      `await ex.execute(x)`
   direct       the kernel alone; execute - direct is the fixed cost
   caller       the calling task and its pending cancellation (Executor._calling_task)
   flatten      the call's inputs, flat (InputValidator.flatten)
   check        validation, which also gives the inputs' signature (InputValidator.check)
   bind         the bound-loop check (Executor._bind_loop)
-  acquire+release  a free frame and its return (FramePool.try_acquire, release; with clear)
   choose       adaptive placement, found by the signature (AdaptivePlacement.choose)
   schedule     the placement's schedule (ScheduleCache.cached)
-  load         weights, inputs and schedule into the frame (ExecutionFrame.load)
-  run          the straight line, kernel included (Scheduler.run_straight)
-  outputs      the outputs out of the frame (Executor._take_outputs)
-  clear        the frame's values dropped (ExecutionFrame.clear, part of release)
+  free frame   whether a frame is free, so one may run without it (FramePool.has_free)
+  admit        whether the line fits what is left of the loop's slice (StraightRunner.admit)
+  run          the straight line, kernel included (StraightRunner.run_alone)
+  values       weights and inputs into the value slots, the outputs out, the slots cleared
+               (the rest of Executor._run_alone)
   coroutines   creating and awaiting execute's two coroutines (execute, _execute), empty
-  steps        the sum of the steps above (clear counted once), for comparison with execute
+  steps        the sum of the steps above, for comparison with execute
 Loop slice (--slice; a 4-layer encoder, one caller awaiting executions back to back), per
 execution, with its ratio to a 20 ms slice that holds many executions (never yields):
   <s> ms       `loop_slice_s` of s ms: an execution that does not fit what is left of the
@@ -178,11 +179,17 @@ async def per_execution() -> dict[str, float]:
         schedule = ex._schedules.cached(placement, True)
         assert schedule is not None
         pool = ex._pool
+        runner = sched.straight
+        line = schedule.straight
+        assert line is not None, "the one-node graph has no straight line"
+        template = ex._weights_template()
+        values = [None] * len(template)
+        slot = ex.plan.user_input_slots[0]
 
-        def acquire_release() -> None:
-            frame = pool.try_acquire()
-            assert frame is not None
-            pool.release(frame)
+        def run() -> None:
+            values[:] = template
+            values[slot] = x
+            runner.run_alone(schedule, values, time.perf_counter())
 
         async def nothing() -> None:
             pass
@@ -191,37 +198,23 @@ async def per_execution() -> dict[str, float]:
             await nothing()
 
         execute = await amedian_us(lambda: ex.execute(x), number=200)
-        frame = pool.try_acquire()
-        assert frame is not None
-        try:  # released on every path: aclose waits for idle frames, so a leak would hang it
-            template = ex._weights_template()
-
-            def run() -> None:
-                frame.load(template, flat, 1, schedule)
-                if not sched.run_straight(frame):
-                    raise RuntimeError("the one-node graph did not take the straight line")
-
-            load = median_us(lambda: frame.load(template, flat, 1, schedule))
-            r = {
-                "execute": execute,
-                "direct": median_us(lambda: fn(x)),
-                "caller": median_us(lambda: cancel_pending(ex._calling_task())),
-                "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
-                "check": median_us(lambda: ex._validator.check(flat)),
-                "bind": median_us(ex._bind_loop),
-                "choose": median_us(lambda: adaptive.choose(flat, sched.loaded, signature)),
-                "schedule": median_us(lambda: ex._schedules.cached(placement, True)),
-                "load": load,
-                "run": await sliced_us(run) - load,
-                "outputs": median_us(lambda: ex._take_outputs(frame, flat)),
-                "clear": median_us(frame.clear),
-            }
-        finally:
-            pool.release(frame)
-        r["acquire+release"] = median_us(acquire_release)
+        r = {
+            "execute": execute,
+            "direct": median_us(lambda: fn(x)),
+            "caller": median_us(lambda: cancel_pending(ex._calling_task())),
+            "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
+            "check": median_us(lambda: ex._validator.check(flat)),
+            "bind": median_us(ex._bind_loop),
+            "choose": median_us(lambda: adaptive.choose(flat, sched.loaded, signature)),
+            "schedule": median_us(lambda: ex._schedules.cached(placement, True)),
+            "free frame": median_us(pool.has_free),
+            "admit": await sliced_us(lambda: runner.admit(line)),
+            "run": median_us(run),
+        }
+        r["values"] = median_us(
+            lambda: ex._run_alone(flat, schedule, time.perf_counter())) - r["run"]
         r["coroutines"] = await amedian_us(two_coroutines, number=200)
-        skip = {"execute", "direct", "clear"}  # clear is part of acquire+release
-        r["steps"] = sum(v for k, v in r.items() if k not in skip)
+        r["steps"] = sum(v for k, v in r.items() if k not in {"execute", "direct"})
         return r
     finally:
         await ex.aclose()

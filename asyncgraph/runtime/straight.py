@@ -120,10 +120,11 @@ class StraightRunner:
         """Run the schedule's straight line on `values`, with no frame, once `admit` let it
         start at `start`; a kernel error is raised here, its node named.
 
-        A frame's load, finish and clear, the pool's acquire and release and the dataflow's
-        fallbacks are a fixed cost per execution: 4 us of the 44 us of an 8-layer MLP
-        compiled into one segment. Run synchronously, nothing interleaves with the line: no
-        cancellation, no other execution reading the values, no unit left in flight."""
+        A frame's load, finish and clear and the pool's acquire and release are a fixed
+        cost per execution: without them a one-node graph ran in 12.2-12.5 us against
+        14.7-15.3 us, an 8-layer MLP compiled into one segment in 37-44 against 43-49 us
+        (2026-11-27). Run synchronously, nothing interleaves with the line: no cancellation,
+        no other execution reading the values, no unit left in flight."""
         straight = schedule.straight
         assert straight is not None
         calls, stores, drops = schedule.calls, schedule.stores, straight.drops
