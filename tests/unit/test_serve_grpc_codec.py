@@ -23,6 +23,7 @@ from asyncgraph.serve import grpc_protocol as pb
 from asyncgraph.serve.datatypes import TORCH_DTYPES
 from asyncgraph.serve.grpc_codec import decode_infer_request
 from tests.support.serving import identity_graph
+from tests.support.strategies import float32s
 
 _S0 = sympy.Symbol("s0", positive=True, integer=True)
 _SERVED = ("FP32", "INT8", "BOOL", "UINT64", "BF16", "INT64", "FP16")
@@ -33,7 +34,7 @@ _INT64 = st.integers(-(2**63), 2**63 - 1)
 
 _dims = st.one_of(st.integers(-2, 6), st.sampled_from([2**31, 10**12, 2**63 - 1]), _INT64)
 _contents = st.one_of(
-    st.fixed_dictionaries({"fp32_contents": st.lists(st.floats(width=32), max_size=24)}),
+    st.fixed_dictionaries({"fp32_contents": st.lists(float32s, max_size=24)}),
     st.fixed_dictionaries({"fp64_contents": st.lists(st.floats(), max_size=12)}),
     st.fixed_dictionaries({"int_contents": st.lists(st.integers(-(2**31), 2**31 - 1),
                                                     max_size=24)}),
@@ -43,7 +44,7 @@ _contents = st.one_of(
                                                        max_size=12)}),
     st.fixed_dictionaries({"bool_contents": st.lists(st.booleans(), max_size=12)}),
     st.fixed_dictionaries({"bytes_contents": st.lists(st.binary(max_size=8), max_size=3)}),
-    st.fixed_dictionaries({}, optional={"fp32_contents": st.lists(st.floats(width=32),
+    st.fixed_dictionaries({}, optional={"fp32_contents": st.lists(float32s,
                                                                   max_size=6),
                                         "int_contents": st.lists(st.integers(0, 9),
                                                                  max_size=6)}),
@@ -85,7 +86,7 @@ _requests = st.fixed_dictionaries(
 
 
 _FIELD_VALUES = {  # a typed field's values that fit its type (and the served datatypes)
-    "fp32_contents": st.floats(width=32), "int_contents": st.integers(-128, 127),
+    "fp32_contents": float32s, "int_contents": st.integers(-128, 127),
     "int64_contents": _INT64, "uint64_contents": st.integers(0, 2**64 - 1),
     "bool_contents": st.booleans(),
 }
