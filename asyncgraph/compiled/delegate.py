@@ -85,7 +85,7 @@ class AOTIDelegate:
         self._fqns = tuple(names[i] for i in self._constant)
         # the constant inputs as one slice of the call's arguments where they are contiguous
         # (a segment's weights follow its runtime inputs): one C slice per call, not a lookup
-        # per weight (16 weights: 0.3 us against 1.3)
+        # per weight (16 weights: 0.15 us against 1.3 us, timeit)
         lo, hi = (self._constant[0], self._constant[-1] + 1) if self._constant else (0, 0)
         self._constants_at: slice | tuple[int, ...] = (
             slice(lo, hi) if self._constant == tuple(range(lo, hi)) else self._constant
