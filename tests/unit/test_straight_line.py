@@ -639,7 +639,10 @@ async def test_a_straight_execution_runs_without_a_frame_while_one_is_free(
         assert all(v is None for v in introspect.frameless_values(ex))
 
 
-async def test_a_kernel_error_without_a_frame_names_its_node_and_keeps_no_value() -> None:
+async def test_a_kernel_error_without_a_frame_names_its_node_and_keeps_no_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counts = _count_paths(monkeypatch)
     fail = {"now": False}
     made: list[Any] = []
 
@@ -662,12 +665,13 @@ async def test_a_kernel_error_without_a_frame_names_its_node_and_keeps_no_value(
         for _ in range(4):
             await asyncio.sleep(0)
             assert await ex.execute(1) == 1
-        before = ex.statistics()
+        before, tried = ex.statistics(), counts["frameless"]
         fail["now"] = True
         await asyncio.sleep(0)
         with pytest.raises(ValueError, match="boom") as info:
             await ex.execute(1)
         after = ex.statistics()
+        assert counts["frameless"] == tried + 1  # it failed on the frameless path
         assert after.frameless_executions == before.frameless_executions  # counts successes
         assert (after.failed, after.started) == (before.failed + 1, before.started + 1)
         assert any("maybe_fail" in note for note in getattr(info.value, "__notes__", []))
