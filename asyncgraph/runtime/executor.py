@@ -61,7 +61,7 @@ from asyncgraph.runtime.backend import (
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
-from asyncgraph.runtime.frame import ExecutionFrame
+from asyncgraph.runtime.frame import ExecutionFrame, load_values
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.placement import NodeTimes, PlacementStatistics
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
@@ -309,17 +309,16 @@ class Executor:
         admitted: float | str | None = None  # StraightRunner.admit's answer, once asked
         if self._may_run_alone and self._pool.has_free():
             try:  # no wait for a frame follows: chosen as the frame path would choose
-                chosen = self._choose(flat, signature)
-                line = chosen[2].straight if chosen[1] is None and chosen[2] else None
-                if line is not None:
-                    admitted = scheduler.straight.admit(line)
+                chosen = _, times, schedule = self._choose(flat, signature)
+                if times is None and schedule is not None and schedule.straight is not None:
+                    admitted = scheduler.straight.admit(schedule.straight)
             except BaseException:  # an execution like any other that failed
                 self._started += 1
                 self._failed += 1
                 raise
             if admitted is not None and not isinstance(admitted, str):
-                assert chosen[2] is not None
-                return self._run_alone(flat, chosen[2], admitted)
+                assert schedule is not None
+                return self._run_alone(flat, schedule, admitted)
         execution = next(self._ids)
         if caller is not None:  # before the frame wait, so aclose(cancel=True) reaches waiters
             self._callers.add(caller)
@@ -378,13 +377,7 @@ class Executor:
         when the frame is taken. (Chosen on arrival instead, before a wait for a frame, 64
         unbatched callers of compiled tiny BERT lost 11% of their throughput, 2026-11-27.)"""
         values = self._alone_values
-        values[:] = self._weights_template()
-        slots = self.plan.user_input_slots
-        if len(slots) == 1:
-            values[slots[0]] = flat[0]
-        else:
-            for slot, value in zip(slots, flat, strict=True):
-                values[slot] = value
+        load_values(values, self._weights_template(), self.plan.user_input_slots, flat)
         outputs_at = self._output_slots
         assert outputs_at is not None
         self._started += 1

@@ -38,11 +38,25 @@ HOST_WAIT = Placement.HOST_WAIT
 GPU values (plan.py)."""
 
 
+def load_values(
+    values: list[Any], template: list[Any], slots: tuple[int, ...], inputs: list[Any]
+) -> None:
+    """`values` as the weights `template` with the user `inputs` in their `slots`: the start
+    of an execution, in a frame or without one (Executor._run_alone). A program's only input
+    is stored without a zip."""
+    values[:] = template
+    if len(slots) == 1 == len(inputs):
+        values[slots[0]] = inputs[0]
+    else:
+        for slot, value in zip(slots, inputs, strict=True):
+            values[slot] = value
+
+
 class ExecutionFrame:
     """The per-execution storage of one graph's values and counters."""
 
     __slots__ = (
-        "_nothing", "_one_input", "calls", "counts", "errors", "execution_id",
+        "_nothing", "calls", "counts", "errors", "execution_id",
         "finished", "gpu", "graphs", "id", "last_used", "lock", "pending", "plan", "reads", "rng",
         "schedule", "stopped", "tasks", "times", "values", "waiter", "where",
     )
@@ -60,8 +74,6 @@ class ExecutionFrame:
         self.graphs = graphs  # its CUDA-graph captures (cuda/graphs.py), when captured
         self.values: list[Any] = [None] * plan.num_values
         self._nothing = (None,) * plan.num_values  # what `clear` leaves in `values`
-        # The slot of a program's only input (-1 otherwise): `load` stores it without a zip.
-        self._one_input = plan.user_input_slots[0] if len(plan.user_input_slots) == 1 else -1
         self.counts: list[int] = []  # per unit of the loaded schedule
         self.reads: list[int] = list(plan.read_counts)
         self.lock = threading.Lock()
@@ -94,12 +106,7 @@ class ExecutionFrame:
         are loaded by `load_counters`: the straight line (straight.py) runs without them."""
         plan = self.plan
         values = self.values
-        values[:] = template
-        if self._one_input >= 0 and len(inputs) == 1:
-            values[self._one_input] = inputs[0]
-        else:
-            for slot, value in zip(plan.user_input_slots, inputs, strict=True):
-                values[slot] = value
+        load_values(values, template, plan.user_input_slots, inputs)
         for slot in plan.token_slots:
             values[slot] = torch.empty(0)  # a fresh effect token per execution
         self.pending = 0
