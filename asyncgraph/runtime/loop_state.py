@@ -23,19 +23,16 @@ class LoopState:
         "busy",
         "lines_on_workers",
         "loop",
-        "max_lines_on_workers",
         "running",
         "slice_s",
     )
 
-    def __init__(self, slice_s: float, max_lines_on_workers: int) -> None:
+    def __init__(self, slice_s: float) -> None:
         self.loop: Loop | None = None  # bound by the Executor (backend.py), or on first run
         self.budget: LoopBudget | None = None  # the loop's, once the loop is known
         self.slice_s = slice_s
         self.running = 0  # executions between start and finish (the dataflow's run)
-        self.lines_on_workers = 0  # straight lines running on worker threads now
-        # The loop keeps a CPU: more runnable threads than CPUs delay its wake-ups (loop lag).
-        self.max_lines_on_workers = max_lines_on_workers
+        self.lines_on_workers = 0  # straight lines on worker threads now (queued or running)
         self.busy = 0.0  # the fraction of the last 20 ms window the loop spent in kernels
         self._window_start = 0.0
         self._window_busy = 0.0

@@ -44,7 +44,7 @@ import torch
 
 from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.backend import Loop, TaskLike
-from asyncgraph.runtime.config import ExecutorConfig, usable_cpus
+from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.failures import cancel_tasks, fail, internal_error, raise_errors
 from asyncgraph.runtime.frame import HOST_WAIT, ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument
@@ -90,9 +90,7 @@ class Scheduler:
         self.workers = workers
         self.recorder = recorder
         # the loop, its slice budget and its load, shared with the straight line
-        self.state = LoopState(
-            config.loop_slice_s, min(config.max_parallel_ops, usable_cpus() - 1)
-        )
+        self.state = LoopState(config.loop_slice_s)
         self.straight = StraightRunner(graph, self.state, workers, config)
         self._seed = config.ready_order_seed
         # Seeded orders, profiling and traces go through the dataflow (straight.py).

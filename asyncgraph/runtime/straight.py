@@ -74,9 +74,10 @@ class StraightRunner:
         """Whether the line runs at once on the loop: the perf_counter time it starts at when
         it fits what is left of the loop's slice; otherwise why not: RETRY when a fresh slice
         would hold it (try once more after one loop iteration), TO_WORKER when other work
-        waits on the loop while a worker that could take the line is free (the line found
-        the slice spent with others waiting, or it fits but other callers queue: a worker
-        takes it at once, and both CPUs work), REFUSED when neither (it runs in slices).
+        waits on the loop and the line is worth a worker (the line found the slice spent
+        with others waiting, or it fits but other callers queue: it queues for the workers,
+        which keep the CPUs busy while the loop serves the others), REFUSED when neither (it
+        runs in slices).
 
         A 0.42 ms compiled BERT segment finds the slice spent every third execution of one
         caller: 3-4% less time per execution with the retry than through the dataflow.
@@ -87,10 +88,10 @@ class StraightRunner:
         if start is None:  # the slice is spent, or left too short for it
             if straight.seconds > budget.slice_s:
                 return REFUSED
-            if budget.others_wait and self._worker_free(straight):  # extend's peek
+            if budget.others_wait and self._worth_a_worker(straight):  # extend's peek
                 return TO_WORKER
             return RETRY
-        if self._worker_free(straight) and budget.others_queued():
+        if self._worth_a_worker(straight) and budget.others_queued():
             return TO_WORKER
         return start
 
@@ -147,17 +148,18 @@ class StraightRunner:
 
     def takes_worker(self, straight: StraightLine, contended: bool = False) -> bool:
         """Whether this straight line runs on a worker thread rather than in the loop's
-        slices: another execution is in flight to overlap it, fewer lines than CPUs but one
-        run on workers already (the loop keeps a CPU), it takes at least a slice (on
+        slices: another execution is in flight to overlap it, it takes at least a slice (on
         the loop it would span iterations anyway, so the hop is a small part of it), its nodes
         are mostly kernel time, off the GIL (`worker_execution_node_us`), and none of them
         is held to the loop thread by a placement hint or its kind. Adaptive placement keeps
         such a line whole on a loaded loop (AdaptivePlacement._runs_whole_on_worker).
 
-        Two 32-row batches of tiny BERT from 64 callers then run side by side, one on the
-        loop and one on a worker: 4.12x nativert's throughput against 3.87x without, in
-        alternating storms on a 2-vCPU machine whose second vCPU adds only ~20% to
-        compute-bound threads (two threads of eager batch-32 BERT ran 1.19x one).
+        Lines are not held back while the workers are busy: they queue for them (the frames
+        bound how many). Capped at one line on workers fewer than the CPUs, so that the loop
+        ran the others itself, 64 unbatched callers of tiny BERT compiled into one segment
+        ran 2,581-2,819 requests/s against 3,697 uncapped: a worker that finished waited for
+        the loop, busy in a segment, to hand it the next line (alternating storms on a 2-vCPU
+        machine, 2026-11-27; batches of 32 rows: 7,625 against 8,015).
 
         `contended`: run_now found other work waiting on the loop (`to_worker`), so that work
         is there to overlap it and the loop's CPU is taken: a line shorter than a slice goes
@@ -167,18 +169,15 @@ class StraightRunner:
         budget = self.state.budget
         return (
             (contended or self.state.running > 1)
-            and self._worker_free(straight)
+            and self._worth_a_worker(straight)
             and budget is not None
             and (contended or straight.seconds >= budget.slice_s)
         )
 
-    def _worker_free(self, straight: StraightLine) -> bool:
-        """A worker may take this line now: fewer lines on workers than allowed, and its nodes
-        are kernel time enough and free to leave the loop thread (cheapest tests first: this
-        runs for every straight execution)."""
-        state = self.state
-        return (straight.node_seconds >= self._worker_node_s and straight.any_thread
-                and state.lines_on_workers < state.max_lines_on_workers)
+    def _worth_a_worker(self, straight: StraightLine) -> bool:
+        """Whether this line may go to a worker: its nodes are kernel time enough and free to
+        leave the loop thread."""
+        return straight.node_seconds >= self._worker_node_s and straight.any_thread
 
     def hand_off(self, frame: ExecutionFrame, straight: StraightLine) -> None:
         """Send the straight line to a worker thread. Never raises: a failed submission

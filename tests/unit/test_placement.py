@@ -338,9 +338,9 @@ async def test_an_executor_moves_a_node_that_warmed_up_back_inline() -> None:
 
 
 def test_a_line_that_leaves_whole_for_a_worker_stays_inline_on_a_loaded_loop() -> None:
-    """A graph of at least a slice, with nodes over worker_execution_node_us on average,
-    runs whole on a worker when it overlaps others (Scheduler._on_worker): the loaded loop's
-    placement then keeps every node inline, rather than a hop per heavy node."""
+    """A graph with nodes over worker_execution_node_us on average runs whole on a worker
+    when it overlaps others (StraightRunner), however short: the loaded loop's placement
+    then keeps every node inline, rather than a hop per heavy node."""
     ex = _diamond_of_heavy_nodes()
     adaptive = AdaptivePlacement(
         ex.graph, ex.plan, ex.kernels, heavy_node_us=80, loaded_heavy_node_us=250,
@@ -352,7 +352,9 @@ def test_a_line_that_leaves_whole_for_a_worker_stays_inline_on_a_loaded_loop() -
     assert adaptive.decide([300.0] * 5, whole_line=True) == (Placement.INLINE,) * 5
     assert adaptive.decide([300.0] * 5, loaded=True) == (Placement.WORKER,) * 5
     assert not whole([180.0] * 5)  # 180 us a node: under the bar
-    assert not whole([300.0, 1.0, 300.0, 1.0, 1.0])  # under a slice
+    assert not whole([300.0, 1.0, 300.0, 1.0, 1.0])  # 120 us a node: under the bar
+    adaptive.loop_slice_us = 2000
+    assert whole([300.0] * 5)  # shorter than a slice: it leaves whole when others wait
     adaptive.any_thread = (False,) + (True,) * 4  # a node held to the loop thread
     assert not whole([300.0] * 5)
     adaptive.any_thread = (True,) * 5

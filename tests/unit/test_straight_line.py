@@ -9,6 +9,7 @@ already cancelled, now that it no longer starts with `await asyncio.sleep(0)`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 import weakref
@@ -414,8 +415,8 @@ async def test_a_kernel_error_in_a_later_slice_names_its_node() -> None:
 
 class _ThreadSpin(_Spin):
     """A _Spin that records the thread of each call. With `hold_off_loop_at` n, its n-th
-    call off the loop thread waits for `gate` (a test cancels the execution meanwhile); with
-    `fail_off_loop_at` n, that call raises."""
+    call off the loop thread (counted as calls start, on any worker) waits for `gate` (a
+    test cancels the execution meanwhile); with `fail_off_loop_at` n, that call raises."""
 
     def __init__(self, seconds: float, fail_at: int = 0) -> None:
         super().__init__(seconds, fail_at)
@@ -424,11 +425,17 @@ class _ThreadSpin(_Spin):
         self.hold_off_loop_at = self.fail_off_loop_at = 0
         self.gate = threading.Event()
         self.held = threading.Event()
+        self._off_loop = itertools.count(1)
+
+    def clear(self) -> None:
+        """Forget the calls so far: the next call off the loop is the first again."""
+        self.threads.clear()
+        self._off_loop = itertools.count(1)
 
     def __call__(self, x: int) -> int:
         me = threading.get_ident()
         if me != self.loop_thread:
-            off_loop = sum(t != self.loop_thread for t in self.threads) + 1
+            off_loop = next(self._off_loop)  # atomic under the GIL
             if off_loop == self.hold_off_loop_at:
                 self.held.set()
                 assert self.gate.wait(10)
@@ -465,7 +472,7 @@ async def test_overlapping_long_executions_run_one_straight_line_on_a_worker() -
     kernel = _ThreadSpin(0.0004)
     async with Executor(_movable_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
         await _warm(ex)
-        kernel.threads.clear()
+        kernel.clear()
         assert await asyncio.gather(ex.execute(0), ex.execute(0)) == [8, 8]
         loop_thread = threading.get_ident()
         assert kernel.threads.count(loop_thread) == 8
@@ -473,23 +480,23 @@ async def test_overlapping_long_executions_run_one_straight_line_on_a_worker() -
         assert len(others) == 8 and len(set(others)) == 1  # one worker ran the whole line
         stats = ex.statistics()
         assert stats.worker_executions == 1 and stats.frames.in_use == 0
-        kernel.threads.clear()
+        kernel.clear()
         assert await ex.execute(0) == 8  # alone, it stays on the loop
         assert set(kernel.threads) == {loop_thread}
         assert ex.statistics().worker_executions == 1
 
 
 async def _four_callers_reach_a_worker(ex: Executor, kernel: _ThreadSpin) -> LoopBudget:
-    """Alone, the 2-node line never left the loop; four callers of it at once: the first runs
-    on the loop, some on a worker, and no frame stays in use. The loop's budget, after."""
+    """Alone, the 2-node line never left the loop; four callers of it at once: some run on a
+    worker (lines queue for the workers, however many run there already), and no frame
+    stays in use. The loop's budget, after."""
     assert ex.statistics().worker_executions == 0
-    kernel.threads.clear()
+    kernel.clear()
     assert await asyncio.gather(*(ex.execute(0) for _ in range(4))) == [2] * 4
     stats = ex.statistics()
     assert stats.worker_executions >= 1 and stats.frames.in_use == 0
     loop_thread = threading.get_ident()
-    assert loop_thread in kernel.threads  # the first ran on the loop
-    assert any(t != loop_thread for t in kernel.threads)  # and some on a worker
+    assert any(t != loop_thread for t in kernel.threads)  # some on a worker
     budget = ex._scheduler.state.budget
     assert budget is not None
     return budget
@@ -498,9 +505,9 @@ async def _four_callers_reach_a_worker(ex: Executor, kernel: _ThreadSpin) -> Loo
 @needs_two_cpus
 @pytest.mark.asyncio(loop_factories=["asyncio"])  # a loop whose queues the budget can see
 async def test_a_short_line_that_finds_the_loop_contended_goes_to_a_worker() -> None:
-    """Four callers at once of a 0.6 ms line (under a 1 ms slice): the first runs on the loop,
-    the next finds the slice spent with the other callers waiting, and rather than wait a loop
-    iteration it runs on a worker beside the loop. One caller alone never leaves the loop."""
+    """Four callers at once of a 0.6 ms line (under a 1 ms slice): a line that finds the slice
+    spent with the other callers waiting runs on a worker beside the loop rather than wait a
+    loop iteration. One caller alone never leaves the loop."""
     kernel = _ThreadSpin(0.0003)
     config = ExecutorConfig(profile_executions=1, loaded_heavy_node_us=1e9)  # whole lines only
     async with Executor(_movable_chain(kernel, 2), config) as ex:
@@ -528,6 +535,34 @@ async def test_with_callers_queued_a_line_that_fits_the_slice_goes_to_an_idle_wo
         assert budget.statistics().deferred == 0  # never spent
 
 
+@needs_two_cpus
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # a loop whose queues the budget can see
+async def test_lines_queue_for_the_workers_while_one_runs_there() -> None:
+    """With one line held on a worker, the next contended line still goes to the workers
+    (the other thread takes it), not to the loop: a cap of lines on workers left the loop
+    running segments while a worker that finished waited for it (StraightRunner)."""
+    kernel = _ThreadSpin(0.0003)
+    config = ExecutorConfig(profile_executions=1, loaded_heavy_node_us=1e9, loop_slice_s=0.05)
+    async with Executor(_movable_chain(kernel, 2), config) as ex:
+        for _ in range(20):
+            assert await ex.execute(0) == 2
+        kernel.clear()
+        kernel.hold_off_loop_at = 1  # the first unit off the loop waits for the gate
+        calls = [asyncio.create_task(ex.execute(0)) for _ in range(4)]
+        try:
+            assert await asyncio.to_thread(kernel.held.wait, 10)
+            loop_thread = threading.get_ident()
+            deadline = time.monotonic() + 10
+            while not any(t != loop_thread for t in kernel.threads):  # the held one records
+                assert time.monotonic() < deadline, "no second line reached a worker"  # later
+                await asyncio.sleep(0.005)
+        finally:
+            kernel.gate.set()
+        assert await asyncio.gather(*calls) == [2] * 4
+        stats = ex.statistics()
+        assert stats.worker_executions >= 2 and stats.frames.in_use == 0
+
+
 @pytest.mark.asyncio(loop_factories=["uvloop"])
 async def test_where_the_loop_hides_its_queues_a_short_line_waits_for_the_loop() -> None:
     """uvloop does not show what waits on it, so a refused short line retries on the loop
@@ -551,7 +586,7 @@ async def test_the_bar_keeps_overlapping_executions_on_the_loop(config: dict[str
         _movable_chain(kernel, 8), ExecutorConfig(profile_executions=1, **config)
     ) as ex:
         await _warm(ex)
-        kernel.threads.clear()
+        kernel.clear()
         assert await asyncio.gather(ex.execute(0), ex.execute(0)) == [8, 8]
         assert set(kernel.threads) == {threading.get_ident()}
         assert ex.statistics().worker_executions == 0
@@ -561,7 +596,7 @@ async def test_a_placement_hint_keeps_the_straight_line_on_the_loop() -> None:
     kernel = _ThreadSpin(0.0004)
     async with Executor(_spin_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
         await _warm(ex)  # every node hinted "inline": the loop thread is asked for
-        kernel.threads.clear()
+        kernel.clear()
         assert await asyncio.gather(ex.execute(0), ex.execute(0)) == [8, 8]
         assert set(kernel.threads) == {threading.get_ident()}
         assert ex.statistics().worker_executions == 0
@@ -574,7 +609,7 @@ async def test_a_cancelled_straight_line_on_a_worker_runs_no_further_unit() -> N
     kernel = _ThreadSpin(0.0004)
     async with Executor(_movable_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
         await _warm(ex)
-        kernel.threads.clear()
+        kernel.clear()
         kernel.hold_off_loop_at = 3
         tasks = {asyncio.create_task(ex.execute(0)) for _ in range(2)}
         assert await asyncio.to_thread(kernel.held.wait, 10)  # a worker is at unit 3
@@ -600,7 +635,7 @@ async def test_a_kernel_error_on_a_worker_straight_line_names_its_node() -> None
     kernel = _ThreadSpin(0.0004)
     async with Executor(_movable_chain(kernel, 8), ExecutorConfig(profile_executions=1)) as ex:
         await _warm(ex)
-        kernel.threads.clear()
+        kernel.clear()
         kernel.fail_off_loop_at = 6  # the worker's 6th unit
         results = await asyncio.gather(ex.execute(0), ex.execute(0), return_exceptions=True)
         assert 8 in results  # the one on the loop
