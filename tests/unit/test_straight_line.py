@@ -456,7 +456,8 @@ def _movable_chain(kernel: _Spin, length: int) -> Any:
 
 
 needs_two_cpus = pytest.mark.skipif(
-    usable_cpus() < 2, reason="a straight line goes to a worker only beside a CPU for the loop"
+    usable_cpus() < 2, reason="a line on a worker overlaps the loop only on a second CPU, and "
+    "the pool has a thread per CPU (two are needed)"
 )
 
 
