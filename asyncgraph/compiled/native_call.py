@@ -68,7 +68,9 @@ import torch
 
 from asyncgraph.errors import AsyncGraphError
 
-# Set to "binding" to call every compiled segment through torch's binding (read at load).
+# How compiled segments are called (read at load): "native" (the default: natively, and
+# small models through torch's binding on the event loop's thread, loop_call.py),
+# "native-only", or "binding" (torch's binding everywhere).
 CALL_ENV = "ASYNCGRAPH_AOTI_CALL"
 
 _VOID_P = ctypes.c_void_p
@@ -137,9 +139,14 @@ class _Entry(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("handle", _VOID_P)]
 
 
+def call_mode() -> str:
+    """ASYNCGRAPH_AOTI_CALL's value, lower case ("native" when unset)."""
+    return os.environ.get(CALL_ENV, "native").strip().lower()
+
+
 def native_calls_enabled() -> bool:
     """False when ASYNCGRAPH_AOTI_CALL=binding asks for torch's binding everywhere."""
-    return os.environ.get(CALL_ENV, "native").strip().lower() != "binding"
+    return call_mode() != "binding"
 
 
 _new_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors  # capsules of at::Tensor*
@@ -314,6 +321,17 @@ class NativeContainer:
         """The weights the model takes as constants (what load_constants accepts)."""
         return list(self._constants)
 
+    @property
+    def constant_bytes(self) -> int:
+        """The bytes of the constants the model takes (padded; not those it folds)."""
+        return sum(size for _, size, _ in self._constants.values())
+
+    @property
+    def swaps_natively(self) -> bool:
+        """Whether load_constants keeps this container native (False on torch 2.11 models:
+        the first swap moves it to torch's binding)."""
+        return self._binding is None and self.model.copy_update is not None
+
     def run(self, args: list[torch.Tensor]) -> list[torch.Tensor]:
         """The model's outputs on `args`; the GIL is released while the model runs."""
         if self._binding is not None:
@@ -400,17 +418,22 @@ def _delete(model: NativeModel, handle: int) -> None:
 class CheckedContainer:
     """A segment's first native container: its first call is compared with torch's binding
     on the same inputs. `on_mismatch(reason)` is told when they differ; the calls then go to
-    the binding. The verdict is kept under `digest` (the model's; none when ""). Until the
+    the binding. When they agree, `pair(native, reference)` makes what the calls go to (the
+    native container with the binding kept beside it, loop_call.py), else the native
+    container alone. The verdict is kept under `digest` (the model's; none when ""). Until the
     check, a swap loads both."""
 
     def __init__(self, native: NativeContainer, reference: Any,
-                 on_mismatch: Callable[[str], None] | None = None, digest: str = "") -> None:
+                 on_mismatch: Callable[[str], None] | None = None, digest: str = "",
+                 pair: Callable[[NativeContainer, Any], Any] | None = None) -> None:
         self.native = native
         self._digest = digest
         self._reference: Any = reference
         self._on_mismatch = on_mismatch
+        self._pair = pair
         self._lock = threading.Lock()
         self._checked = False
+        self._chosen: Any = None  # what the calls go to once checked
         self._kind = "native (unchecked)"  # until the check, or "binding (why)" after it
         # rebound to the chosen container's own methods once checked: no layer per call
         self.run: Callable[[list[torch.Tensor]], list[torch.Tensor]] = self._first_run
@@ -418,8 +441,9 @@ class CheckedContainer:
 
     @property
     def kind(self) -> str:
-        """"native" (checked), "native (unchecked)", or "binding (why)"."""
-        return self.native.kind if self._kind == "native" else self._kind
+        """"native" (checked), "native (unchecked)", or "binding (why)"; the pair's when
+        one was made."""
+        return self._chosen.kind if self._kind == "native" else self._kind
 
     def get_constant_fqns(self) -> list[str]:
         return self.native.get_constant_fqns()
@@ -437,12 +461,16 @@ class CheckedContainer:
         if self._digest:
             with _VERDICTS_LOCK:
                 _VERDICTS[self._digest] = reason or ""
-        chosen: Any = self.native if reason is None else self._reference
+        if reason is None:
+            chosen = self.native if self._pair is None else self._pair(self.native,
+                                                                       self._reference)
+        else:
+            chosen = self._reference
         self.run, self.load_constants = chosen.run, chosen.load_constants
-        self._checked = True
+        self._chosen, self._checked = chosen, True
         if reason is None:
             self._kind = "native"
-            self._reference = None  # its container and copy of the model go
+            self._reference = None  # its container and copy of the model go, unless paired
             return mine
         self._kind = f"binding ({reason})"
         if self._on_mismatch is not None:

@@ -43,11 +43,13 @@ from torch.export import ExportedProgram
 # and a caller may reach it (compile_program's load-back) without asyncgraph.loading
 from asyncgraph.compiled import package_members  # noqa: F401
 from asyncgraph.compiled.delegate import AOTIDelegate
+from asyncgraph.compiled.loop_call import LoopBindingContainer, wants_loop_binding
 from asyncgraph.compiled.native_call import (
     CALL_ENV,
     CheckedContainer,
     NativeModel,
     NativeUnavailable,
+    call_mode,
     checked_verdict,
     native_calls_enabled,
 )
@@ -346,12 +348,15 @@ def segment_containers(
         return binding(), binding, f"binding ({verdict})"
 
     def container() -> Any:
-        """Native, checked on its first call until this process has the model's verdict."""
+        """Native, checked on its first call until this process has the model's verdict;
+        a small model's with torch's binding beside it for calls on the loop (loop_call.py)."""
         verdict = checked_verdict(model.digest)
         if verdict:
             return binding()
         native = model.container(runners, binding)
-        return native if verdict == "" else CheckedContainer(native, binding(), None,
-                                                             model.digest)
+        pair = LoopBindingContainer if wants_loop_binding(native, call_mode()) else None
+        if verdict == "":
+            return native if pair is None else pair(native, binding())
+        return CheckedContainer(native, binding(), None, model.digest, pair)
 
     return container(), container, "native"

@@ -1224,7 +1224,8 @@ async def test_native_calls_of_a_bert_like_model(bert_package: Path, leak_check:
             torch.testing.assert_close(await ex.execute(ids), await plain.execute(ids), **TOL)
             assert all(torch.equal(a, b) for a, b in zip(native.run([ids]), binding.run([ids]),
                                                          strict=True))
-        assert ex.graph.node("aoti_segment_0").target.statistics()["call"] == "native"
+        assert (ex.graph.node("aoti_segment_0").target.statistics()["call"]
+                == "native, torch's binding on the event loop's thread")  # a small model
     finally:
         await ex.aclose()
         await plain.aclose()
@@ -1407,16 +1408,103 @@ def test_a_native_call_that_disagrees_with_the_binding_falls_back() -> None:
     assert agreeing.kind == "native" and len(told) == 1
 
 
+async def test_a_paired_container_calls_the_binding_on_the_loop_and_natively_elsewhere(
+    leak_check: Any,
+) -> None:
+    """LoopBindingContainer: a call on a thread running an event loop goes through torch's
+    binding, one on any other thread through the native container; a swap loads both. A
+    native container that cannot take the copy (a torch 2.11 model) goes at the swap, and
+    the binding runs every call from then on."""
+    from asyncgraph.compiled.loop_call import LoopBindingContainer
+
+    native, binding = _Outputs(torch.ones(2)), _Outputs(torch.zeros(2))
+    native.swaps_natively = True  # type: ignore[attr-defined]
+    pair = LoopBindingContainer(native, binding)  # type: ignore[arg-type]
+    assert torch.equal(pair.run([torch.ones(1)])[0], torch.zeros(2))  # on the loop
+    assert torch.equal((await asyncio.to_thread(pair.run, [torch.ones(1)]))[0], torch.ones(2))
+    assert (native.calls, binding.calls) == (1, 1)
+    pair.load_constants({"w": torch.ones(1)}, False, False)
+    assert len(native.loaded) == len(binding.loaded) == 1
+    assert pair.kind == "native, torch's binding on the event loop's thread"
+
+    old = _Outputs(torch.ones(2))
+    old.swaps_natively = False  # type: ignore[attr-defined]
+    pair = LoopBindingContainer(old, binding)  # type: ignore[arg-type]
+    pair.load_constants({"w": torch.ones(1)}, False, False)
+    assert not old.loaded and len(binding.loaded) == 2
+    assert torch.equal((await asyncio.to_thread(pair.run, [torch.ones(1)]))[0], torch.zeros(2))
+    assert old.calls == 0 and pair.kind.startswith("binding (swapped on a model without")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("update", _update_modes())
+async def test_a_swap_reaches_both_containers_of_a_pair(
+    compiled: Compiled, update: str, leak_check: Any
+) -> None:
+    """A real model's pair gives, on the loop and off it, what torch's binding gives on the
+    same weights, before and after a swap ("binding": the native side cannot take the copy,
+    as on a torch 2.11 model, and goes)."""
+    from asyncgraph.compiled.loop_call import LoopBindingContainer
+
+    path = compiled.path("whole")
+    native, binding = _segment_pair(path)
+    if update == "binding":
+        native.model.copy_update = None
+    _, reference = _segment_pair(path)
+    pair = LoopBindingContainer(native, binding)
+    x = torch.randn(5, 8)
+    new = {f: t + 0.5 for f, t in _compiled_in(path).items()}
+    for weights in (None, new):
+        if weights is not None:
+            pair.load_constants(weights, False, False)
+            reference.load_constants(weights, False, False)
+        expected = reference.run([x])[0]
+        assert torch.equal(pair.run([x])[0], expected)  # on the loop: the binding
+        assert torch.equal((await asyncio.to_thread(pair.run, [x]))[0], expected)
+    assert pair.kind == ("native, torch's binding on the event loop's thread" if update == "copy"
+                         else "binding (swapped on a model without a copy update: torch 2.11)")
+
+
+@pytest.mark.timeout(120)
+async def test_only_small_models_get_the_binding_beside_them(
+    compiled: Compiled, monkeypatch: pytest.MonkeyPatch, leak_check: Any
+) -> None:
+    """The pair costs a second copy of the constants: a model whose constants exceed
+    LOOP_BINDING_MAX_BYTES, or any under ASYNCGRAPH_AOTI_CALL=native-only, is called
+    natively alone; the results are the same."""
+    from asyncgraph.compiled import loop_call, native_call
+
+    x = torch.randn(4, 8)
+    results, calls = [], []
+    for how in ("small", "large", "native-only"):
+        with monkeypatch.context() as patch:
+            if how == "large":
+                patch.setattr(loop_call, "LOOP_BINDING_MAX_BYTES", 0)
+            elif how == "native-only":
+                patch.setenv(native_call.CALL_ENV, "native-only")
+            ex = asyncgraph.load(compiled.path("whole"), trust_compiled=True)
+        try:
+            results.append(await ex.execute(x))
+            calls.append(ex.graph.node("aoti_segment_0").target.statistics()["call"])
+        finally:
+            await ex.aclose()
+    assert calls == ["native, torch's binding on the event loop's thread", "native", "native"]
+    for result in results[1:]:
+        assert torch.equal(result, results[0])
+
+
 @pytest.mark.timeout(120)
 async def test_a_model_is_checked_against_the_binding_once_per_process(
     compiled: Compiled, monkeypatch: pytest.MonkeyPatch, leak_check: Any
 ) -> None:
     """The first load's first call is checked against torch's binding; a second load of the
     same model reuses the verdict and never loads the binding (each model load keeps memory
-    the process never gets back). A remembered disagreement sends later loads to the binding."""
+    the process never gets back). A remembered disagreement sends later loads to the binding.
+    (native-only: a small model's pair keeps a binding by design, loop_call.py.)"""
     from asyncgraph.compiled import native_call
 
     monkeypatch.setattr(native_call, "_VERDICTS", {})
+    monkeypatch.setenv(native_call.CALL_ENV, "native-only")
     loads: list[Any] = []
     real = torch._C._aoti.AOTIModelPackageLoader
 
@@ -1473,7 +1561,8 @@ async def test_the_binding_is_used_where_asked_or_where_the_c_path_is_missing(
             calls.append(ex.graph.node("aoti_segment_0").target.statistics()["call"])
         finally:
             await ex.aclose()
-    assert calls == ["native", "binding (ASYNCGRAPH_AOTI_CALL=binding)",
+    assert calls == ["native, torch's binding on the event loop's thread",
+                     "binding (ASYNCGRAPH_AOTI_CALL=binding)",
                      "binding (aoti_segment_0: no C entry points)"]
     for result in results[1:]:
         assert torch.equal(result, results[0])
