@@ -1466,34 +1466,6 @@ async def test_a_swap_reaches_both_containers_of_a_pair(
 
 
 @pytest.mark.timeout(120)
-async def test_only_small_models_get_the_binding_beside_them(
-    compiled: Compiled, monkeypatch: pytest.MonkeyPatch, leak_check: Any
-) -> None:
-    """The pair costs a second copy of the constants: a model whose constants exceed
-    LOOP_BINDING_MAX_BYTES, or any under ASYNCGRAPH_AOTI_CALL=native-only, is called
-    natively alone; the results are the same."""
-    from asyncgraph.compiled import loop_call, native_call
-
-    x = torch.randn(4, 8)
-    results, calls = [], []
-    for how in ("small", "large", "native-only"):
-        with monkeypatch.context() as patch:
-            if how == "large":
-                patch.setattr(loop_call, "LOOP_BINDING_MAX_BYTES", 0)
-            elif how == "native-only":
-                patch.setenv(native_call.CALL_ENV, "native-only")
-            ex = asyncgraph.load(compiled.path("whole"), trust_compiled=True)
-        try:
-            results.append(await ex.execute(x))
-            calls.append(ex.graph.node("aoti_segment_0").target.statistics()["call"])
-        finally:
-            await ex.aclose()
-    assert calls == ["native, torch's binding on the event loop's thread", "native", "native"]
-    for result in results[1:]:
-        assert torch.equal(result, results[0])
-
-
-@pytest.mark.timeout(120)
 async def test_a_model_is_checked_against_the_binding_once_per_process(
     compiled: Compiled, monkeypatch: pytest.MonkeyPatch, leak_check: Any
 ) -> None:
@@ -1537,18 +1509,25 @@ async def test_a_model_is_checked_against_the_binding_once_per_process(
 
 
 @pytest.mark.timeout(120)
-async def test_the_binding_is_used_where_asked_or_where_the_c_path_is_missing(
+async def test_how_a_segment_is_called_follows_the_environment_and_the_model(
     compiled: Compiled, monkeypatch: pytest.MonkeyPatch, leak_check: Any
 ) -> None:
-    """ASYNCGRAPH_AOTI_CALL=binding, or a model without the C entry points, loads the
-    segments on torch's binding; the results are the same and statistics say why."""
-    from asyncgraph.compiled import native_call
+    """A small model's segment gets torch's binding beside its native container for calls on
+    the loop; one whose constants exceed LOOP_BINDING_MAX_BYTES (the pair's second copy of
+    them), or any under ASYNCGRAPH_AOTI_CALL=native-only, is called natively alone;
+    ASYNCGRAPH_AOTI_CALL=binding, or a model without the C entry points, loads the segments
+    on torch's binding. The results are the same and statistics say which and why."""
+    from asyncgraph.compiled import loop_call, native_call
 
     x = torch.randn(4, 8)
     results, calls = [], []
-    for how in ("native", "env", "missing"):
+    for how in ("native", "large", "native-only", "env", "missing"):
         with monkeypatch.context() as patch:
-            if how == "env":
+            if how == "large":
+                patch.setattr(loop_call, "LOOP_BINDING_MAX_BYTES", 0)
+            elif how == "native-only":
+                patch.setenv(native_call.CALL_ENV, "native-only")
+            elif how == "env":
                 patch.setenv(native_call.CALL_ENV, "binding")
             elif how == "missing":
                 def missing(package: Any, segment: str) -> Any:
@@ -1561,7 +1540,7 @@ async def test_the_binding_is_used_where_asked_or_where_the_c_path_is_missing(
             calls.append(ex.graph.node("aoti_segment_0").target.statistics()["call"])
         finally:
             await ex.aclose()
-    assert calls == ["native, torch's binding on the event loop's thread",
+    assert calls == ["native, torch's binding on the event loop's thread", "native", "native",
                      "binding (ASYNCGRAPH_AOTI_CALL=binding)",
                      "binding (aoti_segment_0: no C entry points)"]
     for result in results[1:]:
