@@ -12,14 +12,15 @@ Measured in place (each step timed inside the executor's path, 20,000 calls, 202
 on handles and stealing. Through the binding on the loop, the whole execution took 0.97x
 ONNX Runtime's time against 1.23x natively, in the same process.
 
-The binding is a second container, with its own copy of the constants, and each load of it
-keeps ~0.34 MB the process never gets back (native_call's docstring). So only a segment whose
-constants take at most LOOP_BINDING_MAX_BYTES gets one: at batch 1 such a model reads its
-weights in about 100 us or less, where the call's fixed cost is a sixth of the run or more. A
-larger model gains nothing and loses under load: tiny BERT paired (4.6 MB, a 340 us run) took
-612 against 592 us at batch 1, and 64 callers got 0.66x ONNX Runtime's throughput against
-0.99x, since a run on the loop then holds the GIL that the workers need between their runs.
-ASYNCGRAPH_AOTI_CALL=native-only calls every segment natively.
+The binding is a second container, with its own copy of the constants (folded ones included),
+and each load of it keeps ~0.34 MB the process never gets back (native_call's docstring). So
+only a segment whose constants take at most LOOP_BINDING_MAX_BYTES gets one: at batch 1 such a
+model reads its weights in about 100 us or less, where the call's fixed cost is a sixth of the
+run or more. A larger model gains nothing and loses under load: tiny BERT paired (2.1 MB of
+constants, a 340 us run; its binding grew the process by 4.6 MB) took 612 against 592 us at
+batch 1, and 64 callers got 0.66x ONNX Runtime's throughput against 0.99x, since a run on the
+loop then holds the GIL that the workers need between their runs. ASYNCGRAPH_AOTI_CALL=native-
+only calls every segment natively.
 """
 
 from __future__ import annotations

@@ -294,9 +294,10 @@ class NativeContainer:
     def _read_constants(self) -> dict[str, tuple[bytes, int, int]]:
         """fqn -> (constant name, data size in bytes, dtype code) of the constants the model
         takes (not those it folds from them). Notes whether it folds any (a model compiled
-        without runtime folding warns on every fold call)."""
+        without runtime folding warns on every fold call) and the bytes of all of them."""
         found = {}
         self._folds = False
+        self.constant_bytes = 0  # every constant's, folded ones included (padded)
         for i in range(self._count("AOTInductorModelContainerGetNumConstants")):
             name, fqn = ctypes.c_char_p(), ctypes.c_char_p()
             folded, size, dtype = ctypes.c_bool(), _SIZE_T(), ctypes.c_int32()
@@ -306,6 +307,7 @@ class NativeContainer:
                 self.model.check(self.model.function("AOTInductorModelContainer" + symbol)(
                     self._handle, i, ctypes.byref(out)), symbol)
             self._folds |= folded.value
+            self.constant_bytes += size.value
             if not folded.value and name.value is not None and fqn.value is not None:
                 found[fqn.value.decode()] = (name.value, size.value, dtype.value)
         return found
@@ -320,11 +322,6 @@ class NativeContainer:
     def get_constant_fqns(self) -> list[str]:
         """The weights the model takes as constants (what load_constants accepts)."""
         return list(self._constants)
-
-    @property
-    def constant_bytes(self) -> int:
-        """The bytes of the constants the model takes (padded; not those it folds)."""
-        return sum(size for _, size, _ in self._constants.values())
 
     @property
     def swaps_natively(self) -> bool:
