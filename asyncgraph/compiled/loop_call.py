@@ -19,8 +19,8 @@ model reads its weights in about 100 us or less, where the call's fixed cost is 
 run or more. A larger model gains nothing and loses under load: tiny BERT paired (2.1 MB of
 constants, a 340 us run; its binding grew the process by 4.6 MB) took 612 against 592 us at
 batch 1, and 64 callers got 0.66x ONNX Runtime's throughput against 0.99x, since a run on the
-loop then holds the GIL that the workers need between their runs. ASYNCGRAPH_AOTI_CALL=native-
-only calls every segment natively.
+loop then holds the GIL that the workers need between their runs.
+ASYNCGRAPH_AOTI_CALL=native-only calls every segment natively.
 """
 
 from __future__ import annotations
