@@ -88,9 +88,9 @@ class StraightRunner:
         A batch that fits stays on the loop though callers queue: they are the batch's own
         callers, whose per-request Python keeps the loop busy holding the GIL, so a worker
         waits for it before and after the kernel. 64 callers of the autotuned MLP, batched
-        (a 32-row batch: 180-300 us): 24,732 requests/s with such batches on workers against
-        30,659 with them inline; unbatched callers of tiny BERT, 0.71x ONNX Runtime via
-        to_thread with their lines inline and 1.01x on workers (2026-11-27).
+        (a 32-row batch: 180-300 us): 24,084 requests/s with such batches on workers against
+        29,515 with them inline (in-process A/B); unbatched callers of tiny BERT read 0.71x
+        ONNX Runtime via to_thread with their lines kept inline, 1.01x on workers (2026-11-27).
         """
         state = self.state
         budget = state.budget if state.budget is not None else state.bind()
