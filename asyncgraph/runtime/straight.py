@@ -66,9 +66,6 @@ class StraightRunner:
         self._inference_mode = config.inference_mode
         bar = config.worker_execution_node_us
         self._worker_node_s = float("inf") if bar is None else bar * 1e-6
-        # A line that fits the slice leaves for a worker because callers queue, unless the
-        # executions are batches; see admit
-        self._queued_callers_hand_off = config.batching is None
         self.retry: ExecutionFrame | None = None  # refused for a spent slice: see run_now
         self.to_worker: ExecutionFrame | None = None  # refused for an idle worker: see run_now
         self.worker_executions = 0  # straight lines run on a worker thread (hand_off)
@@ -84,13 +81,6 @@ class StraightRunner:
 
         A 0.42 ms compiled BERT segment finds the slice spent every third execution of one
         caller: 3-4% less time per execution with the retry than through the dataflow.
-
-        A batch that fits stays on the loop though callers queue: they are the batch's own
-        callers, whose per-request Python keeps the loop busy holding the GIL, so a worker
-        waits for it before and after the kernel. 64 callers of the autotuned MLP, batched
-        (a 32-row batch: 180-300 us): 24,084 requests/s with such batches on workers against
-        29,515 with them inline (in-process A/B); unbatched callers of tiny BERT read 0.71x
-        ONNX Runtime via to_thread with their lines kept inline, 1.01x on workers (2026-11-27).
         """
         state = self.state
         budget = state.budget if state.budget is not None else state.bind()
@@ -101,8 +91,7 @@ class StraightRunner:
             if budget.others_wait and self._worth_a_worker(straight):  # extend's peek
                 return TO_WORKER
             return RETRY
-        if (self._queued_callers_hand_off and self._worth_a_worker(straight)
-                and budget.others_queued()):
+        if self._worth_a_worker(straight) and budget.others_queued():
             return TO_WORKER
         return start
 

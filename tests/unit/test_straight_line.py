@@ -564,40 +564,6 @@ async def test_lines_queue_for_the_workers_while_one_runs_there() -> None:
         assert stats.worker_executions >= 2 and stats.frames.in_use == 0
 
 
-@pytest.mark.asyncio(loop_factories=["asyncio"])  # a loop whose queues the budget can see
-async def test_a_batch_that_fits_the_slice_stays_on_the_loop_though_callers_queue() -> None:
-    """With callers queued on the loop, an unbatched line that fits the slice is sent to the
-    workers; a batch is not: its queued callers are its own, whose Python keeps the loop
-    holding the GIL that a worker needs around the kernel (StraightRunner.admit)."""
-    from torch.export import Dim
-
-    from asyncgraph import BatchingConfig
-    from asyncgraph.runtime.straight import TO_WORKER
-
-    with torch.inference_mode(False):
-        ep = torch.export.export(torch.nn.Linear(8, 8).eval(), (torch.randn(2, 8),),
-                                 dynamic_shapes=({0: Dim("batch", max=64)},))
-    loop = asyncio.get_running_loop()
-    answers = []
-    for batching in (None, BatchingConfig(max_batch_size=4)):
-        config = ExecutorConfig(batching=batching, profile_executions=1, loop_slice_s=0.05,
-                                worker_execution_node_us=0.0, loaded_heavy_node_us=1e9)
-        async with Executor(ep, config) as ex:
-            for _ in range(5):
-                await ex.execute(torch.randn(1, 8))
-            cache = ex._schedules._cache.values()
-            lines = [s.straight for _, s in cache if s.straight is not None]
-            assert lines, "no straight line was built"
-            queued = [loop.call_soon(lambda: None) for _ in range(3)]  # callers queued
-            try:
-                answers.append(ex._scheduler.straight.admit(lines[0]))
-            finally:
-                for handle in queued:
-                    handle.cancel()
-    assert answers[0] == TO_WORKER
-    assert isinstance(answers[1], float)
-
-
 @pytest.mark.asyncio(loop_factories=["uvloop"])
 async def test_where_the_loop_hides_its_queues_a_short_line_waits_for_the_loop() -> None:
     """uvloop does not show what waits on it, so a refused short line retries on the loop
