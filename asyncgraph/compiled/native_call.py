@@ -144,11 +144,6 @@ def call_mode() -> str:
     return os.environ.get(CALL_ENV, "native").strip().lower()
 
 
-def native_calls_enabled() -> bool:
-    """False when ASYNCGRAPH_AOTI_CALL=binding asks for torch's binding everywhere."""
-    return call_mode() != "binding"
-
-
 _new_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors  # capsules of at::Tensor*
 _steal_outputs = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 

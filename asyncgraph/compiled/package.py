@@ -51,7 +51,6 @@ from asyncgraph.compiled.native_call import (
     NativeUnavailable,
     call_mode,
     checked_verdict,
-    native_calls_enabled,
 )
 from asyncgraph.compiled.packing import PackedConstant
 from asyncgraph.compiled.segments import Segment, _segment, replace_segments
@@ -337,7 +336,8 @@ def segment_containers(
     def binding() -> Any:
         return torch._C._aoti.AOTIModelPackageLoader(package, segment, False, runners, -1)
 
-    if not native_calls_enabled():
+    mode = call_mode()  # read once: every container of the segment is called alike
+    if mode == "binding":
         return binding(), binding, f"binding ({CALL_ENV}=binding)"
     try:
         model = NativeModel.load(package, segment)
@@ -354,7 +354,7 @@ def segment_containers(
         if verdict:
             return binding()
         native = model.container(runners, binding)
-        pair = LoopBindingContainer if wants_loop_binding(native, call_mode()) else None
+        pair = LoopBindingContainer if wants_loop_binding(native, mode) else None
         if verdict == "":
             return native if pair is None else pair(native, binding())
         return CheckedContainer(native, binding(), None, model.digest, pair)
