@@ -31,7 +31,7 @@ def _trace_recorder(graph: Graph) -> Instrument:
 def _script_segments() -> GraphPass:
     from asyncgraph.compiled.scripted import script_segments  # torch.jit on demand
 
-    return script_segments
+    return lambda graph, _config: script_segments(graph)
 
 
 def _onnx_segments() -> GraphPass:
@@ -42,7 +42,8 @@ def _onnx_segments() -> GraphPass:
         raise ImportError(
             f"ExecutorConfig(onnx_segments=True) needs onnxruntime, onnx and onnxscript "
             f"({missing} is missing): {ONNX_EXTRA}", name=exc.name) from exc
-    return onnx_segments
+    return lambda graph, config: onnx_segments(
+        graph, intra_op_threads=config.intra_op_threads_or_default)
 
 
 register_tracer(_trace_recorder)

@@ -71,7 +71,7 @@ class OnnxDelegate:
     def __init__(
         self, name: str, module: torch.fx.GraphModule, model: OnnxModel,
         node_names: Sequence[str], cost: int = 0, *, static: bool = False,
-        weight_names: Sequence[str] = (),
+        weight_names: Sequence[str] = (), intra_op_threads: int = 1,
     ) -> None:
         self.__name__ = name
         self.__qualname__ = name
@@ -80,6 +80,7 @@ class OnnxDelegate:
         self.node_names = tuple(node_names)
         self.cost = cost
         self.weight_names = tuple(weight_names)  # the baked inputs' names in the Weights
+        self.intra_op_threads = intra_op_threads  # each session's (ExecutorConfig's count)
         # the runtime inputs come first, the baked weights after them (the pass orders them)
         self._split = model.baked.count(False)
         if model.baked != (False,) * self._split + (True,) * (len(model.baked) - self._split):
@@ -248,7 +249,8 @@ class OnnxDelegate:
         """A session for `weights`, kept as the latest (the least recently made one dropped
         beyond MAX_SESSIONS); None, with `unbuildable` set, when ONNX Runtime refuses."""
         try:
-            session = _make_session(self.model, self.model.inputs[self._split:], weights)
+            session = _make_session(self.model, self.model.inputs[self._split:], weights,
+                                    self.intra_op_threads)
         except Exception as exc:
             self.unbuildable = _first_line(exc)
             LOG.warning("%s stays plain: ONNX Runtime cannot load it: %s", self.__name__,
@@ -304,15 +306,18 @@ class OnnxDelegate:
                 "checked": sum(1 for v in self._checked.values() if not v),
                 "refused": refused, "unbuildable": self.unbuildable,
                 "pending": len(self._pending_weights) + len(self._pending_checks),
-                "nodes": len(self.node_names), "decomposed": self.model.decomposed}
+                "nodes": len(self.node_names), "decomposed": self.model.decomposed,
+                "intra_op_threads": self.intra_op_threads}
 
     def __repr__(self) -> str:
         return f"OnnxDelegate({self.__name__}, {len(self.node_names)} nodes)"
 
 
-def _make_session(model: OnnxModel, names: Sequence[str], weights: Sequence[Any]) -> _Session:
+def _make_session(
+    model: OnnxModel, names: Sequence[str], weights: Sequence[Any], threads: int = 1
+) -> _Session:
     options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
+    options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

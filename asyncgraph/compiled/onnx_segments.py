@@ -29,8 +29,11 @@ What the delegate promises, as compiled segments do:
   it when the swap happens.
 - **cancellable between segments**: a segment is one node, and the scheduler stops between
   nodes.
-- **the GIL released while it runs**: ONNX Runtime's `run` releases it; sessions use one
-  intra-op thread and sequential execution, so a call runs on its caller's thread only.
+- **the GIL released while it runs**: ONNX Runtime's `run` releases it. Sessions run
+  sequentially with the executor's intra-op thread count (`ExecutorConfig.intra_op_threads`,
+  the count its torch kernels get on a worker: 1 per worker by default, so a call runs on its
+  caller's thread only; `intra_op_threads=2` gives each session a pool of 2, as a user of
+  ONNX Runtime would set for batch-1 latency on an otherwise idle machine).
 
 A call that fails in ONNX Runtime is run again as the fx module: when the plain nodes fail too
 the error names the aten node that failed (as scripted.py's), otherwise the call returns the
@@ -83,10 +86,13 @@ def unexportable_reason(node: Node, graph: Graph) -> str | None:
     return None
 
 
-def plan_onnx_segments(graph: Graph, min_nodes: int | None = None) -> OnnxPlan:
+def plan_onnx_segments(
+    graph: Graph, min_nodes: int | None = None, *, intra_op_threads: int = 1
+) -> OnnxPlan:
     """Each run of at least `min_nodes` (MIN_NODES) exportable aten nodes replaced by an
-    OnnxDelegate node; a run whose export fails keeps its plain nodes, with the reason (an
-    op the exporter cannot translate is left out, and the rest of the run tried again)."""
+    OnnxDelegate node whose sessions use `intra_op_threads`; a run whose export fails keeps
+    its plain nodes, with the reason (an op the exporter cannot translate is left out, and
+    the rest of the run tried again)."""
     min_nodes = MIN_NODES if min_nodes is None else min_nodes
     excluded = {n.index for n in graph.nodes if unexportable_reason(n, graph) is not None}
     weights = {s.value: s.target or "" for s in graph.signature.inputs if s.kind in WEIGHT_KINDS}
@@ -104,7 +110,8 @@ def plan_onnx_segments(graph: Graph, min_nodes: int | None = None) -> OnnxPlan:
             if (segment.start, segment.stop) in done:
                 continue
             try:
-                done[segment.start, segment.stop] = _delegate(graph, segment, weights)
+                done[segment.start, segment.stop] = _delegate(
+                    graph, segment, weights, intra_op_threads)
             except ExportFailed as failed:
                 nodes = segment.nodes(graph)
                 skipped.append(SkippedSegment(tuple(n.name for n in nodes), failed.reason))
@@ -128,8 +135,8 @@ def plan_onnx_segments(graph: Graph, min_nodes: int | None = None) -> OnnxPlan:
                     names, skipped)
 
 
-def _delegate(graph: Graph, segment: Segment,
-              weights: dict[int, str]) -> tuple[Segment, OnnxDelegate]:
+def _delegate(graph: Graph, segment: Segment, weights: dict[int, str],
+              intra_op_threads: int) -> tuple[Segment, OnnxDelegate]:
     """The segment with its runtime inputs before its weights (a call then finds them by
     slicing), and its delegate (named by the caller); or ExportFailed."""
     segment = dataclasses.replace(segment, inputs=(
@@ -148,12 +155,15 @@ def _delegate(graph: Graph, segment: Segment,
     delegate = OnnxDelegate(
         "onnx_segment", module, model, [n.name for n in nodes],
         sum(estimate_cost(n, graph) for n in nodes), static=static,
-        weight_names=[weights[v] for v in segment.inputs if v in weights])
+        weight_names=[weights[v] for v in segment.inputs if v in weights],
+        intra_op_threads=intra_op_threads)
     return segment, delegate
 
 
-def onnx_segments(graph: Graph, min_nodes: int | None = None) -> tuple[Graph, list[str]]:
+def onnx_segments(
+    graph: Graph, min_nodes: int | None = None, *, intra_op_threads: int = 1
+) -> tuple[Graph, list[str]]:
     """The optional pass `ExecutorConfig(onnx_segments=True)` runs: `plan_onnx_segments`'s
     graph and delegate names."""
-    plan = plan_onnx_segments(graph, min_nodes)
+    plan = plan_onnx_segments(graph, min_nodes, intra_op_threads=intra_op_threads)
     return plan.graph, plan.names

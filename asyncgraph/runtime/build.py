@@ -156,12 +156,12 @@ def build(
         graph, kernels, folder = fold_constants(graph, kernels)
     scripted: list[str] = []
     if config.script_segments:
-        graph, scripted = optional_pass("script_segments")(graph)  # compiled/scripted.py
+        graph, scripted = optional_pass("script_segments")(graph, config)  # compiled/scripted.py
         if scripted:
             kernels = factory.create(graph)
     onnx: list[str] = []
     if config.onnx_segments:
-        graph, onnx = optional_pass("onnx_segments")(graph)  # compiled/onnx_segments.py
+        graph, onnx = optional_pass("onnx_segments")(graph, config)  # compiled/onnx_segments.py
         if onnx:
             kernels = factory.create(graph)
     plan = build_plan(graph, kernels, config)

@@ -292,9 +292,10 @@ class ExecutorConfig:
             the `asyncgraph[onnxruntime]` extra): exported when the Executor is built (a run
             the exporter refuses keeps its plain nodes, with the reason logged), checked
             against the plain nodes on the first call of each input signature, weights baked
-            in per weights version (a swap makes a new session), one intra-op thread, the GIL
-            released. Off by default: building exports each run (seconds), and its nodes are
-            profiled and traced as one and cancellable only between segments.
+            in per weights version (a swap makes a new session), `intra_op_threads` threads
+            per session (1 by default), the GIL released. Off by default: building exports
+            each run (seconds), and its nodes are profiled and traced as one and cancellable
+            only between segments.
         max_fused_nodes: the longest run of consecutive inline nodes compiled into one
             straight-line function (a unit); 1 runs every node as its own unit.
         cuda_streams: CUDA streams per device that one execution spreads its CUDA nodes over

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:  # `import asyncgraph` registers passes here without importing torch
     from asyncgraph.graph.ir import Graph
+    from asyncgraph.runtime.config import ExecutorConfig
 
-# A pass that replaces parts of a graph by delegate nodes: the new graph and their names.
-GraphPass: TypeAlias = "Callable[[Graph], tuple[Graph, list[str]]]"
+# A pass that replaces parts of a graph by delegate nodes, given the executor's configuration
+# (what it reads of it is its own business): the new graph and their names.
+GraphPass: TypeAlias = "Callable[[Graph, ExecutorConfig], tuple[Graph, list[str]]]"
 
 _PASSES: dict[str, Callable[[], GraphPass]] = {}
 

@@ -208,6 +208,25 @@ async def test_outputs_that_differ_from_the_plain_nodes_keep_the_signature_plain
     assert reason.startswith("output 0 differs from the plain nodes' by up to")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_sessions_run_with_the_executors_intra_op_thread_count(threads: int) -> None:
+    """A session's intra-op pool is ExecutorConfig.intra_op_threads, the count the executor's
+    torch kernels get (one by default: a call runs on its caller's thread only; two for a
+    latency-bound user, as they would set ONNX Runtime's own); the results are the same."""
+    model, x = MLP(), torch.randn(2, 64)
+    config = ExecutorConfig(onnx_segments=True, intra_op_threads=threads)
+    async with Executor(export_model(model, x), config) as ex:
+        for _ in range(3):
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x),
+                                       rtol=1e-4, atol=1e-5)
+        (delegate,) = _delegates(ex)
+        stats = delegate.statistics()
+        session = delegate._latest
+    assert stats["intra_op_threads"] == threads and stats["onnx_calls"] >= 1
+    assert session is not None
+    assert session.session.get_session_options().intra_op_num_threads == threads
+
+
 async def test_a_weights_swap_runs_the_new_weights() -> None:
     """Weights are baked into the session: a swap makes a second session (the first call on
     the new version runs the plain nodes meanwhile); executions get the new results."""
