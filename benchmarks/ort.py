@@ -23,9 +23,8 @@ Latency (one caller): asyncgraph `execute` on the plain graph, with `script_segm
 them out), with compiled segments autotuned (`autotune=True`: max-autotune, each segment
 keeping the faster of its autotuned and default kernels; timed only where some segment kept
 autotuned kernels, and the manifest's verdicts are in the case's params), with ONNX Runtime
-segments (`onnx_segments=True`, sessions built and signatures checked before timing; with 1
-and with 2 intra-op threads, `ExecutorConfig.intra_op_threads`, as ONNX Runtime itself is
-timed with both), ONNX Runtime's `session.run` and eager `model(x)` for context.
+segments (`onnx_segments=True`, sessions built and signatures checked before timing), ONNX
+Runtime's `session.run` and eager `model(x)` for context.
 
 64 callers x N requests (throughput): asyncgraph each request its own execution (plain,
 scripted, compiled, autotuned, ONNX Runtime segments), with dynamic batching
@@ -107,12 +106,6 @@ SCRIPTED_BATCHED = "asyncgraph (scripted, batched)"
 COMPILED_BATCHED = "asyncgraph (compiled, batched)"
 AUTOTUNED_BATCHED = "asyncgraph (compiled, autotuned, batched)"
 ONNX_BATCHED = "asyncgraph (onnx segments, batched)"
-
-
-def onnx_segments_name(threads: int) -> str:
-    """asyncgraph with ONNX Runtime segments of `threads` intra-op threads (the latency case
-    times each count ONNX Runtime itself gets)."""
-    return ONNX_SEGMENTS if threads == 1 else f"asyncgraph (onnx segments, {threads} threads)"
 
 
 def ort_name(threads: int) -> str:
@@ -371,15 +364,11 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
         executors.append(autotuned)
         peers.append(asyncgraph_peer(AUTOTUNED, autotuned, [x], "compile_program(..., "
                                      "autotune=True): autotuned kernels kept where faster"))
-    for threads in ORT_THREADS:  # as ONNX Runtime's own: the thread counts it gets
-        delegated = await _with_onnx_segments(work.ep, [x],
-                                              ExecutorConfig(intra_op_threads=threads))
-        if delegated is not None:
-            executors.append(delegated)
-            peers.append(asyncgraph_peer(
-                onnx_segments_name(threads), delegated, [x],
-                f"ExecutorConfig(onnx_segments=True, intra_op_threads={threads}), sessions "
-                "ready"))
+    delegated = await _with_onnx_segments(work.ep, [x])
+    if delegated is not None:
+        executors.append(delegated)
+        peers.append(asyncgraph_peer(ONNX_SEGMENTS, delegated, [x],
+                                     "ExecutorConfig(onnx_segments=True), sessions ready"))
     for threads in ORT_THREADS:
         call = ort_call(ort_session(static, threads))
         peers.append(sync_peer(ort_name(threads), lambda call=call: call(x),
@@ -401,8 +390,7 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
     case.params["onnxruntime_reference"] = best
     for peer, what in ((PLAIN, "plain graph"), (SCRIPTED, "scripted segments"),
                        (COMPILED, "compiled segments"), (AUTOTUNED, "autotuned segments"),
-                       *((onnx_segments_name(t), "onnx segments"
-                          + (f", {t} intra-op threads" if t > 1 else "")) for t in ORT_THREADS)):
+                       (ONNX_SEGMENTS, "onnx segments")):
         if peer not in {p.name for p in case.peers}:
             continue
         case.targets.append(Target(
