@@ -42,8 +42,9 @@ def _onnx_segments() -> GraphPass:
         raise ImportError(
             f"ExecutorConfig(onnx_segments=True) needs onnxruntime, onnx and onnxscript "
             f"({missing} is missing): {ONNX_EXTRA}", name=exc.name) from exc
+    # one thread unless the user sets a count: each session's pool is its own, and spins
     return lambda graph, config: onnx_segments(
-        graph, intra_op_threads=config.intra_op_threads_or_default)
+        graph, intra_op_threads=config.intra_op_threads or 1)
 
 
 register_tracer(_trace_recorder)

@@ -293,7 +293,7 @@ class ExecutorConfig:
             the exporter refuses keeps its plain nodes, with the reason logged), checked
             against the plain nodes on the first call of each input signature, weights baked
             in per weights version (a swap makes a new session), `intra_op_threads` threads
-            per session (1 by default), the GIL released. Off by default: building exports
+            per session (1 when it is None), the GIL released. Off by default: building exports
             each run (seconds), and its nodes are profiled and traced as one and cancellable
             only between segments.
         max_fused_nodes: the longest run of consecutive inline nodes compiled into one

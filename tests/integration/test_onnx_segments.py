@@ -26,6 +26,7 @@ from conformance.models import CASES, CASES_BY_NAME, export_case
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.compiled import onnx_delegate, onnx_segments
 from asyncgraph.compiled.onnx_delegate import OnnxDelegate
+from asyncgraph.runtime.config import usable_cpus
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -208,23 +209,34 @@ async def test_outputs_that_differ_from_the_plain_nodes_keep_the_signature_plain
     assert reason.startswith("output 0 differs from the plain nodes' by up to")
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-async def test_sessions_run_with_the_executors_intra_op_thread_count(threads: int) -> None:
-    """A session's intra-op pool is ExecutorConfig.intra_op_threads, the count the executor's
-    torch kernels get (one by default: a call runs on its caller's thread only; two for a
-    latency-bound user, as they would set ONNX Runtime's own); the results are the same."""
+@pytest.mark.parametrize("threads", [None, 1, 2])
+async def test_sessions_run_with_the_intra_op_thread_count_the_user_sets(
+    threads: int | None,
+) -> None:
+    """A session's intra-op pool is ExecutorConfig.intra_op_threads when the user sets it (as
+    they would set ONNX Runtime's own), one thread when not, whatever the CPUs (each session
+    spins a pool of its own); the results are the same."""
     model, x = MLP(), torch.randn(2, 64)
-    config = ExecutorConfig(onnx_segments=True, intra_op_threads=threads)
-    async with Executor(export_model(model, x), config) as ex:
-        for _ in range(3):
-            torch.testing.assert_close(await ex.execute(x), eager_output(model, x),
-                                       rtol=1e-4, atol=1e-5)
-        (delegate,) = _delegates(ex)
-        stats = delegate.statistics()
-        session = delegate._latest
-    assert stats["intra_op_threads"] == threads and stats["onnx_calls"] >= 1
+    config = ExecutorConfig(onnx_segments=True, intra_op_threads=threads, max_parallel_ops=1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the resolved default would be 2 wherever there are 2 CPUs
+    try:
+        resolved = config.intra_op_threads_or_default
+        async with Executor(export_model(model, x), config) as ex:
+            for _ in range(3):
+                torch.testing.assert_close(await ex.execute(x), eager_output(model, x),
+                                           rtol=1e-4, atol=1e-5)
+            (delegate,) = _delegates(ex)
+            stats = delegate.statistics()
+            session = delegate._latest
+    finally:
+        torch.set_num_threads(before)
+    if threads is None and usable_cpus() >= 2:  # what torch kernels would get, not sessions
+        assert resolved == 2
+    expected = threads or 1
+    assert stats["intra_op_threads"] == expected and stats["onnx_calls"] >= 1
     assert session is not None
-    assert session.session.get_session_options().intra_op_num_threads == threads
+    assert session.session.get_session_options().intra_op_num_threads == expected
 
 
 async def test_a_weights_swap_runs_the_new_weights() -> None:
