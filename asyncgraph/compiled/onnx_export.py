@@ -19,6 +19,8 @@ bytes of an ONNX model that ONNX Runtime loads:
 Before the weights are baked, onnxscript's optimizer folds what the exporter left to compute
 per call (the attention scale from the input's shape) and rewrites patterns ONNX Runtime then
 fuses: tiny BERT's session runs 9% faster, as fast as a whole-model `torch.onnx.export`'s.
+Exact GELU then becomes ONNX Runtime's `Gelu` contrib op (`_gelu_fused`), which its own
+optimizer misses in the order torchlib writes it: 5-6% faster again on tiny BERT.
 
 Exports are cached per process by the module's code and its inputs' specs: the same graph
 built twice (two Executors of one program) exports once.
@@ -196,7 +198,30 @@ def _optimized(proto: Any, names: Sequence[str]) -> Any:
         return proto
     if {i.name for i in optimized.graph.input} != set(names):
         return proto
-    return optimized
+    return _gelu_fused(optimized, names)
+
+
+def _gelu_fused(proto: Any, names: Sequence[str]) -> Any:
+    """`proto` with exact GELU as ONNX Runtime's `Gelu` contrib op, and a bias added before it
+    as `BiasGelu` (onnxscript's ORT fusions). torchlib writes exact GELU as
+    `x * (0.5 * (erf(x / sqrt(2)) + 1))`, an order ONNX Runtime's own GeluFusion misses, so
+    the five nodes ran one by one: fused, tiny BERT's segment ran 5-6% faster at batch 1
+    (2026-11-28). Unchanged when there is no such GELU, or the fusions are missing or fail."""
+    try:
+        from onnxscript import ir
+        from onnxscript.rewriter.ort_fusions.bias_gelu import fuse_bias_gelu
+        from onnxscript.rewriter.ort_fusions.erfgelu import fuse_erfgelu
+
+        model = ir.serde.deserialize_model(proto)
+        if not fuse_erfgelu(model):
+            return proto
+        fuse_bias_gelu(model)
+        fused = ir.serde.serialize_model(model)
+    except Exception:
+        return proto
+    if {i.name for i in fused.graph.input} != set(names):
+        return proto
+    return fused
 
 
 def _torch_export(module: torch.fx.GraphModule, args: tuple[Any, ...],

@@ -20,6 +20,7 @@ from tests.support.soak import full_soak_only
 pytest.importorskip("onnxruntime", reason="ONNX segments need the asyncgraph[onnxruntime] extra")
 pytest.importorskip("onnxscript", reason="ONNX segments need the asyncgraph[onnxruntime] extra")
 
+import onnx
 from conformance.harness import assert_conforms, cached_export, imported
 from conformance.models import CASES, CASES_BY_NAME, export_case
 
@@ -237,6 +238,43 @@ async def test_sessions_run_with_the_intra_op_thread_count_the_user_sets(
     assert stats["intra_op_threads"] == expected and stats["onnx_calls"] >= 1
     assert session is not None
     assert session.session.get_session_options().intra_op_num_threads == expected
+
+
+class GeluMLP(torch.nn.Module):
+    """Linear, GELU (exact or tanh), Linear: the FFN of a BERT layer."""
+
+    def __init__(self, approximate: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.act = torch.nn.GELU(approximate=approximate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(self.act(self.up(x)))
+        return out
+
+
+@pytest.mark.usefixtures("short_runs")
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+async def test_exact_gelu_runs_as_onnx_runtimes_fused_gelu(approximate: str) -> None:
+    """torchlib writes exact GELU as five nodes in an order ONNX Runtime's optimizer does not
+    fuse; the export hands it over as the Gelu contrib op (with the bias before it,
+    BiasGelu). The tanh form is left as it is. Either way the session's results pass the
+    first call's check and match eager."""
+    model, x = GeluMLP(approximate), torch.randn(2, 3, 16)
+    async with Executor(export_model(model, x), ONNX) as ex:
+        for _ in range(3):
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x),
+                                       rtol=1e-4, atol=1e-5)
+        (delegate,) = _delegates(ex)
+        stats = delegate.statistics()
+    ops = [(n.domain, n.op_type) for n in onnx.load_from_string(delegate.model.model).graph.node]
+    fused = {op for domain, op in ops if domain == "com.microsoft" and "Gelu" in op}
+    if approximate == "none":
+        assert fused and ("", "Erf") not in ops, ops
+    else:
+        assert not fused, ops
+    assert stats["onnx_calls"] >= 1 and not stats["refused"]
 
 
 async def test_a_weights_swap_runs_the_new_weights() -> None:
