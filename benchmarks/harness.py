@@ -14,6 +14,7 @@ is reported as a mismatch, and its time still shown, so a "fast" wrong answer is
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 import os
@@ -195,18 +196,26 @@ class Peer:
 
     Sync peers are wrapped in a coroutine that never suspends (costs well under a microsecond),
     so all peers are timed the same way, from the same event loop.
+
+    `settle_s`: how long the machine is left idle after each of this peer's samples, before the
+    next peer's. An ONNX Runtime session with 2 or more intra-op threads keeps its pool's
+    threads spinning for up to ~30 ms after its last call (2026-11-28); on 2 vCPUs that tail
+    took half the CPU from the next peer's 20 ms sample: tiny BERT's 2-thread sessions read
+    105-108 us at batch 1 with no other pool in the process, 135-175 us alternating with
+    another one.
     """
 
     name: str
     call: Callable[[], Awaitable[Any]]
     note: str = ""
+    settle_s: float = 0.0
 
 
-def sync_peer(name: str, fn: Callable[[], Any], note: str = "") -> Peer:
+def sync_peer(name: str, fn: Callable[[], Any], note: str = "", settle_s: float = 0.0) -> Peer:
     async def call() -> Any:
         return fn()
 
-    return Peer(name, call, note)
+    return Peer(name, call, note, settle_s)
 
 
 def compare_outputs(expected: Any, actual: Any, rtol: float = 1e-4, atol: float = 1e-4) -> None:
@@ -306,6 +315,8 @@ async def alternate(
                     samples[peer.name].append(elapsed)
                 else:
                     warm[peer.name] = min(warm[peer.name], elapsed)
+                if peer.settle_s:
+                    await asyncio.sleep(peer.settle_s)
             if r == settings.n_warmup - 1 and settings.target_sample_s > 0:
                 calls = {name: _calls_for(warm[name], settings.target_sample_s) for name in calls}
             advance()

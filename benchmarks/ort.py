@@ -23,8 +23,12 @@ Latency (one caller): asyncgraph `execute` on the plain graph, with `script_segm
 them out), with compiled segments autotuned (`autotune=True`: max-autotune, each segment
 keeping the faster of its autotuned and default kernels; timed only where some segment kept
 autotuned kernels, and the manifest's verdicts are in the case's params), with ONNX Runtime
-segments (`onnx_segments=True`, sessions built and signatures checked before timing), ONNX
-Runtime's `session.run` and eager `model(x)` for context.
+segments (`onnx_segments=True`, sessions built and signatures checked before timing; with 1
+and with 2 intra-op threads, `ExecutorConfig.intra_op_threads`, as ONNX Runtime itself is
+timed with both), ONNX Runtime's `session.run` and eager `model(x)` for context. Every peer
+with a pool of 2 threads, ONNX Runtime's or asyncgraph's, leaves the machine idle for
+SETTLE_S after each sample: its pool spins on after the last call, which would slow the next
+peer down (harness.Peer.settle_s).
 
 64 callers x N requests (throughput): asyncgraph each request its own execution (plain,
 scripted, compiled, autotuned, ONNX Runtime segments), with dynamic batching
@@ -92,6 +96,9 @@ GRAPHS = ("mlp", "bert", "encoder")
 MAX_BATCH = 32  # rows per batch, asyncgraph's and OrtBatcher's alike
 IN_FLIGHT = 2  # batches running at once, asyncgraph's default and OrtBatcher's alike
 ORT_THREADS = (1, 2)  # intra-op threads tried; the faster is the reference
+# idle time after each sample of a peer whose ONNX Runtime pool has more than one thread: the
+# pool spins up to ~30 ms after its last call, which would take the next peer's CPU (Peer)
+SETTLE_S = 0.05
 # no square brackets: the report's tables are rich markup, where "[bench]" would vanish
 INSTALL = "install them with pip install onnxruntime onnx onnxscript (the bench extra)"
 ISSUE = 40  # the targets' number in the report: issue 40's
@@ -106,6 +113,17 @@ SCRIPTED_BATCHED = "asyncgraph (scripted, batched)"
 COMPILED_BATCHED = "asyncgraph (compiled, batched)"
 AUTOTUNED_BATCHED = "asyncgraph (compiled, autotuned, batched)"
 ONNX_BATCHED = "asyncgraph (onnx segments, batched)"
+
+
+def settle(threads: int) -> float:
+    """Peer.settle_s for an ONNX Runtime pool of `threads` intra-op threads."""
+    return SETTLE_S if threads > 1 else 0.0
+
+
+def onnx_segments_name(threads: int) -> str:
+    """asyncgraph with ONNX Runtime segments of `threads` intra-op threads (the latency case
+    times each count ONNX Runtime itself gets)."""
+    return ONNX_SEGMENTS if threads == 1 else f"asyncgraph (onnx segments, {threads} threads)"
 
 
 def ort_name(threads: int) -> str:
@@ -364,15 +382,20 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
         executors.append(autotuned)
         peers.append(asyncgraph_peer(AUTOTUNED, autotuned, [x], "compile_program(..., "
                                      "autotune=True): autotuned kernels kept where faster"))
-    delegated = await _with_onnx_segments(work.ep, [x])
-    if delegated is not None:
-        executors.append(delegated)
-        peers.append(asyncgraph_peer(ONNX_SEGMENTS, delegated, [x],
-                                     "ExecutorConfig(onnx_segments=True), sessions ready"))
+    for threads in ORT_THREADS:  # the thread counts ONNX Runtime itself gets
+        delegated = await _with_onnx_segments(work.ep, [x],
+                                              ExecutorConfig(intra_op_threads=threads))
+        if delegated is not None:
+            executors.append(delegated)
+            peers.append(dataclasses.replace(asyncgraph_peer(
+                onnx_segments_name(threads), delegated, [x],
+                f"ExecutorConfig(onnx_segments=True, intra_op_threads={threads}), sessions "
+                "ready"), settle_s=settle(threads)))
     for threads in ORT_THREADS:
         call = ort_call(ort_session(static, threads))
         peers.append(sync_peer(ort_name(threads), lambda call=call: call(x),
-                               f"session.run, ORT_ENABLE_ALL, sequential, {threads} intra-op"))
+                               f"session.run, ORT_ENABLE_ALL, sequential, {threads} intra-op",
+                               settle(threads)))
     eager = in_inference(work.model)
     peers.append(sync_peer("eager model(x)", lambda: eager(x), "the nn.Module itself"))
     try:
@@ -390,7 +413,8 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
     case.params["onnxruntime_reference"] = best
     for peer, what in ((PLAIN, "plain graph"), (SCRIPTED, "scripted segments"),
                        (COMPILED, "compiled segments"), (AUTOTUNED, "autotuned segments"),
-                       (ONNX_SEGMENTS, "onnx segments")):
+                       *((onnx_segments_name(t), "onnx segments"
+                          + (f", {t} intra-op threads" if t > 1 else "")) for t in ORT_THREADS)):
         if peer not in {p.name for p in case.peers}:
             continue
         case.targets.append(Target(
@@ -475,7 +499,7 @@ async def _concurrent_case(
             return await asyncio.to_thread(call, x)
 
         peers.append(Peer(ort_thread_name(threads), in_thread,
-                          f"asyncio.to_thread(session.run), {threads} intra-op"))
+                          f"asyncio.to_thread(session.run), {threads} intra-op", settle(threads)))
         batcher = batchers[ort_batcher_name(threads)] = OrtBatcher(ort_session(dynamic, threads))
 
         async def batched(batcher: OrtBatcher = batcher) -> Any:
@@ -483,7 +507,7 @@ async def _concurrent_case(
 
         peers.append(Peer(ort_batcher_name(threads), batched,
                           f"OrtBatcher: up to {MAX_BATCH} rows, {IN_FLIGHT} in flight, "
-                          f"{threads} intra-op"))
+                          f"{threads} intra-op", settle(threads)))
     case = await callers_case(ctx, NAME, work, peers, executors, (callers, per_caller),
                               executors[2])
     results = {r.name: r for r in case.peers}

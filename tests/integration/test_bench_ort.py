@@ -123,10 +123,12 @@ async def test_quick_scenario_runs_every_peer_and_matches(
         assert names[0] == ort.PLAIN, case["case"]
         assert not {ort.COMPILED, ort.AUTOTUNED} & set(names), "--quick compiles nothing"
         if case["columns"] == "time":
-            assert set(names) == {ort.PLAIN, ort.SCRIPTED, ort.ONNX_SEGMENTS,
-                                  "eager model(x)"} | ort_latency
+            onnx_segments = {ort.onnx_segments_name(t) for t in ort.ORT_THREADS}
+            assert ort.ONNX_SEGMENTS in onnx_segments and len(onnx_segments) == 2
+            assert set(names) == {ort.PLAIN, ort.SCRIPTED, "eager model(x)"} | ort_latency \
+                | onnx_segments
             assert case["params"]["onnxruntime_reference"] in ort_latency
-            assert len(case["targets"]) == 3  # plain graph, scripted and ONNX segments
+            assert len(case["targets"]) == 4  # plain, scripted, ONNX segments of 1 and 2 threads
         else:
             assert set(names) == {ort.PLAIN, ort.SCRIPTED, ort.BATCHED, ort.SCRIPTED_BATCHED,
                                   ort.ONNX_SEGMENTS, ort.ONNX_BATCHED} | ort_concurrent
