@@ -210,6 +210,18 @@ async def test_outputs_that_differ_from_the_plain_nodes_keep_the_signature_plain
     assert reason.startswith("output 0 differs from the plain nodes' by up to")
 
 
+async def _matches_eager_three_times(
+    ex: Executor, model: torch.nn.Module, x: torch.Tensor
+) -> OnnxDelegate:
+    """Three executions of `x` (the first checks the session, the others run it), each equal
+    to eager's output; the program's one delegate."""
+    for _ in range(3):
+        torch.testing.assert_close(await ex.execute(x), eager_output(model, x),
+                                   rtol=1e-4, atol=1e-5)
+    (delegate,) = _delegates(ex)
+    return delegate
+
+
 @pytest.mark.parametrize("threads", [None, 1, 2])
 async def test_sessions_run_with_the_intra_op_thread_count_the_user_sets(
     threads: int | None,
@@ -224,10 +236,7 @@ async def test_sessions_run_with_the_intra_op_thread_count_the_user_sets(
     try:
         resolved = config.intra_op_threads_or_default
         async with Executor(export_model(model, x), config) as ex:
-            for _ in range(3):
-                torch.testing.assert_close(await ex.execute(x), eager_output(model, x),
-                                           rtol=1e-4, atol=1e-5)
-            (delegate,) = _delegates(ex)
+            delegate = await _matches_eager_three_times(ex, model, x)
             stats = delegate.statistics()
             session = delegate._latest
     finally:
@@ -263,10 +272,7 @@ async def test_exact_gelu_runs_as_onnx_runtimes_fused_gelu(approximate: str) -> 
     first call's check and match eager."""
     model, x = GeluMLP(approximate), torch.randn(2, 3, 16)
     async with Executor(export_model(model, x), ONNX) as ex:
-        for _ in range(3):
-            torch.testing.assert_close(await ex.execute(x), eager_output(model, x),
-                                       rtol=1e-4, atol=1e-5)
-        (delegate,) = _delegates(ex)
+        delegate = await _matches_eager_three_times(ex, model, x)
         stats = delegate.statistics()
     ops = [(n.domain, n.op_type) for n in onnx.load_from_string(delegate.model.model).graph.node]
     fused = {op for domain, op in ops if domain == "com.microsoft" and "Gelu" in op}
