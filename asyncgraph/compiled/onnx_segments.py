@@ -33,11 +33,11 @@ What the delegate promises, as compiled segments do:
   sequentially with one intra-op thread, so a call runs on its caller's thread only, unless
   the user sets `ExecutorConfig.intra_op_threads` (then that count, as the executor's torch
   kernels get on a worker). Not the resolved default, CPUs / max_parallel_ops: unlike torch's
-  one OpenMP team per thread, each session has a pool of its own, and an idle pool spins for
-  a while. A pool of 2 pays on 2 vCPUs only while no other pool spins in the process: tiny
-  BERT at batch 1 took 121 us against 154 with one thread, but 182-220 us when its calls
-  alternated with another 2-thread session's (ONNX Runtime's own included), and more than
-  one thread without spinning was slower still (2026-11-27).
+  one OpenMP team per thread, each session has a pool of its own, which spins for up to ~30
+  ms after a call. On 2 vCPUs a pool of 2 took tiny BERT from 143 to 113 us at batch 1, level
+  with ONNX Runtime's own 2-thread session, while no other pool spun; alternating with
+  another one, both slowed to 135-220 us, and without spinning 2 threads were slower than one
+  (2026-11-28).
 
 A call that fails in ONNX Runtime is run again as the fx module: when the plain nodes fail too
 the error names the aten node that failed (as scripted.py's), otherwise the call returns the
