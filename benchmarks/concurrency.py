@@ -128,8 +128,7 @@ async def measure_concurrent(
                 measured = await _round(peer.call, callers, per_caller)
                 if r >= s.n_warmup:
                     rounds[peer.name].append(measured)
-                if peer.settle_s:  # its threads quiet before the next peer (Peer's doc)
-                    await asyncio.sleep(peer.settle_s)
+                await peer.settle()  # its threads quiet before the next peer (Peer's doc)
             advance()
     for name, rs in rounds.items():
         _summarise(results[name], rs)

@@ -210,6 +210,11 @@ class Peer:
     note: str = ""
     settle_s: float = 0.0
 
+    async def settle(self) -> None:
+        """Leave the machine idle for `settle_s` (after one of this peer's samples)."""
+        if self.settle_s:
+            await asyncio.sleep(self.settle_s)
+
 
 def sync_peer(name: str, fn: Callable[[], Any], note: str = "", settle_s: float = 0.0) -> Peer:
     async def call() -> Any:
@@ -315,8 +320,7 @@ async def alternate(
                     samples[peer.name].append(elapsed)
                 else:
                     warm[peer.name] = min(warm[peer.name], elapsed)
-                if peer.settle_s:
-                    await asyncio.sleep(peer.settle_s)
+                await peer.settle()
             if r == settings.n_warmup - 1 and settings.target_sample_s > 0:
                 calls = {name: _calls_for(warm[name], settings.target_sample_s) for name in calls}
             advance()

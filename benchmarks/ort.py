@@ -387,10 +387,10 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
                                               ExecutorConfig(intra_op_threads=threads))
         if delegated is not None:
             executors.append(delegated)
-            peers.append(dataclasses.replace(asyncgraph_peer(
+            peers.append(asyncgraph_peer(
                 onnx_segments_name(threads), delegated, [x],
                 f"ExecutorConfig(onnx_segments=True, intra_op_threads={threads}), sessions "
-                "ready"), settle_s=settle(threads)))
+                "ready", settle(threads)))
     for threads in ORT_THREADS:
         call = ort_call(ort_session(static, threads))
         peers.append(sync_peer(ort_name(threads), lambda call=call: call(x),

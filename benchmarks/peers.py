@@ -254,14 +254,16 @@ def in_inference(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def asyncgraph_peer(name: str, ex: Any, inputs: Sequence[Any], note: str = "") -> Peer:
+def asyncgraph_peer(
+    name: str, ex: Any, inputs: Sequence[Any], note: str = "", settle_s: float = 0.0
+) -> Peer:
     """`await ex.execute(*inputs)` as a peer."""
     execute = ex.execute
 
     async def call() -> Any:
         return await execute(*inputs)
 
-    return Peer(name, call, note)
+    return Peer(name, call, note, settle_s)
 
 
 def graph_peers(
