@@ -20,7 +20,8 @@ Before the weights are baked, onnxscript's optimizer folds what the exporter lef
 per call (the attention scale from the input's shape) and rewrites patterns ONNX Runtime then
 fuses: tiny BERT's session runs 9% faster, as fast as a whole-model `torch.onnx.export`'s.
 Exact GELU then becomes ONNX Runtime's `Gelu` contrib op (`_gelu_fused`), which its own
-optimizer misses in the order torchlib writes it: 5-6% faster again on tiny BERT.
+optimizer misses in the order torchlib writes it: 5-6% faster again on tiny BERT. Last,
+layout moves of size-1 dimensions in a static segment become Reshapes (onnx_shapes.py).
 
 Exports are cached per process by the module's code and its inputs' specs: the same graph
 built twice (two Executors of one program) exports once.
@@ -45,6 +46,8 @@ import onnx
 import onnxscript  # noqa: F401 - torch.onnx's translations: missing, the extra is named at once
 import torch
 import torch.fx
+
+from asyncgraph.compiled.onnx_shapes import reshapes_simplified
 
 ONNX_DTYPES = frozenset({
     torch.float32, torch.float64, torch.float16, torch.int8, torch.int16, torch.int32,
@@ -132,7 +135,7 @@ def _export(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> OnnxMod
         except Exception as exc:
             raise ExportFailed(f"torch.export: {_first_line(exc)}") from exc
         proto, decomposed = _to_onnx(program, module, args, dynamic)
-        proto = _optimized(proto, names)
+        proto = reshapes_simplified(_optimized(proto, names))
     by_name = {i.name: i for i in proto.graph.input}
     if set(by_name) != set(names):
         raise ExportFailed(f"the ONNX model's inputs {sorted(by_name)} are not the segment's "

@@ -25,7 +25,7 @@ from conformance.harness import assert_conforms, cached_export, imported
 from conformance.models import CASES, CASES_BY_NAME, export_case
 
 from asyncgraph import Executor, ExecutorConfig
-from asyncgraph.compiled import onnx_delegate, onnx_segments
+from asyncgraph.compiled import onnx_delegate, onnx_export, onnx_segments
 from asyncgraph.compiled.onnx_delegate import OnnxDelegate
 from asyncgraph.runtime.config import usable_cpus
 
@@ -281,6 +281,31 @@ async def test_exact_gelu_runs_as_onnx_runtimes_fused_gelu(approximate: str) -> 
     else:
         assert not fused, ops
     assert stats["onnx_calls"] >= 1 and not stats["refused"]
+
+
+@pytest.mark.usefixtures("short_runs")
+async def test_batch_first_attention_at_batch_1_moves_its_layout_by_reshapes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch-first encoder layer at batch 1 transposes (1, seq, hidden) to (seq, 1, hidden)
+    and back: the export writes those Transposes as Reshapes (onnx_shapes.py). The session
+    passes the first call's check and matches eager; without the rewrite there are more
+    Transposes."""
+
+    def transposes(delegate: OnnxDelegate) -> int:
+        graph = onnx.load_from_string(delegate.model.model).graph
+        return sum(n.op_type == "Transpose" for n in graph.node)
+
+    model, x = Attention(), torch.randint(0, 50, (1, 8))
+    ep = export_model(model, x)
+    async with Executor(ep, ONNX) as ex:
+        delegate = await _matches_eager_three_times(ex, model, x)
+        stats = delegate.statistics()
+    assert stats["onnx_calls"] >= 1 and not stats["refused"]
+    monkeypatch.setattr(onnx_export, "reshapes_simplified", lambda proto: proto)
+    monkeypatch.setattr(onnx_export, "_CACHE", type(onnx_export._CACHE)())
+    async with Executor(ep, ONNX) as plain:
+        assert transposes(delegate) < transposes(_delegates(plain)[0])
 
 
 async def test_a_weights_swap_runs_the_new_weights() -> None:
