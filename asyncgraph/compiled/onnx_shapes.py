@@ -11,8 +11,8 @@ at batch 1 ran in 92.2 against 95.7 us on 2 intra-op threads, the encoder's in 8
 
 Only where the exporter recorded every dimension of a node's input and output as a number
 (static segments; a symbolic batch dimension keeps its nodes), never on an initializer (ONNX
-Runtime folds those), and not in models with control flow (subgraphs read values by name).
-The delegate's first call on each signature still checks the session against the plain nodes.
+Runtime folds those), and not in models with subgraphs (If, Loop, Scan read values by name). The
+delegate's first call on each signature still checks the session against the plain nodes.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-from onnx import helper, numpy_helper
+from onnx import AttributeProto, helper, numpy_helper
 
 LAYOUT_MOVES = frozenset({"Transpose", "Squeeze", "Unsqueeze"})
-CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+_SUBGRAPHS = (AttributeProto.GRAPH, AttributeProto.GRAPHS)
 
 
 def reshapes_simplified(proto: Any) -> Any:
     """`proto` with its size-1 layout moves as Reshapes and its Reshape chains folded (the
     module docstring); the same object, changed in place, or unchanged when nothing applies."""
     graph = proto.graph
-    if proto.functions or any(n.op_type in CONTROL_FLOW for n in graph.node):
+    if proto.functions or any(a.type in _SUBGRAPHS for n in graph.node for a in n.attribute):
         return proto
     shapes = _static_shapes(graph)
     constants = {i.name for i in graph.initializer}

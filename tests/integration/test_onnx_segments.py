@@ -308,6 +308,35 @@ async def test_batch_first_attention_at_batch_1_moves_its_layout_by_reshapes(
         assert transposes(delegate) < transposes(_delegates(plain)[0])
 
 
+@pytest.mark.usefixtures("short_runs")
+@pytest.mark.parametrize("fusion", ["off", "on"])
+async def test_residual_layer_norms_stay_add_and_layer_normalization(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, fusion: str,
+) -> None:
+    """ONNX Runtime fuses a residual Add and its LayerNormalization into SkipLayerNormalization,
+    whose CPU kernel ran 4-8x slower than the two: sessions run without that fusion
+    (onnx_delegate.DISABLED_OPTIMIZERS), and match eager. The optimized model ONNX Runtime
+    saves shows which ran ("on": the fusion let through, as ONNX Runtime's default)."""
+    if fusion == "on":
+        monkeypatch.setattr(onnx_delegate, "DISABLED_OPTIMIZERS", ())
+    saved = tmp_path / "optimized.onnx"
+
+    class Options(onnx_delegate.ort.SessionOptions):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.optimized_model_filepath = str(saved)
+
+    monkeypatch.setattr(onnx_delegate.ort, "SessionOptions", Options)
+    model, x = Attention(), torch.randint(0, 50, (1, 8))
+    async with Executor(export_model(model, x), ONNX) as ex:
+        delegate = await _matches_eager_three_times(ex, model, x)
+        stats = delegate.statistics()
+    assert stats["onnx_calls"] >= 1 and not stats["refused"]
+    ops = {n.op_type for n in onnx.load(str(saved), load_external_data=False).graph.node}
+    assert ("SkipLayerNormalization" in ops) == (fusion == "on"), ops
+    assert fusion == "on" or "LayerNormalization" in ops
+
+
 async def test_a_weights_swap_runs_the_new_weights() -> None:
     """Weights are baked into the session: a swap makes a second session (the first call on
     the new version runs the plain nodes meanwhile); executions get the new results."""
