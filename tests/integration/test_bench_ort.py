@@ -131,10 +131,11 @@ async def test_quick_scenario_runs_every_peer_and_matches(
             assert len(case["targets"]) == 4  # plain, scripted, ONNX segments of 1 and 2 threads
         else:
             assert set(names) == {ort.PLAIN, ort.SCRIPTED, ort.BATCHED, ort.SCRIPTED_BATCHED,
-                                  ort.ONNX_SEGMENTS, ort.ONNX_BATCHED} | ort_concurrent
+                                  ort.ONNX_SEGMENTS, ort.ONNX_BATCHED,
+                                  ort.ONNX_BATCHED_SMALL} | ort_concurrent
             assert case["params"]["callers"] == 64
             assert 1 <= case["params"]["mean_batch_rows"] <= ort.MAX_BATCH
-            assert len(case["targets"]) == 9  # 3 unbatched, 3 batched vs to_thread, 3 vs batcher
+            assert len(case["targets"]) == 11  # 3 unbatched, 4 batched vs to_thread, 4 vs batcher
         for peer in case["peers"]:
             where = f"{case['case']} / {peer['name']}"
             assert peer["matched"] is True, f"{where}: {peer['error']}"
