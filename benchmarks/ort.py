@@ -99,8 +99,8 @@ IN_FLIGHT = 2  # batches running at once, asyncgraph's default and OrtBatcher's 
 # asyncgraph's ONNX segments batched a second way too: smaller batches, more in flight than the
 # 2 workers, so that a worker that finishes takes a queued batch while the loop refills the
 # callers it answered (64 callers fill 2 x 32 rows exactly, and a worker then waited for the
-# refill: tiny BERT 2.16-2.20x ONNX Runtime via to_thread against 1.94-2.12x with 32 x 2, the
-# MLP, whose batches take microseconds, 6.0x against 7.2x; 2026-11-28)
+# refill: tiny BERT 1.90-1.96x ONNX Runtime via to_thread against 1.71-1.86x with 32 x 2, the
+# MLP, whose batches take microseconds, 6.9-10.5x against 8.0-12.1x; 2026-11-28)
 SMALL_BATCH, SMALL_IN_FLIGHT = 16, 4
 ORT_THREADS = (1, 2)  # intra-op threads tried; the faster is the reference
 # idle time after each sample of a peer whose ONNX Runtime pool has more than one thread: the

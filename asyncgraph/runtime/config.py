@@ -114,7 +114,13 @@ class BatchingConfig:
             that fills meanwhile leaves at once. 0 takes what has queued by the end of the
             loop iteration: no added latency when idle.
         max_concurrent_batches: batches running at once; the next batch forms from what
-            queues meanwhile, so batches grow with load.
+            queues meanwhile, so batches grow with load. Batches that take milliseconds on
+            worker threads (an ONNX or compiled segment) keep the workers busier with more in
+            flight than workers: while the loop answers one batch's callers and takes their
+            next requests, a worker runs a queued batch (64 callers of tiny BERT's ONNX
+            segment: 16 rows x 4 in flight 1.90-1.96x ONNX Runtime via to_thread, 32 x 2
+            1.71-1.86x; the MLP, whose batches take microseconds, 6.9-10.5x against
+            8.0-12.1x with 32 x 2; 2026-11-28).
         retry_alone: when a batch of several requests fails, run each alone so a bad request
             fails alone and the others succeed.
         max_queued_requests: requests that may wait in the batcher's queue (4096); the next
