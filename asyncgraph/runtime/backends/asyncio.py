@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncgraph.runtime.backends.base import Handle
+from asyncgraph.runtime.backends.loop_wake import threadsafe_call
 
 # An asyncio loop in run_forever() sets `_thread_id` to its thread, and a thread runs one loop
 # at a time, so a bound loop whose `_thread_id` is this thread is the running loop. That test
@@ -60,7 +61,9 @@ def cancel_pending(task: Any) -> bool:
 
 
 class AsyncioLoop:
-    """asyncio (and uvloop): the loop's own bound methods, so calls cost what they did."""
+    """asyncio (and uvloop): the loop's own bound methods, so calls cost what they did; on
+    asyncio's selector loops, `call_soon_threadsafe` is a LoopWake's, which wakes the loop
+    without letting go of the GIL (loop_wake.py)."""
 
     __slots__ = (
         "__weakref__", "call_later", "call_soon", "call_soon_threadsafe", "create_future",
@@ -79,7 +82,7 @@ class AsyncioLoop:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.native = loop
         self.call_soon = loop.call_soon
-        self.call_soon_threadsafe = loop.call_soon_threadsafe
+        self.call_soon_threadsafe = threadsafe_call(loop)  # one that keeps the GIL
         self.call_later = loop.call_later
         self.create_future = loop.create_future
         self.create_task = loop.create_task
