@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import gc
 import operator
@@ -185,3 +186,25 @@ def test_other_loops_keep_their_own_call_soon_threadsafe() -> None:
         assert loop_wake.loop_wake(loop) is None
     finally:
         loop.close()
+
+
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="none")
+
+
+@ON_ASYNCIO
+async def test_each_call_runs_in_the_context_of_the_thread_that_made_it() -> None:
+    wake = _wake()
+    seen: list[str] = []
+
+    def from_thread(name: str) -> None:
+        REQUEST_ID.set(name)
+        wake.call_soon_threadsafe(lambda: seen.append(REQUEST_ID.get()))
+        REQUEST_ID.set(f"{name}, later")  # the call took a copy of the context when made
+
+    REQUEST_ID.set("the loop's")  # not what the calls see
+    threads = [threading.Thread(target=from_thread, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+        t.join()
+    await _settled(wake)
+    assert seen == ["a", "b"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import ctypes
 import os
 import weakref
@@ -64,7 +65,10 @@ class LoopWake:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)  # the loop holds this object through its reader
-        self._calls: deque[tuple[Callable[..., object], tuple[Any, ...]]] = deque()
+        # each call with the calling thread's context, as asyncio's own call_soon_threadsafe
+        self._calls: deque[tuple[contextvars.Context, Callable[..., object], tuple[Any, ...]]] = (
+            deque()
+        )
         self._pending = False  # a byte is written and not yet drained
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
@@ -83,7 +87,7 @@ class LoopWake:
         loop = self._loop()
         if loop is None or loop.is_closed():
             raise RuntimeError("Event loop is closed")
-        self._calls.append((fn, args))
+        self._calls.append((contextvars.copy_context(), fn, args))
         if not self._pending:
             self._pending = True
             assert _WRITE is not None  # threadsafe_call makes a LoopWake only with it
@@ -96,10 +100,10 @@ class LoopWake:
         self._drains += 1
         calls = self._calls
         for _ in range(len(calls)):
-            fn, args = calls.popleft()
+            context, fn, args = calls.popleft()
             self._calls_run += 1
             try:
-                fn(*args)
+                context.run(fn, *args)
             except (SystemExit, KeyboardInterrupt):
                 raise
             except BaseException as exc:
