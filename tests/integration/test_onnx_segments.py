@@ -135,6 +135,7 @@ async def test_results_equal_eager(model: torch.nn.Module, x: torch.Tensor) -> N
         torch.testing.assert_close(out, eager_output(model, x))
     assert (stats["plain_calls"], stats["onnx_calls"], stats["checked"]) == (1, 3, 1)
     assert stats["refused"] == {} and stats["sessions_built"] == 1
+    assert stats["fixed_shape_sessions"] == 0  # one static signature: its session is fixed
 
 
 async def test_each_input_shape_is_checked_once_with_one_session() -> None:
@@ -147,6 +148,74 @@ async def test_each_input_shape_is_checked_once_with_one_session() -> None:
         stats = _delegates(ex)[0].statistics()
     assert (stats["checked"], stats["sessions_built"]) == (3, 1)
     assert (stats["plain_calls"], stats["onnx_calls"]) == (3, 2)  # a shape's first call: plain
+
+
+async def _fixed_stats(batches: tuple[int, ...] = (2, 3, 2, 3, 2, 3)) -> dict[str, Any]:
+    """Chain exported with a dynamic batch, run on `batches` (each equal to eager)."""
+    model = Chain()
+    async with Executor(export_model(model, torch.randint(0, 50, (2, 5)), dynamic=True),
+                        ONNX) as ex:
+        for batch in batches:
+            x = torch.randint(0, 50, (batch, 5))
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
+        return _delegates(ex)[0].statistics()
+
+
+async def test_a_checked_shape_of_a_dynamic_segment_runs_on_a_fixed_shape_session() -> None:
+    stats = await _fixed_stats()
+    # each batch size: its first call plain, then the session checked and a fixed-shape
+    # session made for it (inline here: BUILD_INLINE), which runs every later call
+    assert (stats["checked"], stats["fixed_shape_sessions"]) == (2, 2)
+    assert (stats["plain_calls"], stats["onnx_calls"], stats["fixed_calls"]) == (2, 4, 4)
+    assert stats["sessions_built"] == 1  # fixed-shape sessions are counted apart
+
+
+async def test_segments_with_large_weights_get_no_fixed_shape_sessions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(onnx_delegate, "FIXED_SHAPE_MAX_WEIGHT_BYTES", 1024)  # Chain: ~4 KiB
+    stats = await _fixed_stats()
+    assert (stats["fixed_shape_sessions"], stats["fixed_calls"]) == (0, 0)
+    assert (stats["checked"], stats["onnx_calls"]) == (2, 4)  # the general session runs them
+
+
+async def test_a_fixed_shape_session_with_other_outputs_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    make = onnx_delegate._make_session
+
+    def wrong_when_fixed(*args: Any) -> Any:
+        session = make(*args)
+        if len(args) > 4 and args[4]:  # the sizes to fix: a fixed-shape session
+            run = session.run
+            session.run = lambda *a: [r * 0 + 1 for r in run(*a)]
+        return session
+
+    monkeypatch.setattr(onnx_delegate, "_make_session", wrong_when_fixed)
+    stats = await _fixed_stats()
+    assert (stats["fixed_shape_sessions"], stats["fixed_calls"]) == (0, 0)
+    assert (stats["checked"], stats["onnx_calls"], stats["refused"]) == (2, 4, {})
+
+
+async def test_a_fixed_shape_session_that_fails_gives_way_to_the_general_one() -> None:
+    model = Chain()
+    x = torch.randint(0, 50, (3, 5))
+    async with Executor(export_model(model, x, dynamic=True), ONNX) as ex:
+        for _ in range(2):
+            await ex.execute(x)
+        delegate = _delegates(ex)[0]
+        session = delegate._latest
+        assert session is not None and list(session.fixed) == [(x.shape,)]
+
+        def failing(*args: Any) -> Any:
+            raise RuntimeError("a fixed-shape session failing")
+
+        session.fixed[(x.shape,)] = failing
+        for _ in range(2):
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
+        stats = delegate.statistics()
+    assert (x.shape,) not in session.fixed  # dropped after its failure
+    assert stats["refused"] == {} and stats["onnx_calls"] == 3
 
 
 async def test_a_run_the_exporter_refuses_keeps_its_plain_nodes(
