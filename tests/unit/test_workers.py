@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -122,14 +124,16 @@ needs_affinity = pytest.mark.skipif(
 )
 
 
-def _run_one_item_per_thread(pool: WorkerPool) -> dict[str, set[int]]:
-    """Each thread's CPU affinity, read by the thread itself while all are busy at once."""
+def _run_one_item_per_thread(
+    pool: WorkerPool, probe: Callable[[], Any] = lambda: os.sched_getaffinity(0)
+) -> dict[str, Any]:
+    """What `probe` (by default the CPU affinity) reads in each thread, all busy at once."""
     barrier = threading.Barrier(pool.size, timeout=10)
-    seen: dict[str, set[int]] = {}
+    seen: dict[str, Any] = {}
     done = threading.Event()
 
     def record(frame: Any, unit: int) -> None:
-        seen[threading.current_thread().name] = os.sched_getaffinity(0)
+        seen[threading.current_thread().name] = probe()
         barrier.wait()  # every thread takes exactly one item
         if len(seen) == pool.size:
             done.set()
@@ -175,3 +179,37 @@ async def test_the_executor_pins_its_workers_when_configured() -> None:
     async with Executor(b.build(), config) as ex:
         assert await ex.execute(1) == 2
         assert len(ex.statistics().workers.cpus) == 2
+
+
+def _own_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
+
+
+@linux_only
+async def test_workers_step_back_by_their_nice_and_the_loop_keeps_its_own() -> None:
+    base = _own_nice()
+    pool = WorkerPool(2, nice=3)
+    try:
+        seen = _run_one_item_per_thread(pool, _own_nice)
+        assert pool.statistics().nice == 3
+    finally:
+        await pool.aclose()
+    assert sorted(seen.values()) == [min(19, base + 3)] * 2
+    assert _own_nice() == base  # the calling thread, the loop's, is left as it was
+
+
+@linux_only
+async def test_nice_zero_leaves_workers_as_they_are_and_executors_default_to_five() -> None:
+    pool = WorkerPool(2, nice=0)
+    try:
+        assert set(_run_one_item_per_thread(pool, _own_nice).values()) == {_own_nice()}
+    finally:
+        await pool.aclose()
+    b = GraphBuilder()
+    b.output(b.call(lambda v: v + 1, b.input("x"), name="step", placement="worker"))
+    async with Executor(b.build()) as ex:
+        assert await ex.execute(1) == 2
+        assert ex.statistics().workers.nice == ExecutorConfig().worker_nice == 5
