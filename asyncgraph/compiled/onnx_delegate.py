@@ -337,6 +337,8 @@ class OnnxDelegate:
     def _build_fixed(self, session: _Session, signature: Signature, check: _Check) -> None:
         """The builder thread: a fixed-shape session for a checked signature, used once it
         gives the plain outputs for the signature's first call too."""
+        if len(session.fixed_sessions) >= FIXED_SHAPE_SESSIONS:  # more were queued than fit
+            return
         try:
             fixed = _make_session(self.model, self.model.inputs[self._split:], session.weights,
                                   self.intra_op_threads, self._dimensions(session, signature))
@@ -400,7 +402,8 @@ class OnnxDelegate:
                 "fixed_calls": self.fixed_calls,
                 "checked": sum(1 for v in self._checked.values() if not v),
                 "refused": refused, "unbuildable": self.unbuildable,
-                "pending": len(self._pending_weights) + len(self._pending_checks),
+                "pending": (len(self._pending_weights) + len(self._pending_checks)
+                            + len(self._pending_fixed)),
                 "nodes": len(self.node_names), "decomposed": self.model.decomposed,
                 "intra_op_threads": self.intra_op_threads}
 
