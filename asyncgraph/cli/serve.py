@@ -118,6 +118,12 @@ def serve(
         bool, typer.Option(help="Pin each worker thread to a CPU of its own (Linux; for a "
                            "machine the service has to itself).")
     ] = False,
+    worker_nice: Annotated[
+        int, typer.Option(min=0, max=19, help="Nice levels the worker threads run below the "
+                          "event loop's thread, so the loop is never kept waiting for a core "
+                          "(Linux; 0 runs them as equals, for a machine shared with other "
+                          "services).")
+    ] = 5,  # ExecutorConfig's default (tests/integration/test_cli.py checks they agree)
     max_batch_size: Annotated[
         int, typer.Option(min=0, help="Dynamic batching: stack concurrent requests into "
                           "executions of up to this many rows (0: off). Needs a program "
@@ -204,6 +210,7 @@ def serve(
         config["max_parallel_ops"] = parallel_ops
     if pin_workers:
         config["pin_workers"] = True
+    config["worker_nice"] = worker_nice
     if script_segments:
         config["script_segments"] = True
     if max_batch_size:

@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 
 from asyncgraph.cli.main import app, error_line
 from asyncgraph.errors import InputValidationError
+from asyncgraph.runtime.config import ExecutorConfig
 
 runner = CliRunner()
 TIMEOUT_S = 60.0
@@ -201,6 +202,31 @@ def test_serve_loop_option_reaches_uvicorn(
     line = one_error_line(invoke("serve", path, "--ray", "--loop", "asyncio"))
     assert line == "error: --loop applies to the local server; Ray Serve runs its own"
     assert loops == []
+
+
+def test_serve_worker_nice_reaches_the_executors(
+    model_file: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--worker-nice` sets ExecutorConfig.worker_nice; left out, it is the config's default."""
+    import asyncgraph.serve
+    from asyncgraph.cli import serve as serve_cli
+
+    _, path = model_file
+    nices: list[int] = []
+    load = serve_cli.load_executor
+
+    def recording_load(model: Path, config: ExecutorConfig, trust_compiled: bool) -> Any:
+        nices.append(config.worker_nice)
+        return load(model, config, trust_compiled)
+
+    monkeypatch.setattr(serve_cli, "load_executor", recording_load)
+    monkeypatch.setattr(asyncgraph.serve, "run", lambda *args, **options: None)
+    for flags in ([], ["--worker-nice", "0"]):
+        result = invoke("serve", path, "--port", "0", *flags)
+        assert result.exit_code == 0, result.output
+    assert nices == [ExecutorConfig().worker_nice, 0]
+    result = invoke("serve", path, "--port", "0", "--worker-nice", "-1")
+    assert result.exit_code != 0
 
 
 def _read_lines(stream: Any, into: queue.Queue[str]) -> None:
