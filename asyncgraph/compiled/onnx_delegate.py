@@ -68,9 +68,8 @@ class _Session:
     run: Callable[..., Any]  # the session's run(output names, feeds, run options)
     session: Any
     arrays: tuple[Any, ...]  # what the initializers' memory belongs to
-    # checked signatures' fixed-shape sessions (their runs, and the sessions that own them)
-    fixed: dict[Signature, Callable[..., Any]] = field(default_factory=dict)
-    fixed_sessions: list[Any] = field(default_factory=list)
+    # checked signatures' fixed-shape sessions, on the same weights
+    fixed: dict[Signature, _Session] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,7 +112,7 @@ class OnnxDelegate:
         self._checked: dict[Signature, str] = {}  # "" ran as the plain nodes did, else why not
         self._pending_weights: list[tuple[Any, ...]] = []
         self._pending_checks: dict[Signature, _Check] = {}
-        self._pending_fixed: list[tuple[_Session, Signature, _Check]] = []
+        self._pending_fixed: list[tuple[_Session, Signature, _Check, dict[str, int]]] = []
         self._lock = threading.Lock()  # guards the pending work, sessions and the builder
         self._idle = threading.Condition(self._lock)  # notified when the builder thread ends
         self._builder: threading.Thread | None = None
@@ -132,11 +131,14 @@ class OnnxDelegate:
                 run = session.run if self._static_ok else None
             else:
                 shapes = tuple([t.shape for t in inputs[:split]])
-                run = session.fixed.get(shapes)
-                if run is not None:
+                fixed = session.fixed.get(shapes)
+                if fixed is not None:
+                    run = fixed.run
                     self.fixed_calls += 1
                 elif self._checked.get(shapes) == "":
                     run = session.run
+                else:
+                    run = None
             if run is not None:
                 try:
                     arrays = run(self._outputs,
@@ -287,9 +289,10 @@ class OnnxDelegate:
             if session is not None:
                 status = self._compare(session.run, check)
                 self._set(signature, status)
-                if status == "" and self._wants_fixed(session, signature):
+                dimensions = self._fixed_dimensions(session, signature) if not status else {}
+                if dimensions:
                     with self._lock:
-                        self._pending_fixed.append((session, signature, check))
+                        self._pending_fixed.append((session, signature, check, dimensions))
 
     def _build(self, weights: tuple[Any, ...]) -> _Session | None:
         """A session for `weights`, kept as the latest (the least recently made one dropped
@@ -308,19 +311,17 @@ class OnnxDelegate:
             self.sessions_built += 1
         return session
 
-    def _wants_fixed(self, session: _Session, signature: Signature) -> bool:
-        """Whether a checked signature of this dynamic segment gets a fixed-shape session
-        (FIXED_SHAPE_SESSIONS, FIXED_SHAPE_MAX_WEIGHT_BYTES)."""
-        if self._static or len(session.fixed_sessions) >= FIXED_SHAPE_SESSIONS:
-            return False
+    def _fixed_dimensions(self, session: _Session, signature: Signature) -> dict[str, int]:
+        """The sizes a checked signature's fixed-shape session fixes: the model's symbolic
+        input dimensions in `signature`. {} when it gets none: a static segment, weights or
+        sessions past FIXED_SHAPE_MAX_WEIGHT_BYTES or FIXED_SHAPE_SESSIONS, a dimension with
+        no name to fix, or two inputs that disagree on one."""
+        if self._static or len(session.fixed) >= FIXED_SHAPE_SESSIONS:
+            return {}
         weight_bytes = sum(w.numel() * w.element_size() for w in session.weights
                            if isinstance(w, torch.Tensor))
-        return weight_bytes <= FIXED_SHAPE_MAX_WEIGHT_BYTES and bool(
-            self._dimensions(session, signature))
-
-    def _dimensions(self, session: _Session, signature: Signature) -> dict[str, int]:
-        """The sizes of the model's symbolic input dimensions in `signature`; {} when a
-        dimension has no name to fix or two inputs disagree on one."""
+        if weight_bytes > FIXED_SHAPE_MAX_WEIGHT_BYTES:
+            return {}
         declared = {i.name: i.shape for i in session.session.get_inputs()}
         sizes: dict[str, int] = {}
         for name, shape in zip(self._names, signature, strict=True):
@@ -334,14 +335,15 @@ class OnnxDelegate:
                     return {}
         return sizes
 
-    def _build_fixed(self, session: _Session, signature: Signature, check: _Check) -> None:
+    def _build_fixed(self, session: _Session, signature: Signature, check: _Check,
+                     dimensions: dict[str, int]) -> None:
         """The builder thread: a fixed-shape session for a checked signature, used once it
         gives the plain outputs for the signature's first call too."""
-        if len(session.fixed_sessions) >= FIXED_SHAPE_SESSIONS:  # more were queued than fit
+        if len(session.fixed) >= FIXED_SHAPE_SESSIONS:  # more were queued than fit
             return
         try:
             fixed = _make_session(self.model, self.model.inputs[self._split:], session.weights,
-                                  self.intra_op_threads, self._dimensions(session, signature))
+                                  self.intra_op_threads, dimensions)
         except Exception as exc:
             LOG.info("%s: no fixed-shape session for %s: %s", self.__name__,
                      [list(s) for s in signature], _first_line(exc))
@@ -353,8 +355,7 @@ class OnnxDelegate:
             return
         with self._lock:
             if self._checked.get(signature) == "" and session in self._sessions:
-                session.fixed_sessions.append(fixed)
-                session.fixed[signature] = fixed.run
+                session.fixed[signature] = fixed
 
     def _compare(self, run: Callable[..., Any], check: _Check) -> str:
         """"" when a session's `run` gives the plain outputs for the check's inputs, else
