@@ -16,7 +16,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from asyncgraph.cli.options import InputsOpt, ThreadsOpt, TrustCompiledOpt, executor_config
+from asyncgraph.cli.options import (
+    ImportsOpt,
+    InputsOpt,
+    ThreadsOpt,
+    TrustCompiledOpt,
+    executor_config,
+)
 from asyncgraph.tools.check import CheckReport, run_check
 
 console = Console()
@@ -43,6 +49,7 @@ def check(
     ] = None,
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
+    imports: ImportsOpt = None,
 ) -> None:
     """Run MODEL through asyncgraph and through ep.module(); compare every output leaf.
 

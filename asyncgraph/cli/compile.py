@@ -16,6 +16,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from asyncgraph.cli.options import ImportsOpt
+
 SegmentsOpt = Annotated[
     str,
     typer.Option(
@@ -60,6 +62,7 @@ def compile_command(
                  "seconds) and say whether it is faster on this machine.",
         ),
     ] = True,
+    imports: ImportsOpt = None,
 ) -> None:
     """Compile a program's hot runs of nodes with AOTInductor into MODEL.aoti.pt2."""
     from asyncgraph.compiled import compare_with_plain, compile_program

@@ -48,6 +48,30 @@ TrustCompiledOpt = Annotated[
     ),
 ]
 
+def import_modules(names: list[str] | None) -> list[str] | None:
+    """Import each module named by `--import`, before the command loads its model: a program
+    whose inputs or outputs nest in a library's own type (transformers' ModelOutput classes)
+    can be loaded only once that library has registered the type with torch's pytree, which
+    importing its module does. A module that does not import is a usage error naming it."""
+    import importlib
+
+    for name in names or ():
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # ImportError, or whatever the module raises as it runs
+            raise typer.BadParameter(f"cannot import {name!r}: {exc}") from None
+    return names
+
+
+ImportsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--import", metavar="MODULE", callback=import_modules,
+        help="A Python module to import before the model is loaded, for the types its inputs "
+             "or outputs are made of (e.g. transformers.modeling_outputs); repeatable.",
+    ),
+]
+
 ScriptSegmentsOpt = Annotated[
     bool,
     typer.Option(

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncgraph.cli.options import (
+    ImportsOpt,
     ScriptSegmentsOpt,
     ThreadsOpt,
     TrustCompiledOpt,
@@ -90,6 +91,7 @@ def profile(
     max_parallel_ops: int | None = typer.Option(None, min=1, help="Worker threads."),
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
+    imports: ImportsOpt = None,
     script_segments: ScriptSegmentsOpt = False,
     json_out: bool = typer.Option(False, "--json", help="Print ProfileMetrics as JSON."),
 ) -> None:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncgraph.cli.options import (
+    ImportsOpt,
     InputsOpt,
     ThreadsOpt,
     TrustCompiledOpt,
@@ -61,6 +62,7 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not print outputs.")] = False,
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
+    imports: ImportsOpt = None,
 ) -> None:
     """Execute a model once on inputs from files (or random ones); print or save the outputs.
 
@@ -120,6 +122,7 @@ def trace(
     seed: SeedOpt = 0,
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
+    imports: ImportsOpt = None,
 ) -> None:
     """Trace executions into Chrome trace-event JSON that ui.perfetto.dev opens.
 

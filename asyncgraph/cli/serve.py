@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncgraph.cli.options import (
+    ImportsOpt,
     ScriptSegmentsOpt,
     ThreadsOpt,
     TrustCompiledOpt,
@@ -135,6 +136,7 @@ def serve(
     ] = 0,
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
+    imports: ImportsOpt = None,
     script_segments: ScriptSegmentsOpt = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
@@ -223,7 +225,7 @@ def serve(
             raise ServeConfigError("--loop applies to the local server; Ray Serve runs its own")
         _serve_on_ray(
             specs, executor_config(threads, **config), address=address, replicas=replicas,
-            host=host, port=port, trust_compiled=trust_compiled,
+            host=host, port=port, trust_compiled=trust_compiled, imports=tuple(imports or ()),
             server_options={"max_queue": max_queue, "timeout_ms": timeout_ms or None,
                             "max_request_bytes": max_request_bytes,
                             "server_options": {"max_queue_bytes": max_queue_bytes or None}},
@@ -343,6 +345,7 @@ def _serve_on_ray(
     host: str,
     port: int,
     trust_compiled: bool,
+    imports: tuple[str, ...],
     server_options: dict[str, Any],
 ) -> None:
     """`--ray`: the archives are checked here first (one error line, nothing started), then
@@ -363,7 +366,7 @@ def _serve_on_ray(
     def build(shipped: bool) -> Any:
         source = ModelSource.shipped if shipped else ModelSource.shared
         return build_app(
-            {key: source(path) for key, path in specs.items()}, num_replicas=replicas,
+            {key: source(path, imports) for key, path in specs.items()}, num_replicas=replicas,
             executor_config=config, trust_compiled=trust_compiled, **server_options,
         )
 

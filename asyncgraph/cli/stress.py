@@ -28,7 +28,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from asyncgraph.cli.options import ThreadsOpt, TrustCompiledOpt, executor_config
+from asyncgraph.cli.options import ImportsOpt, ThreadsOpt, TrustCompiledOpt, executor_config
 
 console = Console()
 DEFAULT_MAX_LOOP_LAG_MS = 100.0
@@ -81,6 +81,7 @@ def stress(
     ] = 0,
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
+    imports: ImportsOpt = None,
 ) -> None:
     """Stress a model: concurrent callers, cancellations, timeouts, faults, weight swaps."""
     from asyncgraph.runtime.config import BatchingConfig

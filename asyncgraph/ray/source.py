@@ -16,6 +16,7 @@ that arrive are not trusted because the driver sent them.
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -36,20 +37,26 @@ class ModelSource:
         path: the file's path on the driver (and, for a shared source, on every node).
         ref: the object store reference of the file's bytes (shipped sources), else None.
         size: the file's size in bytes on the driver (for messages and checks).
+        imports: modules each replica imports before loading: those that register the pytree
+            types of the program's inputs and outputs (`asyncgraph serve --import`), since a
+            replica is a process of its own.
     """
 
     path: str
     ref: Any = None  # ray.ObjectRef[bytes]; Any so that this module does not import ray
     size: int = 0
+    imports: tuple[str, ...] = ()
 
     @classmethod
-    def shared(cls, path: str | os.PathLike[str]) -> ModelSource:
+    def shared(cls, path: str | os.PathLike[str], imports: tuple[str, ...] = ()) -> ModelSource:
         """A file every node reads at `path` itself."""
         p = Path(path)
-        return cls(str(p), None, p.stat().st_size if p.is_file() else 0)
+        return cls(str(p), None, p.stat().st_size if p.is_file() else 0, imports)
 
     @classmethod
-    def shipped(cls, path: str | os.PathLike[str]) -> ModelSource:
+    def shipped(
+        cls, path: str | os.PathLike[str], imports: tuple[str, ...] = ()
+    ) -> ModelSource:
         """A file read here once and sent to the replicas through Ray's object store.
 
         Needs a connected Ray (ray.init); raises ProgramLoadError naming the path if it
@@ -62,7 +69,7 @@ class ModelSource:
             data = p.read_bytes()
         except OSError as exc:
             raise ProgramLoadError(f"{p}: cannot read the model file ({exc})") from None
-        return cls(str(p), ray.put(data), len(data))
+        return cls(str(p), ray.put(data), len(data), imports)
 
     @property
     def is_shipped(self) -> bool:
@@ -70,6 +77,13 @@ class ModelSource:
 
     def load(self, config: ExecutorConfig, *, trust_compiled: bool = False) -> Executor:
         """The Executor of this file, loaded (and checked) in the calling process."""
+        for module in self.imports:
+            try:
+                importlib.import_module(module)
+            except Exception as exc:
+                raise ProgramLoadError(
+                    f"{self.path}: cannot import {module!r} before loading it ({exc})"
+                ) from None
         if not self.is_shipped:
             return load(self.path, config, trust_compiled=trust_compiled)
         import ray

@@ -19,7 +19,9 @@ naming the member and what is wrong:
   expression over symbols and inputs' sizes;
 - a weight the signature names but the archive lacks, a payload file that is missing or
   smaller than its tensor, and impossible shapes (negative sizes, zero-byte files claiming
-  elements).
+  elements);
+- a program whose inputs or outputs nest in a pytree type this process has not registered
+  (torch would fail with a 30-line warning): the error names the type and the module to import.
 
 One concept per module:
 - check.py: the entry point, which runs the checks below in order;
@@ -27,6 +29,8 @@ One concept per module:
 - models.py: one model's JSON, weights and constants configs, payload sizes, sample inputs;
 - graph_json.py: the node targets, symbolic expressions and guards of a graph JSON;
 - operators.py: which node targets resolve to operators the executor may call;
+- pytree_types.py: whether this process knows the container types of the program's inputs and
+  outputs (a library's output class is registered when its module is imported);
 - expressions.py: the allowlists of symbolic expressions and guards;
 - pickle_scan.py: which pickles may be loaded (torch.save zips, weights_only globals);
 - compiled_marker.py: how a compiled package is recognized and the hint to trust it;

@@ -16,6 +16,7 @@ from typing import Any
 from asyncgraph.graph.archive.graph_json import check_graph_json
 from asyncgraph.graph.archive.layout import Pt2Archive
 from asyncgraph.graph.archive.pickle_scan import check_torch_save
+from asyncgraph.graph.archive.pytree_types import check_pytree_types
 
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+\Z")
 
@@ -34,6 +35,7 @@ def check_model(archive: Pt2Archive, model: str) -> set[str]:
     constants = _payload_config(archive, constants_cfg, "data/constants/", used)
     used |= {weights_cfg, constants_cfg}
     check_graph_json(graph, lambda message: archive.fail(f"{where}: {message}"))
+    check_pytree_types(graph, lambda message: archive.fail(f"{where}: {message}"))
     _signature_weights(archive, model, graph, weights, constants)
     sample = f"data/sample_inputs/{model}.pt"
     if sample not in archive.members:
