@@ -107,7 +107,7 @@ ORT_THREADS = (1, 2)  # intra-op threads tried; the faster is the reference
 # pool spins up to ~30 ms after its last call, which would take the next peer's CPU (Peer)
 SETTLE_S = 0.05
 # no square brackets: the report's tables are rich markup, where "[bench]" would vanish
-INSTALL = "install them with pip install onnxruntime onnx onnxscript (the bench extra)"
+INSTALL = "install them with pip install onnxruntime onnx onnxscript (the onnxruntime extra)"
 ISSUE = 40  # the targets' number in the report: issue 40's
 
 PLAIN = "asyncgraph"

@@ -42,7 +42,7 @@ def bench(
     scenario: list[str] = typer.Option(  # noqa: B008 - typer's declaration style
         [], "--scenario", "-s",
         help="Scenario to run (repeatable): chain, transformer, wide, concurrent, memory, "
-             "steady_state; onnxruntime (only when named: needs the bench extra). "
+             "steady_state; onnxruntime (only when named: needs the onnxruntime extra). "
              "Default: all but onnxruntime.",
     ),
     quick: bool = typer.Option(

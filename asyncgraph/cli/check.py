@@ -19,6 +19,9 @@ from rich.table import Table
 from asyncgraph.cli.options import (
     ImportsOpt,
     InputsOpt,
+    ModelArg,
+    RandomOpt,
+    SeedOpt,
     ThreadsOpt,
     TrustCompiledOpt,
     executor_config,
@@ -29,17 +32,13 @@ console = Console()
 
 
 def check(
-    model: Annotated[
-        Path, typer.Argument(metavar="MODEL", help="A .pt2 file written by torch.export.save.")
-    ],
+    model: ModelArg,
     inputs: InputsOpt = None,
-    seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
-    random: Annotated[
-        bool,
-        typer.Option("--random", help="Use random inputs even when the file has sample inputs."),
-    ] = False,
-    parallel: Annotated[
-        int, typer.Option(min=2, help="max_parallel_ops of the parallel run.")
+    random: RandomOpt = False,
+    seed: SeedOpt = 0,
+    max_parallel_ops: Annotated[
+        int, typer.Option("--max-parallel-ops", min=2,
+                          help="Worker threads of the parallel run.")
     ] = 2,
     rtol: Annotated[
         float | None, typer.Option(help="Relative tolerance (default: by dtype).")
@@ -69,9 +68,9 @@ def check(
         warnings.filterwarnings(
             "ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning
         )
-        executor_config(threads, max_parallel_ops=parallel)  # this thread's torch threads
+        executor_config(threads, max_parallel_ops=max_parallel_ops)  # this thread's torch threads
         report = run_check(
-            model, seed=seed, use_random=random, parallel=parallel, rtol=rtol, atol=atol,
+            model, seed=seed, use_random=random, parallel=max_parallel_ops, rtol=rtol, atol=atol,
             threads=threads, trust_compiled=trust_compiled, user_inputs=given,
             user_inputs_source=f"inputs from {_files(inputs or [])}",
         )
@@ -127,6 +126,10 @@ def print_report(report: CheckReport) -> None:
         if run.error is not None:
             console.print(f"[red]{name} run failed:[/red]\n{escape(run.error)}", highlight=False)
     if report.ok:
-        console.print(f"[green]ok[/green]: {len(report.rows)} leaves match in every run")
+        console.print(f"[green]ok[/green]: {_leaves(len(report.rows))} in every run")
     else:
         console.print("[red]MISMATCH[/red]: asyncgraph does not reproduce ep.module()")
+
+
+def _leaves(count: int) -> str:
+    return "the one output leaf matches" if count == 1 else f"all {count} output leaves match"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -21,6 +21,9 @@ from torch.utils import _pytree as pytree
 from asyncgraph.errors import InputValidationError
 from asyncgraph.graph.ir import Graph, ScalarSpec
 from asyncgraph.tools.compare import random_flat_inputs
+
+if TYPE_CHECKING:
+    from asyncgraph.runtime.executor import Executor
 
 INPUT_SUFFIXES = (".pt", ".pth", ".npy", ".safetensors")
 
@@ -34,6 +37,23 @@ def random_inputs(graph: Graph, seed: int = 0) -> list[Any]:
     """Flat user inputs that fit the signature: example shapes, random values."""
     try:
         return random_flat_inputs(graph, seed)
+    except ValueError as exc:
+        raise InputValidationError(f"{exc} (give its value with --input)") from None
+
+
+def chosen_inputs(
+    ex: Executor, sources: Sequence[str] | None, use_random: bool, seed: int
+) -> list[Any]:
+    """The flat inputs a command runs on, the same for every command: the `--input` files,
+    else the sample inputs saved in the program (unless `--random`), else random ones."""
+    from asyncgraph.tools.profile import example_inputs
+
+    if sources and use_random:
+        raise InputValidationError("give input files (--input) or --random, not both")
+    if sources:
+        return load_inputs(ex.graph, sources)
+    try:
+        return example_inputs(ex, seed, use_random=use_random)
     except ValueError as exc:
         raise InputValidationError(f"{exc} (give its value with --input)") from None
 

@@ -24,7 +24,7 @@ try:
 
     from asyncgraph.cli import bench, check, profile, run, serve, stress
     from asyncgraph.cli import compile as compile_cli
-    from asyncgraph.cli.options import ThreadsOpt
+    from asyncgraph.cli.options import OLD_SPELLINGS, ThreadsOpt
 except ModuleNotFoundError as missing:
     _CLI_EXTRA_MODULES = {
         "typer", "rich", "click", "starlette", "uvicorn", "uvloop", "prometheus_client",
@@ -83,6 +83,10 @@ _USAGE_ERRORS = _usage_error_types()
 
 def _print_error(text: str) -> None:
     Console(stderr=True).print(f"error: {text}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_note(text: str) -> None:
+    Console(stderr=True).print(f"note: {text}", markup=False, highlight=False, soft_wrap=True)
 
 
 _DEBUG = "asyncgraph.debug"  # ctx.meta key (shared by a command's context and the root's)
@@ -167,6 +171,27 @@ class _Command(TyperCommand):
             ctx.meta[_DEBUG] = True
         return super().invoke(ctx)
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, self._current_spellings(args))
+
+    def _current_spellings(self, args: list[str]) -> list[str]:
+        """`args` with the option spellings of earlier releases (options.OLD_SPELLINGS, such
+        as --frames) replaced by this command's current ones, each noted once on stderr.
+        Not shown in help; they go in a later release."""
+        known = {opt for p in self.params for opt in getattr(p, "opts", ())}
+        out: list[str] = []
+        for i, arg in enumerate(args):
+            if arg == "--":
+                return out + args[i:]
+            name, eq, value = arg.partition("=")
+            current = OLD_SPELLINGS.get(name)
+            if current is not None and current in known and name not in known:
+                _print_note(f"{name} is now spelled {current}; the old spelling goes in a "
+                            f"later release")
+                arg = current + eq + value
+            out.append(arg)
+        return out
+
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
         for param in self.get_params(ctx):
@@ -204,6 +229,9 @@ app = typer.Typer(
     help="Run dataflow graphs - above all torch.export programs - from async Python.",
     no_args_is_help=True,
     add_completion=False,
+    # click's plain help: it wraps to the terminal, 80 columns included, and reads the same in
+    # a pipe; rich's panels cut long option names short there (`--max-request-by…`)
+    rich_markup_mode=None,
 )
 console = Console()
 

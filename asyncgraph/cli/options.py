@@ -20,6 +20,10 @@ if TYPE_CHECKING:  # torch is imported by the commands, so `--help` stays quick
     from asyncgraph.runtime.config import ExecutorConfig
     from asyncgraph.runtime.executor import Executor
 
+ModelArg = Annotated[
+    Path, typer.Argument(metavar="MODEL", help="A .pt2 file written by torch.export.save.")
+]
+
 ThreadsOpt = Annotated[
     int | None,
     typer.Option(
@@ -33,11 +37,46 @@ ThreadsOpt = Annotated[
 InputsOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--input", "-i",
-        help="An input file (.pt, .npy, .safetensors), as PATH or NAME=PATH; repeatable "
-             "(asyncgraph/cli/inputs.py reads them).",
+        "--input", "-i", metavar="PATH",
+        help="An input file (.pt, .npy, .safetensors), as PATH or NAME=PATH; repeatable. "
+             "Without it: the sample inputs saved in the file, else random ones.",
     ),
 ]
+
+RandomOpt = Annotated[
+    bool,
+    typer.Option("--random", help="Random inputs with the program's example shapes, even when "
+                 "the file has sample inputs."),
+]
+
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")]
+
+# One spelling per concept, ExecutorConfig's field name where there is one; the spellings
+# commands used before are read as these (OLD_SPELLINGS, rewritten by cli/main.py's _Command)
+# and not shown in help.
+MaxConcurrentExecutionsOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-concurrent-executions", min=1,
+        help="Executions that run at once (execution frames); more wait for a frame.",
+    ),
+]
+
+MaxParallelOpsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-parallel-ops", min=1,
+        help="Worker threads that run kernels side by side (default: by the CPUs).",
+        show_default=False,
+    ),
+]
+
+OLD_SPELLINGS = {
+    "--frames": "--max-concurrent-executions",
+    "--max-frames": "--max-concurrent-executions",
+    "--parallel-ops": "--max-parallel-ops",
+    "--parallel": "--max-parallel-ops",
+}
 
 TrustCompiledOpt = Annotated[
     bool,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -17,7 +16,12 @@ from rich.table import Table
 
 from asyncgraph.cli.options import (
     ImportsOpt,
+    InputsOpt,
+    MaxParallelOpsOpt,
+    ModelArg,
+    RandomOpt,
     ScriptSegmentsOpt,
+    SeedOpt,
     ThreadsOpt,
     TrustCompiledOpt,
     executor_config,
@@ -82,13 +86,14 @@ def time_lines(metrics: ProfileMetrics) -> list[str]:
 
 
 def profile(
-    model: Path = typer.Argument(  # noqa: B008 - typer's declaration style
-        ..., metavar="MODEL", help="A .pt2 file written by torch.export.save."
-    ),
+    model: ModelArg,
     runs: int = typer.Option(20, min=1, help="Profiled executions."),
     warmup: int = typer.Option(3, min=0, help="Executions before profiling."),
     top: int = typer.Option(25, help="Nodes to list, slowest first (0: all)."),
-    max_parallel_ops: int | None = typer.Option(None, min=1, help="Worker threads."),
+    max_parallel_ops: MaxParallelOpsOpt = None,
+    inputs: InputsOpt = None,
+    random: RandomOpt = False,
+    seed: SeedOpt = 0,
     threads: ThreadsOpt = None,
     trust_compiled: TrustCompiledOpt = False,
     imports: ImportsOpt = None,
@@ -96,7 +101,8 @@ def profile(
     json_out: bool = typer.Option(False, "--json", help="Print ProfileMetrics as JSON."),
 ) -> None:
     """Per-node time, percent, totals per op type and the placement chosen, for a .pt2."""
-    from asyncgraph.tools.profile import collect, example_inputs
+    from asyncgraph.cli.inputs import chosen_inputs
+    from asyncgraph.tools.profile import collect
 
     options: dict[str, Any] = {"trace": True, "script_segments": script_segments}
     if max_parallel_ops is not None:
@@ -105,7 +111,7 @@ def profile(
 
     async def main() -> ProfileMetrics:
         try:
-            return await collect(ex, example_inputs(ex), runs, warmup)
+            return await collect(ex, chosen_inputs(ex, inputs, random, seed), runs, warmup)
         finally:
             await ex.aclose()
 

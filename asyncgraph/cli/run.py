@@ -18,6 +18,11 @@ from rich.table import Table
 from asyncgraph.cli.options import (
     ImportsOpt,
     InputsOpt,
+    MaxConcurrentExecutionsOpt,
+    MaxParallelOpsOpt,
+    ModelArg,
+    RandomOpt,
+    SeedOpt,
     ThreadsOpt,
     TrustCompiledOpt,
     executor_config,
@@ -26,28 +31,10 @@ from asyncgraph.cli.options import (
 
 console = Console()
 
-ModelArg = Annotated[
-    Path, typer.Argument(metavar="MODEL", help="A .pt2 file written by torch.export.save.")
-]
-RandomOpt = Annotated[
-    bool, typer.Option("--random", help="Random inputs with the example shapes of the program.")
-]
-SeedOpt = Annotated[int, typer.Option(help="Seed of the random inputs.")]
-
 
 def _load(model: Path, threads: int | None, trust_compiled: bool, **config: Any) -> Any:
     with console.status(f"loading {model} ..."):
         return load_executor(model, executor_config(threads, **config), trust_compiled)
-
-
-def _inputs(ex: Any, inputs: list[str] | None, random: bool, seed: int) -> list[Any]:
-    from asyncgraph.cli.inputs import load_inputs, random_inputs
-
-    if inputs and random:
-        raise typer.BadParameter("give input files or --random, not both")
-    if inputs:
-        return load_inputs(ex.graph, inputs)
-    return random_inputs(ex.graph, seed)
 
 
 def run(
@@ -66,16 +53,23 @@ def run(
 ) -> None:
     """Execute a model once on inputs from files (or random ones); print or save the outputs.
 
-    Without --input the inputs are random, with the shapes the program was exported with.
+    Without --input: the sample inputs saved in the file, else random ones with the shapes the
+    program was exported with (--random: random ones always).
     """
     from torch.utils import _pytree as pytree
 
-    from asyncgraph.cli.inputs import check_output_path, output_names, save_outputs, summarize
+    from asyncgraph.cli.inputs import (
+        check_output_path,
+        chosen_inputs,
+        output_names,
+        save_outputs,
+        summarize,
+    )
 
     if output is not None:
         check_output_path(output)
     ex = _load(model, threads, trust_compiled)
-    flat_in = _inputs(ex, inputs, random, seed)
+    flat_in = chosen_inputs(ex, inputs, random, seed)
 
     async def once() -> tuple[list[Any], float]:
         async with ex:
@@ -111,12 +105,8 @@ def trace(
                           "(the first calls are cold: allocations, profiling).")
     ] = 3,
     concurrency: Annotated[int, typer.Option(min=1, help="Concurrent callers.")] = 4,
-    frames: Annotated[
-        int, typer.Option(min=1, help="Execution frames (max_concurrent_executions).")
-    ] = 2,
-    parallel_ops: Annotated[
-        int | None, typer.Option(min=1, help="Worker threads (max_parallel_ops).")
-    ] = None,
+    max_concurrent_executions: MaxConcurrentExecutionsOpt = 2,
+    max_parallel_ops: MaxParallelOpsOpt = None,
     inputs: InputsOpt = None,
     random: RandomOpt = False,
     seed: SeedOpt = 0,
@@ -134,14 +124,15 @@ def trace(
     """
     from rich.progress import Progress
 
-    from asyncgraph.cli.inputs import check_output_path
+    from asyncgraph.cli.inputs import check_output_path, chosen_inputs
 
     check_output_path(output)
-    config: dict[str, Any] = {"trace": True, "max_concurrent_executions": frames}
-    if parallel_ops is not None:
-        config["max_parallel_ops"] = parallel_ops
+    config: dict[str, Any] = {"trace": True,
+                              "max_concurrent_executions": max_concurrent_executions}
+    if max_parallel_ops is not None:
+        config["max_parallel_ops"] = max_parallel_ops
     ex = _load(model, threads, trust_compiled, **config)
-    flat_in = _inputs(ex, inputs, random, seed)
+    flat_in = chosen_inputs(ex, inputs, random, seed)
 
     async def drive(progress: Progress) -> None:
         async def calls(label: str, count: int) -> None:

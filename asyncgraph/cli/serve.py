@@ -21,6 +21,8 @@ from rich.table import Table
 
 from asyncgraph.cli.options import (
     ImportsOpt,
+    MaxConcurrentExecutionsOpt,
+    MaxParallelOpsOpt,
     ScriptSegmentsOpt,
     ThreadsOpt,
     TrustCompiledOpt,
@@ -69,7 +71,8 @@ def serve(
     name: Annotated[str | None, typer.Option(help="The name to serve MODEL under.")] = None,
     models: Annotated[
         list[str] | None,
-        typer.Option("--model", "-m", help="Another model as NAME=PATH; repeatable."),
+        typer.Option("--model", "-m", metavar="NAME=PATH",
+                     help="Another model as NAME=PATH; repeatable."),
     ] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: a free one).")] = 8000,
@@ -109,12 +112,8 @@ def serve(
         float, typer.Option(min=0.001, help="Seconds a request body may take to arrive after "
                             "its headers; a slower one gets 408.")
     ] = 30.0,
-    frames: Annotated[
-        int, typer.Option(min=1, help="Concurrent executions per model (frames).")
-    ] = 8,
-    parallel_ops: Annotated[
-        int | None, typer.Option(min=1, help="Worker threads per model (max_parallel_ops).")
-    ] = None,
+    max_concurrent_executions: MaxConcurrentExecutionsOpt = 8,
+    max_parallel_ops: MaxParallelOpsOpt = None,
     pin_workers: Annotated[
         bool, typer.Option(help="Pin each worker thread to a CPU of its own (Linux; for a "
                            "machine the service has to itself).")
@@ -177,9 +176,11 @@ def serve(
                                        "at start; repeatable.")
     ] = None,
     version_policy: Annotated[
-        str, typer.Option(help="With --model-repository: the versions served, 'latest:N', "
-                          "'specific:1,3' or 'all' (a model's config.json may set its own).")
-    ] = "latest:1",
+        str | None, typer.Option(help="With --model-repository: the versions served, "
+                                 "'latest:N', 'specific:1,3' or 'all' (a model's config.json "
+                                 "may set its own).  [default: latest:1]",
+                                 show_default=False)
+    ] = None,
 ) -> None:
     """Serve models over the Open Inference Protocol (KServe v2 REST) on uvicorn + uvloop.
 
@@ -195,6 +196,7 @@ def serve(
     if loop not in LOOPS:
         raise typer.BadParameter(f"expected one of {', '.join(LOOPS)}, got {loop!r}",
                                  param_hint="--loop")
+    _check_values(model_control, version_policy)
     if model_repository is not None:
         if model is not None or name is not None or models:
             raise ServeConfigError("--model-repository serves the repository's models: give "
@@ -203,13 +205,14 @@ def serve(
             raise ServeConfigError("--model-repository is served by the local server, not "
                                    "on --ray")
         specs: dict[str, Path] = {}
-    elif load_model or model_control != "none":
-        raise ServeConfigError("--model-control and --load-model need --model-repository")
+    elif load_model or model_control != "none" or version_policy is not None:
+        raise ServeConfigError("--model-control, --load-model and --version-policy need "
+                               "--model-repository")
     else:
         specs = model_specs(model, name, models)
-    config: dict[str, Any] = {"max_concurrent_executions": frames}
-    if parallel_ops is not None:
-        config["max_parallel_ops"] = parallel_ops
+    config: dict[str, Any] = {"max_concurrent_executions": max_concurrent_executions}
+    if max_parallel_ops is not None:
+        config["max_parallel_ops"] = max_parallel_ops
     if pin_workers:
         config["pin_workers"] = True
     config["worker_nice"] = worker_nice
@@ -217,6 +220,8 @@ def serve(
         config["script_segments"] = True
     if max_batch_size:
         config["batching"] = BatchingConfig(max_batch_size, batch_delay_ms / 1000)
+    elif batch_delay_ms:
+        raise ServeConfigError("--batch-delay-ms needs --max-batch-size (batching is off)")
     if ray:
         if grpc_port is not None:
             raise ServeConfigError("--grpc-port serves the local server; Ray Serve's gRPC "
@@ -242,7 +247,7 @@ def serve(
         with sock:
             serve_repository(
                 sock, model_repository, control_mode=model_control,
-                load_models=load_model or [], version_policy=version_policy,
+                load_models=load_model or [], version_policy=version_policy or "latest:1",
                 config=executor_config(threads, **config), trust_compiled=trust_compiled,
                 app_options={
                     "max_queue": max_queue, "max_queue_bytes": max_queue_bytes or None,
@@ -298,6 +303,22 @@ def serve(
             run(app, host, port, log_level=log_level, access_log=access_log, loop=loop,
                 sock=sock, graceful_shutdown_s=shutdown_timeout_s)
     console.print("server stopped")
+
+
+def _check_values(model_control: str, version_policy: str | None) -> None:
+    """Every option's value is checked whether or not it applies here, so a typo is an
+    error now rather than when the option first matters."""
+    from asyncgraph.cli.serve_repository import CONTROL_MODES
+    from asyncgraph.serve.repository import VersionPolicy
+
+    if model_control not in CONTROL_MODES:
+        raise ServeConfigError(f"--model-control: expected one of {', '.join(CONTROL_MODES)}, "
+                               f"got {model_control!r}")
+    if version_policy is not None:
+        try:
+            VersionPolicy.parse(version_policy)
+        except ValueError as exc:
+            raise ServeConfigError(f"--version-policy: {exc}") from None
 
 
 def _bind(host: str, port: int, bind: Callable[[str, int], socket.socket]) -> socket.socket:

@@ -78,20 +78,20 @@ def serve_repository(
         except (RepositoryError, AsyncGraphError, OSError) as exc:
             raise error(str(exc)) from None
     title = f"asyncgraph serve on {url_of(sock)} (model repository {root}, " \
-            f"model control {control_mode}, version policy {policy})"
+            f"model control {control_mode}, default version policy {policy})"
     if grpc_port is not None:
         from asyncgraph.serve.grpc_server import add_grpc
 
         endpoint = add_grpc(app, host, grpc_port, grace_s=run_options["graceful_shutdown_s"])
         title += f" and gRPC on {endpoint.address}"
     table = Table(title=title)
-    for column in ("model", "version", "file", "inputs", "outputs"):
+    for column in ("model", "version", "policy", "file", "inputs", "outputs"):
         table.add_column(column)
     for name, versions in control.loaded.items():
         for number, entry in sorted(versions.items()):
             iface = entry.served.interface
             table.add_row(
-                name, str(number), str(entry.path),
+                name, str(number), str(repository.policy_for(name)), str(entry.path),
                 ", ".join(f"{i.name} {i.datatype}{i.shape}" for i in iface.inputs),
                 ", ".join(f"{o.name} {o.datatype}{o.shape}" for o in iface.outputs),
             )

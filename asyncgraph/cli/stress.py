@@ -28,7 +28,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from asyncgraph.cli.options import ImportsOpt, ThreadsOpt, TrustCompiledOpt, executor_config
+from asyncgraph.cli.options import (
+    ImportsOpt,
+    MaxConcurrentExecutionsOpt,
+    MaxParallelOpsOpt,
+    ThreadsOpt,
+    TrustCompiledOpt,
+    executor_config,
+)
 
 console = Console()
 DEFAULT_MAX_LOOP_LAG_MS = 100.0
@@ -61,12 +68,8 @@ def stress(
         int, typer.Option(min=0, help="Swap in new weights every S executions (0: never).")
     ] = 0,
     seed: Annotated[int, typer.Option(help="Seed of every random decision.")] = 0,
-    max_frames: Annotated[
-        int, typer.Option(min=1, help="The executor's max_concurrent_executions.")
-    ] = 8,
-    parallel_ops: Annotated[
-        int | None, typer.Option(min=1, help="The executor's max_parallel_ops.")
-    ] = None,
+    max_concurrent_executions: MaxConcurrentExecutionsOpt = 8,
+    max_parallel_ops: MaxParallelOpsOpt = None,
     max_loop_lag_ms: Annotated[
         float,
         typer.Option(min=0.0, help="Fail when the event loop's lag p99 exceeds this (0: only "
@@ -100,9 +103,9 @@ def stress(
         max_loop_lag_s=max_loop_lag_ms / 1e3 if max_loop_lag_ms else None,
         distinct_inputs=distinct_inputs,
     )
-    options: dict[str, Any] = {"max_concurrent_executions": max_frames}
-    if parallel_ops is not None:
-        options["max_parallel_ops"] = parallel_ops
+    options: dict[str, Any] = {"max_concurrent_executions": max_concurrent_executions}
+    if max_parallel_ops is not None:
+        options["max_parallel_ops"] = max_parallel_ops
     if max_batch_size:
         options["batching"] = BatchingConfig(max_batch_size=max_batch_size)
     from asyncgraph.loading import load_program

@@ -92,19 +92,20 @@ class ProfileMetrics:
         return asdict(self)
 
 
-def example_inputs(ex: Executor) -> list[Any]:
-    """Flat user inputs to profile with: the program's saved example, else random ones.
+def example_inputs(ex: Executor, seed: int = 0, *, use_random: bool = False) -> list[Any]:
+    """Flat user inputs to run with: the program's saved example (unless `use_random`), else
+    random ones.
 
     Random tensors take the example shapes the program was exported with, which satisfy its
     dimension constraints; integer tensors get small non-negative values (valid indices).
     """
     exported = ex.program.exported
     saved = getattr(exported, "example_inputs", None) if exported is not None else None
-    if saved is not None:
+    if saved is not None and not use_random:
         leaves = torch.utils._pytree.tree_leaves(saved)
         if len(leaves) == len(ex.graph.signature.user_inputs):
             return list(leaves)
-    return random_flat_inputs(ex.graph)
+    return random_flat_inputs(ex.graph, seed)
 
 
 async def collect(

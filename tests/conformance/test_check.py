@@ -81,7 +81,7 @@ async def test_check_passes_and_prints_every_leaf(stateful_pt2: Path) -> None:
                 "input extra['acc']", "buffer steps"):
         assert row in output, row
     assert "MISMATCH" not in output
-    assert "leaves match in every run" in output
+    assert "output leaves match in every run" in output
 
 
 async def test_check_with_random_inputs(stateful_pt2: Path) -> None:

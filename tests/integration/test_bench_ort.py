@@ -27,7 +27,7 @@ from benchmarks.harness import Settings
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
-WHY = "onnxruntime, onnx and onnxscript are the bench extra's: pip install -e '.[bench]'"
+WHY = "onnxruntime, onnx and onnxscript: pip install -e '.[onnxruntime]'"
 
 
 def test_onnxruntime_runs_only_when_named() -> None:

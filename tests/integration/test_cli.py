@@ -159,7 +159,7 @@ def test_trace_command_writes_a_chrome_trace(model_file: Any, tmp_path: Path) ->
     _, path = model_file
     out = tmp_path / "trace.json"
     result = invoke("trace", path, "-o", out, "--executions", "6", "--concurrency", "3",
-                    "--frames", "1")
+                    "--max-concurrent-executions", "1")
     assert result.exit_code == 0, result.output
     assert "6 execution(s) traced" in result.output and "aten.addmm.default" in result.output
     events = json.loads(out.read_text())["traceEvents"]

@@ -626,7 +626,7 @@ def test_the_command_serves_a_repository_with_explicit_model_control(
                    "--load-model", "a", "--port", "0") as served:
         url = served.wait_for(r"Uvicorn running on (http://127\.0\.0\.1:\d+)").group(1)
         banner = " ".join(served.output().split())  # the table's title may wrap
-        assert "model control explicit, version policy latest:1" in banner, banner
+        assert "model control explicit, default version policy latest:1" in banner, banner
         with httpx.Client(base_url=url, timeout=WAIT_S) as http:
             index = http.post("/v2/repository/index").json()
             assert [(e["name"], e["state"]) for e in index] == [
