@@ -50,6 +50,7 @@ from asyncgraph.compiled.segments import Segment, replace_segments, tensor_bound
 from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, Node, TensorSpec
 from asyncgraph.kernels.base import KernelKind
 from asyncgraph.kernels.cost import estimate_cost
+from asyncgraph.runtime.threads import start_thread
 
 MAX_TRACES = 64  # signatures traced per segment (batch sizes 1-64); beyond, the oldest is dropped
 MIN_NODES = 8  # a run this long is scripted (the call into TorchScript costs ~10-20 us)
@@ -135,7 +136,7 @@ class ScriptedDelegate:
                 tracer = threading.Thread(
                     target=self._trace_pending, name=f"asyncgraph-trace-{self.__name__}")
                 try:
-                    tracer.start()
+                    start_thread(tracer)  # at the loop's nice value, not a worker's
                 except RuntimeError:  # no thread to be had: the call still succeeded
                     del self._pending[signature]
                     return

@@ -65,6 +65,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from asyncgraph.runtime.backend import current_loop
+from asyncgraph.runtime.threads import start_thread
 
 THREAD_NAME = "asyncgraph-cuda-wait"
 """The waiter thread's name: LeakChecker counts threads named asyncgraph*."""
@@ -258,7 +259,7 @@ class HostWaiter:
         self._threads.add(thread)
         self.started += 1
         try:
-            thread.start()
+            start_thread(thread)  # at the loop's nice value, were the caller niced
         except BaseException:
             self._thread = None
             self._threads.discard(thread)

@@ -25,7 +25,12 @@ With `nice` (Linux), each thread raises its own nice value by that much, so that
 loop's thread, which turns finished work into the next, runs as soon as it wakes instead of
 waiting for a core that workers hold (ExecutorConfig.worker_nice has the measurements: with
 2 workers in ONNX Runtime on 2 cores, the loop woken by a finished batch sometimes ran 0.5-1.9
-ms later, while the workers drained their queue and stood idle).
+ms later, while the workers drained their queue and stood idle). A thread inherits its
+starter's nice value and cannot lower it again, so the threads are started through
+runtime/threads.py's `start_thread` (a pool started from a niced worker steps back from the
+loop's value, not twice), and a niced pool holds that module's launcher while it runs, which
+starts the library's helper threads for niced workers; threads that user code starts in a
+kernel inherit the worker's value (the module's doc says what else).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from typing import Any
 
 import anyio
 import torch
+
+from asyncgraph.runtime.threads import hold_launcher, release_launcher, start_thread
 
 WorkItem = tuple[Callable[[Any, int], None], Any, int]
 
@@ -151,6 +158,7 @@ class WorkerPool:
         self._items_run: list[int] = []  # one slot per thread: no shared counter to race on
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._launcher: object = None  # threads.hold_launcher's, while niced threads run
 
     def submit(
         self, fn: Callable[[Any, int], None], frame: Any, units: Sequence[tuple[float, int]]
@@ -168,6 +176,10 @@ class WorkerPool:
             self._items_run[:] = [0] * self.size
             intra_op = self.intra_op_threads or torch.get_num_threads()
             self._cpus = _cpus_to_pin(self.size) if self.pin else ()
+            # before the first thread is niced; released by aclose, or when the pool is collected
+            self._launcher = hold_launcher() if self.nice else None
+            self._finalizer = weakref.finalize(
+                self, _stop_threads, self._queue, self.size, self._launcher)
             for i in range(self.size):
                 cpu = self._cpus[i] if self._cpus else None
                 thread = threading.Thread(
@@ -177,15 +189,15 @@ class WorkerPool:
                     name=f"{self._name}-{i}",
                     daemon=True,
                 )
-                thread.start()
+                start_thread(thread)  # not niced twice when started from a niced thread
                 self._threads.append(thread)
-            self._finalizer = weakref.finalize(self, self._queue.stop, self.size)
 
     async def aclose(self) -> None:
         """Stop the threads after the work already queued, and wait until they are gone."""
         threads, self._threads = self._threads, []
         if not threads:
             return
+        launcher, self._launcher = self._launcher, None
         if self._finalizer is not None:
             self._finalizer.detach()
         self._queue.stop(len(threads))
@@ -195,6 +207,7 @@ class WorkerPool:
             delay = min(delay * 2, 0.05)
         for thread in threads:
             thread.join()
+        release_launcher(launcher)
 
     def statistics(self) -> WorkerPoolStatistics:
         return WorkerPoolStatistics(
@@ -202,6 +215,12 @@ class WorkerPool:
             self._cpus if self._threads else (), self._queue.parked if self._threads else 0,
             self.nice,
         )
+
+
+def _stop_threads(queue: ReadyQueue, threads: int, launcher: object) -> None:
+    """A collected pool's threads end after the work queued; its hold on the launcher ends."""
+    queue.stop(threads)
+    release_launcher(launcher)
 
 
 def _worker_main(

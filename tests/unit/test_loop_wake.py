@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import ctypes
 import gc
@@ -10,6 +11,9 @@ import operator
 import os
 import threading
 import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,7 +154,7 @@ def test_a_closed_loop_refuses_calls_and_a_collected_one_closes_the_pipe() -> No
     try:
         call = loop.run_until_complete(_call_of_running_loop())
         wake = loop_wake._WAKES[loop]
-        fds = (wake._read_fd, wake._write_fd)
+        fds = (wake._pipe.read_fd, wake._pipe.write_fd)
         ran: list[int] = []
         loop.run_until_complete(_call_and_wait(call, ran))
         assert ran == [1]
@@ -208,3 +212,191 @@ async def test_each_call_runs_in_the_context_of_the_thread_that_made_it() -> Non
         t.join()
     await _settled(wake)
     assert seen == ["a", "b"]
+
+
+# -- calls an interrupt leaves behind, and a pipe closed under its writers ----------------------
+
+
+async def _wake_of_running_loop() -> LoopWake:
+    return _wake()
+
+
+def _interrupt(exc: type[BaseException]) -> None:
+    raise exc
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_calls_queued_behind_an_interrupt_run_on_the_next_iteration(
+    interrupt: type[BaseException],
+) -> None:
+    # asyncio's own call_soon_threadsafe leaves them in _ready for the next iteration; a
+    # LoopWake that re-raised with no byte left in its pipe left them queued for good
+    loop = asyncio.new_event_loop()
+    try:
+        wake = loop.run_until_complete(_wake_of_running_loop())
+        seen: list[str] = []
+        wake.call_soon_threadsafe(_interrupt, interrupt)
+        wake.call_soon_threadsafe(seen.append, "a")
+        wake.call_soon_threadsafe(seen.append, "b")
+        with pytest.raises(interrupt):
+            loop.run_forever()  # the drain runs the interrupt, which leaves the loop
+        assert seen == []
+        loop.run_until_complete(_settled(wake))  # no further call wakes the loop
+        assert seen == ["a", "b"]
+    finally:
+        loop.close()
+
+
+@contextlib.contextmanager
+def _pipes_made(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The fd numbers of the pipes that os.pipe makes inside the block."""
+    made: list[int] = []
+    real_pipe = os.pipe
+
+    def pipe() -> tuple[int, int]:
+        fds = real_pipe()
+        made.extend(fds)
+        return fds
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pipe", pipe)
+        yield made
+
+
+def _take_fds(numbers: list[int], path: Path) -> list[int]:
+    """Open `path` until the files hold each of `numbers` that is free (os.open takes the
+    lowest free number), as a user's files would once the numbers are free again."""
+    opened: list[int] = []
+    while not set(numbers) <= set(opened):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        opened.append(fd)
+        if fd > max(numbers):  # the ones not taken yet are still open: nothing freed them
+            break
+    return opened
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _open_and_empty(fd: int) -> bool:
+    try:
+        return os.fstat(fd).st_size == 0
+    except OSError:  # closed by someone else
+        return False
+
+
+def _make_refused(loop: asyncio.AbstractEventLoop) -> pytest.ExceptionInfo[OSError]:
+    with pytest.raises(OSError, match="refused") as refused:
+        LoopWake(loop)
+    return refused  # its traceback holds the half-made LoopWake
+
+
+def test_an_add_reader_that_fails_closes_the_pipe_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    loop = asyncio.new_event_loop()
+    files: list[int] = []
+    try:
+        def refuse(fd: int, callback: Any, *args: Any) -> None:
+            raise OSError(f"add_reader refused fd {fd}")
+
+        monkeypatch.setattr(loop, "add_reader", refuse)
+        with _pipes_made(monkeypatch) as fds:
+            refused = _make_refused(loop)
+        assert len(fds) == 2
+        files = _take_fds(fds, tmp_path / "user.txt")  # while the error is still held
+        del refused
+        gc.collect()  # the half-made LoopWake: nothing of it may close a number again
+        assert all(_open_and_empty(fd) for fd in files), f"a user's file was closed: {files}"
+    finally:
+        _close_fds(files)
+        loop.close()
+
+
+def _exit_finalizers(obj: object) -> None:
+    """Run what the interpreter's exit runs for `obj` (weakref.finalize._exitfunc: the
+    finalizers marked atexit), while daemon threads may still call into it."""
+    registry = weakref.finalize._registry  # type: ignore[attr-defined]
+    for finalizer, info in list(registry.items()):
+        if info.weakref() is obj and info.atexit:
+            finalizer()
+
+
+def _call_from_a_thread(call: Any) -> BaseException | None:
+    """What `call(print)` raised on a thread of its own, as a daemon worker would call."""
+    raised: list[BaseException] = []
+
+    def late() -> None:
+        try:
+            call(print)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=late)
+    thread.start()
+    thread.join(10)
+    return raised[0] if raised else None
+
+
+def test_the_interpreters_exit_leaves_the_pipe_to_late_writers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    loop = asyncio.new_event_loop()
+    files: list[int] = []
+    try:
+        with _pipes_made(monkeypatch) as fds:
+            wake = loop.run_until_complete(_wake_of_running_loop())
+        loop.run_until_complete(_settled(wake))  # no byte pending: the next call writes one
+        _exit_finalizers(wake)
+        files = _take_fds(fds, tmp_path / "user.txt")
+        assert _call_from_a_thread(wake.call_soon_threadsafe) is None  # the loop is open
+        assert all(_open_and_empty(fd) for fd in files), "the wake byte went into a user's file"
+    finally:
+        _close_fds(files)
+        loop.close()
+
+
+def test_a_closed_wake_refuses_late_calls_and_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    loop = asyncio.new_event_loop()
+    files: list[int] = []
+    try:
+        with _pipes_made(monkeypatch) as fds:
+            wake = loop.run_until_complete(_wake_of_running_loop())
+        wake.close()
+        assert not any(_open_and_empty(fd) for fd in fds)  # both ends closed at once
+        files = _take_fds(fds, tmp_path / "user.txt")
+        raised = _call_from_a_thread(wake.call_soon_threadsafe)
+        assert isinstance(raised, RuntimeError) and "closed" in str(raised)
+        assert all(_open_and_empty(fd) for fd in files), "the wake byte went into a user's file"
+        assert loop_wake.loop_wake(loop) is not wake  # the loop gets a fresh one
+    finally:
+        _close_fds(files)
+        loop.close()
+
+
+def test_the_first_call_after_the_loop_closed_closes_the_pipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loop = asyncio.new_event_loop()
+    with _pipes_made(monkeypatch) as fds:
+        call = loop.run_until_complete(_call_of_running_loop())
+    loop.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        call(print)
+    # while the Executor that holds `call` lives on: its fds are not kept until collected
+    assert not any(_open_and_empty(fd) for fd in fds)
+
+
+def test_a_collected_wake_closes_its_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = asyncio.new_event_loop()
+    with _pipes_made(monkeypatch) as fds:
+        loop.run_until_complete(_call_of_running_loop())
+    loop.close()
+    del loop
+    gc.collect()  # no call after the close: the finalizer closes the pipe
+    assert not any(_open_and_empty(fd) for fd in fds)
