@@ -225,7 +225,10 @@ class ExecutorConfig:
             requests/s in ten alternating runs (-6% to +8%); unbatched and plain-graph
             callers the same either way (AMD EPYC, Linux 6.18, 2026-11-28).
             Workers still take every core the loop leaves, but other processes at the
-            default priority come first: set 0 to share a machine as equals.
+            default priority come first: set 0 to share a machine as equals. Threads the
+            library starts from a worker (tracer, ONNX builder, host waiter, a nested pool)
+            start at the loop's value (runtime/threads.py); threads a kernel starts itself,
+            and torch's inter-op pool if a kernel on a worker makes it, keep the worker's.
         max_concurrent_executions: execution frames; callers beyond this await a free frame,
             first come first served.
         max_frame_waiters: executions that may await a frame (4096); the next gets
