@@ -7,15 +7,16 @@ mounted into an existing FastAPI or Starlette app. It does not need its lifespan
 a mounted app's lifespan is never run by its parent. `models` may be a dict the parent fills
 and empties in its own lifespan; the app reads it on every request.
 
-One inference request: look the model up (404) -> enter the model's admission gate, refused at
-once (503) if it could not make its deadline or the queue's memory caps are reached ->
-read the body within the size limit (413) and --body-timeout-s (408), its bytes charged to
-the gate as they arrive -> decode, in the gate's decode lane (one decode per loop turn, timed),
-and check every field against the signature (400, nothing allocated for a bad request; JSON
-parsed in pieces, codec.py) -> wait for an execution slot -> execute, cancelled at its
-deadline (504) or by the client going away -> check the response's estimated size against
---max-response-bytes (400) -> encode JSON or binary outputs (timed: the gate counts decode
-and encode as the loop time a request costs).
+One inference request: look the model up (a malformed name or version 400, one not served 404,
+names.py; counted by route in asyncgraph_unserved_requests_total) -> enter the model's
+admission gate, refused at once (503) if it could not make its deadline or the queue's memory
+caps are reached -> read the body within the size limit (413) and --body-timeout-s (408), its
+bytes charged to the gate as they arrive -> decode, in the gate's decode lane (one decode per
+loop turn, timed), and check every field against the signature (400, nothing allocated for a
+bad request; JSON parsed in pieces, codec.py) -> wait for an execution slot -> execute,
+cancelled at its deadline (504) or by the client going away -> check the response's estimated
+size against --max-response-bytes (400) -> encode JSON or binary outputs (timed: the gate
+counts decode and encode as the loop time a request costs).
 A request's deadline is its arrival (when the app is called with it, `_StampArrival`) plus
 the smaller of `timeout_ms` and its own `parameters.timeout` (Triton's, in microseconds). It is
 checked before the body is read, once it is decoded and when its slot comes: a request past it
@@ -61,6 +62,7 @@ from asyncgraph.serve.codec import (
 )
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
+from asyncgraph.serve.names import check_name, check_version
 from asyncgraph.serve.repository_http import NOT_ALLOWED, repository_routes
 
 logger = logging.getLogger("asyncgraph.serve")
@@ -231,11 +233,18 @@ class InferenceServer:
         self._served: dict[str, _Served] = {}
         self.metrics = m.ServerMetrics(models, self._admission, version)
         for name in list(models):
+            try:
+                check_name(name)
+            except ProtocolError as exc:  # no request could name it
+                raise ValueError(f"models: {exc.message}") from None
             self.served(name)  # a model that cannot be served fails here, not per request
 
     # -- models -----------------------------------------------------------------------------
 
     def served(self, name: str, version: str | None = None) -> _Served:
+        """Model `name` at `version` (None: its default version): a 400 for a name or version
+        no model can have (names.py), a 404 for one not served."""
+        self._check(name, version)
         if self.control is not None:
             return self.control.served(name, version)
         ex = self.models.get(name)
@@ -259,6 +268,42 @@ class InferenceServer:
             )
             self._served[name] = served
         return served
+
+    def lookup(self, route: str, name: str, version: str | None = None) -> _Served:
+        """`served`, for a client's request on `route` (infer, metadata): its refusal, a
+        malformed name or version (400) or one not served (404), counted in the metrics."""
+        try:
+            return self.served(name, version)
+        except ProtocolError as exc:
+            self.metrics.unserved(route, exc.status)
+            raise
+
+    def readiness(self, name: str, version: str | None = None) -> bool:
+        """Whether model `name` (at `version`) is ready to serve: False for a repository
+        model with no version loaded; refused (400, 404) and counted as `lookup` is."""
+        try:
+            self._check(name, version)
+            if self.control is not None and self.control.not_loaded(name):
+                return False
+            self.served(name, version)
+        except ProtocolError as exc:
+            self.metrics.unserved("ready", exc.status)
+            raise
+        return self.model_ready(name)
+
+    def _check(self, name: str, version: str | None) -> None:
+        """A 400 for a name or version no model can have. The app's own `version` is taken
+        as it was given (it is the one version a plain app serves, whatever its form)."""
+        check_name(name)
+        if self.control is not None or version != self.version:
+            check_version(version)
+
+    def _check_counted(self, route: str, name: str) -> None:
+        try:
+            check_name(name)
+        except ProtocolError as exc:
+            self.metrics.unserved(route, exc.status)
+            raise
 
     def versions(self, name: str) -> list[str]:
         """The versions of model `name` served (404 for an unknown model)."""
@@ -284,6 +329,7 @@ class InferenceServer:
     async def load_model(self, name: str, parameters: Mapping[str, Any] | None = None) -> None:
         if self.control is None:
             raise ProtocolError(NOT_ALLOWED, 503)  # as Triton when model control is off
+        self._check_counted("load", name)
         await self.control.load(name, parameters)
 
     async def unload_model(
@@ -291,6 +337,7 @@ class InferenceServer:
     ) -> None:
         if self.control is None:
             raise ProtocolError(NOT_ALLOWED, 503)
+        self._check_counted("unload", name)
         await self.control.unload(name, parameters)
 
     async def calibrate(self) -> None:
@@ -337,7 +384,7 @@ class InferenceServer:
         name = request.path_params["name"]
         # nothing awaited from this lookup to admission.enter: model control closes a replaced
         # version once its gate is empty (model_control.py)
-        served = self.served(name, request.path_params.get("version"))
+        served = self.lookup("infer", name, request.path_params.get("version"))
         timing: list[float] = []
         response, failure = await self._infer(request, served, arrival, timing)
         self.metrics.observe(
@@ -393,10 +440,14 @@ class InferenceServer:
                 response.headers["connection"] = "close"
             return response, failure
 
-    def response_size(self, name: str, decoded: InferRequest, outputs: list[Any]) -> int:
-        """The response's estimated size (codec.response_bytes), or a 400 past
+    def response_size(
+        self, name: str, decoded: InferRequest, outputs: list[Any], size: int | None = None
+    ) -> int:
+        """The response's estimated size (`size`, else codec.response_bytes: what a transport
+        encoding otherwise estimates, gRPC's typed contents), or a 400 past
         --max-response-bytes."""
-        size = response_bytes(decoded, outputs)
+        if size is None:
+            size = response_bytes(decoded, outputs)
         if size > self.max_response_bytes:
             raise ProtocolError(
                 f"model {name!r}: the response would be up to {size} bytes "
@@ -596,7 +647,7 @@ def _routes(server: InferenceServer) -> list[Route]:
 
     async def model_metadata(request: Request) -> Response:
         name = request.path_params["name"]
-        served = server.served(name, request.path_params.get("version"))
+        served = server.lookup("metadata", name, request.path_params.get("version"))
         return JSONResponse({
             "name": name,
             "versions": server.versions(name),
@@ -606,10 +657,7 @@ def _routes(server: InferenceServer) -> list[Route]:
 
     async def model_ready(request: Request) -> Response:
         name = request.path_params["name"]
-        if server.control is not None and server.control.not_loaded(name):
-            return JSONResponse({"name": name, "ready": False}, 503, headers=_retry_after(503))
-        server.served(name, request.path_params.get("version"))
-        ok = server.model_ready(name)
+        ok = server.readiness(name, request.path_params.get("version"))
         status = 200 if ok else 503
         return JSONResponse({"name": name, "ready": ok}, status, headers=_retry_after(status))
 

@@ -14,7 +14,9 @@ Input values come one of two ways, as Triton takes them:
 
 The response answers in kind: raw outputs (`raw_output_contents`) when the request used raw
 inputs (or has none), typed `contents` otherwise, except that a response with an FP16 or
-BF16 output, which has no typed field, is raw.
+BF16 output, which has no typed field, is raw. A typed response is checked against
+--max-response-bytes at its worst-case encoded size (`response_bytes`): protobuf packs
+integers as varints, and a negative INT8 takes 10 bytes where its raw form takes 1.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncgraph.serve import codec
 from asyncgraph.serve import datatypes as dt
 from asyncgraph.serve import grpc_protocol as pb
 from asyncgraph.serve.codec import InferRequest, decode_entries, encode_output
@@ -49,6 +52,17 @@ FIELD_DTYPES: dict[str, Any] = {
     "fp64_contents": np.float64,
 }
 _ALL_FIELDS = (*FIELD_DTYPES, "bytes_contents")
+
+#: The most bytes one value of each datatype takes in its typed contents field on the wire:
+#: integers are packed varints (7 bits a byte; a negative int32 is sign-extended to 64 bits,
+#: 10 bytes), floats fixed-size.
+TYPED_VALUE_BYTES: dict[str, int] = {
+    "BOOL": 1,
+    "INT8": 10, "INT16": 10, "INT32": 10, "INT64": 10,
+    "UINT8": 2, "UINT16": 3, "UINT32": 5, "UINT64": 10,
+    "FP32": 4,
+    "FP64": 8,
+}
 
 
 def parameters_of(parameters: Mapping[str, Any]) -> dict[str, Any]:
@@ -141,6 +155,23 @@ def encode_infer_response(
             assert tensor is not None
             getattr(out.contents, TYPED_FIELDS[entry["datatype"]]).extend(_values(tensor))
     return response
+
+
+def response_bytes(request: InferRequest, outputs: list[Any], raw: bool) -> int:
+    """An upper bound of the ModelInferResponse's encoded size: codec.response_bytes's for a
+    raw one; for a typed one, each value at its worst case (`TYPED_VALUE_BYTES`)."""
+    if raw:
+        return codec.response_bytes(request, outputs)
+    total = 128
+    for wanted in request.outputs:
+        value = outputs[wanted.info.position]
+        if isinstance(value, torch.Tensor):
+            numel, datatype = value.numel(), dt.DATATYPES.get(value.dtype, "")
+        else:
+            numel, datatype = 1, dt.SCALAR_DATATYPES.get(type(value), "")
+        per = TYPED_VALUE_BYTES.get(datatype, 10)  # 10: the longest varint
+        total += codec.ENTRY_BYTES + len(wanted.info.name) + numel * per
+    return total
 
 
 def _values(tensor: torch.Tensor) -> list[Any]:

@@ -9,6 +9,10 @@ Everything else uses ordinary prometheus-client metrics in a registry of the app
 apps in one process (tests, a parent app mounting two) never collide in the global registry:
 
 - asyncgraph_requests_total{model,code}: every inference request by HTTP status;
+- asyncgraph_unserved_requests_total{route,code}: requests refused before they reached a
+  model: a malformed model name or version (400) or one not served (404), by route (infer,
+  ready, metadata, load, unload), never by the name asked for, so a client cannot add series
+  by inventing names;
 - asyncgraph_request_duration_seconds / asyncgraph_queue_duration_seconds: histograms;
 - asyncgraph_frames_in_use, asyncgraph_frames, asyncgraph_frame_waiters,
   asyncgraph_queued_requests, asyncgraph_running_requests: read from the executors at scrape
@@ -81,6 +85,12 @@ class ServerMetrics:
             "Time an inference request waited for a free execution slot.",
             ["model"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        self.unserved_requests = Counter(
+            "asyncgraph_unserved_requests", "Requests refused before they reached a model, by "
+            "route (infer, ready, metadata, load, unload) and HTTP status: a malformed model "
+            "name or version (400) or one not served (404).", ["route", "code"],
+            registry=self.registry,
+        )
         self.live = _LiveCollector(models, admission, self.counters, version)
         self.registry.register(self.live)
 
@@ -110,6 +120,10 @@ class ServerMetrics:
             self.queue.labels(model).observe(queue_s)
         if compute_s is not None:
             counters.compute_us += compute_s * 1e6
+
+    def unserved(self, route: str, code: int) -> None:
+        """Count one request refused before it reached a model (its name or version)."""
+        self.unserved_requests.labels(route, str(code)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncgraph.errors import AsyncGraphError
+from asyncgraph.serve.errors import ProtocolError
+from asyncgraph.serve.names import check_name
 
 #: The file of a version folder (`DIR/<model>/<version>/model.pt2`), as Triton names it.
 MODEL_FILE = "model.pt2"
@@ -117,10 +119,16 @@ class ModelRepository:
         )
 
     def has(self, name: str) -> bool:
-        return (
-            bool(name) and "/" not in name and not name.startswith(".")
-            and (self.root / name).is_dir()
-        )
+        """Whether `name` is a model of the repository: a folder of it. A name that cannot be
+        a folder name (names.check_name: too long, a separator, NUL), a hidden one, or one
+        the file system refuses to look up, is not: never an OSError."""
+        if name.startswith("."):
+            return False
+        try:
+            check_name(name)
+            return (self.root / name).is_dir()
+        except (ProtocolError, OSError, ValueError):
+            return False
 
     def versions(self, name: str) -> dict[int, Path]:
         """Every version of model `name` and its file, or a RepositoryError naming the path."""
