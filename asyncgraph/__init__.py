@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from asyncgraph.graph.builder import GraphBuilder
     from asyncgraph.graph.importers import Program, to_program
     from asyncgraph.graph.ir import Graph, Node, Ref, Signature, Value
+    from asyncgraph.graph.dim_names import save
     from asyncgraph.loading import load
     from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
     from asyncgraph.runtime.executor import Executor, ExecutorStatistics
@@ -48,6 +49,7 @@ _LAZY = {
     "Signature": "asyncgraph.graph.ir",
     "Value": "asyncgraph.graph.ir",
     "load": "asyncgraph.loading",
+    "save": "asyncgraph.graph.dim_names",
     "BatchingConfig": "asyncgraph.runtime.config",
     "ExecutorConfig": "asyncgraph.runtime.config",
     "Executor": "asyncgraph.runtime.executor",
@@ -104,5 +106,6 @@ __all__ = [
     "Weights",
     "WeightsError",
     "load",
+    "save",
     "to_program",
 ]

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
 from asyncgraph.errors import GraphValidationError, ProgramLoadError
+from asyncgraph.graph import dim_names
 from asyncgraph.graph.archive import (
     TRUST_HINT,
     check_pt2_archive,
@@ -137,6 +138,9 @@ def read_plain_pt2(p: Path) -> Program:
     except Exception as exc:
         raise ProgramLoadError(f"{p}: cannot load the exported program: {exc}") from exc
     program = from_exported_program(ep)
+    names = program.graph.signature.dim_names
+    for key, name in dim_names.read(p).items():  # what asyncgraph.save kept of the Dims
+        names.setdefault(key, name)
     return Program(program.graph, program.weights, p.name, program.reference, ep)
 
 

@@ -117,6 +117,13 @@ class InputValidator:
                 want = spec.shape[dim]
                 if isinstance(want, sympy.Symbol):
                     self.symbol_names.setdefault(want, name)
+        # where each symbol first sizes an input ("x.shape[0]"): a dim's words when export kept
+        # no name for it (a loaded .pt2 keeps none), rather than torch's internal "s45"
+        self.symbol_sources: dict[sympy.Expr, str] = {}
+        for path, spec in zip(self.paths, self.specs, strict=True):
+            for dim, size in enumerate(spec.shape if isinstance(spec, TensorSpec) else ()):
+                if isinstance(size, sympy.Symbol):
+                    self.symbol_sources.setdefault(size, f"{path}.shape[{dim}]")
         self._passed: dict[tuple[Any, ...], None] = {}  # signatures of inputs that passed
         self._last: Signature | None = None  # the last of them: returned as the same object
         # Most programs take plain positional leaves: flatten those without pytree (~10 us).
@@ -377,7 +384,8 @@ class InputValidator:
                 raise InputValidationError(
                     f"{where}: expected an int in [{lo}, {upper}], got {got}", path
                 )
-            dim = f"Dim {name!r}" if name else f"dynamic dim {sym}"
+            dim = f"Dim {name!r}" if name else \
+                f"dynamic dim of {self.symbol_sources.get(sym, where)}"
             raise InputValidationError(
                 f"{where}: expected a size in [{lo}, {upper}] ({dim}), got {got}", path
             )

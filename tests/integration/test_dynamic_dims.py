@@ -7,6 +7,9 @@ held-out model zoo exported this way was refused by asyncgraph at batch 1 before
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch.export import Dim
@@ -83,3 +86,47 @@ async def test_a_range_the_user_bounded_is_enforced_as_written(
     if low > 2:
         with pytest.raises((RuntimeError, AssertionError), match=">= 3"):
             ep.module()(torch.randn(1, 8))  # eager refuses it too (from 3: torch's own rule)
+
+
+# -- the user's names of dynamic dims after a save and a load ---------------------------------
+
+
+def _batch_program() -> torch.export.ExportedProgram:
+    batch = Dim("batch", min=2, max=8)
+    return torch.export.export(torch.nn.Linear(4, 3).eval(), (torch.randn(2, 4),),
+                               dynamic_shapes=({0: batch},))
+
+
+async def _size_error(ex: asyncgraph.Executor) -> str:
+    with pytest.raises(InputValidationError) as info:
+        await ex.execute(torch.randn(20, 4))
+    return str(info.value)
+
+
+@pytest.mark.usefixtures("leak_check")
+async def test_a_torch_saved_program_names_a_dim_by_the_input_it_sizes(tmp_path: Path) -> None:
+    torch.export.save(_batch_program(), tmp_path / "m.pt2")
+    async with asyncgraph.load(tmp_path / "m.pt2") as ex:
+        message = await _size_error(ex)
+    assert "dynamic dim of input.shape[0]" in message, message
+    assert not re.search(r"\bs\d+\b", message), f"an internal symbol in: {message}"
+
+
+@pytest.mark.usefixtures("leak_check")
+async def test_asyncgraph_save_keeps_the_dim_names(tmp_path: Path) -> None:
+    ep = _batch_program()
+    asyncgraph.save(ep, tmp_path / "m.pt2")
+    async with asyncgraph.Executor(ep) as in_memory, asyncgraph.load(tmp_path / "m.pt2") as loaded:
+        assert await _size_error(loaded) == await _size_error(in_memory)
+        assert "(Dim 'batch')" in await _size_error(loaded)
+    assert torch.export.load(tmp_path / "m.pt2") is not None  # still torch's own format
+
+
+@pytest.mark.usefixtures("leak_check")
+@pytest.mark.parametrize("member", [b"not json", b'{"dim_names": [[0, 0, "x; import os"]]}',
+                                    b'{"dim_names": [[-1, 0, "b"]]}', b'{"dim_names": 3}'])
+async def test_damaged_dim_names_are_ignored(tmp_path: Path, member: bytes) -> None:
+    torch.export.save(_batch_program(), tmp_path / "m.pt2",
+                      extra_files={"asyncgraph_dim_names.json": member.decode()})
+    async with asyncgraph.load(tmp_path / "m.pt2") as ex:
+        assert "dynamic dim of input.shape[0]" in await _size_error(ex)

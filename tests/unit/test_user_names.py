@@ -95,8 +95,8 @@ async def test_a_dim_without_a_users_name_is_named_as_a_dynamic_dim_of_the_argum
                              dynamic_shapes=({0: Dim.DYNAMIC(max=64)},))
     error = await _refused(ep, torch.ones(100, 16))
     assert error.path == "x"
-    assert str(error).startswith("x.shape[0]: expected a size in [2, 64] (dynamic dim s")
-    assert str(error).endswith("), got 100")
+    assert str(error) == (
+        "x.shape[0]: expected a size in [2, 64] (dynamic dim of x.shape[0]), got 100")
 
 
 async def test_a_broken_guard_names_the_argument() -> None:
