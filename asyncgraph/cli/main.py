@@ -308,7 +308,15 @@ app.command("trace", cls=_Command)(run.trace)
 
 
 def main() -> None:
-    app()
+    from asyncgraph.cli import fast_exit
+
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        fast_exit.leave_if_requested(code)
+        raise
+    fast_exit.leave_if_requested(0)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from asyncgraph.cli import fast_exit
 from asyncgraph.cli.options import (
     ImportsOpt,
     MaxConcurrentExecutionsOpt,
@@ -303,6 +304,7 @@ def serve(
             run(app, host, port, log_level=log_level, access_log=access_log, loop=loop,
                 sock=sock, graceful_shutdown_s=shutdown_timeout_s)
     console.print("server stopped")
+    fast_exit.request()  # everything is closed: the process may end without its teardown
 
 
 def _check_values(model_control: str, version_policy: str | None) -> None:
@@ -397,3 +399,4 @@ def _serve_on_ray(
                  on_ready=lambda url: console.print(f"asyncgraph serve --ray on {url}: "
                                                     f"{', '.join(specs)} (Ctrl+C stops)"))
     console.print("server stopped")
+    fast_exit.request()  # everything is closed: the process may end without its teardown

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from asyncgraph.cli import fast_exit
+
 if TYPE_CHECKING:
     from asyncgraph.runtime.config import ExecutorConfig
 
@@ -99,3 +101,4 @@ def serve_repository(
     with contextlib.suppress(KeyboardInterrupt):  # as serve.py: Ctrl+C is a normal end
         run(app, host, sock=sock, **run_options)
     console.print("server stopped")
+    fast_exit.request()  # everything is closed: the process may end without its teardown

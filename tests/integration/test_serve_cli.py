@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.serving import save_linear, serve
+from tests.support.serving import Served, save_linear, serve
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -133,3 +133,45 @@ def test_a_stop_signal_drains_the_requests_in_flight_and_exits_0(
         output = served.output()
     assert "Finished server process" in output and "server stopped" in output, output
     assert "Traceback" not in output, output
+
+
+_WRAPPED_SERVE = """
+import atexit, sys
+atexit.register(print, "atexit ran", flush=True)
+
+class TornDown:
+    def __del__(self):
+        print("torn down", flush=True)
+
+_witness = TornDown()  # collected by CPython's teardown of __main__, if that runs
+from asyncgraph.cli.main import main
+sys.argv = ["asyncgraph", "serve", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_server_leaves_without_the_interpreters_teardown(model_file: Path) -> None:
+    """Once the server has stopped and closed what it holds, the process ends without
+    CPython's module teardown (0.6 s of torch's and sympy's globals on 2 cores): the atexit
+    handlers run, the teardown does not."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRAPPED_SERVE, str(model_file), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    served = Served(proc)
+    try:
+        served.wait_for(r"Application startup complete")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 0, served.output()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=WAIT_S)
+        served.reader.join(timeout=WAIT_S)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    output = served.output()
+    assert "server stopped" in output and "atexit ran" in output, output
+    assert "torn down" not in output, output
