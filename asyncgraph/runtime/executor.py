@@ -69,7 +69,7 @@ from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
 from asyncgraph.runtime.schedule import Schedule, ScheduleStatistics
 from asyncgraph.runtime.scheduler import Scheduler
 from asyncgraph.runtime.validation import InputValidator, Signature
-from asyncgraph.runtime.weights import Weights
+from asyncgraph.runtime.weights import PreparedWeights, Weights, ran_on
 from asyncgraph.runtime.workers import WorkerPool, WorkerPoolStatistics
 
 # An execution's placement, its node times to record (None unless profiled) and its schedule
@@ -421,6 +421,8 @@ class Executor:
         return ExecutionFrame(self.plan, frame_id, gpu, frame_captures(self._cuda_graphs, gpu))
 
     def _weights_template(self) -> list[Any]:
+        """The weights an execution starting now runs on, noted for its task (weights_ran_on)."""
+        ran_on(self._weights.version)
         return self._weights.template(self.plan.weight_slots, self.plan.num_values)
 
     # -- weights -----------------------------------------------------------------------------
@@ -442,30 +444,73 @@ class Executor:
         Folding recomputes every folded constant from the new weights (transposed and
         dequantised weights: as much work as those nodes of a call, often more); inline it holds
         the loop and every execution waits. Here executions go on with the old weights while a
-        thread folds, then the new version replaces the old one on the loop, in one assignment.
-        Swaps complete in call order, so versions follow the calls; a swap cancelled before it
-        completes changes nothing. Errors are those of `swap_weights`, raised here.
+        thread folds, then the new version replaces the old one on the loop, in one assignment:
+        `prepare_weights`, then `commit_weights`. Swaps complete in call order, so versions
+        follow the calls; a swap cancelled before it completes changes nothing. Errors are
+        those of `swap_weights`, raised here.
         """
         self._check_open()
-        if any(hasattr(k.fn, "prepare_weights") for k in self.kernels):  # off the loop
-            new = self._weights.swapped(state_dict, strict=strict).tensors
-            await anyio.to_thread.run_sync(_prepare_compiled, self.kernels, new)
         folder = self._folder
-        if folder is None or not len(folder):
+        compiled = any(hasattr(k.fn, "prepare_weights") for k in self.kernels)
+        if not compiled and (folder is None or not len(folder)):  # nothing to do off the loop
             return self.swap_weights(state_dict, strict=strict)
         async with self._swap_lock():
-            while True:
-                base = self._weights
-                candidate = base.swapped(state_dict, strict=strict)  # checks names and shapes
-                derived = await anyio.to_thread.run_sync(folder, candidate.tensors)
-                self._check_open()
-                current = self._weights
-                if folder.reads_same(base.tensors, current.tensors):
-                    break
+            prepared = await self.prepare_weights(state_dict, strict=strict)
+            while not self._folded_from_current(prepared):
                 # a swap_weights call replaced weights that folding reads meanwhile: fold again
-            # executions may have updated buffers meanwhile (folding reads none): keep them
-            self._weights = current.swapped(state_dict, strict=strict).with_derived(derived)
-            return self._weights.version
+                prepared = await self.prepare_weights(state_dict, strict=strict)
+            return self.commit_weights(prepared)
+
+    async def prepare_weights(
+        self, state_dict: Mapping[str, Any], *, strict: bool = False
+    ) -> PreparedWeights:
+        """The first half of `aswap_weights`: check `state_dict` as `swap_weights` does, load
+        compiled segments' spare buffers and fold the new version's constants, on worker
+        threads. Executions see none of it until `commit_weights`; one never committed is
+        simply dropped. Not ordered with other swaps: `commit_weights` takes care of what
+        changed meanwhile.
+        """
+        self._check_open()
+        base = self._weights
+        candidate = base.swapped(state_dict, strict=strict)  # checks names and shapes
+        if any(hasattr(k.fn, "prepare_weights") for k in self.kernels):  # off the loop
+            await anyio.to_thread.run_sync(_prepare_compiled, self.kernels, candidate.tensors)
+        folder = self._folder
+        derived: dict[str, Any] | None = None
+        if folder is not None and len(folder):
+            derived = await anyio.to_thread.run_sync(folder, candidate.tensors)
+            self._check_open()
+        return PreparedWeights(self, dict(state_dict), strict, base, derived)
+
+    def commit_weights(self, prepared: PreparedWeights) -> int:
+        """The second half of `aswap_weights`: put a swap `prepare_weights` made in place, in
+        one assignment on the loop, without awaiting; returns the new weights version. So a
+        caller can commit several Executors' swaps, and whatever goes with them, in one step of
+        the loop (model control's multi-version hot swap). Buffers that executions updated
+        since the preparation are kept; if a `swap_weights` or another commit replaced weights
+        that folding reads, the constants are folded again here, inline. Raises only
+        ExecutorClosedError, or ValueError for another Executor's preparation.
+        """
+        if prepared.owner is not self:
+            raise ValueError(
+                f"{self.program.name}: these weights were prepared by {prepared.owner!r}, "
+                f"not by this executor; prepare them with its own prepare_weights"
+            )
+        self._check_open()
+        weights = self._weights.swapped(prepared.state_dict, strict=prepared.strict)
+        if prepared.derived is not None and self._folded_from_current(prepared):
+            weights = weights.with_derived(prepared.derived)
+        else:
+            weights = self._with_folded(weights)
+        self._weights = weights
+        return weights.version
+
+    def _folded_from_current(self, prepared: PreparedWeights) -> bool:
+        """Whether `prepared`'s constants were folded from the weights folding reads now."""
+        folder = self._folder
+        if prepared.derived is None or folder is None:
+            return True  # nothing folded (a commit folds inline, if anything)
+        return folder.reads_same(prepared.base.tensors, self._weights.tensors)
 
     _swap_lock_on_loop: anyio.Lock | None = None
 

@@ -2,12 +2,17 @@
 
 A swap builds a new Weights object and replaces the Executor's reference in one assignment.
 An execution reads the Weights it found when its frame was checked out, so it finishes on the
-weights it started with, and no execution ever sees a mix of two versions.
+weights it started with, and no execution ever sees a mix of two versions. An asynchronous
+swap comes in two halves: a PreparedWeights (checked and folded off the loop, seen by nothing)
+and its commit (that one assignment), so a caller can put several Executors' new weights in
+place in one step of the loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,3 +84,37 @@ class Weights:
 
     def __repr__(self) -> str:
         return f"<Weights version={self.version}: {len(self.tensors)} tensors>"
+
+
+_RAN_ON: ContextVar[int | None] = ContextVar("asyncgraph_weights_ran_on", default=None)
+
+
+def weights_ran_on() -> int | None:
+    """The weights version the calling task's latest execution ran on (None before its first),
+    read right after `execute` returns.
+
+    Why: an execution takes the weights current when it starts, not when its caller chose the
+    Executor. A server that labels an answer with a model version (serve/model_control.py)
+    labels it by the weights that made it: a hot swap may come between the request's lookup
+    and its execution's start."""
+    return _RAN_ON.get()
+
+
+def ran_on(version: int) -> None:
+    """Note, in the calling task, the weights version its execution runs on (the Executor
+    and the batcher call it)."""
+    _RAN_ON.set(version)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedWeights:
+    """A weights swap made ready by `Executor.prepare_weights` (names and shapes checked,
+    constants folded on a thread) that no execution sees until `Executor.commit_weights` puts
+    it in place. `base` is the version it was folded from: when the weights that folding reads
+    have changed since, the commit folds again."""
+
+    owner: object  # the Executor that prepared it: only that one may commit it
+    state_dict: Mapping[str, Any]
+    strict: bool
+    base: Weights
+    derived: Mapping[str, Any] | None  # the new version's folded constants; None: none to fold

@@ -38,7 +38,7 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncgraph.errors import ExecutorClosedError, InputValidationError, OverloadedError
 from asyncgraph.runtime.executor import Executor
+from asyncgraph.runtime.weights import weights_ran_on
 from asyncgraph.serve import metrics as m
 from asyncgraph.serve.admission import Admission, Ticket, capacity_for
 from asyncgraph.serve.calibration import calibrate as calibrate_model
@@ -170,6 +171,26 @@ class _Served:
     interface: ModelInterface
     admission: Admission
     version: str | None = None  # a repository's version (model_control.py); None: the app's
+    # the version each weights version of the Executor serves as, shared by the _Served of
+    # one Executor (model control's hot swaps add to it); None: always `version`
+    labels: dict[int, str] | None = None
+
+    def label(self, weights_version: int | None) -> str | None:
+        """The version an answer made on `weights_version` is labelled with: the one whose
+        weights made it, which a hot swap between the lookup and the execution changes."""
+        if self.labels is None or weights_version is None:
+            return self.version
+        return self.labels.get(weights_version, self.version)
+
+
+class Ran(NamedTuple):
+    """One request's execution: outputs, seconds queued and running, and its version label
+    (`_Served.label` of the weights it ran on)."""
+
+    outputs: list[Any]
+    queue_s: float
+    compute_s: float
+    version: str | None
 
 
 class ModelControlHooks(Protocol):
@@ -420,15 +441,12 @@ class InferenceServer:
                 del body  # freed while it queues; the ticket keeps its size as the estimate
                 if deadline is not None and deadline.passed():  # not worth running any more
                     raise deadline.exceeded(name, "it was read and decoded", ran=False)
-                outputs, queue_s, compute_s = await self.execute(
-                    request, served, decoded, ticket, deadline
-                )
-            timing += [queue_s, compute_s]
-            size = self.response_size(name, decoded, outputs)
+                ran = await self.execute(request, served, decoded, ticket, deadline)
+            timing += [ran.queue_s, ran.compute_s]
+            size = self.response_size(name, decoded, ran.outputs)
             with served.admission.encoding():
                 payload, headers = await _maybe_offload(
-                    size, encode_response, name, decoded, outputs,
-                    served.version or self.version,
+                    size, encode_response, name, decoded, ran.outputs, ran.version or self.version,
                 )
             return Response(payload, 200, headers=headers), None
         except (ClientDisconnected, ClientDisconnect):
@@ -512,7 +530,7 @@ class InferenceServer:
         decoded: InferRequest,
         ticket: Ticket,
         deadline: Deadline | None,
-    ) -> tuple[list[Any], float, float]:
+    ) -> Ran:
         """Queue, execute and time one request; cancelled at its deadline or a disconnect.
 
         A request whose deadline passes while it queues, or has passed when it is handed its
@@ -522,7 +540,7 @@ class InferenceServer:
         running = False
         queue_s: float | None = None
 
-        async def run() -> tuple[list[Any], float, float]:
+        async def run() -> Ran:
             nonlocal running, queue_s
             remaining = deadline.remaining() if deadline else None
             async with served.admission.slot(ticket, remaining) as queue_s:
@@ -534,9 +552,10 @@ class InferenceServer:
                 running = True
                 started = time.perf_counter()
                 outputs = await served.executor.execute_flat(decoded.inputs)
-                return outputs, queue_s, time.perf_counter() - started
+                return Ran(outputs, queue_s, time.perf_counter() - started,
+                           served.label(weights_ran_on()))  # in the task that executed
 
-        async def bounded() -> tuple[list[Any], float, float]:
+        async def bounded() -> Ran:
             if deadline is None:
                 return await run()
             try:

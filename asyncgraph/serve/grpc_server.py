@@ -384,10 +384,9 @@ class InferenceService:
                                      client)
                 if deadline is not None and deadline.passed():
                     raise deadline.exceeded(name, "it was decoded", ran=False)
-                outputs, queue_s, compute_s = await server.execute(
-                    None, served, decoded, ticket, deadline
-                )
-            timing += [queue_s, compute_s]
+                ran = await server.execute(None, served, decoded, ticket, deadline)
+            timing += [ran.queue_s, ran.compute_s]
+            outputs = ran.outputs
             size = server.response_size(
                 name, decoded, outputs, response_bytes(decoded, outputs, raw)
             )
@@ -395,7 +394,7 @@ class InferenceService:
                 reservation.take(name, size)
             with served.admission.encoding():
                 response = await _maybe_offload(
-                    size, encode_infer_response, name, served.version or server.version,
+                    size, encode_infer_response, name, ran.version or server.version,
                     decoded, outputs, raw,
                 )
             return response, None

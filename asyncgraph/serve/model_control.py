@@ -15,14 +15,20 @@ loaded at start, and load and unload requests are refused with Triton's 503 UNAV
 the endpoints answer as in `none`, the index listing the models served.
 
 A load reads the model's folder again and applies its version policy: versions that left it
-are unloaded, new ones loaded, one whose file changed is reloaded, the others stay as they are.
-No request fails because of it:
+are unloaded, new ones loaded, one whose file changed (`_FileStamp`: its identity, else its
+bytes) is reloaded, the others stay as they are. No request fails because of it:
 
 - A version arriving in place of one leaving (a new latest version) whose program is the
-  leaving one's with other weights (same graph, inputs, outputs, weight names and shapes) is
-  a hot swap: the leaving version's Executor takes the new weights with `aswap_weights`
-  (executions running finish on the old weights; folding on a thread), and serves on as the
-  new version, its admission gate and measurements kept.
+  leaving one's with other weights (the same graph, its control-flow subgraphs included, the
+  same inputs, outputs, weight names and shapes: `_same_program`) is a hot swap: the leaving
+  version's Executor takes the new weights and serves on as the new version, its admission
+  gate and measurements kept. Every swap of a load is prepared first (`prepare_weights`:
+  checked and folded on a thread, seen by nothing), then all of them are committed and the
+  routing republished in one step of the loop, so no request labelled with one version runs
+  on another's weights while the others fold. Executions running finish on the old weights;
+  a request that took the old version but had not started executing at the commit runs on
+  the new ones and is labelled with the new version: an answer's label is the version whose
+  weights made it (`_Served.label`, by the weights version the execution ran on).
 - Any other version is built beside the serving ones: loaded on a thread (a .pt2 takes
   seconds), its gate calibrated, then published in one step. Requests that had already
   taken the old version (they hold its admission gate: counted from their lookup on, with no
@@ -36,27 +42,32 @@ Loads and unloads of one model run one at a time, in the order they came.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 
 from asyncgraph.graph.archive import is_compiled_package
+from asyncgraph.graph.ir import Graph, Ref, target_name
 from asyncgraph.runtime.executor import Executor
+from asyncgraph.runtime.weights import PreparedWeights
 from asyncgraph.serve.admission import Admission, capacity_for
 from asyncgraph.serve.app import InferenceServer, _describe, _Served
 from asyncgraph.serve.calibration import calibrate as calibrate_model
 from asyncgraph.serve.codec import decode_request, encode_response
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
+from asyncgraph.serve.names import version_number
 from asyncgraph.serve.repository import ModelRepository, RepositoryError
 from asyncgraph.serve.repository_http import NOT_ALLOWED
 
@@ -79,8 +90,30 @@ Loader = Callable[[Path], Executor]
 class _Version:
     number: int
     path: Path
-    stamp: tuple[int, int]  # the file's (mtime_ns, size) when loaded: a reload if it changes
+    stamp: _FileStamp  # what its file held when loaded: a reload if that changes
     served: _Served
+
+
+@dataclass(slots=True)
+class _Swap:
+    """An arriving version that goes into a leaving version's Executor: its weights prepared
+    (checked and folded on a thread, seen by nothing), then committed with every other swap of
+    the load and the routing, in one step (`ModelControl._commit`)."""
+
+    number: int
+    path: Path
+    stamp: _FileStamp
+    into: _Version  # the leaving version whose Executor takes the weights
+    source: Executor  # built from the arriving file to read its weights: closed, never served
+    prepared: PreparedWeights | None = None
+
+
+@dataclass(slots=True)
+class _Arrival:
+    """A load's arriving versions before anything serving changed."""
+
+    built: dict[int, _Version]  # on Executors of their own, calibrated
+    swaps: list[_Swap]  # prepared, to commit
 
 
 class ModelControl:
@@ -137,7 +170,7 @@ class ModelControl:
             )
         if version is None:
             return versions[max(versions)].served
-        entry = versions.get(int(version)) if version.isdigit() else None
+        entry = versions.get(version_number(version))  # a 400 for a malformed version
         if entry is None:
             loaded = ", ".join(str(v) for v in sorted(versions))
             raise ProtocolError(
@@ -253,15 +286,13 @@ class ModelControl:
             self.state[name] = (UNAVAILABLE, "unloaded")
 
     async def _load(self, name: str) -> None:
+        current = self.loaded.get(name, {})
         try:
             wanted = await asyncio.to_thread(self.repository.selected, name)
-            stamps = {v: _stamp(p) for v, p in wanted.items()}
+            keep = await asyncio.to_thread(_unchanged, current, wanted)  # may read the files
         except (RepositoryError, OSError) as exc:
             self._failed(name, str(exc))
             raise ProtocolError(f"failed to load {name!r}: {exc}") from None
-        current = self.loaded.get(name, {})
-        keep = {v: e for v, e in current.items()
-                if v in wanted and e.path == wanted[v] and e.stamp == stamps[v]}
         leaving = [current[v] for v in sorted(current, reverse=True) if v not in keep]
         arriving = [v for v in sorted(wanted, reverse=True) if v not in keep]
         if not arriving and not leaving:
@@ -269,83 +300,116 @@ class ModelControl:
         if not current:
             self.state[name] = (LOADING, "")
         try:
-            built = await self._arrive(name, wanted, stamps, arriving, leaving)
+            arrival = await self._arrive(name, wanted, arriving, leaving)
         except Exception as exc:
             self._failed(name, str(exc))
             if isinstance(exc, ProtocolError):
                 raise
             raise ProtocolError(f"failed to load {name!r}: {_describe(exc)}", 500) from None
-        reused = {id(e.served.executor) for e in built.values()}
-        self.loaded[name] = dict(sorted({**keep, **built}.items()))
+        # nothing awaited from the first commit to the publish: one step of the loop, so that
+        # no request labelled with a version runs on another's weights
+        swapped = self._commit(name, arrival.swaps)
+        self.loaded[name] = dict(sorted({**keep, **arrival.built, **swapped}.items()))
         self.state.pop(name, None)
         self._publish(name)
+        reused = {id(swap.into.served.executor) for swap in arrival.swaps}
         for entry in leaving:
             if id(entry.served.executor) not in reused:
                 self._retire_later(name, entry.served)
         logger.info("model %r: serving version(s) %s", name,
                     ", ".join(map(str, sorted(self.loaded[name]))))
+        await self._close(swap.source for swap in arrival.swaps)  # never started
 
     async def _arrive(
-        self, name: str, wanted: dict[int, Path], stamps: dict[int, tuple[int, int]],
-        arriving: list[int], leaving: list[_Version],
-    ) -> dict[int, _Version]:
-        """The arriving versions, ready to publish: each loaded on a thread, then either a
-        leaving version's Executor with its weights swapped in (the same program), or its own
-        Executor, calibrated. Nothing serving changes until every one has loaded: a failure
-        closes what was built and leaves the model as it was. The swaps come last."""
-        loaded: dict[int, Executor] = {}
+        self, name: str, wanted: dict[int, Path], arriving: list[int], leaving: list[_Version],
+    ) -> _Arrival:
+        """The arriving versions, ready to publish: each file stamped and loaded on a thread,
+        then each either a swap into a leaving version's Executor (the same program), its
+        weights prepared, or a version on an Executor of its own, calibrated. Nothing serving
+        changes here: a failure (or a cancellation) closes every Executor the load made and
+        leaves the model as it was. The swaps are prepared last, so that little happens
+        between a preparation and its commit."""
+        loaded: dict[int, tuple[_FileStamp, Executor]] = {}
         try:
             for number in arriving:
-                try:
-                    loaded[number] = await asyncio.to_thread(self.load_executor, wanted[number])
-                except Exception as exc:
-                    raise ProtocolError(
-                        f"failed to load {name!r} version {number} from {wanted[number]}: "
-                        f"{_describe(exc)}"
-                    ) from None
-            swaps: dict[int, _Version] = {}  # arriving version -> the leaving one it swaps into
-            free = list(leaving)
-            for number in arriving:
-                match = next((e for e in free
-                              if _same_program(e.served.executor, loaded[number], wanted[number])),
-                             None)
-                if match is not None:
-                    free.remove(match)  # one arriving version per leaving Executor
-                    swaps[number] = match
+                loaded[number] = await asyncio.to_thread(self._read, name, number,
+                                                         wanted[number])
+            swaps = _match(loaded, wanted, leaving)
             built: dict[int, _Version] = {}
-            for number in arriving:
+            for number, (stamp, executor) in loaded.items():
                 if number not in swaps:
-                    built[number] = await self._own(name, number, wanted[number], stamps[number],
-                                                    loaded[number])
+                    built[number] = await self._own(name, number, wanted[number], stamp,
+                                                    executor)
+            for swap in list(swaps.values()):
+                if not await self._prepare(name, swap):
+                    del swaps[swap.number]
+                    built[swap.number] = await self._own(name, swap.number, swap.path,
+                                                         swap.stamp, swap.source)
+            _check_swappable(name, swaps.values())
         except BaseException:
-            for executor in loaded.values():
-                await executor.aclose()
+            await self._close(executor for _, executor in loaded.values())
             raise
-        for number, entry in swaps.items():
-            executor, old = loaded[number], entry.served.executor
-            try:
-                await old.aswap_weights(executor.program.weights)
-            except Exception as exc:  # not expected (the same names and shapes): rebuild
-                logger.warning("model %r: version %d could not be swapped into version %d's "
-                               "executor (%s); built beside it", name, number, entry.number,
-                               _describe(exc))
-                try:
-                    built[number] = await self._own(name, number, wanted[number],
-                                                    stamps[number], executor)
-                except BaseException:
-                    await executor.aclose()
-                    raise
-                continue
-            await executor.aclose()  # never started: only its threads to stop
+        return _Arrival(built, list(swaps.values()))
+
+    def _read(self, name: str, number: int, path: Path) -> tuple[_FileStamp, Executor]:
+        """Version `number`'s file stamped, then loaded (on a thread: a .pt2 takes seconds).
+        Stamped first: a change while it loads shows at the next load."""
+        try:
+            stamp = _FileStamp.of(path)
+            return stamp, self.load_executor(path)
+        except Exception as exc:
+            raise ProtocolError(
+                f"failed to load {name!r} version {number} from {path}: {_describe(exc)}"
+            ) from None
+
+    async def _prepare(self, name: str, swap: _Swap) -> bool:
+        """Prepare `swap`'s weights in its leaving version's Executor (folded on a thread;
+        nothing serving changes); False if that fails (not expected: the same names and
+        shapes), and the version is then built beside it instead."""
+        try:
+            swap.prepared = await swap.into.served.executor.prepare_weights(
+                swap.source.program.weights, strict=True
+            )
+        except Exception as exc:
+            logger.warning("model %r: version %d could not be swapped into version %d's "
+                           "executor (%s); built beside it", name, swap.number,
+                           swap.into.number, _describe(exc))
+            return False
+        return True
+
+    def _commit(self, name: str, swaps: list[_Swap]) -> dict[int, _Version]:
+        """Put every prepared swap in place, without awaiting: with the publish after it, one
+        step of the loop. The Executors were checked open just before (`_check_swappable`), with
+        nothing awaited since, so no commit fails and none is left half done."""
+        versions: dict[int, _Version] = {}
+        for swap in swaps:
+            assert swap.prepared is not None
+            served = swap.into.served
+            weights_version = served.executor.commit_weights(swap.prepared)
+            assert served.labels is not None  # every version's _Served has them (_serve)
+            served.labels[weights_version] = str(swap.number)  # answers made on them
             self.changes.labels(name, "swap").inc()
             logger.info("model %r: version %d hot-swapped into version %d's executor", name,
-                        number, entry.number)
-            served = _Served(old, entry.served.interface, entry.served.admission, str(number))
-            built[number] = _Version(number, wanted[number], stamps[number], served)
-        return built
+                        swap.number, swap.into.number)
+            versions[swap.number] = _Version(
+                swap.number, swap.path, swap.stamp,
+                _Served(served.executor, served.interface, served.admission, str(swap.number),
+                        served.labels),
+            )
+        return versions
+
+    async def _close(self, executors: Iterable[Executor]) -> None:
+        """Close Executors that serve nothing, each in a task of its own that `aclose` waits
+        for: a load cancelled while it closes them (at shutdown) leaves none open."""
+        tasks = [asyncio.ensure_future(executor.aclose()) for executor in executors]
+        for task in tasks:
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def _own(
-        self, name: str, number: int, path: Path, stamp: tuple[int, int], executor: Executor
+        self, name: str, number: int, path: Path, stamp: _FileStamp, executor: Executor
     ) -> _Version:
         """Version `number` on an Executor of its own, its gate calibrated."""
         try:
@@ -359,7 +423,7 @@ class ModelControl:
         return _Version(number, path, stamp, served)
 
     def _build(self, name: str, number: int, path: Path) -> _Version:
-        stamp = _stamp(path)
+        stamp = _FileStamp.of(path)  # first: a change while it loads shows at the next load
         executor = self.load_executor(path)
         return _Version(number, path, stamp, self._serve(name, executor, number))
 
@@ -373,6 +437,9 @@ class ModelControl:
                 first_burst=executor.config.max_concurrent_executions,
             ),
             str(number),
+            # answers are labelled by the weights that made them: a request that took this
+            # version and starts after a hot swap into its Executor runs on the new version's
+            {executor.weights.version: str(number)},
         )
 
     async def _calibrate(self, served: _Served) -> None:
@@ -485,22 +552,116 @@ def _forget(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], No
     return done
 
 
-def _stamp(path: Path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_mtime_ns, st.st_size
+@dataclass(frozen=True, slots=True)
+class _FileStamp:
+    """What a version's file (or folder) held when it was loaded, to tell at a later load
+    whether it changed.
+
+    The modification time and size alone miss a file replaced by one of the same size with its
+    time kept (`cp -p`, `rsync -a`, builds with fixed timestamps): utime sets the time back.
+    So a change is first looked for in what utime cannot set: the inode and device (a file
+    replaced by a rename is another inode) and the change time (ctime: every write, rename onto
+    the path, chmod or utime moves it), with size and time. A different identity is a reload,
+    without reading the file (a `touch` reloads too: harmless, the same weights swapped in).
+    The same identity is not proof: ctime is only as fine as the filesystem's clock (a second
+    or coarser on some, a scheduler tick on Linux), so a file rewritten in place within one
+    tick of being stamped keeps all of it. Then the content's SHA-256 decides: the file
+    streamed through the hash on the load's thread, never the loop's. A load request so reads
+    each kept version's file once (often from the page cache; a .pt2 of hundreds of MB takes a
+    fraction of a second per version) - paid on an operator's request, not on a timer, as the
+    price of never answering a load 200 while the old weights serve.
+    """
+
+    identity: tuple[tuple[str, int, int, int, int, int], ...]  # (file, dev, ino, size, ns, ns)
+    digest: str  # SHA-256 of the bytes (a folder's: of each file's name and bytes, in order)
+
+    @classmethod
+    def of(cls, path: Path) -> _FileStamp:
+        """Stamp `path` (blocking: on a thread). The identity first: a change made while the
+        bytes are hashed shows as another identity at the next load."""
+        identity = _identity(path)
+        return cls(identity, _digest(path))
+
+    def holds(self, path: Path) -> bool:
+        """Whether `path` still holds what was stamped (blocking: on a thread)."""
+        return _identity(path) == self.identity and _digest(path) == self.digest
+
+
+def _files(path: Path) -> list[Path]:
+    """The file itself, or a folder's files (recursively, in name order)."""
+    if not path.is_dir():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def _identity(path: Path) -> tuple[tuple[str, int, int, int, int, int], ...]:
+    entries = []
+    for file in _files(path):
+        st = os.stat(file)
+        entries.append((str(file.relative_to(path)) if file != path else "", st.st_dev,
+                        st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(entries)
+
+
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in _files(path):
+        if file != path:
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
+def _unchanged(current: Mapping[int, _Version], wanted: Mapping[int, Path]) -> dict[int, _Version]:
+    """The loaded versions still wanted whose files hold what they were loaded from (blocking:
+    the files may be hashed, on a thread)."""
+    return {v: e for v, e in current.items()
+            if v in wanted and e.path == wanted[v] and e.stamp.holds(wanted[v])}
+
+
+def _match(
+    loaded: Mapping[int, tuple[_FileStamp, Executor]], wanted: Mapping[int, Path],
+    leaving: list[_Version],
+) -> dict[int, _Swap]:
+    """The arriving versions that go into a leaving version's Executor (the same program with
+    other weights), one arriving version per leaving Executor, highest first."""
+    swaps: dict[int, _Swap] = {}
+    free = list(leaving)
+    for number, (stamp, executor) in loaded.items():
+        match = next((e for e in free
+                      if _same_program(e.served.executor, executor, wanted[number])), None)
+        if match is not None:
+            free.remove(match)
+            swaps[number] = _Swap(number, wanted[number], stamp, match, executor)
+    return swaps
+
+
+def _check_swappable(name: str, swaps: Iterable[_Swap]) -> None:
+    """Every Executor a swap goes into is still open, checked with nothing awaited until the
+    commits: a commit then cannot fail, and none is left half done."""
+    closed = sorted(s.into.number for s in swaps if s.into.served.executor.statistics().closed)
+    if closed:
+        raise ProtocolError(
+            f"failed to load {name!r}: the executor of version(s) "
+            f"{', '.join(map(str, closed))}, to swap new weights into, was closed during the "
+            f"load", 500,
+        )
 
 
 def _same_program(old: Executor, new: Executor, path: Path) -> bool:
-    """Whether `new` runs `old`'s program with other weights: the same graph, inputs and
-    outputs, and weights of the same names, shapes and dtypes. A compiled package holds
+    """Whether `new` runs `old`'s program with other weights: the same graph and control-flow
+    subgraphs (`_same_graph`), inputs and outputs, and weights of the same names, shapes and
+    dtypes. When in doubt, not: a rebuild is always right, while a swap of another program
+    would serve the new version's label with the old version's code. A compiled package holds
     native code that may carry its weights: never."""
     if is_compiled_package(path) or old.config != new.config:
         return False
-    if old.program.graph.format() != new.program.graph.format():
-        return False
     if old.graph.signature != new.graph.signature:
         return False
-    return _weight_specs(old.program.weights) == _weight_specs(new.program.weights)
+    if _weight_specs(old.program.weights) != _weight_specs(new.program.weights):
+        return False
+    return _same_graph(old.program.graph, new.program.graph)
 
 
 def _weight_specs(weights: Mapping[str, Any]) -> dict[str, Any]:
@@ -508,6 +669,92 @@ def _weight_specs(weights: Mapping[str, Any]) -> dict[str, Any]:
         k: (tuple(getattr(t, "shape", ())), getattr(t, "dtype", type(t)))
         for k, t in weights.items()
     }
+
+
+def _same_graph(a: Graph, b: Graph) -> bool:
+    """Whether two graphs compute the same thing from their inputs and weights: the same nodes,
+    arguments and outputs, the subgraphs in their arguments (torch.cond's branches,
+    while_loop's and map's bodies, ...) compared node by node with their attributes, and the
+    tensors among them equal, value for value. `Graph.format` is not enough: it prints a
+    subgraph as `<GraphModule>`, whatever is in it."""
+    tensors_a: list[torch.Tensor] = []
+    tensors_b: list[torch.Tensor] = []
+    if _graph_structure(a, tensors_a) != _graph_structure(b, tensors_b):
+        return False
+    return all(_same_tensor(x, y) for x, y in zip(tensors_a, tensors_b, strict=True))
+
+
+def _graph_structure(graph: Graph, tensors: list[torch.Tensor]) -> Hashable:
+    inputs = tuple((s.value, s.kind.value, s.target) for s in graph.signature.inputs)
+    nodes = tuple(
+        (n.output, n.target_name(), _structure(n.args, tensors), _structure(n.kwargs, tensors),
+         n.after, n.placement_hint)
+        for n in graph.nodes
+    )
+    outputs = tuple((o.kind.value, _structure(o.arg, tensors)) for o in graph.signature.outputs)
+    return inputs, nodes, outputs
+
+
+def _structure(obj: Any, tensors: list[torch.Tensor]) -> Hashable:
+    """What decides a node argument's meaning, comparable with ==: an fx subgraph's nodes and
+    the attributes they read, recursively; a tensor's dtype, shape and device (its values are
+    appended to `tensors`, compared apart); anything else its type and repr. Another
+    nn.Module runs Python code this cannot see: its identity, so that no two loads compare
+    equal (a rebuild)."""
+    if isinstance(obj, torch.fx.GraphModule):
+        return "subgraph", tuple(_fx_node_structure(obj, n, tensors) for n in obj.graph.nodes)
+    if isinstance(obj, torch.nn.Module):
+        return "module", type(obj).__qualname__, id(obj)
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return "tensor", str(obj.dtype), tuple(obj.shape), str(obj.device), str(obj.layout)
+    if isinstance(obj, Ref):
+        return "ref", obj.id
+    if isinstance(obj, torch.fx.Node):
+        return "node", obj.name
+    if isinstance(obj, (tuple, list)):
+        return type(obj).__name__, tuple(_structure(item, tensors) for item in obj)
+    if isinstance(obj, dict):
+        return "dict", tuple((repr(k), _structure(v, tensors)) for k, v in obj.items())
+    return type(obj).__qualname__, repr(obj)
+
+
+def _fx_node_structure(
+    module: torch.fx.GraphModule, node: torch.fx.Node, tensors: list[torch.Tensor]
+) -> Hashable:
+    target = node.target if isinstance(node.target, str) else target_name(node.target)
+    entry = (node.op, node.name, target, _structure(node.args, tensors),
+             _structure(node.kwargs, tensors))
+    if node.op in ("get_attr", "call_module"):  # a nested subgraph, a constant: what it holds
+        assert isinstance(node.target, str)
+        return entry, _structure(_attribute(module, node.target), tensors)
+    return entry
+
+
+def _attribute(module: torch.nn.Module, dotted: str) -> Any:
+    value: Any = module
+    for part in dotted.split("."):
+        value = getattr(value, part, _MISSING)
+        if value is _MISSING:
+            return _MISSING
+    return value
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing attribute>"
+
+
+_MISSING = _Missing()
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape, device and values (NaNs make two tensors differ: a rebuild)."""
+    try:
+        return bool(a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+                    and torch.equal(a, b))
+    except (RuntimeError, TypeError):  # a layout torch.equal does not take: assume they differ
+        return False
 
 
 class _StateCollector(Collector):
