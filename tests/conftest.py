@@ -69,7 +69,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # Session and module fixtures that take minutes on a loaded machine: AOTInductor compiles
 # (tests/integration/test_compiled.py) and a Ray instance (test_ray.py). The first test to use
 # one pays for it inside its own timeout, so each test using one gets at least this.
-HEAVY_FIXTURES = frozenset({"compiled", "tuned", "frozen", "chosen", "bert_package", "cluster"})
+HEAVY_FIXTURES = frozenset({"compiled", "tuned", "frozen", "chosen", "bert_package",
+                            "bert_aoti_package", "cluster"})
 HEAVY_FIXTURE_TIMEOUT_S = 900
 
 

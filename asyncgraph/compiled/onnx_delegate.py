@@ -31,6 +31,7 @@ import torch.fx
 from asyncgraph.compiled.onnx_export import OnnxModel
 from asyncgraph.compiled.scripted import run_nodes_naming_failure
 from asyncgraph.kernels.base import KernelKind
+from asyncgraph.runtime.threads import start_thread
 
 LOG = logging.getLogger("asyncgraph.onnx")
 MAX_SESSIONS = 2  # weights versions with a session: the one running and the next
@@ -41,6 +42,8 @@ MAX_SIGNATURES = 256  # input signatures checked per segment; beyond, new ones s
 # that shape: a 16-row batch of tiny BERT took 1.21 against 1.26 ms, and 64 batched callers
 # ran 5-10% more requests/s (AMD EPYC, 2 cores, 2026-11-28). Each pre-packs its own copy of
 # the weights, so only segments with weights this small get them, and this many per version.
+# A new weights version's session queues them again for the shapes that had them, each checked
+# against the plain nodes on the new weights.
 FIXED_SHAPE_SESSIONS = 8
 FIXED_SHAPE_MAX_WEIGHT_BYTES = 64 << 20
 # how far ONNX Runtime's float results may be from the plain nodes': rtol, and atol relative to
@@ -77,7 +80,9 @@ class _Check:
     """A signature's first call, to compare with the session's outputs."""
 
     inputs: tuple[Any, ...]  # copies of the runtime inputs, the weights themselves
-    expected: list[Any]
+    # the plain nodes' outputs; None: not known yet, the builder runs the plain nodes on
+    # `inputs` first (a fixed-shape session rebuilt for new weights)
+    expected: list[Any] | None
 
 
 class OnnxDelegate:
@@ -113,6 +118,10 @@ class OnnxDelegate:
         self._pending_weights: list[tuple[Any, ...]] = []
         self._pending_checks: dict[Signature, _Check] = {}
         self._pending_fixed: list[tuple[_Session, Signature, _Check, dict[str, int]]] = []
+        # the signatures given fixed-shape sessions (queued, at most FIXED_SHAPE_SESSIONS):
+        # copies of their first call's runtime inputs and the sizes fixed, to queue them again
+        # on each new weights version's session
+        self._fixed_shapes: dict[Signature, tuple[tuple[Any, ...], dict[str, int]]] = {}
         self._lock = threading.Lock()  # guards the pending work, sessions and the builder
         self._idle = threading.Condition(self._lock)  # notified when the builder thread ends
         self._builder: threading.Thread | None = None
@@ -121,6 +130,7 @@ class OnnxDelegate:
         self.onnx_calls = 0
         self.sessions_built = 0
         self.fixed_calls = 0  # of onnx_calls, those a fixed-shape session ran
+        self.fixed_sessions_built = 0  # fixed-shape sessions checked and kept, all versions
         self.unbuildable = ""  # why no session could be made (every call runs the fx module)
 
     def __call__(self, *inputs: Any) -> list[Any]:
@@ -189,6 +199,7 @@ class OnnxDelegate:
     def _set(self, signature: Signature, status: str) -> None:
         self._checked[signature] = status
         if status:
+            self._fixed_shapes.pop(signature, None)
             for session in self._sessions:
                 session.fixed.pop(signature, None)
         if self._static:
@@ -247,7 +258,7 @@ class OnnxDelegate:
                 builder = threading.Thread(target=self._build_pending,
                                            name=f"asyncgraph-onnx-{self.__name__}")
                 try:
-                    builder.start()
+                    start_thread(builder)  # at the loop's nice value, not a worker's
                 except RuntimeError:  # no thread to be had: the call still succeeded
                     self._pending_weights.clear()
                     self._pending_checks.clear()
@@ -291,8 +302,7 @@ class OnnxDelegate:
                 self._set(signature, status)
                 dimensions = self._fixed_dimensions(session, signature) if not status else {}
                 if dimensions:
-                    with self._lock:
-                        self._pending_fixed.append((session, signature, check, dimensions))
+                    self._queue_fixed(session, signature, check, dimensions)
 
     def _build(self, weights: tuple[Any, ...]) -> _Session | None:
         """A session for `weights`, kept as the latest (the least recently made one dropped
@@ -309,7 +319,35 @@ class OnnxDelegate:
             self._sessions = [*self._sessions, session][-MAX_SESSIONS:]
             self._latest = session
             self.sessions_built += 1
+            self._pending_fixed.extend(self._fixed_again(session))
         return session
+
+    def _queue_fixed(self, session: _Session, signature: Signature, check: _Check,
+                     dimensions: dict[str, int]) -> None:
+        """The builder thread, a signature just checked on `session`: queue its fixed-shape
+        session on the latest session (only the latest's are called), and keep the signature
+        for the sessions of later weights versions (`_fixed_again`)."""
+        runtime = tuple(check.inputs[:self._split])
+        with self._lock:
+            if len(self._fixed_shapes) < FIXED_SHAPE_SESSIONS:
+                self._fixed_shapes.setdefault(signature, (runtime, dimensions))
+            latest = self._latest
+            if latest is session:
+                self._pending_fixed.append((session, signature, check, dimensions))
+            elif latest is not None:  # checked on an older version's session
+                self._pending_fixed.append(
+                    (latest, signature, _Check((*runtime, *latest.weights), None), dimensions))
+
+    def _fixed_again(self, session: _Session) -> list[
+            tuple[_Session, Signature, _Check, dict[str, int]]]:
+        """The fixed-shape sessions to build on a new weights version's `session`: one per
+        signature that had one (or had one queued) on an earlier version and is still
+        checked, each checked against the plain nodes run on the new weights (its _Check's
+        `expected` is None until the builder runs them). Without this, a swap left every
+        call on the general session for good."""
+        return [(session, signature, _Check((*runtime, *session.weights), None), dimensions)
+                for signature, (runtime, dimensions) in list(self._fixed_shapes.items())
+                if self._checked.get(signature) == ""]
 
     def _fixed_dimensions(self, session: _Session, signature: Signature) -> dict[str, int]:
         """The sizes a checked signature's fixed-shape session fixes: the model's symbolic
@@ -338,29 +376,44 @@ class OnnxDelegate:
     def _build_fixed(self, session: _Session, signature: Signature, check: _Check,
                      dimensions: dict[str, int]) -> None:
         """The builder thread: a fixed-shape session for a checked signature, used once it
-        gives the plain outputs for the signature's first call too."""
-        if len(session.fixed) >= FIXED_SHAPE_SESSIONS:  # more were queued than fit
+        gives the plain outputs for the signature's first call too (on `session`'s weights:
+        the plain nodes run here first when the check has no outputs yet). Skipped when
+        `session` is no longer the latest (a swap came first: the new one's session queued
+        its own) or has FIXED_SHAPE_SESSIONS already."""
+        if session is not self._latest or len(session.fixed) >= FIXED_SHAPE_SESSIONS:
             return
+        where = [list(s) for s in signature]
+        if check.expected is None:
+            try:
+                with torch.no_grad():
+                    check = _Check(check.inputs, list(self.module(*check.inputs)))
+            except Exception as exc:
+                LOG.info("%s: no fixed-shape session for %s: the plain nodes failed on the "
+                         "new weights: %s", self.__name__, where, _first_line(exc))
+                return
         try:
             fixed = _make_session(self.model, self.model.inputs[self._split:], session.weights,
                                   self.intra_op_threads, dimensions)
         except Exception as exc:
-            LOG.info("%s: no fixed-shape session for %s: %s", self.__name__,
-                     [list(s) for s in signature], _first_line(exc))
+            LOG.info("%s: no fixed-shape session for %s: %s", self.__name__, where,
+                     _first_line(exc))
+            self._fixed_shapes.pop(signature, None)  # ONNX Runtime would refuse it again
             return
         mismatch = self._compare(fixed.run, check)
         if mismatch:
             LOG.info("%s: the fixed-shape session for %s is not used: %s", self.__name__,
-                     [list(s) for s in signature], mismatch)
+                     where, mismatch)
             return
         with self._lock:
             if self._checked.get(signature) == "" and session in self._sessions:
                 session.fixed[signature] = fixed
+                self.fixed_sessions_built += 1
 
     def _compare(self, run: Callable[..., Any], check: _Check) -> str:
         """"" when a session's `run` gives the plain outputs for the check's inputs, else
         why not."""
         inputs = check.inputs
+        assert check.expected is not None
         try:
             arrays = run(self._outputs, self._careful_feeds(inputs), None)
         except Exception as exc:
@@ -400,6 +453,7 @@ class OnnxDelegate:
                 "plain_calls": self.plain_calls,
                 "sessions": len(self._sessions), "sessions_built": self.sessions_built,
                 "fixed_shape_sessions": len(self._latest.fixed) if self._latest else 0,
+                "fixed_shape_sessions_built": self.fixed_sessions_built,
                 "fixed_calls": self.fixed_calls,
                 "checked": sum(1 for v in self._checked.values() if not v),
                 "refused": refused, "unbuildable": self.unbuildable,
@@ -416,7 +470,9 @@ def _make_session(
     model: OnnxModel, names: Sequence[str], weights: Sequence[Any], threads: int = 1,
     dimensions: dict[str, int] | None = None,
 ) -> _Session:
-    """A session on `weights`; `dimensions`: symbolic input dimensions fixed to these sizes."""
+    """A session on `weights` (those of `names`, the baked inputs, that the model reads:
+    OnnxModel.unread are not given); `dimensions`: symbolic input dimensions fixed to these
+    sizes."""
     options = ort.SessionOptions()
     for dim, size in (dimensions or {}).items():
         options.add_free_dimension_override_by_name(dim, size)
@@ -425,10 +481,11 @@ def _make_session(
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # no warnings about initializers its optimiser removed
-    arrays = tuple(_array(w.detach().contiguous()) for w in weights)
-    if names:
+    given = [(n, w) for n, w in zip(names, weights, strict=True) if n not in model.unread]
+    arrays = tuple(_array(w.detach().contiguous()) for _, w in given)
+    if given:
         options.add_external_initializers(
-            list(names), [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
+            [n for n, _ in given], [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
     session = ort.InferenceSession(
         model.model, options, providers=["CPUExecutionProvider"],
         disabled_optimizers=[*DISABLED_OPTIMIZERS,

@@ -14,7 +14,10 @@ bytes of an ONNX model that ONNX Runtime loads:
 3. each weight input becomes an initializer without data ("external" data that the session
    receives from the weight tensors' memory through `add_external_initializers`), so that
    ONNX Runtime folds and pre-packs the weights as constants, and one exported model serves
-   every weights version: a swap makes a new session, never a new export.
+   every weights version: a swap makes a new session, never a new export. A weight input that
+   no node reads any more (the exporter dropped its readers, or the optimizer folded them)
+   gets no initializer, and sessions are not given it (`OnnxModel.unread`): ONNX Runtime
+   refuses an external initializer its model lacks.
 
 Before the weights are baked, onnxscript's optimizer folds what the exporter left to compute
 per call (the attention scale from the input's shape) and rewrites patterns ONNX Runtime then
@@ -95,6 +98,10 @@ class OnnxModel:
     outputs: tuple[str, ...]
     decomposed: bool  # whether the exporter's decompositions had to run
     control_flow: bool = False  # If, Loop or Scan nodes: ONNX Runtime must not fold constants
+    # baked inputs no node of the model reads (the exporter or its optimizer dropped their
+    # readers): no initializer, and a session is not given them (ONNX Runtime refuses an
+    # external initializer the model lacks)
+    unread: tuple[str, ...] = ()
 
 
 def export_segment(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> OnnxModel:
@@ -146,15 +153,33 @@ def _export(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> OnnxMod
                            f"{len(_outputs(module))}")
     kept = [i for i in proto.graph.input if i.name not in
             {n for n, s in zip(names, specs, strict=True) if s.baked}]
+    read = _read_names(proto)
+    unread = tuple(n for n, s in zip(names, specs, strict=True) if s.baked and n not in read)
     for name, spec in zip(names, specs, strict=True):
-        if spec.baked:
+        if spec.baked and name in read:
             proto.graph.initializer.append(_external(name, spec))
     del proto.graph.input[:]
     proto.graph.input.extend(kept)
     control_flow = any(n.op_type in CONTROL_FLOW for graph in [proto.graph, *proto.functions]
                        for n in graph.node)
     return OnnxModel(proto.SerializeToString(), tuple(names), tuple(s.baked for s in specs),
-                     outputs, decomposed, control_flow)
+                     outputs, decomposed, control_flow, unread)
+
+
+def _read_names(proto: Any) -> set[str]:
+    """The names the model's nodes read: of its graph, its functions and the graphs in their
+    attributes (If and Loop bodies)."""
+    read: set[str] = set()
+    pending = [*proto.graph.node, *(n for function in proto.functions for n in function.node)]
+    while pending:
+        node = pending.pop()
+        read.update(node.input)
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                pending.extend(attribute.g.node)
+            for graph in attribute.graphs:
+                pending.extend(graph.node)
+    return read
 
 
 def _to_onnx(program: Any, module: torch.fx.GraphModule, args: tuple[Any, ...],

@@ -96,7 +96,10 @@ def plan_onnx_segments(
     """Each run of at least `min_nodes` (MIN_NODES) exportable aten nodes replaced by an
     OnnxDelegate node whose sessions use `intra_op_threads`; a run whose export fails keeps
     its plain nodes, with the reason (an op the exporter cannot translate is left out, and
-    the rest of the run tried again)."""
+    the rest of the run tried again). `graph` is without its dead code (the Executor's
+    passes drop it, passes/deadcode.py, before any delegate plans): the exporter drops a node
+    nothing reads with the weights only it reads, which the session would be handed all the
+    same (a weight the exported model does not read is left out too: OnnxModel.unread)."""
     min_nodes = MIN_NODES if min_nodes is None else min_nodes
     excluded = {n.index for n in graph.nodes if unexportable_reason(n, graph) is not None}
     weights = {s.value: s.target or "" for s in graph.signature.inputs if s.kind in WEIGHT_KINDS}

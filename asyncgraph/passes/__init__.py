@@ -6,6 +6,8 @@
   takes out of the graph (the call at::linear makes, without its per-call overhead).
 - `folding`: nodes that read only weights leave the graph; their values are computed once per
   weights version (at construction and on swap_weights) instead of on every call.
+- `deadcode`: pure nodes whose values nothing reads leave the graph (segments are planned
+  without them: the exporters drop them with the weights only they read).
 - `rewrite`: the shared step that rebuilds a valid, densely numbered Graph after a pass.
 
 Each pass takes a Graph and returns a new one; the Executor applies them in order when it is

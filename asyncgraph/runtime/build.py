@@ -4,8 +4,8 @@ Everything here runs once per Executor, before the first execution, and produces
 executions share (`Built`). The order matters and is the order of this file:
 
 1. the graph passes (`GRAPH_PASSES`, each switched by its config field): rewrites of the graph
-   that keep its meaning (attention put back together, identities dropped, packed q/k/v split,
-   linears lowered onto folded transposes, activation epilogues fused);
+   that keep its meaning (attention put back together, identities and dead code dropped,
+   packed q/k/v split, linears lowered onto folded transposes, activation epilogues fused);
 2. the kernels, one per node (kernels/factory.py);
 3. constant folding: what reads only weights is computed once (passes/folding.py), and
    scripted or ONNX segments replace runs of nodes (compiled/scripted.py,
@@ -32,6 +32,7 @@ from asyncgraph.cuda.segments import SegmentPlan, segment_plan_for
 from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
 from asyncgraph.graph.ir import Graph
 from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.passes.deadcode import drop_dead_nodes
 from asyncgraph.passes.epilogue import fuse_activations
 from asyncgraph.passes.folding import ConstantFolder, fold_constants
 from asyncgraph.passes.identity import drop_identities
@@ -67,6 +68,11 @@ def _drop_identities(graph: Graph, config: ExecutorConfig) -> tuple[Graph, dict[
     return graph, {"dropped_identities": count}
 
 
+def _drop_dead_nodes(graph: Graph, config: ExecutorConfig) -> tuple[Graph, dict[str, int]]:
+    graph, _ = drop_dead_nodes(graph)
+    return graph, {}
+
+
 def _split_qkv(graph: Graph, config: ExecutorConfig) -> tuple[Graph, dict[str, int]]:
     graph, count = split_packed_qkv(graph)
     return graph, {"qkv_splits": count}
@@ -85,6 +91,9 @@ def _fuse_activations(graph: Graph, config: ExecutorConfig) -> tuple[Graph, dict
 GRAPH_PASSES: tuple[GraphPass, ...] = (
     GraphPass("recompose_attention", lambda c: c.recompose_attention, _recompose),
     GraphPass("drop_identities", lambda c: True, _drop_identities),  # dropouts returning x
+    # what nothing reads, before anything plans on the graph: the delegates' exporters drop
+    # such nodes with the weights only they read, which a segment would still hand over
+    GraphPass("drop_dead_nodes", lambda c: True, _drop_dead_nodes),
     GraphPass("split_packed_qkv", lambda c: c.split_packed_qkv, _split_qkv),
     # linears read a folded transpose: only where constants fold
     GraphPass("lower_linear", lambda c: c.lower_linear and c.fold_constants, _lower_linear),

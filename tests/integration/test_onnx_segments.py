@@ -430,6 +430,96 @@ async def test_a_weights_swap_runs_the_new_weights() -> None:
     assert stats["onnx_calls"] >= 4
 
 
+def _new_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: torch.randn_like(v) * 0.5 for k, v in model.state_dict().items()}
+
+
+async def _swapped_fixed_stats(
+    new: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Chain with a dynamic batch: batches 2 and 3 checked and on fixed-shape sessions, then
+    `aswap_weights` (to `new`, else other random weights) and each batch three times again,
+    equal to eager on the new weights; the delegate's statistics before and after the swap."""
+    model = Chain()
+    xs = [torch.randint(0, 50, (batch, 5)) for batch in (2, 3)]
+    async with Executor(export_model(model, xs[0], dynamic=True), ONNX) as ex:
+        for x in xs * 2:
+            await ex.execute(x)
+        delegate = await _settled(ex)
+        before = delegate.statistics()
+        new = _new_weights(model, 1) if new is None else new
+        await ex.aswap_weights(new)
+        model.load_state_dict(new)
+        for x in xs * 3:
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
+        await _settled(ex)
+        after = delegate.statistics()
+    return before, after
+
+
+async def test_a_weights_swap_builds_the_fixed_shape_sessions_again() -> None:
+    """Fixed-shape sessions hold one weights version's weights. After a swap the shapes that
+    had them get them again on the new weights (each checked against the plain nodes on the
+    new weights), and run every call after the new version's first."""
+    before, after = await _swapped_fixed_stats()
+    assert (before["fixed_shape_sessions"], after["fixed_shape_sessions"]) == (2, 2)
+    # after the swap: the first call plain (the new version's session is built meanwhile,
+    # inline here, and the fixed-shape sessions after it), then all five on fixed shapes
+    assert after["plain_calls"] - before["plain_calls"] == 1
+    assert after["fixed_calls"] - before["fixed_calls"] == 5
+    assert (before["fixed_shape_sessions_built"], after["fixed_shape_sessions_built"]) == (2, 4)
+    assert after["sessions_built"] == 2 and after["refused"] == {}
+
+
+async def test_a_fixed_shape_session_wrong_on_the_new_weights_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check of a rebuilt fixed-shape session runs the plain nodes on the new weights:
+    one whose outputs differ from theirs is never used, and the general session answers."""
+    new = _new_weights(Chain(), 1)
+    make = onnx_delegate._make_session
+
+    def wrong_on_new_weights(*args: Any) -> Any:
+        session = make(*args)
+        fixed, weights = len(args) > 4 and args[4], args[2]
+        if fixed and any(w is v for w in weights for v in new.values()):
+            run = session.run
+            session.run = lambda *a: [r + 1 for r in run(*a)]
+        return session
+
+    monkeypatch.setattr(onnx_delegate, "_make_session", wrong_on_new_weights)
+    before, after = await _swapped_fixed_stats(new)
+    assert (before["fixed_shape_sessions"], after["fixed_shape_sessions"]) == (2, 0)
+    assert after["fixed_calls"] == before["fixed_calls"] and after["refused"] == {}
+    assert after["onnx_calls"] - before["onnx_calls"] == 5
+    assert after["fixed_shape_sessions_built"] == 2  # the two wrong ones were never kept
+
+
+async def test_a_weight_the_onnx_model_does_not_read_is_not_handed_to_the_session() -> None:
+    """onnxscript's optimizer folds `zeros_like(w)` of a static weight into a constant, so no
+    node of the model reads `w`: it gets no initializer and the session is not given it (ONNX
+    Runtime refuses an external initializer the model lacks)."""
+
+    class ShapeOfWeight(torch.nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+            return (torch.relu(x + torch.zeros_like(w)),)
+
+    module = torch.fx.symbolic_trace(ShapeOfWeight())
+    model = onnx_export.export_segment(module, [
+        onnx_export.InputSpec(torch.float32, (2, 3), (2, 3), baked=False),
+        onnx_export.InputSpec(torch.float32, (2, 3), (2, 3), baked=True)])
+    delegate = OnnxDelegate("onnx_segment_0", module, model, ["zeros_like", "add", "relu"],
+                            static=True, weight_names=["w"])
+    x, w = torch.randn(2, 3), torch.randn(2, 3)
+    for _ in range(2):  # the first call plain, its session made and checked inline
+        torch.testing.assert_close(delegate(x, w), [torch.relu(x)])
+    stats = delegate.statistics()
+    assert stats["unbuildable"] == "" and stats["refused"] == {}
+    assert (stats["plain_calls"], stats["onnx_calls"]) == (1, 1)
+    assert model.unread == ("w",)
+
+
 async def test_a_failing_call_names_the_aten_node_that_failed() -> None:
     model = Chain()
     async with Executor(export_model(model, torch.randint(0, 50, (3, 5)), dynamic=True),
