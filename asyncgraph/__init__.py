@@ -25,9 +25,9 @@ from asyncgraph.errors import (
 
 if TYPE_CHECKING:
     from asyncgraph.graph.builder import GraphBuilder
+    from asyncgraph.graph.dim_names import save
     from asyncgraph.graph.importers import Program, to_program
     from asyncgraph.graph.ir import Graph, Node, Ref, Signature, Value
-    from asyncgraph.graph.dim_names import save
     from asyncgraph.loading import load
     from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
     from asyncgraph.runtime.executor import Executor, ExecutorStatistics
