@@ -25,10 +25,9 @@ from asyncgraph.errors import (
 
 if TYPE_CHECKING:
     from asyncgraph.graph.builder import GraphBuilder
-    from asyncgraph.graph.dim_names import save
     from asyncgraph.graph.importers import Program, to_program
     from asyncgraph.graph.ir import Graph, Node, Ref, Signature, Value
-    from asyncgraph.loading import load
+    from asyncgraph.loading import load, save
     from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
     from asyncgraph.runtime.executor import Executor, ExecutorStatistics
     from asyncgraph.runtime.frame import ExecutionFrame
@@ -49,7 +48,7 @@ _LAZY = {
     "Signature": "asyncgraph.graph.ir",
     "Value": "asyncgraph.graph.ir",
     "load": "asyncgraph.loading",
-    "save": "asyncgraph.graph.dim_names",
+    "save": "asyncgraph.loading",
     "BatchingConfig": "asyncgraph.runtime.config",
     "ExecutorConfig": "asyncgraph.runtime.config",
     "Executor": "asyncgraph.runtime.executor",

@@ -3,7 +3,7 @@
 graph/ reads plain programs only (graph/importers.py); a package made by `asyncgraph compile`
 holds AOTInductor segments, native code that runs when loaded, which compiled/package.py reads
 once the caller trusts it. This module picks between them, above both layers, so neither
-imports the other. `asyncgraph.load` is `load` here.
+imports the other. `asyncgraph.load` is `load` here, and `asyncgraph.save` is `save`.
 
 It also imports compiled/package_members.py, which registers the compiled package's members
 with graph/archive/: `import asyncgraph` imports this module, so every archive check, from any
@@ -13,13 +13,18 @@ entry point, applies those rules.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from asyncgraph.compiled import package_members  # noqa: F401 - registers its rules
 from asyncgraph.errors import ProgramLoadError
+from asyncgraph.graph import dim_names
 from asyncgraph.graph.archive import TRUST_HINT, is_compiled_package
-from asyncgraph.graph.importers import Program, open_pt2, read_plain_pt2
+from asyncgraph.graph.importers import Program, from_exported_program, open_pt2, read_plain_pt2
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.executor import Executor
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
 
 
 def load_program(
@@ -47,6 +52,16 @@ def load_program(
         compiled: Program = load_compiled(p, runners=runners, threads=threads)
         return compiled
     return read_plain_pt2(p)
+
+
+def save(ep: ExportedProgram, path: str | os.PathLike[str]) -> None:
+    """`torch.export.save(ep, path)`, with the names of its dynamic dims (`Dim("batch")`) kept
+    for the errors of a later `load` (graph/dim_names.py): torch's archive keeps only its own
+    symbols for them."""
+    import torch
+
+    names = from_exported_program(ep).graph.signature.dim_names
+    torch.export.save(ep, path, extra_files={dim_names.MEMBER: dim_names.member(names)})
 
 
 def load(

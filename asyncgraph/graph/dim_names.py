@@ -3,37 +3,29 @@
 torch.export keeps a Dim's name only in the shape environment of the exported program in
 memory; a .pt2 records the symbol torch made for it (`s45`) and its range, not the name. So
 errors about an in-memory program say `(Dim 'batch')` and about the same program loaded from a
-file said `(dynamic dim s45)`. `save` (`asyncgraph.save`) writes the names beside the program,
-as a small JSON member under the archive's `extra/` (torch.export.load ignores it), and
-`read` finds them when the archive is loaded. A .pt2 saved by torch.export.save has none:
+file said `(dynamic dim s45)`. `asyncgraph.save` (loading.py) writes the names beside the
+program, as a small JSON member under the archive's `extra/` (torch.export.load ignores it),
+and `read` finds them when the archive is loaded. A .pt2 saved by torch.export.save has none:
 errors then name the dimension by the input it sizes (`dynamic dim of x.shape[0]`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import zipfile
 from pathlib import Path
-from typing import Any
 
 MEMBER = "asyncgraph_dim_names.json"  # torch writes it as <root>/extra/<MEMBER>
 _MAX_BYTES = 1 << 16  # the names of a program's dims: far below this; more is not ours
 
 
-def save(ep: Any, path: str | os.PathLike[str]) -> None:
-    """`torch.export.save(ep, path)`, with the names of its dynamic dims kept for `load`."""
-    import torch
-
-    from asyncgraph.graph.importers import from_exported_program
-
-    names = from_exported_program(ep).graph.signature.dim_names
-    member = json.dumps({"dim_names": [[i, dim, name] for (i, dim), name in sorted(names.items())]})
-    torch.export.save(ep, path, extra_files={MEMBER: member})
+def member(names: dict[tuple[int, int], str]) -> str:
+    """The JSON `save` writes beside a program: (input, dim) -> name as a list of triples."""
+    return json.dumps({"dim_names": [[i, dim, name] for (i, dim), name in sorted(names.items())]})
 
 
 def read(path: Path) -> dict[tuple[int, int], str]:
-    """(input, dim) -> name, as `save` wrote them, or {} when the archive has none or they do
+    """(input, dim) -> name, as `member` wrote them, or {} when the archive has none or they do
     not read as such (a name is only ever used in messages: nothing else trusts it)."""
     try:
         with zipfile.ZipFile(path) as archive:

@@ -137,7 +137,7 @@ def test_a_non_convex_group_is_split_and_an_independent_host_node_is_moved_out()
         a = b.call(aten.relu.default, x, name="gpu_a")
         bb = b.call(aten.mul.Tensor, a, a, name="gpu_b")
         h = b.call(host_scale, bb if h_reads_gpu else x, 2.0, name="host_h")
-        c = b.call(aten.add.Tensor, h, a, name="gpu_c")
+        c = b.call(aten.add.Tensor, h, bb, name="gpu_c")  # gpu_b is read: not dead code
         b.output(b.call(aten.relu.default, c, name="gpu_d"))
         return b.build()
 
