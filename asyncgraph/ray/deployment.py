@@ -31,7 +31,8 @@ from asyncgraph.ray.source import ModelSource
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve.admission import capacity_for
-from asyncgraph.serve.app import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, create_app
+from asyncgraph.serve.app import create_app
+from asyncgraph.serve.core import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger("asyncgraph.ray")
 

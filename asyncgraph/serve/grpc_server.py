@@ -6,13 +6,14 @@
 
 A grpcio asyncio server (`grpc.aio`) on the same event loop as the HTTP app and the
 Executors, started by the app's lifespan once it has started (calibrated) and stopped when it
-ends. It serves the app's `InferenceServer`: the same models, admission gates, deadlines,
-metrics and error messages; only the transport differs. One request goes the way an HTTP one
-does (app.py): the gate refuses it at once (UNAVAILABLE, `retry-after` in the trailing
-metadata) if it cannot make its deadline -> decode in the gate's decode lane, checked against
-the signature by codec.py's shared code (grpc_codec.py; INVALID_ARGUMENT) -> wait for a slot ->
-execute, cancelled at its deadline (DEADLINE_EXCEEDED) or when the client cancels or goes away
-(grpc cancels the RPC's task; the execution is cancelled with it) -> encode.
+ends. It is a transport over the app's `InferenceServer` (core.py): the same models,
+admission gates, deadlines (deadlines.py), metrics and error messages (failures.py); only the
+transport differs. One request goes the way an HTTP one does (app.py): the gate refuses it at
+once (UNAVAILABLE, `retry-after` in the trailing metadata) if it cannot make its deadline ->
+decode in the gate's decode lane, checked against the signature by codec.py's shared code
+(grpc_codec.py; INVALID_ARGUMENT) -> wait for a slot and execute (`InferenceServer.execute`),
+cancelled at its deadline (DEADLINE_EXCEEDED) or when the client cancels or goes away (grpc
+cancels the RPC's task; the execution is cancelled with it) -> encode.
 
 A request's deadline is the earliest of `--timeout-ms`, its `parameters.timeout` (Triton's,
 microseconds) and the client's gRPC deadline (`context.time_remaining()`).
@@ -54,16 +55,10 @@ from starlette.applications import Starlette
 
 from asyncgraph.serve import grpc_protocol as pb
 from asyncgraph.serve import metrics as m
-from asyncgraph.serve.app import (
-    RETRY_AFTER_S,
-    Deadline,
-    InferenceServer,
-    _describe,
-    _maybe_offload,
-    deadline_for,
-    request_failure,
-)
+from asyncgraph.serve.core import InferenceServer, maybe_offload
+from asyncgraph.serve.deadlines import Deadline, deadline_for
 from asyncgraph.serve.errors import ProtocolError
+from asyncgraph.serve.failures import RETRY_AFTER_S, describe, request_failure
 from asyncgraph.serve.grpc_codec import (
     decode_infer_request,
     encode_infer_response,
@@ -336,7 +331,7 @@ class InferenceService:
         request holds its answer's bytes in `reservation` once its size is known."""
         loop = asyncio.get_running_loop()
         arrival = loop.time()
-        try:  # nothing awaited from here to admission.enter (see app.InferenceServer.infer)
+        try:  # nothing awaited from here to admission.enter (see app.HttpInference.infer)
             served = self.server.lookup(
                 "infer", request.model_name, request.model_version or None
             )
@@ -366,7 +361,7 @@ class InferenceService:
         self, request: Any, served: Any, arrival: float, timing: list[float],
         context: grpc.aio.ServicerContext, reservation: _Reservation | None,
     ) -> tuple[Any, str | None]:
-        """app.InferenceServer._infer's path for a request grpc has already read and parsed."""
+        """app.HttpInference._infer's path for a request grpc has already read and parsed."""
         server = self.server
         name = served.interface.model
         client = _client_deadline(arrival, context)
@@ -377,14 +372,14 @@ class InferenceService:
                 nbytes, first.remaining() if first is not None else None
             ) as ticket:
                 async with served.admission.decoding(ticket):  # one decode per loop turn
-                    decoded, raw = await _maybe_offload(
+                    decoded, raw = await maybe_offload(
                         nbytes, decode_infer_request, request, served.interface
                     )
                 deadline = _earliest(deadline_for(arrival, server.timeout_s, decoded.timeout_s),
                                      client)
                 if deadline is not None and deadline.passed():
                     raise deadline.exceeded(name, "it was decoded", ran=False)
-                ran = await server.execute(None, served, decoded, ticket, deadline)
+                ran = await server.execute(served, decoded, ticket, deadline)
             timing += [ran.queue_s, ran.compute_s]
             outputs = ran.outputs
             size = server.response_size(
@@ -393,7 +388,7 @@ class InferenceService:
             if reservation is not None:
                 reservation.take(name, size)
             with served.admission.encoding():
-                response = await _maybe_offload(
+                response = await maybe_offload(
                     size, encode_infer_response, name, ran.version or server.version,
                     decoded, outputs, raw,
                 )
@@ -423,7 +418,7 @@ def _unexpected(model: str, exc: Exception) -> ProtocolError:
     """A request's failure of the server's own (a bug): logged once, with its traceback and
     the model asked for, and answered 500 (INTERNAL) to that request alone."""
     logger.error("model %s: request failed", shown(model), exc_info=exc)
-    return ProtocolError(f"model {shown(model)}: {_describe(exc)}", 500)
+    return ProtocolError(f"model {shown(model)}: {describe(exc)}", 500)
 
 
 def _parameters(request: Any) -> dict[str, Any]:

@@ -28,7 +28,7 @@ bytes) is reloaded, the others stay as they are. No request fails because of it:
   on another's weights while the others fold. Executions running finish on the old weights;
   a request that took the old version but had not started executing at the commit runs on
   the new ones and is labelled with the new version: an answer's label is the version whose
-  weights made it (`_Served.label`, by the weights version the execution ran on).
+  weights made it (`Served.label`, by the weights version the execution ran on).
 - Any other version is built beside the serving ones: loaded on a thread (a .pt2 takes
   seconds), its gate calibrated, then published in one step. Requests that had already
   taken the old version (they hold its admission gate: counted from their lookup on, with no
@@ -62,14 +62,14 @@ from asyncgraph.graph.ir import Graph, Ref, target_name
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.runtime.weights import PreparedWeights
 from asyncgraph.serve.admission import Admission, capacity_for
-from asyncgraph.serve.app import InferenceServer, _describe, _Served
 from asyncgraph.serve.calibration import calibrate as calibrate_model
 from asyncgraph.serve.codec import decode_request, encode_response
+from asyncgraph.serve.core import NOT_ALLOWED, InferenceServer, Served
 from asyncgraph.serve.errors import ProtocolError
+from asyncgraph.serve.failures import describe
 from asyncgraph.serve.interface import ModelInterface
 from asyncgraph.serve.names import version_number
 from asyncgraph.serve.repository import ModelRepository, RepositoryError
-from asyncgraph.serve.repository_http import NOT_ALLOWED
 
 logger = logging.getLogger("asyncgraph.serve")
 
@@ -91,7 +91,7 @@ class _Version:
     number: int
     path: Path
     stamp: _FileStamp  # what its file held when loaded: a reload if that changes
-    served: _Served
+    served: Served
 
 
 @dataclass(slots=True)
@@ -153,7 +153,7 @@ class ModelControl:
 
     # -- lookups (InferenceServer.served delegates here) ------------------------------------
 
-    def served(self, name: str, version: str | None = None) -> _Served:
+    def served(self, name: str, version: str | None = None) -> Served:
         versions = self.loaded.get(name)
         if not versions:
             if self.repository.has(name):
@@ -305,7 +305,7 @@ class ModelControl:
             self._failed(name, str(exc))
             if isinstance(exc, ProtocolError):
                 raise
-            raise ProtocolError(f"failed to load {name!r}: {_describe(exc)}", 500) from None
+            raise ProtocolError(f"failed to load {name!r}: {describe(exc)}", 500) from None
         # nothing awaited from the first commit to the publish: one step of the loop, so that
         # no request labelled with a version runs on another's weights
         swapped = self._commit(name, arrival.swaps)
@@ -359,7 +359,7 @@ class ModelControl:
             return stamp, self.load_executor(path)
         except Exception as exc:
             raise ProtocolError(
-                f"failed to load {name!r} version {number} from {path}: {_describe(exc)}"
+                f"failed to load {name!r} version {number} from {path}: {describe(exc)}"
             ) from None
 
     async def _prepare(self, name: str, swap: _Swap) -> bool:
@@ -373,7 +373,7 @@ class ModelControl:
         except Exception as exc:
             logger.warning("model %r: version %d could not be swapped into version %d's "
                            "executor (%s); built beside it", name, swap.number,
-                           swap.into.number, _describe(exc))
+                           swap.into.number, describe(exc))
             return False
         return True
 
@@ -386,15 +386,15 @@ class ModelControl:
             assert swap.prepared is not None
             served = swap.into.served
             weights_version = served.executor.commit_weights(swap.prepared)
-            assert served.labels is not None  # every version's _Served has them (_serve)
+            assert served.labels is not None  # every version's Served has them (_serve)
             served.labels[weights_version] = str(swap.number)  # answers made on them
             self.changes.labels(name, "swap").inc()
             logger.info("model %r: version %d hot-swapped into version %d's executor", name,
                         swap.number, swap.into.number)
             versions[swap.number] = _Version(
                 swap.number, swap.path, swap.stamp,
-                _Served(served.executor, served.interface, served.admission, str(swap.number),
-                        served.labels),
+                Served(served.executor, served.interface, served.admission, str(swap.number),
+                       served.labels),
             )
         return versions
 
@@ -416,7 +416,7 @@ class ModelControl:
             served = self._serve(name, executor, number)
         except Exception as exc:
             raise ProtocolError(
-                f"failed to load {name!r} version {number} from {path}: {_describe(exc)}"
+                f"failed to load {name!r} version {number} from {path}: {describe(exc)}"
             ) from None
         await self._calibrate(served)
         self.changes.labels(name, "load").inc()
@@ -427,9 +427,9 @@ class ModelControl:
         executor = self.load_executor(path)
         return _Version(number, path, stamp, self._serve(name, executor, number))
 
-    def _serve(self, name: str, executor: Executor, number: int) -> _Served:
+    def _serve(self, name: str, executor: Executor, number: int) -> Served:
         server = self.server
-        return _Served(
+        return Served(
             executor,
             ModelInterface(name, executor.graph),
             Admission(
@@ -442,7 +442,7 @@ class ModelControl:
             {executor.weights.version: str(number)},
         )
 
-    async def _calibrate(self, served: _Served) -> None:
+    async def _calibrate(self, served: Served) -> None:
         """As InferenceServer.calibrate does for one gate, once per gate."""
         if not self.calibrate or id(served.admission) in self._calibrated:
             return
@@ -456,13 +456,13 @@ class ModelControl:
             )
         except Exception as exc:
             logger.warning("model %r version %s: admission not calibrated (%s)",
-                           served.interface.model, served.version, _describe(exc))
+                           served.interface.model, served.version, describe(exc))
             return
         served.admission.calibrate(calibration)
 
     # -- retiring ---------------------------------------------------------------------------
 
-    async def _retire(self, name: str, served: _Served) -> None:
+    async def _retire(self, name: str, served: Served) -> None:
         """Close a version's Executor once the last request that took it has left its gate.
         A request holds the gate from its lookup on (no await between the two)."""
         gate = served.admission
@@ -476,7 +476,7 @@ class ModelControl:
         await served.executor.aclose()
         self.changes.labels(name, "unload").inc()
 
-    def _retire_later(self, name: str, served: _Served) -> None:
+    def _retire_later(self, name: str, served: Served) -> None:
         task = asyncio.ensure_future(self._retire(name, served))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
@@ -507,10 +507,10 @@ class ModelControl:
         if versions:
             default = versions[max(versions)].served
             self._models[name] = default.executor
-            self.server._served[name] = default
+            self.server.publish(name, default)
         else:
             self._models.pop(name, None)
-            self.server._served.pop(name, None)
+            self.server.publish(name, None)
 
     def _default_version(self, name: str) -> str:
         versions = self.loaded.get(name)

@@ -19,9 +19,6 @@ from starlette.routing import Route
 
 from asyncgraph.serve.errors import ProtocolError
 
-#: Triton's answer (UNAVAILABLE, HTTP 503) to a load or unload when model control is off.
-NOT_ALLOWED = "explicit model load / unload is not allowed if polling is enabled"
-
 Index = Callable[[bool], list[dict[str, str]]]
 Action = Callable[[str, Mapping[str, Any]], Awaitable[None]]
 

@@ -28,6 +28,7 @@ from tritonclient.utils import InferenceServerException
 import asyncgraph
 from asyncgraph.serve import InferenceServer, ProtocolError, create_app, running_server
 from asyncgraph.serve import app as app_module
+from asyncgraph.serve import core as core_module
 from asyncgraph.testing import FaultInjector
 from tests.support.models import Affine
 from tests.support.serving import WAIT_S, Gate, eventually, gated_graph, metric
@@ -570,7 +571,8 @@ def charge_decodes(
     monkeypatch: pytest.MonkeyPatch, clock: FakeClock, s_per_byte: float
 ) -> None:
     """Every request body decode (start-up calibration's included) costs `s_per_byte` fake
-    seconds per body byte on the gate's clock: deterministic decode times, priced by size."""
+    seconds per body byte on the gate's clock: deterministic decode times, priced by size.
+    HTTP's decode is app.py's; start-up calibration's is the server core's (core.py)."""
     decode = app_module.decode_request
 
     def costly_decode(body: bytes, *args: Any) -> Any:
@@ -578,6 +580,7 @@ def charge_decodes(
         return decode(body, *args)
 
     monkeypatch.setattr(app_module, "decode_request", costly_decode)
+    monkeypatch.setattr(core_module, "decode_request", costly_decode)
 
 
 async def send_all_but_the_body(
@@ -1194,17 +1197,17 @@ async def test_a_large_compressed_body_inflates_off_the_loop(
 @pytest.mark.parametrize("size", [0, 1, (64 << 10) - 1, 64 << 10, (64 << 10) + 1, 100_000])
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
 async def test_inflation_at_the_inline_part_and_the_limit(size: int, encoding: str) -> None:
-    from asyncgraph.serve.app import _decompress
+    from asyncgraph.serve.app import decompress
 
     data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
     packed = gzip.compress(data) if encoding == "gzip" else zlib.compress(data)
-    assert await _decompress(packed, encoding, limit=100_000) == data
+    assert await decompress(packed, encoding, limit=100_000) == data
     if size:
         with pytest.raises(ProtocolError, match="inflates past the limit") as info:
-            await _decompress(packed, encoding, limit=size - 1)
+            await decompress(packed, encoding, limit=size - 1)
         assert info.value.status == 413
         with pytest.raises(ProtocolError, match="truncated"):
-            await _decompress(packed[:-8], encoding, limit=100_000)
+            await decompress(packed[:-8], encoding, limit=100_000)
 
 
 # -- embedding -------------------------------------------------------------------------------

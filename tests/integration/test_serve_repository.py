@@ -33,8 +33,9 @@ from typer.testing import CliRunner
 import asyncgraph
 from asyncgraph.cli.main import app as cli_app
 from asyncgraph.serve import create_app, running_server
+from asyncgraph.serve.core import NOT_ALLOWED
 from asyncgraph.serve.grpc_server import add_grpc
-from asyncgraph.serve.model_control import NOT_ALLOWED, ModelControl, add_model_control
+from asyncgraph.serve.model_control import ModelControl, add_model_control
 from asyncgraph.serve.repository import ModelRepository, RepositoryError, VersionPolicy
 from tests.support.models import Affine
 from tests.support.serving import eventually, metric
