@@ -10,7 +10,7 @@ torch; `asyncgraph.Executor` and the rest import it when first read.
 
 from typing import TYPE_CHECKING, Any
 
-from asyncgraph import plugins as _plugins  # noqa: F401 - the tracer, the scripted pass
+from asyncgraph import plugins as _plugins  # noqa: F401 - the tracer, the segment backends
 from asyncgraph.errors import (
     AsyncGraphError,
     BatchCancelledError,

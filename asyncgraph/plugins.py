@@ -1,19 +1,20 @@
-"""What the layers above the runtime give it: the tracer and the optional segment passes.
+"""What the layers above the runtime give it: the tracer and the segment backends.
 
-The runtime defines the hooks (runtime/instrument.py, runtime/extensions.py) and never imports
+The runtime defines the hooks (runtime/instrument.py, runtime/delegates.py) and never imports
 what plugs into them; this module, run by `import asyncgraph`, plugs in tools/trace.py's
-TraceRecorder (ExecutorConfig.trace), compiled/scripted.py's `script_segments`
-(ExecutorConfig.script_segments, imported when an Executor first asks for it: torch.jit on
-demand) and compiled/onnx_segments.py's `onnx_segments` (ExecutorConfig.onnx_segments: ONNX
-Runtime and the exporter on demand, from the optional `asyncgraph[onnxruntime]` extra).
-Each is imported when first used, so `import asyncgraph` imports no torch.
+TraceRecorder (ExecutorConfig.trace) and the segment backends `ExecutorConfig.segments` names:
+"script" (compiled/scripted.py, torch.jit on demand) and "onnx" (compiled/onnx_segments.py:
+ONNX Runtime and the exporter on demand, from the optional `asyncgraph[onnxruntime]` extra).
+Each is imported when an Executor first asks for it, so `import asyncgraph` imports no torch.
+A new delegate backend is one more `register_backend` here (or in the package that brings
+it): nothing in runtime/ changes.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asyncgraph.runtime.extensions import GraphPass, register_pass
+from asyncgraph.runtime.delegates import SegmentBackend, SegmentPlanner, register_backend
 from asyncgraph.runtime.instrument import Instrument, register_tracer
 
 if TYPE_CHECKING:
@@ -28,19 +29,19 @@ def _trace_recorder(graph: Graph) -> Instrument:
     return TraceRecorder(graph)
 
 
-def _script_segments() -> GraphPass:
+def _script_planner() -> SegmentPlanner:
     from asyncgraph.compiled.scripted import script_segments  # torch.jit on demand
 
     return lambda graph, _config: script_segments(graph)
 
 
-def _onnx_segments() -> GraphPass:
+def _onnx_planner() -> SegmentPlanner:
     try:
         from asyncgraph.compiled.onnx_segments import onnx_segments  # onnxruntime on demand
     except ImportError as exc:
         missing = exc.name or str(exc)
         raise ImportError(
-            f"ExecutorConfig(onnx_segments=True) needs onnxruntime, onnx and onnxscript "
+            f"ExecutorConfig(segments=('onnx',)) needs onnxruntime, onnx and onnxscript "
             f"({missing} is missing): {ONNX_EXTRA}", name=exc.name) from exc
     # one thread unless the user sets a count: each session's pool is its own, and spins
     return lambda graph, config: onnx_segments(
@@ -48,5 +49,5 @@ def _onnx_segments() -> GraphPass:
 
 
 register_tracer(_trace_recorder)
-register_pass("script_segments", _script_segments)
-register_pass("onnx_segments", _onnx_segments)
+register_backend(SegmentBackend("script", _script_planner))
+register_backend(SegmentBackend("onnx", _onnx_planner))

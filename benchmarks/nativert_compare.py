@@ -359,9 +359,9 @@ async def _latency_case(
 ) -> CaseResult:
     x = work.x
     executors = [Executor(work.ep, ExecutorConfig()),
-                 Executor(work.ep, ExecutorConfig(script_segments=True))]
+                 Executor(work.ep, ExecutorConfig(segments=("script",)))]
     peers = [asyncgraph_peer("asyncgraph", executors[0], [x], "plain graph, default config"),
-             asyncgraph_peer(SCRIPTED, executors[1], [x], "ExecutorConfig(script_segments=True)")]
+             asyncgraph_peer(SCRIPTED, executors[1], [x], "ExecutorConfig(segments=('script',))")]
     for binding in (False, True) if options.compare_binding else (False,):
         compiled = _load_compiled(built, built.segments, binding=binding)
         if compiled is not None:
@@ -466,17 +466,17 @@ async def _concurrent_case(
     assert work.dynamic is not None
     x = work.x
     unbatched = Executor(work.ep, ExecutorConfig())
-    scripted = Executor(work.ep, ExecutorConfig(script_segments=True))
+    scripted = Executor(work.ep, ExecutorConfig(segments=("script",)))
     batching = ExecutorConfig(batching=BatchingConfig(max_batch_size=MAX_BATCH))
     batched = Executor(work.dynamic(), batching)
     scripted_batched = Executor(work.dynamic(), ExecutorConfig(
-        script_segments=True, batching=BatchingConfig(max_batch_size=MAX_BATCH)))
+        segments=("script",), batching=BatchingConfig(max_batch_size=MAX_BATCH)))
     peers = [
         asyncgraph_peer("asyncgraph", unbatched, [x], "each request its own execution"),
-        asyncgraph_peer(SCRIPTED, scripted, [x], "script_segments=True, unbatched"),
+        asyncgraph_peer(SCRIPTED, scripted, [x], "segments=('script',), unbatched"),
         asyncgraph_peer(BATCHED, batched, [x], f"dynamic batching, up to {MAX_BATCH} rows"),
         asyncgraph_peer(SCRIPTED_BATCHED, scripted_batched, [x],
-                        f"script_segments=True, dynamic batching, up to {MAX_BATCH} rows"),
+                        f"segments=('script',), dynamic batching, up to {MAX_BATCH} rows"),
     ]
     executors = [unbatched, scripted, batched, scripted_batched]
     bindings = (False, True) if options.compare_binding else (False,)

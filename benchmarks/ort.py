@@ -16,14 +16,14 @@ build/onnxruntime/ keyed by graph and weights. onnxruntime, onnx and onnxscript 
 dependencies (the `bench` extra); without them the scenario reports one case, skipped, with the
 reason, and the rest of the suite runs as before.
 
-Latency (one caller): asyncgraph `execute` on the plain graph, with `script_segments=True`
+Latency (one caller): asyncgraph `execute` on the plain graph, with `segments=("script",)`
 (a torch.jit trace per segment: builds in seconds), with AOTInductor compiled segments
 (`compile_program(ep, path, "auto")`, loaded with trust_compiled=True: 18-33 s per program on
 2 cores, cached next to the exports; in full runs, not with --quick, `--no-compiled` leaves
 them out), with compiled segments autotuned (`autotune=True`: max-autotune, each segment
 keeping the faster of its autotuned and default kernels; timed only where some segment kept
 autotuned kernels, and the manifest's verdicts are in the case's params), with ONNX Runtime
-segments (`onnx_segments=True`, sessions built and signatures checked before timing; with 1
+segments (`segments=("onnx",)`, sessions built and signatures checked before timing; with 1
 and with 2 intra-op threads, `ExecutorConfig.intra_op_threads`, as ONNX Runtime itself is
 timed with both), ONNX Runtime's `session.run` and eager `model(x)` for context. Every peer
 with a pool of 2 threads, ONNX Runtime's or asyncgraph's, leaves the machine idle for
@@ -379,9 +379,9 @@ def _best(case: CaseResult, names: Sequence[str], higher: bool = False) -> str |
 async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Built) -> CaseResult:
     x = work.x
     executors = [Executor(work.ep, ExecutorConfig()),
-                 Executor(work.ep, ExecutorConfig(script_segments=True))]
+                 Executor(work.ep, ExecutorConfig(segments=("script",)))]
     peers = [asyncgraph_peer(PLAIN, executors[0], [x], "plain graph, default config"),
-             asyncgraph_peer(SCRIPTED, executors[1], [x], "ExecutorConfig(script_segments=True)")]
+             asyncgraph_peer(SCRIPTED, executors[1], [x], "ExecutorConfig(segments=('script',))")]
     compiled = _load_compiled(built, built.segments)
     if compiled is not None:
         executors.append(compiled)
@@ -398,7 +398,7 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
             executors.append(delegated)
             peers.append(asyncgraph_peer(
                 onnx_segments_name(threads), delegated, [x],
-                f"ExecutorConfig(onnx_segments=True, intra_op_threads={threads}), sessions "
+                f"ExecutorConfig(segments=('onnx',), intra_op_threads={threads}), sessions "
                 "ready", settle(threads)))
     for threads in ORT_THREADS:
         call = ort_call(ort_session(static, threads))
@@ -435,12 +435,12 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
 async def _with_onnx_segments(
     ep: ExportedProgram, xs: Sequence[Any], config: ExecutorConfig | None = None
 ) -> Executor | None:
-    """An Executor with ONNX Runtime segments (`config` with onnx_segments on) whose sessions
+    """An Executor with ONNX Runtime segments (`config` with the "onnx" backend) whose sessions
     are built and whose signatures, one per input in `xs`, are checked (the first calls run
     the plain nodes while the builder thread works), or None when no segment was made."""
     from asyncgraph.compiled.onnx_delegate import OnnxDelegate
 
-    config = dataclasses.replace(config or ExecutorConfig(), onnx_segments=True)
+    config = dataclasses.replace(config or ExecutorConfig(), segments=("onnx",))
     ex = Executor(ep, config)
     delegates = [k.fn for k in ex.kernels if isinstance(k.fn, OnnxDelegate)]
     if not delegates:
@@ -464,16 +464,16 @@ async def _concurrent_case(
     batching = BatchingConfig(max_batch_size=MAX_BATCH, max_concurrent_batches=IN_FLIGHT)
     executors = [
         Executor(work.ep, ExecutorConfig()),
-        Executor(work.ep, ExecutorConfig(script_segments=True)),
+        Executor(work.ep, ExecutorConfig(segments=("script",))),
         Executor(dynamic_ep, ExecutorConfig(batching=batching)),
-        Executor(dynamic_ep, ExecutorConfig(script_segments=True, batching=batching)),
+        Executor(dynamic_ep, ExecutorConfig(segments=("script",), batching=batching)),
     ]
     peers = [
         asyncgraph_peer(PLAIN, executors[0], [x], "each request its own execution"),
-        asyncgraph_peer(SCRIPTED, executors[1], [x], "script_segments=True, unbatched"),
+        asyncgraph_peer(SCRIPTED, executors[1], [x], "segments=('script',), unbatched"),
         asyncgraph_peer(BATCHED, executors[2], [x], f"dynamic batching, up to {MAX_BATCH} rows"),
         asyncgraph_peer(SCRIPTED_BATCHED, executors[3], [x],
-                        f"script_segments=True, dynamic batching, up to {MAX_BATCH} rows"),
+                        f"segments=('script',), dynamic batching, up to {MAX_BATCH} rows"),
     ]
     batched_config = ExecutorConfig(batching=batching)
     for name, path, config, note in (
@@ -489,14 +489,14 @@ async def _concurrent_case(
             peers.append(asyncgraph_peer(name, loaded, [x], note))
     delegated = await _with_onnx_segments(work.ep, [x])
     small = BatchingConfig(max_batch_size=SMALL_BATCH, max_concurrent_batches=SMALL_IN_FLIGHT)
-    onnx_peers = [(ONNX_SEGMENTS, delegated, "onnx_segments=True, unbatched")]
+    onnx_peers = [(ONNX_SEGMENTS, delegated, "segments=('onnx',), unbatched")]
     for name, policy in ((ONNX_BATCHED, batching), (ONNX_BATCHED_SMALL, small)):
         buckets = default_buckets(policy.max_batch_size)  # a signature each, checked first
         executor = await _with_onnx_segments(
             dynamic_ep, [x.expand(rows, *x.shape[1:]).contiguous() for rows in buckets],
             ExecutorConfig(batching=dataclasses.replace(policy, buckets=buckets)))
         onnx_peers.append((name, executor, (
-            f"onnx_segments=True, dynamic batching up to {policy.max_batch_size} rows, "
+            f"segments=('onnx',), dynamic batching up to {policy.max_batch_size} rows, "
             f"{policy.max_concurrent_batches} in flight, padded to {buckets}")))
     for name, ex, note in onnx_peers:
         if ex is not None:

@@ -11,7 +11,7 @@ seeded order each round, benchmarks/harness.py and benchmarks/concurrency.py):
 
 - the MLP (8 x Linear(64, 64)+ReLU) and tiny BERT (benchmarks/nativert_compare.py's TinyBert,
   hidden 128, 2 layers, seq 16), batch 1, one caller: asyncgraph plain graph, asyncgraph with
-  `script_segments=True`, and eager `model(x)` (which runs on the loop thread too);
+  `segments=("script",)`, and eager `model(x)` (which runs on the loop thread too);
 - the same programs under 64 callers: each request its own execution, and dynamic batching
   (BatchingConfig(max_batch_size=32), the dynamic-batch export).
 
@@ -155,7 +155,7 @@ async def _latency(ctx: Context, threads: LoopThreads, key: str, model: torch.nn
     eager = in_inference(model)
     for n in loop_counts:
         plain = Executor(ep, ExecutorConfig())
-        scripted = Executor(ep, ExecutorConfig(script_segments=True))
+        scripted = Executor(ep, ExecutorConfig(segments=("script",)))
         executors += [plain, scripted]
         for name, ex in (("asyncgraph", plain), ("asyncgraph (scripted)", scripted)):
             peers.append(Peer(arm(name, n), threads.wrap(n, _execute(ex, x))))

@@ -116,9 +116,40 @@ ScriptSegmentsOpt = Annotated[
     typer.Option(
         "--script-segments",
         help="Run long runs of aten nodes as TorchScript traces, made per input shape on first "
-             "use (ExecutorConfig.script_segments; docs/compiled.md).",
+             "use: --segments script (ExecutorConfig.segments; docs/compiled.md).",
     ),
 ]
+
+SegmentsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--segments", metavar="BACKENDS",
+        help="Delegate backends that run long runs of aten nodes, comma-separated, planned in "
+             "this order: script (TorchScript traces), onnx (ONNX Runtime sessions; the "
+             "onnxruntime extra) (ExecutorConfig.segments; docs/compiled.md).",
+        show_default=False,
+    ),
+]
+
+
+def chosen_segments(segments: str | None, script_segments: bool) -> tuple[str, ...]:
+    """ExecutorConfig.segments from `--segments a,b` and `--script-segments` (script first,
+    once): each name must be a registered backend (runtime/delegates.py)."""
+    from asyncgraph.runtime.delegates import registered_backends
+
+    names = [n.strip() for n in (segments or "").split(",") if n.strip()]
+    if script_segments and "script" not in names:
+        names.insert(0, "script")
+    known = registered_backends()
+    for name in names:
+        if name not in known:
+            raise typer.BadParameter(
+                f"no segment backend named {name!r}; registered: {', '.join(known)}",
+                param_hint="--segments",
+            )
+    if len(set(names)) != len(names):
+        raise typer.BadParameter(f"{segments!r} names a backend twice", param_hint="--segments")
+    return tuple(names)
 
 
 def load_executor(model: Path, config: ExecutorConfig, trust_compiled: bool) -> Executor:

@@ -22,8 +22,10 @@ from asyncgraph.cli.options import (
     RandomOpt,
     ScriptSegmentsOpt,
     SeedOpt,
+    SegmentsOpt,
     ThreadsOpt,
     TrustCompiledOpt,
+    chosen_segments,
     executor_config,
     load_executor,
 )
@@ -98,13 +100,15 @@ def profile(
     trust_compiled: TrustCompiledOpt = False,
     imports: ImportsOpt = None,
     script_segments: ScriptSegmentsOpt = False,
+    segments: SegmentsOpt = None,
     json_out: bool = typer.Option(False, "--json", help="Print ProfileMetrics as JSON."),
 ) -> None:
     """Per-node time, percent, totals per op type and the placement chosen, for a .pt2."""
     from asyncgraph.cli.inputs import chosen_inputs
     from asyncgraph.tools.profile import collect
 
-    options: dict[str, Any] = {"trace": True, "script_segments": script_segments}
+    options: dict[str, Any] = {
+        "trace": True, "segments": chosen_segments(segments, script_segments)}
     if max_parallel_ops is not None:
         options["max_parallel_ops"] = max_parallel_ops
     ex = load_executor(model, executor_config(threads, **options), trust_compiled)

@@ -25,8 +25,10 @@ from asyncgraph.cli.options import (
     MaxConcurrentExecutionsOpt,
     MaxParallelOpsOpt,
     ScriptSegmentsOpt,
+    SegmentsOpt,
     ThreadsOpt,
     TrustCompiledOpt,
+    chosen_segments,
     executor_config,
     load_executor,
 )
@@ -138,6 +140,7 @@ def serve(
     trust_compiled: TrustCompiledOpt = False,
     imports: ImportsOpt = None,
     script_segments: ScriptSegmentsOpt = False,
+    segments: SegmentsOpt = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
     loop: Annotated[
@@ -217,8 +220,9 @@ def serve(
     if pin_workers:
         config["pin_workers"] = True
     config["worker_nice"] = worker_nice
-    if script_segments:
-        config["script_segments"] = True
+    chosen = chosen_segments(segments, script_segments)
+    if chosen:
+        config["segments"] = chosen
     if max_batch_size:
         config["batching"] = BatchingConfig(max_batch_size, batch_delay_ms / 1000)
     elif batch_delay_ms:

@@ -24,11 +24,15 @@ version (on its worker thread).
 A container is a native one (native_call.NativeContainer: the model's C entry point, GIL
 released) or torch's AOTIModelPackageLoader; both have run, load_constants and
 get_constant_fqns, and package.py picks which.
+
+It is a runtime/delegates.py `Delegate` like the scripted and ONNX ones, so the Executor
+prepares and closes it as it does them; unlike theirs, its segments are not planned from the
+config (no SegmentBackend): they are compiled ahead of time and come with the package, whose
+loader splices them into the graph (package.py).
 """
 
 from __future__ import annotations
 
-import operator
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ from typing import Any
 
 import torch
 
+from asyncgraph.compiled.delegate_support import same_tensors as _same
 from asyncgraph.compiled.packing import PackedConstant
 from asyncgraph.errors import WeightsError
 from asyncgraph.kernels.base import KernelKind
@@ -273,6 +278,9 @@ class AOTIDelegate:
             "needs a recompile (compile without autotune to keep every weight swappable)"
         )
 
+    async def aclose(self) -> None:
+        """Nothing to wait for: the containers start no thread (calls run on the caller's)."""
+
     def statistics(self) -> dict[str, Any]:
         """Calls so far, the nodes this segment replaces, its containers and buffer loads."""
         return {"name": self.__name__, "calls": self.calls, "nodes": len(self.node_names),
@@ -289,10 +297,6 @@ class AOTIDelegate:
 
     def __repr__(self) -> str:
         return f"<AOTIDelegate {self.__name__}: {len(self.node_names)} nodes>"
-
-
-def _same(held: tuple[Any, ...], weights: tuple[Any, ...]) -> bool:
-    return len(held) == len(weights) and all(map(operator.is_, held, weights))
 
 
 def _compact(value: torch.Tensor) -> torch.Tensor:

@@ -12,26 +12,32 @@ The runtime inputs come before the weights in the delegate node's arguments (the
 them so), so a call finds its weights by slicing and compares them with the session's by
 identity. A segment whose runtime inputs all have static shapes has one signature, and its
 calls skip computing it.
+
+The builder thread, the plain nodes' run and the check against them are delegate_support.py's,
+shared with the scripted delegate.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import onnxruntime as ort  # type: ignore[import-untyped,import-not-found,unused-ignore]
 import torch
 import torch.fx
 
+from asyncgraph.compiled.delegate_support import (
+    BuilderThread,
+    first_line,
+    mismatch,
+    run_plain,
+    same_tensors,
+)
 from asyncgraph.compiled.onnx_export import OnnxModel
-from asyncgraph.compiled.scripted import run_nodes_naming_failure
 from asyncgraph.kernels.base import KernelKind
-from asyncgraph.runtime.threads import start_thread
 
 LOG = logging.getLogger("asyncgraph.onnx")
 MAX_SESSIONS = 2  # weights versions with a session: the one running and the next
@@ -46,10 +52,6 @@ MAX_SIGNATURES = 256  # input signatures checked per segment; beyond, new ones s
 # against the plain nodes on the new weights.
 FIXED_SHAPE_SESSIONS = 8
 FIXED_SHAPE_MAX_WEIGHT_BYTES = 64 << 20
-# how far ONNX Runtime's float results may be from the plain nodes': rtol, and atol relative to
-# the output's largest magnitude (other kernels, other summation orders)
-CHECK_TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.float32: (1e-4, 1e-5),
-                   torch.float64: (1e-7, 1e-9)}
 
 # ONNX Runtime's graph optimisations that sessions run without. SkipLayerNormFusion: ONNX
 # Runtime 1.32's CPU SkipLayerNormalization ran 4-8x slower than the Add and
@@ -87,7 +89,8 @@ class _Check:
 
 class OnnxDelegate:
     """One ONNX segment: the delegate node's target, called with all the segment's inputs
-    (weights included) and returning its outputs as a list, like AOTIDelegate."""
+    (weights included) and returning its outputs as a list, like AOTIDelegate (a
+    runtime/delegates.py Delegate)."""
 
     kernel_kind = KernelKind.DELEGATE
 
@@ -122,10 +125,8 @@ class OnnxDelegate:
         # copies of their first call's runtime inputs and the sizes fixed, to queue them again
         # on each new weights version's session
         self._fixed_shapes: dict[Signature, tuple[tuple[Any, ...], dict[str, int]]] = {}
-        self._lock = threading.Lock()  # guards the pending work, sessions and the builder
-        self._idle = threading.Condition(self._lock)  # notified when the builder thread ends
-        self._builder: threading.Thread | None = None
-        self._closed = False
+        self._builder = BuilderThread()  # makes sessions and checks, while there are some
+        self._lock = self._builder.lock  # guards the pending work, sessions and the builder
         self.plain_calls = 0
         self.onnx_calls = 0
         self.sessions_built = 0
@@ -188,7 +189,7 @@ class OnnxDelegate:
             outputs = self._plain(inputs)
             self.plain_calls += 1
             self._set(signature, "ONNX Runtime failed where the plain nodes did not: "
-                                 f"{_first_line(exc)}")
+                                 f"{first_line(exc)}")
             return outputs
         self.onnx_calls += 1
         return [torch.from_numpy(a) for a in arrays]
@@ -206,15 +207,8 @@ class OnnxDelegate:
             self._static_ok = status == ""
 
     def _plain(self, inputs: Sequence[Any]) -> list[Any]:
-        try:
-            return list(self.module(*inputs))
-        except Exception:
-            self._run_nodes(inputs)  # raises the first failing node's error, naming the node
-            raise
-
-    def _run_nodes(self, inputs: Sequence[Any]) -> None:
-        """Run the segment's nodes one by one, naming the failing one (scripted.py)."""
-        run_nodes_naming_failure(self.module, inputs, self.__name__)
+        """The plain nodes' outputs; their error, naming the failing node, when they fail."""
+        return run_plain(self.module, inputs, self.__name__)
 
     def _signature(self, inputs: Sequence[Any]) -> Signature:
         if len(inputs) != len(self.model.inputs):
@@ -228,7 +222,7 @@ class OnnxDelegate:
 
     def _session(self, weights: tuple[Any, ...]) -> _Session | None:
         for session in self._sessions:
-            if _same(session.weights, weights):
+            if same_tensors(session.weights, weights):
                 return session
         return None
 
@@ -239,10 +233,10 @@ class OnnxDelegate:
         """Queue a session for `weights` (when none is made or queued) and the check of
         `signature` (when given and not queued), for the builder thread."""
         with self._lock:
-            if self._closed or self.unbuildable:
+            if self._builder.closed or self.unbuildable:
                 return
             if self._session(weights) is None and not any(
-                    _same(w, weights) for w in self._pending_weights):
+                    same_tensors(w, weights) for w in self._pending_weights):
                 self._pending_weights.append(weights)
             if (signature is not None and signature not in self._pending_checks
                     and len(self._checked) + len(self._pending_checks) < MAX_SIGNATURES):
@@ -250,34 +244,27 @@ class OnnxDelegate:
                 self._pending_checks[signature] = _Check(
                     (*(v.clone() for v in inputs[:split]), *inputs[split:]),
                     [o.clone() for o in outputs])
-            if self._builder is not None or not (self._pending_weights or self._pending_checks):
+            if self._builder.running or not (self._pending_weights or self._pending_checks):
                 return
-            if BUILD_INLINE:
-                self._builder = threading.current_thread()
-            else:
-                builder = threading.Thread(target=self._build_pending,
-                                           name=f"asyncgraph-onnx-{self.__name__}")
-                try:
-                    start_thread(builder)  # at the loop's nice value, not a worker's
-                except RuntimeError:  # no thread to be had: the call still succeeded
-                    self._pending_weights.clear()
-                    self._pending_checks.clear()
-                    return
-                self._builder = builder
+            if not BUILD_INLINE:
+                if not self._builder.start(self._build_pending,
+                                           f"asyncgraph-onnx-{self.__name__}"):
+                    self._pending_weights.clear()  # no thread to be had: the call still
+                    self._pending_checks.clear()  # succeeded
                 return
-        self._build_pending()
+            self._builder.claim()
+        self._builder.run(self._build_pending)
 
     def _build_pending(self) -> None:
         """The builder thread: make the queued sessions, then check the queued signatures."""
         while True:
             with self._lock:
-                if self._closed or self.unbuildable or not (
+                if self._builder.closed or self.unbuildable or not (
                         self._pending_weights or self._pending_checks or self._pending_fixed):
                     self._pending_weights.clear()
                     self._pending_checks.clear()
                     self._pending_fixed.clear()
-                    self._builder = None
-                    self._idle.notify_all()
+                    self._builder.finish()
                     return
                 # sessions and checks first: fixed-shape sessions only make calls faster
                 fixed = None if self._pending_weights or self._pending_checks else (
@@ -311,7 +298,7 @@ class OnnxDelegate:
             session = _make_session(self.model, self.model.inputs[self._split:], weights,
                                     self.intra_op_threads)
         except Exception as exc:
-            self.unbuildable = _first_line(exc)
+            self.unbuildable = first_line(exc)
             LOG.warning("%s stays plain: ONNX Runtime cannot load it: %s", self.__name__,
                         self.unbuildable)
             return None
@@ -389,14 +376,14 @@ class OnnxDelegate:
                     check = _Check(check.inputs, list(self.module(*check.inputs)))
             except Exception as exc:
                 LOG.info("%s: no fixed-shape session for %s: the plain nodes failed on the "
-                         "new weights: %s", self.__name__, where, _first_line(exc))
+                         "new weights: %s", self.__name__, where, first_line(exc))
                 return
         try:
             fixed = _make_session(self.model, self.model.inputs[self._split:], session.weights,
                                   self.intra_op_threads, dimensions)
         except Exception as exc:
             LOG.info("%s: no fixed-shape session for %s: %s", self.__name__, where,
-                     _first_line(exc))
+                     first_line(exc))
             self._fixed_shapes.pop(signature, None)  # ONNX Runtime would refuse it again
             return
         mismatch = self._compare(fixed.run, check)
@@ -417,10 +404,10 @@ class OnnxDelegate:
         try:
             arrays = run(self._outputs, self._careful_feeds(inputs), None)
         except Exception as exc:
-            return f"ONNX Runtime failed: {_first_line(exc)}"
-        return _mismatch([torch.from_numpy(a) for a in arrays], check.expected)
+            return f"ONNX Runtime failed: {first_line(exc)}"
+        return mismatch([torch.from_numpy(a) for a in arrays], check.expected)
 
-    def prepare_weights(self, tensors: Any) -> None:
+    def prepare_weights(self, tensors: Mapping[str, Any]) -> None:
         """A swap's new weights: start making their session now (the executor calls this
         before executions see them). Only when they are all named weights: folded values
         (`_folded.*`) are computed later, and their first call queues the session instead."""
@@ -429,23 +416,19 @@ class OnnxDelegate:
             return
         weights = tuple(tensors[n] for n in names)
         with self._lock:
-            if self._closed or self.unbuildable or any(
-                    _same(s.weights, weights) for s in self._sessions):
+            if self._builder.closed or self.unbuildable or any(
+                    same_tensors(s.weights, weights) for s in self._sessions):
                 return
         self._request(weights, None, (), [])
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued for the builder; False when `timeout` passed first."""
-        with self._lock:
-            return self._idle.wait_for(lambda: self._builder is None, timeout)
+        return self._builder.wait_idle(timeout)
 
     async def aclose(self) -> None:
         """Drop the queued work and wait, without holding the loop, for what the builder is
         doing: a closed Executor leaves no builder thread behind."""
-        with self._lock:
-            self._closed = True
-        if self._builder is not None:
-            await anyio.to_thread.run_sync(self.wait_idle)
+        await self._builder.aclose()
 
     def statistics(self) -> dict[str, Any]:
         refused = {str(tuple(tuple(s) for s in k)): v for k, v in self._checked.items() if v}
@@ -502,38 +485,3 @@ def _array(tensor: Any) -> Any:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
     return tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
-
-
-def _mismatch(actual: Sequence[torch.Tensor], expected: Sequence[Any]) -> str:
-    if len(actual) != len(expected):
-        return f"{len(actual)} outputs, the plain nodes {len(expected)}"
-    for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        if not isinstance(e, torch.Tensor) or a.shape != e.shape or a.dtype != e.dtype:
-            return f"output {k}: {a.dtype}{list(a.shape)}, the plain nodes' {_describe(e)}"
-        tolerance = CHECK_TOLERANCE.get(e.dtype)
-        if tolerance is None:
-            if not torch.equal(a, e):
-                return f"output {k} differs from the plain nodes'"
-            continue
-        rtol, atol = tolerance
-        finite = e[torch.isfinite(e)]
-        scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
-        if not torch.allclose(a, e, rtol=rtol, atol=atol * scale, equal_nan=True):
-            diff = float((a.double() - e.double()).abs().nan_to_num(0.0).max())
-            return f"output {k} differs from the plain nodes' by up to {diff:.3g}"
-    return ""
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype}{list(value.shape)}"
-    return type(value).__name__
-
-
-def _same(held: tuple[Any, ...], weights: tuple[Any, ...]) -> bool:
-    return len(held) == len(weights) and all(map(operator.is_, held, weights))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"

@@ -1,4 +1,4 @@
-"""ONNX segments: runs of aten nodes run by ONNX Runtime (`ExecutorConfig(onnx_segments=True)`).
+"""ONNX segments: runs of aten nodes run by ONNX Runtime (`ExecutorConfig(segments=("onnx",))`).
 
 Why: at batch 1 on the CPU a plain graph spends its time in per-node Python dispatch (issue
 40: an 8-layer MLP 2.99x ONNX Runtime's time, tiny BERT 2.66x). ONNX Runtime runs a whole
@@ -17,7 +17,7 @@ What the delegate promises, as compiled segments do:
   input signature: that call runs the segment's fx module (the plain nodes' ops) and returns
   its outputs, and a builder thread ("asyncgraph-onnx-<segment>") runs the session on copies
   of the same inputs and compares; a signature whose outputs differ (beyond float rounding:
-  CHECK_TOLERANCE) or that ONNX Runtime fails keeps running the fx module, and
+  delegate_support.CHECK_TOLERANCE) or that ONNX Runtime fails keeps running the fx module, and
   `statistics()["refused"]` says why. Only checked signatures run ONNX Runtime.
 - **swappable weights.** Weights are baked into the session as initializers (ONNX Runtime
   folds and pre-packs them: 3-4x faster than passing them per call), given from the weight
@@ -170,7 +170,7 @@ def _delegate(graph: Graph, segment: Segment, weights: dict[int, str],
 def onnx_segments(
     graph: Graph, min_nodes: int | None = None, *, intra_op_threads: int = 1
 ) -> tuple[Graph, list[str]]:
-    """The optional pass `ExecutorConfig(onnx_segments=True)` runs: `plan_onnx_segments`'s
-    graph and delegate names."""
+    """The planning pass of the segment backend "onnx" (`ExecutorConfig(segments=("onnx",))`,
+    runtime/delegates.py): `plan_onnx_segments`'s graph and delegate names."""
     plan = plan_onnx_segments(graph, min_nodes, intra_op_threads=intra_op_threads)
     return plan.graph, plan.names

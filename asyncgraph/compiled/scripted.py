@@ -2,9 +2,10 @@
 
 Why: the plain graph calls each aten op through torch's Python binding (1.4-2 us of dispatch
 an op on the development machine) with the GIL held, so unbatched executions use one core
-however many callers wait. nativert calls its ops from C++. `ExecutorConfig(script_segments=
-True)` gives asyncgraph the same: each long run of aten nodes (the segments of segments.py, as
-AOTInductor compiles them) becomes one delegate node that calls a torch.jit.trace of the run,
+however many callers wait. nativert calls its ops from C++. `ExecutorConfig(segments=
+("script",))` (the segment backend "script", runtime/delegates.py) gives asyncgraph the same:
+each long run of aten nodes (the segments of segments.py, as AOTInductor compiles them)
+becomes one delegate node that calls a torch.jit.trace of the run,
 which TorchScript's interpreter runs in C++ with the GIL released (tiny BERT of
 benchmarks/nativert_compare.py: 0.56-0.83 ms a call against nativert's 0.66-1.12 ms, and two
 threads run 1.2-1.9x one thread's calls, where the plain graph's do not gain).
@@ -18,8 +19,9 @@ whose Python kernels TorchScript's interpreter would call back into: not a path 
 with a process's memory; a CI run saw an unexplained std::bad_alloc in one after them).
 Weights are arguments of the trace, not constants, so `swap_weights` needs nothing here.
 
-A new signature is traced on a thread of its own ("asyncgraph-trace-<segment>"), never on
-the calling thread: the trace and TorchScript's two warm-up runs take ~27 ms on tiny BERT
+A new signature is traced on a thread of its own ("asyncgraph-trace-<segment>",
+delegate_support.py's BuilderThread, shared with the ONNX delegate), never on the calling
+thread: the trace and TorchScript's two warm-up runs take ~27 ms on tiny BERT
 (~70 ms for the process's first trace), and a segment placed inline would otherwise hold the
 event loop that long once per new shape (a batched program: once per batch size). Until the
 trace is ready, calls of that signature run the segment's fx module, as they would without
@@ -30,27 +32,30 @@ keeps running as its fx module, and `statistics()` says why. The Executor's `acl
 a trace in progress; `wait_idle` waits for all of them.
 
 torch.jit is deprecated from torch 2.13 (it warns on every trace; the warning is silenced
-around ours). Where torch.jit.trace is gone, `script_segments` leaves the graph as it is.
+around ours). Where torch.jit.trace is gone, the pass leaves the graph as it is.
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-import anyio
 import torch
 import torch.fx
 
 from asyncgraph.compiled.build import segment_module
+from asyncgraph.compiled.delegate_support import (
+    BuilderThread,
+    first_line,
+    run_nodes_naming_failure,
+    run_plain,
+)
 from asyncgraph.compiled.segments import Segment, replace_segments, tensor_bounded_segments
 from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, Node, TensorSpec
 from asyncgraph.kernels.base import KernelKind
 from asyncgraph.kernels.cost import estimate_cost
-from asyncgraph.runtime.threads import start_thread
 
 MAX_TRACES = 64  # signatures traced per segment (batch sizes 1-64); beyond, the oldest is dropped
 MIN_NODES = 8  # a run this long is scripted (the call into TorchScript costs ~10-20 us)
@@ -65,7 +70,8 @@ _TRACE = cast(Callable[..., Any], getattr(torch.jit, "trace", None))  # None: to
 
 class ScriptedDelegate:
     """One scripted segment: the delegate node's target, called with all the segment's inputs
-    (weights included) and returning its outputs as a list, like AOTIDelegate."""
+    (weights included) and returning its outputs as a list, like AOTIDelegate (a
+    runtime/delegates.py Delegate)."""
 
     kernel_kind = KernelKind.DELEGATE
 
@@ -83,10 +89,8 @@ class ScriptedDelegate:
         self._traces: OrderedDict[Signature, Callable[..., Any]] = OrderedDict()
         # signatures waiting for a trace: inputs, and the caller's inference and grad modes
         self._pending: dict[Signature, tuple[tuple[Any, ...], bool, bool]] = {}
-        self._lock = threading.Lock()  # guards the two dicts and the tracer thread
-        self._idle = threading.Condition(self._lock)  # notified when the tracer thread ends
-        self._tracer: threading.Thread | None = None
-        self._closed = False
+        self._tracer = BuilderThread()  # the tracer thread, while there are traces to make
+        self._lock = self._tracer.lock  # guards the two dicts and the tracer thread
         self.calls = 0
         self.untraced_calls = 0  # calls the fx module ran while their trace was pending
         self.traced = 0
@@ -97,20 +101,16 @@ class ScriptedDelegate:
         signature = self._signature(inputs)
         run = self._traces.get(signature)
         self.calls += 1
+        if run is None:  # raises the failing node's error, naming the node
+            outputs = run_plain(self.module, inputs, self.__name__)
+            self.untraced_calls += 1
+            self._request_trace(signature, inputs)
+            return outputs
         try:
-            if run is not None:
-                return list(run(*inputs))
-            outputs = list(self.module(*inputs))
+            return list(run(*inputs))
         except Exception:
-            self._run_nodes(inputs)  # raises the first failing node's error, naming the node
+            run_nodes_naming_failure(self.module, inputs, self.__name__)  # a trace names none
             raise
-        self.untraced_calls += 1
-        self._request_trace(signature, inputs)
-        return outputs
-
-    def _run_nodes(self, inputs: Sequence[Any]) -> None:
-        """Run the segment's nodes one by one (a trace's error names no node)."""
-        run_nodes_naming_failure(self.module, inputs, self.__name__)
 
     def _signature(self, inputs: Sequence[Any]) -> Signature:
         try:
@@ -125,31 +125,23 @@ class ScriptedDelegate:
     def _request_trace(self, signature: Signature, inputs: Sequence[Any]) -> None:
         """Queue a trace of `signature` for the tracer thread, which starts when none runs."""
         with self._lock:
-            if (self._closed or signature in self._traces or signature in self._pending
+            if (self._tracer.closed or signature in self._traces or signature in self._pending
                     or len(self._pending) >= self.max_traces):
                 return
             runtime = set(self.runtime)
             copies = tuple(v.clone() if k in runtime else v for k, v in enumerate(inputs))
             self._pending[signature] = (
                 copies, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-            if self._tracer is None:
-                tracer = threading.Thread(
-                    target=self._trace_pending, name=f"asyncgraph-trace-{self.__name__}")
-                try:
-                    start_thread(tracer)  # at the loop's nice value, not a worker's
-                except RuntimeError:  # no thread to be had: the call still succeeded
-                    del self._pending[signature]
-                    return
-                self._tracer = tracer
+            if not self._tracer.start(self._trace_pending, f"asyncgraph-trace-{self.__name__}"):
+                del self._pending[signature]  # no thread to be had: the call still succeeded
 
     def _trace_pending(self) -> None:
         """The tracer thread: trace the pending signatures in order, then end."""
         while True:
             with self._lock:
-                if self._closed or not self._pending:
+                if self._tracer.closed or not self._pending:
                     self._pending.clear()
-                    self._tracer = None
-                    self._idle.notify_all()
+                    self._tracer.finish()
                     return
                 signature, (inputs, inference, grad) = next(iter(self._pending.items()))
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
@@ -170,8 +162,8 @@ class ScriptedDelegate:
                 run = _TRACE(self.module, inputs, check_trace=False)
             for _ in range(WARM_UP_CALLS):
                 run(*inputs)
-        except Exception as exc:
-            self.untraceable = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        except Exception as exc:  # its message may be empty: first_line still names it
+            self.untraceable = first_line(exc)
             return self.module
         self.traced += 1
         return cast(Callable[..., Any], run)
@@ -179,16 +171,15 @@ class ScriptedDelegate:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no trace is pending; False when `timeout` passed first. For threads
         and tests: on the event loop, poll `statistics()["pending"]` or await `aclose`."""
-        with self._lock:
-            return self._idle.wait_for(lambda: self._tracer is None, timeout)
+        return self._tracer.wait_idle(timeout)
+
+    def prepare_weights(self, tensors: Mapping[str, Any]) -> None:
+        """Nothing to prepare for a swap: weights are arguments of the traces."""
 
     async def aclose(self) -> None:
         """Drop the pending traces and wait, without holding the loop, for the one in
         progress: a closed Executor leaves no tracer thread behind."""
-        with self._lock:
-            self._closed = True
-        if self._tracer is not None:
-            await anyio.to_thread.run_sync(self.wait_idle)
+        await self._tracer.aclose()
 
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "untraced_calls": self.untraced_calls,
@@ -240,21 +231,3 @@ def script_segments(graph: Graph, min_nodes: int | None = None) -> tuple[Graph, 
     return (replace_segments(graph, segments, delegate),
             [f"scripted_segment_{s.index}" for s in segments])
 
-
-def run_nodes_naming_failure(module: torch.fx.GraphModule, inputs: Sequence[Any],
-                             segment: str) -> None:
-    """Run a segment's fx nodes one by one: the failing one's error gets a note naming it and
-    the segment, as the scheduler names a failing node (scripted and ONNX segments rerun a
-    failed call this way)."""
-    env: dict[torch.fx.Node, Any] = {}
-    placeholders = iter(inputs)
-    for node in module.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = next(placeholders)
-        elif node.op == "call_function":
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            try:
-                env[node] = node.target(*args, **kwargs)
-            except Exception as exc:
-                exc.add_note(f"While executing %{node.name} = {node.target}(...) in {segment}")
-                raise

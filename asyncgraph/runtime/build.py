@@ -7,10 +7,11 @@ executions share (`Built`). The order matters and is the order of this file:
    that keep its meaning (attention put back together, identities and dead code dropped,
    packed q/k/v split, linears lowered onto folded transposes, activation epilogues fused);
 2. the kernels, one per node (kernels/factory.py);
-3. constant folding: what reads only weights is computed once (passes/folding.py), and
-   scripted or ONNX segments replace runs of nodes (compiled/scripted.py,
-   compiled/onnx_segments.py, loaded by name so that the runtime never imports compiled/); new
-   nodes get kernels again;
+3. constant folding: what reads only weights is computed once (passes/folding.py), and the
+   segment backends the config names replace runs of nodes by delegates, in its order
+   (`config.segments`: "script", "onnx", or any backend registered by name in
+   runtime/delegates.py, so that the runtime never imports compiled/); new nodes get kernels
+   again, and every node a backend made must be a `Delegate`;
 4. the execution plan: value slots, placement per node (runtime/plan.py);
 5. with CUDA nodes, the device plans: streams, capture plans, segments (cuda/), built only
    then, so a CPU-only program never touches torch.cuda;
@@ -32,6 +33,7 @@ from asyncgraph.cuda.segments import SegmentPlan, segment_plan_for
 from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
 from asyncgraph.graph.ir import Graph
 from asyncgraph.kernels import KernelFactory, OpKernel
+from asyncgraph.kernels.base import KernelKind
 from asyncgraph.passes.deadcode import drop_dead_nodes
 from asyncgraph.passes.epilogue import fuse_activations
 from asyncgraph.passes.folding import ConstantFolder, fold_constants
@@ -40,7 +42,7 @@ from asyncgraph.passes.linear import lower_linear
 from asyncgraph.passes.qkv import split_packed_qkv
 from asyncgraph.passes.recompose import recompose_attention
 from asyncgraph.runtime.config import ExecutorConfig
-from asyncgraph.runtime.extensions import optional_pass
+from asyncgraph.runtime.delegates import Delegate, segment_backend
 from asyncgraph.runtime.placement import AdaptivePlacement, batch_bucket_key
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.runtime.schedule import AtomicGroups, ScheduleCache
@@ -128,13 +130,15 @@ class CudaPlans:
 class Built:
     """What all executions of one Executor share, as the pipeline made it."""
 
-    graph: Graph  # the executed graph: after the passes, folding and scripting
+    graph: Graph  # the executed graph: after the passes, folding and the segment backends
     kernels: list[OpKernel]
     plan: ExecutionPlan
     schedules: ScheduleCache
     folder: ConstantFolder | None = None  # refolds the weights on a swap
-    scripted: list[str] = field(default_factory=list)  # the scripted segments' delegate nodes
-    onnx: list[str] = field(default_factory=list)  # the ONNX segments' delegate nodes
+    # each backend of config.segments -> the delegate nodes it made, in the config's order
+    segments: dict[str, list[str]] = field(default_factory=dict)
+    # every delegate node's target: the backends', and those a compiled package brought
+    delegates: tuple[Delegate, ...] = ()
     counts: PassCounts = field(default_factory=PassCounts)
     cuda: CudaPlans | None = None
     adaptive: AdaptivePlacement | None = None
@@ -163,16 +167,7 @@ def build(
     folder: ConstantFolder | None = None
     if config.fold_constants:  # the executed graph: without what reads only weights
         graph, kernels, folder = fold_constants(graph, kernels)
-    scripted: list[str] = []
-    if config.script_segments:
-        graph, scripted = optional_pass("script_segments")(graph, config)  # compiled/scripted.py
-        if scripted:
-            kernels = factory.create(graph)
-    onnx: list[str] = []
-    if config.onnx_segments:
-        graph, onnx = optional_pass("onnx_segments")(graph, config)  # compiled/onnx_segments.py
-        if onnx:
-            kernels = factory.create(graph)
+    graph, kernels, segments = plan_segments(graph, kernels, config, factory)
     plan = build_plan(graph, kernels, config)
     cuda = _cuda_plans(graph, plan, kernels, config, cuda_backend)
     adaptive = (
@@ -205,7 +200,51 @@ def build(
         ),
         any_thread=adaptive.any_thread if adaptive is not None else None,  # straight lines
     )
-    return Built(graph, kernels, plan, schedules, folder, scripted, onnx, counts, cuda, adaptive)
+    return Built(
+        graph, kernels, plan, schedules, folder, segments, delegates_of(kernels), counts, cuda,
+        adaptive,
+    )
+
+
+def plan_segments(
+    graph: Graph, kernels: list[OpKernel], config: ExecutorConfig, factory: KernelFactory
+) -> tuple[Graph, list[OpKernel], dict[str, list[str]]]:
+    """Step 3's delegates: each backend `config.segments` names plans on the graph the one
+    before it left, in that order; the graph, its kernels and each backend's delegate nodes."""
+    segments: dict[str, list[str]] = {}
+    for name in config.segments:
+        backend = segment_backend(name)  # ValueError naming the registered ones
+        graph, made = backend.plan(graph, config)
+        segments[name] = made
+        if made:
+            kernels = factory.create(graph)
+            _check_delegates(graph, kernels, name, made)
+    return graph, kernels, segments
+
+
+def _check_delegates(
+    graph: Graph, kernels: list[OpKernel], backend: str, names: list[str]
+) -> None:
+    """Every node `backend` says it made is in the graph with a Delegate as its target."""
+    made = set(names)
+    targets = {n.name: k.fn for n, k in zip(graph.nodes, kernels, strict=True) if n.name in made}
+    for name in names:
+        if name not in targets:
+            raise TypeError(f"segment backend {backend!r} named {name}, a node the graph has not")
+        if not isinstance(targets[name], Delegate):
+            raise TypeError(
+                f"segment backend {backend!r} made {name}, whose target "
+                f"{type(targets[name]).__name__} is not a Delegate (it needs __call__, "
+                "prepare_weights, aclose and statistics: asyncgraph/runtime/delegates.py)"
+            )
+
+
+def delegates_of(kernels: list[OpKernel]) -> tuple[Delegate, ...]:
+    """The delegate nodes' targets (KernelKind.DELEGATE that satisfy the protocol): what a
+    swap prepares and `aclose` closes."""
+    return tuple(
+        k.fn for k in kernels if k.kind is KernelKind.DELEGATE and isinstance(k.fn, Delegate)
+    )
 
 
 def _cuda_plans(

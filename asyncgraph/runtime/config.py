@@ -9,8 +9,9 @@ from __future__ import annotations
 import itertools
 import operator
 import os
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Literal
 
 #: The defaults of the two queue bounds: far above any burst a test, benchmark or the server
@@ -153,6 +154,23 @@ def _min_frames_within_executions(config: ExecutorConfig) -> None:
         )
 
 
+def _segments_name_backends(config: ExecutorConfig) -> None:
+    """segments is a tuple of distinct backend names (a bare string would be its letters);
+    whether each is registered is the builder's check (runtime/delegates.py), which runs
+    after every layer has registered its backends."""
+    segments = config.segments
+    if not isinstance(segments, tuple) or not all(isinstance(n, str) and n for n in segments):
+        raise ValueError(
+            f"segments must be a tuple of segment backend names, e.g. ('onnx',), got {segments!r}"
+        )
+    if len(set(segments)) != len(segments):
+        raise ValueError(f"segments must name each backend once, got {segments!r}")
+
+
+# The deprecated flags and the backend each means, in the order the builder ran them.
+_DEPRECATED_SEGMENT_FLAGS = (("script_segments", "script"), ("onnx_segments", "onnx"))
+
+
 #: ExecutorConfig's checks, in the order they run.
 EXECUTOR_RULES: tuple[Rule, ...] = (
     Range("max_parallel_ops", ">=", 1),
@@ -173,6 +191,7 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
     Range("cuda_streams", ">=", 1, why="streams per device for one execution"),
     Range("cuda_graph_warmup", ">=", 0, why="executions of a signature before its capture"),
     Range("heavy_op_flops", ">=", 0),
+    _segments_name_backends,
 )
 
 
@@ -301,21 +320,25 @@ class ExecutorConfig:
             as one `_addmm_activation` (asyncgraph/passes/epilogue.py): the activation in
             place on the product, one call and one allocation less per layer; bitwise the
             same. The node keeps the addmm's name.
-        script_segments: run each long run of CPU aten nodes (8 or more) as one delegate node
+        segments: the delegate backends that replace runs of nodes, by name, planned in this
+            order when the Executor is built (asyncgraph/runtime/delegates.py; each delegate
+            node is profiled and traced as one, and cancellable only between segments):
+            "script": each long run of CPU aten nodes (8 or more) becomes one delegate node
             that calls a torch.jit.trace of the run, traced per input shape on a thread of
-            its own (asyncgraph/compiled/scripted.py): TorchScript's interpreter runs the
-            ops from C++ with the GIL released, so a call costs less and executions on worker
-            threads run in parallel. Off by default: its nodes are profiled and traced as one, are
-            cancellable only between segments, and torch.jit is deprecated from torch 2.13.
-        onnx_segments: run each long run of CPU aten nodes (8 or more) as one delegate node
-            that calls an ONNX Runtime session of the run (asyncgraph/compiled/onnx_segments.py;
-            the `asyncgraph[onnxruntime]` extra): exported when the Executor is built (a run
-            the exporter refuses keeps its plain nodes, with the reason logged), checked
+            its own (asyncgraph/compiled/scripted.py): TorchScript's interpreter runs the ops
+            from C++ with the GIL released, so a call costs less and executions on worker
+            threads run in parallel; torch.jit is deprecated from torch 2.13.
+            "onnx": each such run becomes one delegate node that calls an ONNX Runtime
+            session of the run (asyncgraph/compiled/onnx_segments.py; the
+            `asyncgraph[onnxruntime]` extra): exported when the Executor is built (seconds; a
+            run the exporter refuses keeps its plain nodes, with the reason logged), checked
             against the plain nodes on the first call of each input signature, weights baked
             in per weights version (a swap makes a new session), `intra_op_threads` threads
-            per session (1 when it is None), the GIL released. Off by default: building exports
-            each run (seconds), and its nodes are profiled and traced as one and cancellable
-            only between segments.
+            per session (1 when it is None), the GIL released.
+            Other backends register themselves (`register_backend`). () (the default): none.
+        script_segments, onnx_segments: deprecated spellings of segments=("script",) and
+            segments=("onnx",), accepted by the constructor only (they warn, and add their
+            backend to `segments`; read `segments`).
         max_fused_nodes: the longest run of consecutive inline nodes compiled into one
             straight-line function (a unit); 1 runs every node as its own unit.
         cuda_streams: CUDA streams per device that one execution spreads its CUDA nodes over
@@ -373,8 +396,7 @@ class ExecutorConfig:
     lower_linear: bool = True
     pretranspose_weights: bool = True
     fuse_activations: bool = True
-    script_segments: bool = False
-    onnx_segments: bool = False
+    segments: tuple[str, ...] = ()
     max_fused_nodes: int = 32
     cuda_streams: int = 4
     cuda_graphs: bool = False
@@ -383,8 +405,21 @@ class ExecutorConfig:
     batching: BatchingConfig | None = None
     trace: bool = False
     ready_order_seed: int | None = None
+    script_segments: InitVar[bool] = False  # deprecated: segments=("script",)
+    onnx_segments: InitVar[bool] = False  # deprecated: segments=("onnx",)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, script_segments: bool, onnx_segments: bool) -> None:
+        if isinstance(self.segments, list):
+            object.__setattr__(self, "segments", tuple(self.segments))
+        flags = {"script_segments": script_segments, "onnx_segments": onnx_segments}
+        for flag, backend in _DEPRECATED_SEGMENT_FLAGS:
+            if flags[flag]:
+                warnings.warn(
+                    f"ExecutorConfig({flag}=True) is deprecated: use segments=({backend!r},)",
+                    DeprecationWarning, stacklevel=3,
+                )
+                if isinstance(self.segments, tuple) and backend not in self.segments:
+                    object.__setattr__(self, "segments", (*self.segments, backend))
         check(self, EXECUTOR_RULES)
 
     @property

@@ -47,6 +47,7 @@ from asyncgraph.graph.importers import Program, ProgramLike, to_program
 from asyncgraph.graph.ir import Graph, InputKind, OutputKind, Ref
 from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.kernels.base import KernelConfig
+from asyncgraph.kernels.control_flow import SubgraphKernel
 from asyncgraph.kernels.factory import default_inner_executor
 from asyncgraph.passes.folding import ConstantFolder
 from asyncgraph.runtime import registry
@@ -61,6 +62,7 @@ from asyncgraph.runtime.backend import (
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.delegates import Delegate
 from asyncgraph.runtime.frame import ExecutionFrame, load_values
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.placement import NodeTimes, PlacementStatistics
@@ -131,8 +133,8 @@ class Executor:
         self.recomposed, self.dropped_identities = counts.recomposed, counts.dropped_identities
         self.qkv_splits, self.lowered_linears = counts.qkv_splits, counts.lowered_linears
         self.weight_copies, self.fused_activations = counts.weight_copies, counts.fused_activations
-        self.scripted: list[str] = built.scripted  # the scripted segments' delegate nodes
-        self.onnx: list[str] = built.onnx  # the ONNX segments' delegate nodes
+        self._segments = built.segments  # backend -> its delegate nodes (runtime/delegates.py)
+        self._delegates = built.delegates  # every delegate node's target: swaps, aclose
         self._folder: ConstantFolder | None = built.folder
         cuda = built.cuda
         self.stream_plan: StreamPlan | None = cuda.stream_plan if cuda else None
@@ -434,7 +436,7 @@ class Executor:
         """
         self._check_open()
         weights = self._with_folded(self._weights.swapped(state_dict, strict=strict))
-        _prepare_compiled(self.kernels, weights.tensors)  # compiled segments' spare buffers
+        _prepare_delegates(self._delegates, weights.tensors)  # e.g. AOTI's spare buffers
         self._weights = weights
         return self._weights.version
 
@@ -451,8 +453,7 @@ class Executor:
         """
         self._check_open()
         folder = self._folder
-        compiled = any(hasattr(k.fn, "prepare_weights") for k in self.kernels)
-        if not compiled and (folder is None or not len(folder)):  # nothing to do off the loop
+        if not self._delegates and (folder is None or not len(folder)):  # nothing off the loop
             return self.swap_weights(state_dict, strict=strict)
         async with self._swap_lock():
             prepared = await self.prepare_weights(state_dict, strict=strict)
@@ -464,17 +465,17 @@ class Executor:
     async def prepare_weights(
         self, state_dict: Mapping[str, Any], *, strict: bool = False
     ) -> PreparedWeights:
-        """The first half of `aswap_weights`: check `state_dict` as `swap_weights` does, load
-        compiled segments' spare buffers and fold the new version's constants, on worker
-        threads. Executions see none of it until `commit_weights`; one never committed is
-        simply dropped. Not ordered with other swaps: `commit_weights` takes care of what
-        changed meanwhile.
+        """The first half of `aswap_weights`: check `state_dict` as `swap_weights` does, let
+        the delegates ready the new version (compiled segments' spare buffers, ONNX sessions)
+        and fold its constants, on worker threads. Executions see none of it until
+        `commit_weights`; one never committed is simply dropped. Not ordered with other swaps:
+        `commit_weights` takes care of what changed meanwhile.
         """
         self._check_open()
         base = self._weights
         candidate = base.swapped(state_dict, strict=strict)  # checks names and shapes
-        if any(hasattr(k.fn, "prepare_weights") for k in self.kernels):  # off the loop
-            await anyio.to_thread.run_sync(_prepare_compiled, self.kernels, candidate.tensors)
+        if self._delegates:  # off the loop
+            await anyio.to_thread.run_sync(_prepare_delegates, self._delegates, candidate.tensors)
         folder = self._folder
         derived: dict[str, Any] | None = None
         if folder is not None and len(folder):
@@ -529,6 +530,24 @@ class Executor:
     def weights(self) -> Weights:
         return self._weights
 
+    # -- delegates ---------------------------------------------------------------------------
+
+    @property
+    def segments(self) -> dict[str, list[str]]:
+        """The delegate nodes each segment backend of `config.segments` made, by backend
+        name ({"onnx": ["onnx_segment_0"]}; a backend that found no run: [])."""
+        return {name: list(nodes) for name, nodes in self._segments.items()}
+
+    @property
+    def scripted(self) -> list[str]:
+        """The scripted segments' delegate nodes: `segments["script"]`, or []."""
+        return list(self._segments.get("script", ()))
+
+    @property
+    def onnx(self) -> list[str]:
+        """The ONNX segments' delegate nodes: `segments["onnx"]`, or []."""
+        return list(self._segments.get("onnx", ()))
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def aclose(self, *, cancel: bool = False) -> None:
@@ -555,10 +574,11 @@ class Executor:
         if self.cuda_runtime is not None:  # the host-wait thread ends once nothing waits
             self.cuda_runtime.close()
         self._pool.close()
+        for delegate in self._delegates:  # their threads (tracers, builders) end
+            await delegate.aclose()
         for kernel in self.kernels:  # subgraph kernels own executors of their own
-            close = getattr(kernel.fn, "aclose", None)
-            if close is not None:
-                await close()
+            if isinstance(kernel.fn, SubgraphKernel):
+                await kernel.fn.aclose()
         await self._workers.aclose()
         # A closed Executor that its owner still references must not keep its event loop
         # (and everything the loop references) alive after the loop is closed.
@@ -676,10 +696,9 @@ def subgraph_executor(program: Program, config: KernelConfig | None) -> Executor
 default_inner_executor(subgraph_executor)
 
 
-def _prepare_compiled(kernels: Sequence[OpKernel], tensors: Mapping[str, Any]) -> None:
-    """Compiled segments (asyncgraph/compiled/delegate.py) load a new weights version into a
-    spare AOTI constant buffer before executions use it: a swap never recompiles them."""
-    for kernel in kernels:
-        prepare = getattr(kernel.fn, "prepare_weights", None)
-        if prepare is not None:
-            prepare(tensors)
+def _prepare_delegates(delegates: Sequence[Delegate], tensors: Mapping[str, Any]) -> None:
+    """Each delegate readies a new weights version before executions use it (runtime/
+    delegates.py): compiled segments load it into a spare AOTI constant buffer, so a swap never
+    recompiles them; ONNX segments start building its session."""
+    for delegate in delegates:
+        delegate.prepare_weights(tensors)

@@ -1,4 +1,4 @@
-"""ONNX segments (ExecutorConfig(onnx_segments=True)): runs of aten nodes exported to ONNX when
+"""ONNX segments (ExecutorConfig(segments=("onnx",))): runs of aten nodes exported to ONNX when
 the Executor is built and run by ONNX Runtime once checked against the plain nodes."""
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from asyncgraph.runtime.config import usable_cpus
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
-ONNX = ExecutorConfig(onnx_segments=True)
+ONNX = ExecutorConfig(segments=("onnx",))
 CONFIGS = {
     "onnx": ONNX,
-    "onnx, parallel": ExecutorConfig(onnx_segments=True, max_parallel_ops=2, heavy_op_flops=0,
+    "onnx, parallel": ExecutorConfig(segments=("onnx",), max_parallel_ops=2, heavy_op_flops=0,
                                      ready_order_seed=7),
 }
 
@@ -300,7 +300,7 @@ async def test_sessions_run_with_the_intra_op_thread_count_the_user_sets(
     they would set ONNX Runtime's own), one thread when not, whatever the CPUs (each session
     spins a pool of its own); the results are the same."""
     model, x = MLP(), torch.randn(2, 64)
-    config = ExecutorConfig(onnx_segments=True, intra_op_threads=threads, max_parallel_ops=1)
+    config = ExecutorConfig(segments=("onnx",), intra_op_threads=threads, max_parallel_ops=1)
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # the resolved default would be 2 wherever there are 2 CPUs
     try:
@@ -542,7 +542,7 @@ async def test_a_cancelled_execution_ends_after_the_segment_running() -> None:
     """The segment runs on a worker; cancelling the execution meanwhile lets it finish (ONNX
     Runtime cannot be interrupted) and stops before the next segment."""
     model, x = TwoSegments(), torch.randn(4, 6)
-    config = ExecutorConfig(onnx_segments=True, max_parallel_ops=2, heavy_op_flops=0,
+    config = ExecutorConfig(segments=("onnx",), max_parallel_ops=2, heavy_op_flops=0,
                             adaptive_placement=False)
     async with Executor(export_model(model, x), config) as ex:
         await ex.execute(x)

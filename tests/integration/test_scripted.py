@@ -1,4 +1,4 @@
-"""Scripted segments (ExecutorConfig(script_segments=True)): runs of aten nodes traced with
+"""Scripted segments (ExecutorConfig(segments=("script",))): runs of aten nodes traced with
 torch.jit.trace per input signature and run by TorchScript's interpreter."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from tests.support.models import Chain, eager_output, export_model
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
-SCRIPTED = ExecutorConfig(script_segments=True)
+SCRIPTED = ExecutorConfig(segments=("script",))
 CONFIGS = {
     "scripted": SCRIPTED,
-    "scripted, parallel": ExecutorConfig(script_segments=True, max_parallel_ops=2,
+    "scripted, parallel": ExecutorConfig(segments=("script",), max_parallel_ops=2,
                                          heavy_op_flops=0, ready_order_seed=7),
 }
 
@@ -147,7 +147,7 @@ async def test_the_oldest_trace_is_dropped_beyond_max_traces(
 
 async def test_concurrent_executions_on_workers_trace_each_shape_once() -> None:
     model = Chain()
-    config = ExecutorConfig(script_segments=True, max_parallel_ops=2, heavy_op_flops=0,
+    config = ExecutorConfig(segments=("script",), max_parallel_ops=2, heavy_op_flops=0,
                             adaptive_placement=False)
     async with Executor(export_model(model, torch.randint(0, 50, (2, 5)), dynamic=True),
                         config) as ex:
@@ -267,6 +267,29 @@ async def test_aclose_waits_for_the_trace_in_progress(monkeypatch: pytest.Monkey
     await ex.aclose()
     (delegate,) = _delegates(ex)
     assert release.is_set() and delegate.wait_idle(0)
+
+
+class _AddOne(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x + 1,)
+
+
+def test_a_trace_refused_without_a_message_ends_the_tracer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tracer thread records why a trace was refused and ends, whatever the message: an
+    exception whose text is empty must not kill it with its signature still pending (then
+    wait_idle, and an Executor's aclose, would wait for it forever)."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError()
+
+    monkeypatch.setattr(scripted, "_TRACE", refuse)
+    delegate = ScriptedDelegate("segment", torch.fx.symbolic_trace(_AddOne()), [0], ["add"])
+    torch.testing.assert_close(delegate(torch.ones(2)), [torch.full((2,), 2.0)])
+    assert delegate.wait_idle(10), "the tracer thread did not end"
+    stats = delegate.statistics()
+    assert (stats["untraceable"], stats["pending"], stats["traced"]) == ("RuntimeError: ", 0, 0)
 
 
 class DataDependent(torch.nn.Module):

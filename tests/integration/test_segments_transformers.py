@@ -113,7 +113,7 @@ async def test_onnx_segments_of_a_bert_model_match_eager(
 
     monkeypatch.setattr(onnx_delegate, "BUILD_INLINE", True)
     async with Executor(getattr(programs, program),
-                        ExecutorConfig(onnx_segments=True)) as ex:
+                        ExecutorConfig(segments=("onnx",))) as ex:
         assert ex.onnx
         for seed in (1, 1, 2):
             ids, mask = _inputs(seed)

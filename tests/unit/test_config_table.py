@@ -108,3 +108,25 @@ def test_messages_keep_their_text(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError) as err:
         config(**kwargs)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    ("segments", "message"),
+    [
+        ("onnx", "segments must be a tuple of segment backend names, e.g. ('onnx',), got 'onnx'"),
+        (("onnx", ""), "segments must be a tuple of segment backend names, e.g. ('onnx',), "
+                       "got ('onnx', '')"),
+        (("onnx", "onnx"), "segments must name each backend once, got ('onnx', 'onnx')"),
+    ],
+)
+def test_segments_names_each_backend_once(segments: Any, message: str) -> None:
+    """A bare string would be planned letter by letter: refused, as a backend named twice."""
+    with pytest.raises(ValueError) as err:
+        ExecutorConfig(segments=segments)
+    assert str(err.value) == message
+
+
+def test_segments_as_a_list_is_kept_as_a_tuple() -> None:
+    config = ExecutorConfig(segments=["script", "onnx"])  # type: ignore[arg-type]
+    assert config.segments == ("script", "onnx")
+    assert dataclasses.replace(config, max_parallel_ops=1).segments == ("script", "onnx")

@@ -137,12 +137,10 @@ async def test_the_onnx_builder_started_from_a_worker_runs_at_the_loops_nice() -
     pool = WorkerPool(1, nice=NICE)
     try:
         _on_a_worker(pool, lambda: delegate(torch.ones(2)))
-        builder = delegate._builder
-        assert builder is not None, "no builder thread was started"
-        builder.join(10)
+        assert delegate.wait_idle(10), "the builder thread did not end"
     finally:
         await pool.aclose()
-    assert builder_nice == [loop_nice]
+    assert builder_nice == [loop_nice], "no builder thread ran, or not at the loop's nice"
 
 
 async def test_a_thread_started_through_start_thread_on_a_niced_worker_is_not_niced() -> None:
