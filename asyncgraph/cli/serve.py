@@ -85,6 +85,11 @@ def serve(
                                  "calls) on this port of --host; off when not given. Needs "
                                  "asyncgraph[grpc].")
     ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="Also serve /metrics on this port of "
+                                 "--host (Triton's 8002); the HTTP port keeps /metrics too. "
+                                 "Off when not given.")
+    ] = None,
     max_queue: Annotated[
         int, typer.Option(min=0, help="Hard cap for memory: requests that may wait per model "
                           "beyond the free execution slots; more get 503.")
@@ -189,7 +194,8 @@ def serve(
     """Serve models over the Open Inference Protocol (KServe v2 REST) on uvicorn + uvloop.
 
     Endpoints: /v2/health/live, /v2/health/ready, /v2/models/NAME, /v2/models/NAME/ready,
-    POST /v2/models/NAME/infer (JSON and Triton's binary tensor data) and /metrics. The stock
+    /v2/models/NAME/config (Triton's model configuration), POST /v2/models/NAME/infer (JSON
+    and Triton's binary tensor data) and /metrics (also on --metrics-port). The stock
     tritonclient.http client works with its defaults.
     """
     from asyncgraph.runtime.config import BatchingConfig
@@ -233,6 +239,9 @@ def serve(
                                    "proxy is not wired (docs/scale-out.md)")
         if loop != "uvloop":
             raise ServeConfigError("--loop applies to the local server; Ray Serve runs its own")
+        if metrics_port is not None:
+            raise ServeConfigError("--metrics-port serves the local server's metrics; not "
+                                   "on --ray")
         _serve_on_ray(
             specs, executor_config(threads, **config), address=address, replicas=replicas,
             host=host, port=port, trust_compiled=trust_compiled, imports=tuple(imports or ()),
@@ -245,6 +254,8 @@ def serve(
         raise ServeConfigError("--address and --replicas need --ray")
     if grpc_port is not None:
         _check_grpc(host, grpc_port, port, bind)
+    if metrics_port is not None:
+        _check_metrics_port(host, metrics_port, (port, grpc_port), bind)
     sock = _bind(host, port, bind)  # before loading: a port in use is one line, nothing loaded
     if model_repository is not None:
         from asyncgraph.cli.serve_repository import serve_repository
@@ -260,7 +271,7 @@ def serve(
                     "max_json_bytes": max_json_bytes, "max_response_bytes": max_response_bytes,
                     "body_timeout_s": body_timeout_s,
                 },
-                host=host, grpc_port=grpc_port,
+                host=host, grpc_port=grpc_port, metrics_port=metrics_port,
                 run_options={"log_level": log_level, "access_log": access_log, "loop": loop,
                              "graceful_shutdown_s": shutdown_timeout_s},
                 console=console, error=ServeConfigError,
@@ -289,6 +300,10 @@ def serve(
 
             endpoint = add_grpc(app, host, grpc_port, grace_s=shutdown_timeout_s)
             title += f" and gRPC on {endpoint.address}"
+        if metrics_port is not None:
+            from asyncgraph.cli.serve_repository import metrics_title
+
+            title += metrics_title(app, host, metrics_port)
         table = Table(title=title)
         for column in ("model", "file", "nodes", "inputs", "outputs"):
             table.add_column(column)
@@ -361,6 +376,23 @@ def _check_grpc(
                 why = f"port {grpc_port} is in use by another process (choose another with " \
                       f"--grpc-port)"
             raise ServeConfigError(f"cannot listen on {host}:{grpc_port} (gRPC): {why}") from None
+
+
+def _check_metrics_port(
+    host: str, metrics_port: int, others: tuple[int | None, ...],
+    bind: Callable[[str, int], socket.socket],
+) -> None:
+    """--metrics-port: not another option's port, and free now (one error line)."""
+    if metrics_port and metrics_port in others:
+        raise ServeConfigError(f"--metrics-port {metrics_port}: the same port as --port or "
+                               f"--grpc-port")
+    if metrics_port:
+        try:
+            bind(host, metrics_port).close()
+        except OSError as exc:
+            raise ServeConfigError(
+                f"cannot listen on {host}:{metrics_port} (metrics): {exc.strerror or exc}"
+            ) from None
 
 
 def _serve_on_ray(

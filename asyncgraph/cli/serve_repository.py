@@ -14,6 +14,7 @@ or a file that does not load is one error line (exit 1).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,14 @@ if TYPE_CHECKING:
 CONTROL_MODES = ("none", "explicit")
 
 
+def metrics_title(app: Any, host: str, metrics_port: int) -> str:
+    """Serve `app`'s metrics on `metrics_port` too; the banner's words for it."""
+    from asyncgraph.serve.metrics_port import add_metrics_port
+
+    add_metrics_port(app, host, metrics_port)
+    return f" and metrics on {host}:{metrics_port}/metrics"
+
+
 def serve_repository(
     sock: socket.socket,
     root: Path,
@@ -41,6 +50,7 @@ def serve_repository(
     app_options: dict[str, Any],
     host: str,
     grpc_port: int | None,
+    metrics_port: int | None = None,
     run_options: dict[str, Any],
     console: Console,
     error: type[Exception],
@@ -68,8 +78,9 @@ def serve_repository(
     except (ValueError, RepositoryError) as exc:
         raise error(str(exc)) from None
 
-    def load(path: Path) -> Any:
-        return load_executor(path, config, trust_compiled)
+    def load(path: Path, **options: Any) -> Any:
+        """The command's loader; `options`: the ExecutorConfig fields a config.pbtxt sets."""
+        return load_executor(path, dataclasses.replace(config, **options), trust_compiled)
 
     models: dict[str, Any] = {}
     app = create_app(models, close_executors=False, **app_options)
@@ -86,6 +97,8 @@ def serve_repository(
 
         endpoint = add_grpc(app, host, grpc_port, grace_s=run_options["graceful_shutdown_s"])
         title += f" and gRPC on {endpoint.address}"
+    if metrics_port is not None:
+        title += metrics_title(app, host, metrics_port)
     table = Table(title=title)
     for column in ("model", "version", "policy", "file", "inputs", "outputs"):
         table.add_column(column)

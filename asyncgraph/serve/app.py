@@ -35,6 +35,7 @@ request on.
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
@@ -67,8 +68,11 @@ from asyncgraph.serve.core import (
 )
 from asyncgraph.serve.deadlines import deadline_for
 from asyncgraph.serve.errors import ProtocolError
+from asyncgraph.serve.extensions import served_extensions
 from asyncgraph.serve.failures import RETRY_AFTER_S, request_failure
+from asyncgraph.serve.model_config import config_routes
 from asyncgraph.serve.repository_http import repository_routes
+from asyncgraph.serve.triton_http import shared_memory_routes, statistics_routes
 
 T = TypeVar("T")
 
@@ -108,7 +112,7 @@ class HttpInference:
         response, failure = await self._infer(request, served, arrival, timing)
         self.server.metrics.observe(
             name, response.status_code, total_s=loop.time() - arrival, timing=timing,
-            failure=failure,
+            failure=failure, version=served.version,
         )
         return response
 
@@ -118,6 +122,8 @@ class HttpInference:
         """The response and Triton's failure reason (None on success) of one request."""
         server = self.server
         name = served.interface.model
+        # the shared memory regions it names, held from its decode until its answer is made
+        regions = server.shared_memory.lease(server.max_request_bytes)
         try:
             declared = self._declared_length(request)
             server_deadline = deadline_for(arrival, server.timeout_s, None)
@@ -132,10 +138,12 @@ class HttpInference:
             ) as ticket:
                 body = await self._read_body(request, ticket, declared)
                 async with served.admission.decoding(ticket):  # one decode per loop turn
+                    decode_started = time.perf_counter()
                     decoded = await maybe_offload(
                         len(body), decode_request, body, request.headers.get(HEADER),
-                        served.interface, server.max_json_bytes,
+                        served.interface, server.max_json_bytes, regions,
                     )
+                    decode_s = time.perf_counter() - decode_started
                 deadline = deadline_for(arrival, server.timeout_s, decoded.timeout_s)
                 del body  # freed while it queues; the ticket keeps its size as the estimate
                 if deadline is not None and deadline.passed():  # not worth running any more
@@ -143,13 +151,15 @@ class HttpInference:
                 ran = await _until_disconnect(
                     server.execute(served, decoded, ticket, deadline), request.receive
                 )
-            timing += [ran.queue_s, ran.compute_s]
+            timing += [ran.queue_s, ran.compute_s, decode_s]  # metrics.observe's order
             size = server.response_size(name, decoded, ran.outputs)
             with served.admission.encoding():
+                encode_started = time.perf_counter()
                 payload, headers = await maybe_offload(
                     size, encode_response, name, decoded, ran.outputs,
                     ran.version or server.version,
                 )
+                timing.append(time.perf_counter() - encode_started)
             return Response(payload, 200, headers=headers), None
         except (ClientDisconnected, ClientDisconnect):
             return Response(status_code=499), m.CANCELED  # nobody reads it; it is for the log
@@ -159,6 +169,8 @@ class HttpInference:
             if error.status == 408:  # the rest of the body may still come: do not read it
                 response.headers["connection"] = "close"
             return response, failure
+        finally:
+            regions.release()
 
     def _declared_length(self, request: Request) -> int | None:
         """The Content-Length header, checked against the size limit (413)."""
@@ -267,6 +279,7 @@ def create_app(
             yield
         finally:
             server.shutting_down = True
+            server.shared_memory.close()  # unmap the regions no request uses
             if close_executors:
                 for ex in list(models.values()):
                     await ex.aclose()
@@ -298,11 +311,8 @@ def _routes(server: InferenceServer) -> list[Route]:
     async def server_metadata(request: Request) -> Response:
         from asyncgraph import __version__
 
-        extensions = ["binary_tensor_data"]
-        if server.control is not None:
-            extensions.append("model_repository")
         return JSONResponse(
-            {"name": "asyncgraph", "version": __version__, "extensions": extensions}
+            {"name": "asyncgraph", "version": __version__, "extensions": served_extensions()}
         )
 
     async def model_metadata(request: Request) -> Response:
@@ -330,6 +340,8 @@ def _routes(server: InferenceServer) -> list[Route]:
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
+        # Triton's statistics extension, before `model`: /v2/models/stats is not a model
+        *statistics_routes(server),
         Route(model, model_metadata, methods=["GET"]),
         Route(versioned, model_metadata, methods=["GET"]),
         Route(model + "/ready", model_ready, methods=["GET"]),
@@ -337,8 +349,12 @@ def _routes(server: InferenceServer) -> list[Route]:
         Route(model + "/infer", infer, methods=["POST"]),
         Route(versioned + "/infer", infer, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        # Triton's model configuration extension (model_config.py)
+        *config_routes(server),
         # Triton's model repository extension
         *repository_routes(server.repository_index, server.load_model, server.unload_model),
+        # Triton's system (and refused CUDA) shared memory extensions (triton_http.py)
+        *shared_memory_routes(server),
     ]
 
 

@@ -21,6 +21,11 @@ skeleton, and any array that is not a plain or evenly nested array of values, is
 The result is the same as `json.loads` of the whole body: a piece that fails to parse falls
 back to the exact parse (within `max_json_bytes`).
 
+An input may instead name a system shared memory region (parameters `shared_memory_region`,
+`shared_memory_byte_size`, `shared_memory_offset`; shared_memory.py): its bytes are copied
+from there, checked as binary data is; an output may be asked into a region, where the
+encode writes it. The transports pass the request's `Lease` on the server's regions.
+
 Every malformed value gets a ProtocolError (400, or 413 for a size limit), never another
 exception: values are shown shortened (`_show`), sizes are bounded (`MAX_DIM`), and the
 request-level parameters are range-checked.
@@ -46,6 +51,7 @@ import torch
 from asyncgraph.serve import datatypes as dt
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface, TensorInfo, describe
+from asyncgraph.serve.shared_memory import Lease, RegionSlice
 
 HEADER = "Inference-Header-Content-Length"
 JSON_CONTENT_TYPE = "application/json"
@@ -95,6 +101,8 @@ _BOOL_CHARS = b"truefals," + _JSON_SPACE
 class RequestedOutput:
     info: TensorInfo
     binary: bool
+    #: where the output is written instead of the answer (system shared memory)
+    region: RegionSlice | None = None
 
 
 @dataclass(slots=True)
@@ -117,6 +125,7 @@ class _Planned:
     data: np.ndarray | None = None
     offset: int = 0
     size: int = 0
+    region: RegionSlice | None = None  # its bytes are in a shared memory region
 
 
 # -- requests -------------------------------------------------------------------------------
@@ -127,8 +136,10 @@ def decode_request(
     header_length: str | None,
     iface: ModelInterface,
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
+    regions: Lease | None = None,
 ) -> InferRequest:
-    """Check and decode an inference request body (see the module docstring)."""
+    """Check and decode an inference request body (see the module docstring); `regions`:
+    the request's lease on the server's shared memory regions (None: none may be named)."""
     header, binary_start = _split(body, header_length)
     doc = parse_document(header, max_json_bytes)
     if not isinstance(doc, dict):
@@ -139,7 +150,7 @@ def decode_request(
     parameters = _object(doc.get("parameters", {}), "parameters")
     return decode_entries(
         request_id, parameters, doc.get("inputs"), doc.get("outputs"), iface, body,
-        binary_start, max_json_bytes,
+        binary_start, max_json_bytes, regions=regions,
     )
 
 
@@ -158,17 +169,20 @@ def decode_entries(
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
     *,
     raw_field: str = BINARY_SIZE_FIELD,
+    regions: Lease | None = None,
 ) -> InferRequest:
     """Check and decode a request already parsed into the protocol's entries (the JSON
     document's `inputs` and `outputs`, or a gRPC request's, grpc_codec.py): every transport
     shares this validation. An input entry's values are its `data` (JSON values, or a numpy
     array of a gRPC request's typed contents), or the next `parameters.binary_data_size`
-    bytes of `body` from `binary_start` on; `raw_field` names that size in error messages."""
+    bytes of `body` from `binary_start` on, or the bytes of the shared memory region its
+    parameters name (`regions`, shared_memory.py); `raw_field` names that size in error
+    messages."""
     planned = _plan_inputs(
         inputs, iface, len(body) - binary_start, binary_start, max_json_bytes,
-        raw_field=raw_field,
+        raw_field=raw_field, regions=regions,
     )
-    requested = _requested_outputs(outputs, parameters, iface)
+    requested = _requested_outputs(outputs, parameters, iface, regions)
     timeout_s = request_timeout_s(parameters)
     flat: list[Any] = [None] * iface.count
     for position, value in iface.fixed.items():
@@ -450,6 +464,7 @@ def _plan_inputs(
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
     *,
     raw_field: str = BINARY_SIZE_FIELD,
+    regions: Lease | None = None,
 ) -> list[_Planned]:
     """Pass one: check every input entry against the interface; allocate nothing."""
     if not isinstance(entries, list):
@@ -488,11 +503,11 @@ def _plan_inputs(
                 f"exceeds the largest tensor ({MAX_DIM} elements)"
             )
         params = _object(entry.get("parameters", {}), f"{where}.parameters")
-        if "shared_memory_region" in params:
-            raise ProtocolError(f"{where}.parameters.shared_memory_region: not supported")
         size = params.get("binary_data_size")
         plan = _Planned(info, shape)
-        if size is not None:
+        if "shared_memory_region" in params:
+            _plan_region(plan, entry, params, numel, where, regions)
+        elif size is not None:
             if "data" in entry:
                 raise ProtocolError(f"{where}: has both data and {raw_field}")
             if not _is_int(size) or size < 0:
@@ -528,6 +543,24 @@ def _plan_inputs(
             f"after the {HEADER} header"
         )
     return planned
+
+
+def _plan_region(
+    plan: _Planned, entry: Mapping[str, Any], params: Mapping[str, Any], numel: int,
+    where: str, regions: Lease | None,
+) -> None:
+    """An input whose bytes are in a shared memory region: its slice, checked (leased)."""
+    if regions is None:
+        raise ProtocolError(f"{where}.parameters.shared_memory_region: not supported")
+    if "data" in entry or "binary_data_size" in params:
+        other = "data" if "data" in entry else "parameters.binary_data_size"
+        raise ProtocolError(f"{where}: has both parameters.shared_memory_region and {other}")
+    want = numel * dt.itemsize(plan.info.datatype)
+    plan.region = regions.input(
+        params["shared_memory_region"], params.get("shared_memory_offset"),
+        params.get("shared_memory_byte_size"), want, where,
+    )
+    plan.size = want
 
 
 def _check_shape(
@@ -736,7 +769,9 @@ def _materialize(plan: _Planned, body: bytes) -> Any:
         tensor = torch.from_numpy(plan.data).to(dtype).reshape(plan.shape)
     else:
         raw = torch.empty(plan.size, dtype=torch.uint8)
-        if plan.size:
+        if plan.region is not None:
+            plan.region.read_into(raw.numpy())
+        elif plan.size:
             raw.numpy()[:] = np.frombuffer(body, np.uint8, count=plan.size, offset=plan.offset)
         if info.datatype == "BOOL" and plan.size and bool((raw > 1).any()):
             raise ProtocolError(f"input {info.name!r}: BOOL binary data must be bytes 0 or 1")
@@ -749,7 +784,8 @@ def _materialize(plan: _Planned, body: bytes) -> Any:
 
 
 def _requested_outputs(
-    entries: Any, parameters: Mapping[str, Any], iface: ModelInterface
+    entries: Any, parameters: Mapping[str, Any], iface: ModelInterface,
+    regions: Lease | None = None,
 ) -> list[RequestedOutput]:
     default = parameters.get("binary_data_output", False)
     if not isinstance(default, bool):
@@ -779,7 +815,9 @@ def _requested_outputs(
             )
         seen[info.name] = i
         params = _object(entry.get("parameters", {}), f"outputs[{i}].parameters")
-        for unsupported in ("classification", "shared_memory_region"):
+        unsupported_here = ("classification",) if regions is not None else (
+            "classification", "shared_memory_region")
+        for unsupported in unsupported_here:
             if unsupported in params:
                 raise ProtocolError(f"outputs[{i}].parameters.{unsupported}: not supported")
         binary = params.get("binary_data", default)
@@ -787,7 +825,13 @@ def _requested_outputs(
             raise ProtocolError(
                 f"outputs[{i}].parameters.binary_data: expected true or false, got {_show(binary)}"
             )
-        requested.append(RequestedOutput(info, binary))
+        region = None
+        if regions is not None and "shared_memory_region" in params:
+            region = regions.output(
+                params["shared_memory_region"], params.get("shared_memory_offset"),
+                params.get("shared_memory_byte_size"), f"outputs[{i}] ({info.name!r})",
+            )
+        requested.append(RequestedOutput(info, binary, region))
     return requested
 
 
@@ -807,6 +851,9 @@ def encode_response(
     blobs: list[bytes] = []
     for wanted in request.outputs:
         value = outputs[wanted.info.position]
+        if wanted.region is not None:  # written into its region: the answer has no data
+            texts.append(json.dumps(write_to_region(wanted, value), separators=(",", ":")))
+            continue
         entry, blob, values = encode_output(wanted.info.name, value, wanted.binary)
         text = json.dumps(entry, separators=(",", ":"))
         if values is not None:
@@ -877,8 +924,21 @@ def response_bytes(request: InferRequest, outputs: list[Any]) -> int:
         else:
             numel, datatype = 1, "FP64"
         per = dt.itemsize(datatype) if wanted.binary else JSON_ELEMENT_BYTES[datatype]
+        if wanted.region is not None:  # written into shared memory, not the answer
+            per = 0
         total += ENTRY_BYTES + len(wanted.info.name) + numel * per
     return total
+
+
+def write_to_region(wanted: RequestedOutput, value: Any) -> dict[str, Any]:
+    """Write an output asked into a shared memory region there (a 400 naming the region if
+    it does not fit); its entry in the answer: name, datatype and shape, as Triton's."""
+    assert wanted.region is not None
+    entry, blob, _ = encode_output(wanted.info.name, value, binary=True)
+    assert blob is not None
+    wanted.region.write(blob, wanted.info.name)
+    del entry["parameters"]  # no binary data follows
+    return entry
 
 
 def json_request_body(inputs: Mapping[str, Any]) -> bytes:

@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+import torch
+
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.runtime.weights import weights_ran_on
 from asyncgraph.serve import metrics as m
@@ -45,6 +47,7 @@ from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.failures import describe
 from asyncgraph.serve.interface import ModelInterface
 from asyncgraph.serve.names import check_name, check_version
+from asyncgraph.serve.shared_memory import SystemSharedMemory
 
 logger = logging.getLogger("asyncgraph.serve")
 
@@ -116,6 +119,7 @@ class ModelControlHooks(Protocol):
     def index(self, ready: bool = False) -> list[dict[str, str]]: ...
     async def load(self, name: str, parameters: Mapping[str, Any] | None = None) -> None: ...
     async def unload(self, name: str, parameters: Mapping[str, Any] | None = None) -> None: ...
+    def version_policy(self, name: str) -> dict[str, Any]: ...
 
 
 class InferenceServer:
@@ -168,6 +172,8 @@ class InferenceServer:
         self.control: ModelControlHooks | None = None
         self._served: dict[str, Served] = {}
         self.metrics = m.ServerMetrics(models, self._admission, version)
+        #: Triton's system shared memory regions, registered by clients (shared_memory.py)
+        self.shared_memory = SystemSharedMemory()
         for name in list(models):
             try:
                 check_name(name)
@@ -354,7 +360,12 @@ class InferenceServer:
                 running = True
                 started = time.perf_counter()
                 outputs = await served.executor.execute_flat(decoded.inputs)
-                return Ran(outputs, queue_s, time.perf_counter() - started,
+                compute_s = time.perf_counter() - started
+                self.metrics.executed(  # Triton's inference count and batch_stats
+                    model, served.version, batch_rows(served.executor, decoded.inputs),
+                    compute_s,
+                )
+                return Ran(outputs, queue_s, compute_s,
                            served.label(weights_ran_on()))  # in the task that executed
 
         if deadline is None:
@@ -375,6 +386,17 @@ class InferenceServer:
             self._served.pop(name, None)
         else:
             self._served[name] = served
+
+
+def batch_rows(executor: Executor, inputs: list[Any]) -> int:
+    """A request's batch size as Triton counts it (its inference count, statistics.py): its
+    rows (dim 0 of its first tensor input) when its Executor batches requests, else 1."""
+    if executor.batching_statistics() is None:
+        return 1
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return max(1, int(value.shape[0]))
+    return 1
 
 
 async def maybe_offload(size: int, fn: Callable[..., T], *args: Any) -> T:

@@ -12,6 +12,11 @@ Input values come one of two ways, as Triton takes them:
 - `contents`: the typed field of the input's datatype (`fp32_contents` for FP32,
   `int_contents` for INT8/INT16/INT32, ...; FP16 and BF16 have none and go raw).
 
+An input in a system shared memory region (parameters `shared_memory_region`, ...:
+shared_memory.py) has neither: `raw_input_contents` then holds one buffer per input not in a
+region, in order, as tritonclient sends them. An output asked into a region is written there
+and answered without contents (an empty raw buffer in its place).
+
 The response answers in kind: raw outputs (`raw_output_contents`) when the request used raw
 inputs (or has none), typed `contents` otherwise, except that a response with an FP16 or
 BF16 output, which has no typed field, is raw. A typed response is checked against
@@ -30,9 +35,10 @@ import torch
 from asyncgraph.serve import codec
 from asyncgraph.serve import datatypes as dt
 from asyncgraph.serve import grpc_protocol as pb
-from asyncgraph.serve.codec import InferRequest, decode_entries, encode_output
+from asyncgraph.serve.codec import InferRequest, decode_entries, encode_output, write_to_region
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.interface import ModelInterface
+from asyncgraph.serve.shared_memory import Lease
 
 #: The typed contents field of each datatype (FP16 and BF16 have none: raw only).
 TYPED_FIELDS: dict[str, str] = {
@@ -74,37 +80,51 @@ def parameters_of(parameters: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def decode_infer_request(message: Any, iface: ModelInterface) -> tuple[InferRequest, bool]:
-    """The decoded request (codec.InferRequest) and whether it should be answered raw."""
+def decode_infer_request(
+    message: Any, iface: ModelInterface, regions: Lease | None = None
+) -> tuple[InferRequest, bool]:
+    """The decoded request (codec.InferRequest) and whether it should be answered raw.
+    `regions`: the request's lease on the server's shared memory regions (shared_memory.py):
+    an input naming one has no contents and no raw_input_contents buffer of its own."""
     raw = message.raw_input_contents
     inputs = message.inputs
-    if raw and len(raw) != len(inputs):
+    in_region = ["shared_memory_region" in t.parameters for t in inputs]
+    plain = len(inputs) - sum(in_region)
+    if raw and len(raw) != plain:
+        besides = " not in shared memory" if plain != len(inputs) else ""
         raise ProtocolError(
-            f"raw_input_contents: {len(raw)} buffer(s) for {len(inputs)} input(s); give one "
-            f"per input, in the order of inputs, or none (typed contents)"
+            f"raw_input_contents: {len(raw)} buffer(s) for {plain} input(s){besides}; give "
+            f"one per input, in the order of inputs, or none (typed contents)"
         )
     entries: list[dict[str, Any]] = []
+    buffers = iter(enumerate(raw))
+    typed = False
     for i, tensor in enumerate(inputs):
         entry: dict[str, Any] = {
             "name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
             "parameters": parameters_of(tensor.parameters),
         }
         where = f"inputs[{i}] ({tensor.name!r})"
-        if raw:
+        if in_region[i]:
             if tensor.HasField("contents"):
-                raise ProtocolError(f"{where}: has both contents and raw_input_contents[{i}]")
-            entry["parameters"]["binary_data_size"] = len(raw[i])
+                raise ProtocolError(f"{where}: has both contents and shared_memory_region")
+        elif raw:
+            k, buffer = next(buffers)
+            if tensor.HasField("contents"):
+                raise ProtocolError(f"{where}: has both contents and raw_input_contents[{k}]")
+            entry["parameters"]["binary_data_size"] = len(buffer)
         else:
             entry["data"] = _typed_values(tensor, where)
+            typed = True
         entries.append(entry)
     outputs = [
         {"name": o.name, "parameters": parameters_of(o.parameters)} for o in message.outputs
     ]
     decoded = decode_entries(
         message.id or None, parameters_of(message.parameters), entries, outputs or None,
-        iface, b"".join(raw), 0, raw_field="raw_input_contents",
+        iface, b"".join(raw), 0, raw_field="raw_input_contents", regions=regions,
     )
-    answer_raw = bool(raw) or not inputs or any(
+    answer_raw = not typed or any(
         o.info.datatype not in TYPED_FIELDS for o in decoded.outputs
     )
     for wanted in decoded.outputs:  # what response_bytes estimates the response by
@@ -142,6 +162,14 @@ def encode_infer_response(
     module docstring)."""
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request.id or "")
     for wanted in request.outputs:
+        if wanted.region is not None:  # written into its region: no contents, as Triton's
+            entry = write_to_region(wanted, outputs[wanted.info.position])
+            response.outputs.add(
+                name=entry["name"], datatype=entry["datatype"], shape=entry["shape"]
+            )
+            if raw:  # a buffer per output, in order: an empty one
+                response.raw_output_contents.append(b"")
+            continue
         entry, blob, tensor = encode_output(
             wanted.info.name, outputs[wanted.info.position], binary=raw
         )
@@ -170,6 +198,8 @@ def response_bytes(request: InferRequest, outputs: list[Any], raw: bool) -> int:
         else:
             numel, datatype = 1, dt.SCALAR_DATATYPES.get(type(value), "")
         per = TYPED_VALUE_BYTES.get(datatype, 10)  # 10: the longest varint
+        if wanted.region is not None:  # written into shared memory, not the answer
+            per = 0
         total += codec.ENTRY_BYTES + len(wanted.info.name) + numel * per
     return total
 

@@ -30,8 +30,10 @@ than by grpc once it is.
 ModelStreamInfer (Triton's bidirectional stream): each request is answered on the stream in the
 order it came, up to `STREAM_WINDOW` of them running at once; a failed one is answered with its
 `error_message` and the stream goes on, whatever it failed with (an error of the server's own
-is logged once, with the model's name). Answers made and not yet taken by grpc (the client has
-not read those before them) are bounded in bytes (`HeldBytes`): per stream
+is logged once, with the model's name); every answer carries Triton's `triton_final_response`
+(true: each request has one answer, as a non-decoupled Triton model's). Answers made and not
+yet taken by grpc (the client has not read those before them) are bounded in bytes
+(`HeldBytes`): per stream
 (`STREAM_HELD_RESPONSES` x --max-response-bytes) and across the endpoint's streams
 (`HELD_RESPONSES` x); an answer past either bound is dropped and its request answered
 RESOURCE_EXHAUSTED (HTTP 429 in the metrics), and a stream at its bound reads no further
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, NoReturn
@@ -58,12 +61,15 @@ from asyncgraph.serve import metrics as m
 from asyncgraph.serve.core import InferenceServer, maybe_offload
 from asyncgraph.serve.deadlines import Deadline, deadline_for
 from asyncgraph.serve.errors import ProtocolError
+from asyncgraph.serve.extensions import served_extensions
 from asyncgraph.serve.failures import RETRY_AFTER_S, describe, request_failure
 from asyncgraph.serve.grpc_codec import (
     decode_infer_request,
     encode_infer_response,
     response_bytes,
 )
+from asyncgraph.serve.grpc_config import config_handler
+from asyncgraph.serve.grpc_extensions import extensions_handler
 from asyncgraph.serve.names import shown
 from asyncgraph.serve.runner import DRAINS_KEY
 
@@ -82,6 +88,9 @@ STATUS_CODES: dict[int, grpc.StatusCode] = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+#: The parameter of a stream's answer that says it is its request's last (Triton's).
+FINAL_RESPONSE = "triton_final_response"
 
 #: The trailing metadata key of an UNAVAILABLE answer: seconds to wait before retrying.
 RETRY_AFTER_KEY = "retry-after"
@@ -223,7 +232,8 @@ class InferenceService:
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         from asyncgraph import __version__
 
-        return pb.ServerMetadataResponse(name="asyncgraph", version=__version__)
+        return pb.ServerMetadataResponse(name="asyncgraph", version=__version__,
+                                         extensions=served_extensions())
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         served = await self._served_or_abort("metadata", request.name, request.version, context)
@@ -348,12 +358,12 @@ class InferenceService:
         except asyncio.CancelledError:  # the client cancelled, went away or ran out of time
             self.server.metrics.observe(  # no compute time: the execution did not finish
                 name, _CANCELLED, total_s=loop.time() - arrival, timing=timing[:1],
-                failure=m.CANCELED,
+                failure=m.CANCELED, version=served.version,
             )
             raise
         self.server.metrics.observe(
             name, 200 if failure is None else result.status, total_s=loop.time() - arrival,
-            timing=timing, failure=failure,
+            timing=timing, failure=failure, version=served.version,
         )
         return result
 
@@ -365,6 +375,8 @@ class InferenceService:
         server = self.server
         name = served.interface.model
         client = _client_deadline(arrival, context)
+        # the shared memory regions it names, held from its decode until its answer is made
+        regions = server.shared_memory.lease(server.max_request_bytes)
         try:
             first = _earliest(deadline_for(arrival, server.timeout_s, None), client)
             nbytes = request.ByteSize()
@@ -372,15 +384,17 @@ class InferenceService:
                 nbytes, first.remaining() if first is not None else None
             ) as ticket:
                 async with served.admission.decoding(ticket):  # one decode per loop turn
+                    decode_started = time.perf_counter()
                     decoded, raw = await maybe_offload(
-                        nbytes, decode_infer_request, request, served.interface
+                        nbytes, decode_infer_request, request, served.interface, regions
                     )
+                    decode_s = time.perf_counter() - decode_started
                 deadline = _earliest(deadline_for(arrival, server.timeout_s, decoded.timeout_s),
                                      client)
                 if deadline is not None and deadline.passed():
                     raise deadline.exceeded(name, "it was decoded", ran=False)
                 ran = await server.execute(served, decoded, ticket, deadline)
-            timing += [ran.queue_s, ran.compute_s]
+            timing += [ran.queue_s, ran.compute_s, decode_s]  # metrics.observe's order
             outputs = ran.outputs
             size = server.response_size(
                 name, decoded, outputs, response_bytes(decoded, outputs, raw)
@@ -388,13 +402,17 @@ class InferenceService:
             if reservation is not None:
                 reservation.take(name, size)
             with served.admission.encoding():
+                encode_started = time.perf_counter()
                 response = await maybe_offload(
                     size, encode_infer_response, name, ran.version or server.version,
                     decoded, outputs, raw,
                 )
+                timing.append(time.perf_counter() - encode_started)
             return response, None
         except Exception as exc:
             return request_failure(name, exc)
+        finally:
+            regions.release()
 
 
 #: A stream's request, the task answering it and its answer's hold on the bounds.
@@ -405,13 +423,20 @@ def _stream_answer(request: Any, result: Any) -> Any:
     """A ModelStreamInferResponse: the response, or the error with the request's model and
     id, so a client can tell which request failed."""
     if not isinstance(result, ProtocolError):
-        return pb.ModelStreamInferResponse(infer_response=result)
-    return pb.ModelStreamInferResponse(
-        error_message=result.message,
-        infer_response=pb.ModelInferResponse(
-            model_name=request.model_name, model_version=request.model_version, id=request.id,
-        ),
-    )
+        answer = pb.ModelStreamInferResponse(infer_response=result)
+    else:
+        answer = pb.ModelStreamInferResponse(
+            error_message=result.message,
+            infer_response=pb.ModelInferResponse(
+                model_name=request.model_name, model_version=request.model_version,
+                id=request.id,
+            ),
+        )
+    # each request has this one answer: it is its final one (Triton's flag, which clients
+    # that ask for `enable_empty_final_response` wait for; only a decoupled model, which
+    # asyncgraph does not serve, would end a request with an empty answer of its own)
+    answer.infer_response.parameters[FINAL_RESPONSE].bool_param = True
+    return answer
 
 
 def _unexpected(model: str, exc: Exception) -> ProtocolError:
@@ -494,7 +519,12 @@ class GrpcEndpoint:
             ("grpc.max_receive_message_length", self.server.max_request_bytes),
             ("grpc.max_send_message_length", self.server.max_response_bytes + _RESPONSE_SLACK),
         ])
-        grpc_server.add_generic_rpc_handlers((generic_handler(self.service),))
+        grpc_server.add_generic_rpc_handlers((
+            generic_handler(self.service),
+            config_handler(self.server, _abort),  # ModelConfig (grpc_config.py)
+            # statistics and shared memory (grpc_extensions.py)
+            extensions_handler(self.server, _abort),
+        ))
         try:
             self.port = grpc_server.add_insecure_port(self.address)
         except RuntimeError as exc:

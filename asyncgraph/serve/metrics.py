@@ -1,9 +1,14 @@
 """Prometheus metrics of a server: Triton's names where Triton has one, asyncgraph_* otherwise.
 
 Dashboards built for Triton query `nv_inference_request_success`, `nv_inference_queue_duration_us`
-and friends by those exact names, with labels `model` and `version`. prometheus-client renames
-every counter to `*_total` in the text format, so the Triton-named counters are exposed as
-untyped samples under their exact names (PromQL's rate() works the same on them).
+and friends by those exact names, with labels `model` and `version`: one series per version
+served (a request counts under the version that answered it). prometheus-client renames
+every counter to `*_total` in the text format, so the Triton-named counters are collected
+untyped under their exact names and typed `counter` when rendered (`render`), as Triton's own
+exposition has them. Every series has a type. Triton's compute phases: compute_input is a
+request's decode (body to tensors), compute_infer its execution, compute_output its encode.
+The same text is served on the HTTP port and, with `--metrics-port` (Triton's 8002), on a
+port of its own (metrics_port.py).
 
 Everything else uses ordinary prometheus-client metrics in a registry of the app's own, so two
 apps in one process (tests, a parent app mounting two) never collide in the global registry:
@@ -25,6 +30,7 @@ apps in one process (tests, a parent app mounting two) never collide in the glob
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +49,21 @@ CANCELED = "CANCELED"
 BACKEND = "BACKEND"
 OTHER = "OTHER"
 
+#: Triton's cumulative counters, by their exact names (typed `counter` by `render`).
+TRITON_COUNTERS = {
+    "nv_inference_request_success": "Number of successful inference requests.",
+    "nv_inference_request_failure": "Number of failed inference requests, by reason.",
+    "nv_inference_count": "Number of inferences performed.",
+    "nv_inference_exec_count": "Number of model executions performed.",
+    "nv_inference_request_duration_us": "Cumulative inference request duration (us).",
+    "nv_inference_queue_duration_us": "Cumulative time requests spent queued (us).",
+    "nv_inference_compute_input_duration_us": "Cumulative time requests' inputs took to "
+                                              "decode (us).",
+    "nv_inference_compute_infer_duration_us": "Cumulative model execution time (us).",
+    "nv_inference_compute_output_duration_us": "Cumulative time responses took to encode "
+                                               "(us).",
+}
+
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 )
@@ -57,6 +78,16 @@ class ModelCounters:
     request_us: float = 0.0
     queue_us: float = 0.0
     compute_us: float = 0.0
+    compute_input_us: float = 0.0
+    compute_output_us: float = 0.0
+    #: the failed requests' time from arrival to their answer (Triton's `fail` duration)
+    fail_us: float = 0.0
+    #: Triton's inference count: the rows executed (statistics.batch_rows), counted with
+    #: `batches` and `last_inference_ms` when an execution succeeds (`ServerMetrics.executed`)
+    inferences: int = 0
+    last_inference_ms: int = 0
+    #: batch size -> [executions, their compute_infer us] (Triton's batch_stats)
+    batches: dict[int, list[float]] = field(default_factory=dict)
 
 
 class ServerMetrics:
@@ -91,7 +122,10 @@ class ServerMetrics:
             "name or version (400) or one not served (404).", ["route", "code"],
             registry=self.registry,
         )
+        #: Triton's counters per (model, version label): the per-version series
+        self.by_version: dict[tuple[str, str], ModelCounters] = {}
         self.live = _LiveCollector(models, admission, self.counters, version)
+        self.live.by_version = self.by_version
         self.registry.register(self.live)
 
     def observe(
@@ -102,31 +136,50 @@ class ServerMetrics:
         total_s: float,
         timing: Sequence[float] = (),
         failure: str | None = None,
+        version: str | None = None,
     ) -> None:
-        """Count one request. `timing`: its seconds queued, then computing, as far as the
-        request got (both transports collect them as the request goes)."""
-        queue_s = timing[0] if timing else None
-        compute_s = timing[1] if len(timing) > 1 else None
-        counters = self.counters.setdefault(model, ModelCounters())
+        """Count one request. `timing`: its seconds queued, computing, decoding and encoding,
+        as far as the request got (both transports collect them as the request goes).
+        `version`: the version that answered it (None: the model's default)."""
         self.requests.labels(model, str(code)).inc()
+        label = version or (self.live.version_of(model) if self.live.version_of is not None
+                            else self.version)
+        for counters in (self.counters.setdefault(model, ModelCounters()),
+                         self.by_version.setdefault((model, label), ModelCounters())):
+            _count(counters, total_s, timing, failure)
+        queue_s = timing[0] if timing else None
         if failure is None:
-            counters.success += 1
-            counters.request_us += total_s * 1e6
             self.latency.labels(model).observe(total_s)
-        else:
-            counters.failure[failure] = counters.failure.get(failure, 0) + 1
         if queue_s is not None:
-            counters.queue_us += queue_s * 1e6
             self.queue.labels(model).observe(queue_s)
-        if compute_s is not None:
-            counters.compute_us += compute_s * 1e6
+
+    def executed(self, model: str, version: str | None, rows: int, compute_s: float) -> None:
+        """Count one successful execution of a request of `rows` rows (its batch size, as
+        Triton counts it) at `version` (None: the model's default), when it ends, whatever
+        becomes of its answer: Triton's inference count, last inference and batch_stats
+        (statistics.py reads them, as /metrics does)."""
+        label = version or (self.live.version_of(model) if self.live.version_of is not None
+                            else self.version)
+        now_ms = int(time.time() * 1000)
+        for counters in (self.counters.setdefault(model, ModelCounters()),
+                         self.by_version.setdefault((model, label), ModelCounters())):
+            counters.inferences += rows
+            counters.last_inference_ms = max(counters.last_inference_ms, now_ms)
+            batch = counters.batches.setdefault(rows, [0, 0.0])
+            batch[0] += 1
+            batch[1] += compute_s * 1e6
 
     def unserved(self, route: str, code: int) -> None:
         """Count one request refused before it reached a model (its name or version)."""
         self.unserved_requests.labels(route, str(code)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text exposition, Triton's counters typed `counter` under their own names."""
+        text = generate_latest(self.registry)
+        for name in TRITON_COUNTERS:
+            text = text.replace(f"# TYPE {name} untyped\n".encode(),
+                                f"# TYPE {name} counter\n".encode())
+        return text
 
 
 class _LiveCollector(Collector):
@@ -146,21 +199,19 @@ class _LiveCollector(Collector):
         #: A model's version label (model control: the version its unversioned requests
         #: reach); None: `version` for every model
         self.version_of: Callable[[str], str] | None = None
+        #: Triton's counters per (model, version label) (ServerMetrics.by_version)
+        self.by_version: Mapping[tuple[str, str], ModelCounters] = {}
 
     def describe(self) -> list[Metric]:
         return []  # names vary with the models served; nothing to check at registration
 
+    def _versions(self, model: str, default: str) -> list[str]:
+        """The version labels of `model` with counts, and its default version's."""
+        found = {v for (m, v) in list(self.by_version) if m == model}
+        return sorted(found | {default}, key=lambda v: (len(v), v))
+
     def collect(self) -> Iterator[Metric]:
-        untyped = {
-            "nv_inference_request_success": "Number of successful inference requests.",
-            "nv_inference_request_failure": "Number of failed inference requests, by reason.",
-            "nv_inference_count": "Number of inferences performed.",
-            "nv_inference_exec_count": "Number of model executions performed.",
-            "nv_inference_request_duration_us": "Cumulative inference request duration (us).",
-            "nv_inference_queue_duration_us": "Cumulative time requests spent queued (us).",
-            "nv_inference_compute_infer_duration_us": "Cumulative model execution time (us).",
-        }
-        families = {name: Metric(name, doc, "unknown") for name, doc in untyped.items()}
+        families = {name: Metric(name, doc, "unknown") for name, doc in TRITON_COUNTERS.items()}
         pending = GaugeMetricFamily(
             "nv_inference_pending_request_count",
             "Inference requests waiting for an execution slot.", labels=["model", "version"],
@@ -208,23 +259,13 @@ class _LiveCollector(Collector):
         }
         for model, ex in list(self.models.items()):
             v = self.version_of(model) if self.version_of is not None else self.version
-            c = self.counters.get(model, ModelCounters())
-            labels = {"model": model, "version": v}
-            families["nv_inference_request_success"].add_sample(
-                "nv_inference_request_success", labels, c.success)
-            for reason in (REJECTED, CANCELED, BACKEND, OTHER):
-                families["nv_inference_request_failure"].add_sample(
-                    "nv_inference_request_failure", {**labels, "reason": reason},
-                    c.failure.get(reason, 0))
             batches = ex.batching_statistics()
-            for name, value in (
-                ("nv_inference_count", c.success),
-                ("nv_inference_exec_count", c.success if batches is None else batches.batches),
-                ("nv_inference_request_duration_us", c.request_us),
-                ("nv_inference_queue_duration_us", c.queue_us),
-                ("nv_inference_compute_infer_duration_us", c.compute_us),
-            ):
-                families[name].add_sample(name, labels, value)
+            for version in self._versions(model, v):
+                c = self.by_version.get((model, version), ModelCounters())
+                # the default version's Executor batches: its executions are its batches
+                executions = (batches.batches if batches is not None and version == v
+                              else c.success)
+                _triton_samples(families, {"model": model, "version": version}, c, executions)
             frames = ex.statistics().frames
             gate = self.admission(model)
             admitted = gate.statistics() if gate else None
@@ -260,6 +301,45 @@ class _LiveCollector(Collector):
         yield from live.values()
         yield from totals.values()
         yield refusals
+
+
+def _triton_samples(
+    families: Mapping[str, Metric], labels: dict[str, str], c: ModelCounters, executions: int
+) -> None:
+    """One model version's samples of Triton's counters."""
+    families["nv_inference_request_success"].add_sample(
+        "nv_inference_request_success", labels, c.success)
+    for reason in (REJECTED, CANCELED, BACKEND, OTHER):
+        families["nv_inference_request_failure"].add_sample(
+            "nv_inference_request_failure", {**labels, "reason": reason},
+            c.failure.get(reason, 0))
+    for name, value in (
+        ("nv_inference_count", c.inferences),
+        ("nv_inference_exec_count", executions),
+        ("nv_inference_request_duration_us", c.request_us),
+        ("nv_inference_queue_duration_us", c.queue_us),
+        ("nv_inference_compute_input_duration_us", c.compute_input_us),
+        ("nv_inference_compute_infer_duration_us", c.compute_us),
+        ("nv_inference_compute_output_duration_us", c.compute_output_us),
+    ):
+        families[name].add_sample(name, labels, value)
+
+
+def _count(
+    counters: ModelCounters, total_s: float, timing: Sequence[float], failure: str | None
+) -> None:
+    """Add one request to Triton's counters: `timing` as ServerMetrics.observe's."""
+    if failure is None:
+        counters.success += 1
+        counters.request_us += total_s * 1e6
+    else:
+        counters.failure[failure] = counters.failure.get(failure, 0) + 1
+        counters.fail_us += total_s * 1e6
+    for index, attribute in enumerate(
+        ("queue_us", "compute_us", "compute_input_us", "compute_output_us")
+    ):
+        if len(timing) > index:
+            setattr(counters, attribute, getattr(counters, attribute) + timing[index] * 1e6)
 
 
 def _per_second(seconds_per_unit: float | None) -> float:

@@ -6,7 +6,10 @@
     control.preload(["encoder"])          # --load-model encoder (blocking, before serving)
 
 `load(path) -> Executor` builds a model's Executor (the CLI's: `asyncgraph.load` with the
-command's ExecutorConfig); serve/ sits below loading/, so it is handed in.
+command's ExecutorConfig); serve/ sits below loading/, so it is handed in. A model whose
+config.pbtxt sets ExecutorConfig fields (pbtxt.py: `batching`, `max_concurrent_executions`) is
+built with `load(path, **those_fields)`, and served under the names its `input` and `output`
+entries give.
 
 Modes, as Triton's `--model-control-mode`: `explicit` (load and unload by request; nothing is
 loaded at start but the models named) or not (`none`: every model of the repository is
@@ -69,6 +72,7 @@ from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.failures import describe
 from asyncgraph.serve.interface import ModelInterface
 from asyncgraph.serve.names import version_number
+from asyncgraph.serve.pbtxt import ConfigError, apply_settings
 from asyncgraph.serve.repository import ModelRepository, RepositoryError
 
 logger = logging.getLogger("asyncgraph.serve")
@@ -83,7 +87,7 @@ RETIRE_POLL_S = 0.005
 #: At shutdown, how long retiring versions get to drain before their Executors are closed.
 RETIRE_AT_CLOSE_S = 30.0
 
-Loader = Callable[[Path], Executor]
+Loader = Callable[..., Executor]  # (path, **ExecutorConfig fields a config.pbtxt sets)
 
 
 @dataclass(slots=True)
@@ -356,7 +360,7 @@ class ModelControl:
         Stamped first: a change while it loads shows at the next load."""
         try:
             stamp = _FileStamp.of(path)
-            return stamp, self.load_executor(path)
+            return stamp, self._load_file(name, path)
         except Exception as exc:
             raise ProtocolError(
                 f"failed to load {name!r} version {number} from {path}: {describe(exc)}"
@@ -424,14 +428,35 @@ class ModelControl:
 
     def _build(self, name: str, number: int, path: Path) -> _Version:
         stamp = _FileStamp.of(path)  # first: a change while it loads shows at the next load
-        executor = self.load_executor(path)
-        return _Version(number, path, stamp, self._serve(name, executor, number))
+        executor = self._load_file(name, path)
+        try:
+            return _Version(number, path, stamp, self._serve(name, executor, number))
+        except BaseException:
+            self._orphans.append(executor)
+            raise
+
+    def _load_file(self, name: str, path: Path) -> Executor:
+        """The loader's Executor of `path`, with what the model's config.pbtxt sets."""
+        settings = self.repository.settings(name)
+        options = settings.executor_options() if settings is not None else {}
+        return self.load_executor(path, **options) if options else self.load_executor(path)
+
+    def version_policy(self, name: str) -> dict[str, Any]:
+        """Model `name`'s version policy, as its last load applied it (Triton's JSON)."""
+        return self.repository.applied.get(name, self.repository.policy).config()
 
     def _serve(self, name: str, executor: Executor, number: int) -> Served:
         server = self.server
+        interface = ModelInterface(name, executor.graph)
+        settings = self.repository.settings(name)
+        if settings is not None:
+            try:
+                interface = apply_settings(interface, settings)
+            except ConfigError as exc:
+                raise RepositoryError(f"model {name!r}: {exc}") from None
         return Served(
             executor,
-            ModelInterface(name, executor.graph),
+            interface,
             Admission(
                 name, capacity_for(executor.config), server.max_queue, server.max_queue_bytes,
                 first_burst=executor.config.max_concurrent_executions,

@@ -6,13 +6,17 @@ of it is served.
         1/model.pt2          # version 1: a numbered folder holding model.pt2 (Triton's layout)
         2.pt2                # version 2: or a numbered .pt2 file
         config.json          # optional: {"version_policy": "latest:2"} for this model only
+        config.pbtxt         # optional: Triton's model configuration, what applies (pbtxt.py)
       mlp/
         3/model.pt2
 
 One folder per model, named as the model is served; inside it, one entry per version, its
 number the folder's or file's name. A version policy (`VersionPolicy`: `latest:N`, `specific:1,3`
 or `all`, as Triton's `version_policy`) picks which versions are served; the server's policy
-applies to every model without a `config.json` of its own.
+applies to every model without a `config.json` of its own. A `config.pbtxt` (Triton's model
+configuration, pbtxt.py) may set the version policy too (not both files), and sets batching,
+instances and the served names of inputs and outputs; what of it cannot apply is refused, by
+file and field, as any layout error is.
 
 Anything that cannot be read this way is a `RepositoryError` naming the path at fault and what
 was expected: a load of that model fails with it, and `asyncgraph serve` refuses to start on it.
@@ -25,10 +29,12 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from asyncgraph.errors import AsyncGraphError
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.names import check_name
+from asyncgraph.serve.pbtxt import PBTXT_FILE, ConfigError, ModelSettings, read_settings
 
 #: The file of a version folder (`DIR/<model>/<version>/model.pt2`), as Triton names it.
 MODEL_FILE = "model.pt2"
@@ -91,6 +97,14 @@ class VersionPolicy:
             return list(self.versions)
         return sorted(available)
 
+    def config(self) -> dict[str, Any]:
+        """The policy as Triton's model configuration writes it (`version_policy`, JSON)."""
+        if self.kind == "latest":
+            return {"latest": {"num_versions": self.latest}}
+        if self.kind == "specific":
+            return {"specific": {"versions": list(self.versions)}}
+        return {"all": {}}
+
     def __str__(self) -> str:
         if self.kind == "latest":
             return f"latest:{self.latest}"
@@ -105,6 +119,8 @@ class ModelRepository:
     def __init__(self, root: str | Path, policy: VersionPolicy | None = None) -> None:
         self.root = Path(root)
         self.policy = policy if policy is not None else VersionPolicy()
+        #: The policy each model's last selection applied (`selected`)
+        self.applied: dict[str, VersionPolicy] = {}
         if not self.root.is_dir():
             raise RepositoryError(
                 f"model repository {self.root}: not a folder (expected one folder per model, "
@@ -170,24 +186,55 @@ class ModelRepository:
         return found
 
     def policy_for(self, name: str) -> VersionPolicy:
-        """The model's own policy (its config.json's `version_policy`), else the server's."""
+        """The model's own policy (its config.json's or config.pbtxt's `version_policy`),
+        else the server's."""
         config = self.root / name / CONFIG_FILE
+        pbtxt = self.settings(name)
+        own = pbtxt.version_policy if pbtxt is not None else None
         if not config.is_file():
-            return self.policy
+            return self.policy if own is None else self._pbtxt_policy(name, pbtxt, own)
         try:
             settings = json.loads(config.read_text())
             text = settings.get("version_policy") if isinstance(settings, dict) else None
             if text is None:
-                return self.policy
+                return self.policy if own is None else self._pbtxt_policy(name, pbtxt, own)
             if not isinstance(text, str):
                 raise ValueError(f"version_policy: expected a string, got {text!r}")
-            return VersionPolicy.parse(text)
+            policy = VersionPolicy.parse(text)
         except (OSError, ValueError) as exc:
             raise RepositoryError(f"model {name!r}: {config}: {exc}") from None
+        if pbtxt is not None and pbtxt.version_policy is not None:
+            raise RepositoryError(
+                f"model {name!r}: both {config} and {pbtxt.path} set the version policy; "
+                f"keep one")
+        return policy
+
+    def settings(self, name: str) -> ModelSettings | None:
+        """The model's config.pbtxt (pbtxt.py), checked; None without one."""
+        path = self.root / name / PBTXT_FILE
+        if not path.is_file():
+            return None
+        try:
+            return read_settings(path, name)
+        except ConfigError as exc:
+            raise RepositoryError(f"model {name!r}: {exc}") from None
+
+    def _pbtxt_policy(self, name: str, pbtxt: ModelSettings | None, text: str) -> VersionPolicy:
+        assert pbtxt is not None
+        try:
+            return VersionPolicy.parse(text)
+        except ValueError as exc:
+            raise RepositoryError(
+                f"model {name!r}: {pbtxt.path}: field 'version_policy' cannot apply: {exc}"
+            ) from None
 
     def selected(self, name: str) -> dict[int, Path]:
-        """The versions of `name` its policy serves, and their files (ascending)."""
+        """The versions of `name` its policy serves, and their files (ascending); the policy
+        is kept as the model's `applied` one (the configuration's answer, model_config.py)."""
         if not self.has(name):
             raise KeyError(name)
         available = self.versions(name)
-        return {v: available[v] for v in self.policy_for(name).select(list(available))}
+        policy = self.policy_for(name)
+        chosen = {v: available[v] for v in policy.select(list(available))}
+        self.applied[name] = policy
+        return chosen

@@ -1249,7 +1249,7 @@ async def test_metrics_use_triton_names(linear: Any) -> None:
         r = await client.get("/metrics")
     assert r.headers["content-type"].startswith("text/plain")
     text = r.text
-    assert "# TYPE nv_inference_request_success untyped" in text
+    assert "# TYPE nv_inference_request_success counter" in text
     assert metric(text, "nv_inference_request_success", model="lin", version="1") == 1
     assert metric(text, "nv_inference_request_failure", model="lin", reason="OTHER") == 1
     assert metric(text, "nv_inference_count", model="lin") == 1

@@ -340,9 +340,9 @@ async def test_cancelling_a_stream_cancels_its_executions() -> None:
 async def test_methods_it_does_not_serve_are_unimplemented(linear: Any) -> None:
     _, ep = linear
     async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as s:
-        with pytest.raises(InferenceServerException) as config:
-            await s.client.get_model_config("lin")
-        assert code_of(config.value) == "StatusCode.UNIMPLEMENTED"
+        with pytest.raises(InferenceServerException) as trace:
+            await s.client.get_trace_settings("lin")
+        assert code_of(trace.value) == "StatusCode.UNIMPLEMENTED"
 
 
 async def test_shutdown_drains_the_calls_in_flight() -> None:
