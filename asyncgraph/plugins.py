@@ -1,8 +1,10 @@
-"""What the layers above the runtime give it: the tracer and the segment backends.
+"""What the layers above the runtime give it: the tracer, the devices and the segment backends.
 
-The runtime defines the hooks (runtime/instrument.py, runtime/delegates.py) and never imports
-what plugs into them; this module, run by `import asyncgraph`, plugs in tools/trace.py's
-TraceRecorder (ExecutorConfig.trace) and the segment backends `ExecutorConfig.segments` names:
+The runtime defines the hooks (runtime/instrument.py, runtime/device.py, runtime/delegates.py)
+and never imports what plugs into them; this module, run by `import asyncgraph`, plugs in
+tools/trace.py's TraceRecorder (ExecutorConfig.trace), cuda/backend.py's CudaBackend as the
+device type "cuda" (imported when a program first has CUDA nodes), and the segment backends
+`ExecutorConfig.segments` names:
 "script" (compiled/scripted.py, torch.jit on demand) and "onnx" (compiled/onnx_segments.py:
 ONNX Runtime and the exporter on demand, from the optional `asyncgraph[onnxruntime]` extra).
 Each is imported when an Executor first asks for it, so `import asyncgraph` imports no torch.
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncgraph.runtime.delegates import SegmentBackend, SegmentPlanner, register_backend
+from asyncgraph.runtime.device import DeviceBackend, DeviceKind, register_device
 from asyncgraph.runtime.instrument import Instrument, register_tracer
 
 if TYPE_CHECKING:
@@ -27,6 +30,12 @@ def _trace_recorder(graph: Graph) -> Instrument:
     from asyncgraph.tools.trace import TraceRecorder  # torch on demand
 
     return TraceRecorder(graph)
+
+
+def _cuda_backend() -> DeviceBackend:
+    from asyncgraph.cuda.backend import CUDA  # cuda/ (and torch) on demand
+
+    return CUDA
 
 
 def _script_planner() -> SegmentPlanner:
@@ -49,5 +58,6 @@ def _onnx_planner() -> SegmentPlanner:
 
 
 register_tracer(_trace_recorder)
+register_device(DeviceKind("cuda", _cuda_backend))
 register_backend(SegmentBackend("script", _script_planner))
 register_backend(SegmentBackend("onnx", _onnx_planner))

@@ -12,5 +12,10 @@
   input signature after warm-up, replayed with one launch; `segment_graphs`: the same for
   segments.
 
-The runtime asks this package for a frame's GPU state; nothing here knows about the loop.
+- `backend`: the "cuda" DeviceBackend (runtime/device.py's seam), registered by
+  asyncgraph/plugins.py: it makes the plans above and hands the Executor their `CudaPlans`.
+
+The runtime never imports this package: it asks the device registry for "cuda" when a program
+has CUDA nodes, and a plan's frame state for a frame's GPU state. This package reads only
+public runtime names; nothing here knows about the loop.
 """

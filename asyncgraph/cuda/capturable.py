@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan, _aten_names
+from asyncgraph.cuda.streams import Role, StreamKey, StreamPlan, aten_names
 from asyncgraph.graph.ir import Graph, OutputKind, Ref, TensorSpec, iter_refs
 from asyncgraph.kernels import KernelKind, OpKernel
 from asyncgraph.runtime.config import ExecutorConfig
@@ -87,7 +87,7 @@ def node_blocker(
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return "is a Python kernel, not an aten op"
-    names = _aten_names(target)
+    names = aten_names(target)
     assert names is not None
     for name in (f"{names[0]}.{target._overloadname}", names[0]):
         if name in DENIED:

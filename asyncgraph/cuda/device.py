@@ -59,8 +59,8 @@ import anyio
 
 from asyncgraph.cuda.host_wait import HostWaiter, shared_waiter
 from asyncgraph.cuda.streams import StreamKey, StreamPlan
-from asyncgraph.graph.ir import TensorSpec, ValueSpec
 from asyncgraph.runtime.device import Calls, UnitSchedule
+from asyncgraph.runtime.device import move_inputs_to_device as move_inputs_to_device
 from asyncgraph.runtime.plan import Placement
 
 logger = logging.getLogger("asyncgraph.cuda.graphs")  # capture.py logs captures there too
@@ -940,28 +940,6 @@ def _bind_run(
 
 
 # -- inputs ---------------------------------------------------------------------------------------
-
-
-def move_inputs_to_device(flat: Sequence[Any], specs: Sequence[ValueSpec | None]) -> list[Any]:
-    """Move tensor inputs to the device their spec names (`move_inputs_to_device=True`).
-
-    Copies to a GPU are enqueued on the caller's current stream without a host wait
-    (`non_blocking`); `FrameStreams.begin` orders the execution's streams after them. Copies
-    to the CPU block until the data has arrived: a non-blocking one would hand CPU kernels a
-    tensor the GPU may still be writing, and nothing would order them after it.
-    """
-    import torch
-
-    out = list(flat)
-    for i, (value, spec) in enumerate(zip(flat, specs, strict=True)):
-        if not isinstance(spec, TensorSpec) or not isinstance(value, torch.Tensor):
-            continue
-        want = spec.device
-        if value.device.type != want.type or (
-            want.index is not None and value.device.index != want.index
-        ):
-            out[i] = value.to(want, non_blocking=want.type == "cuda")
-    return out
 
 
 # -- a reference driver -----------------------------------------------------------------------

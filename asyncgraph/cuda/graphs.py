@@ -73,7 +73,7 @@ from asyncgraph.cuda.capture import (
 )
 from asyncgraph.cuda.device import FrameStreams, StreamSet
 from asyncgraph.cuda.segment_graphs import FrameSegments
-from asyncgraph.runtime.validation import Signature, _signature
+from asyncgraph.runtime.validation import Signature, signature_of
 
 if TYPE_CHECKING:
     from asyncgraph.runtime.frame import ExecutionFrame
@@ -132,7 +132,7 @@ class FrameGraphs:
     ) -> bool:
         """Run the loaded frame as a capture or a replay when its signature is ready."""
         owner = self._owner
-        key = signature if signature is not None else _signature(flat)
+        key = signature if signature is not None else signature_of(flat)
         if key is None or key in owner.failed:
             owner.count("fallbacks")  # under its lock: captures count from threads
             return False

@@ -340,7 +340,9 @@ _META_ATEN = frozenset({
 _DATA_PRIM_ATEN = frozenset({"aten::scalar_tensor"})
 
 
-def _aten_names(target: object) -> tuple[str, str] | None:
+def aten_names(target: object) -> tuple[str, str] | None:
+    """An aten op's name and its name with the overload ("aten::add", "aten::add.Tensor"),
+    as the role tables here and capturable.py's deny list spell them; None for a non-op."""
     schema = getattr(target, "_schema", None)
     if schema is None:
         return None
@@ -359,7 +361,7 @@ def node_role(graph: Graph, plan: ExecutionPlan, index: int) -> Role:
         return Role.ALIAS
     if target in _META_TARGETS:
         return Role.META
-    names = _aten_names(target)
+    names = aten_names(target)
     if names is not None:
         if names[0] in _META_ATEN or names[1] in _META_ATEN:
             return Role.META

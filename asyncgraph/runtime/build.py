@@ -13,8 +13,9 @@ executions share (`Built`). The order matters and is the order of this file:
    runtime/delegates.py, so that the runtime never imports compiled/); new nodes get kernels
    again, and every node a backend made must be a `Delegate`;
 4. the execution plan: value slots, placement per node (runtime/plan.py);
-5. with CUDA nodes, the device plans: streams, capture plans, segments (cuda/), built only
-   then, so a CPU-only program never touches torch.cuda;
+5. with CUDA nodes, the device plans: streams, capture plans, segments, made by the device
+   backend registered as "cuda" (runtime/device.py's registry; cuda/backend.py), asked for
+   only then, so a CPU-only program never imports cuda/ or touches torch.cuda;
 6. the per-signature machinery: adaptive placement and the schedule cache.
 
 A pass added to the library is one row of `GRAPH_PASSES`; `Executor.__init__` only calls
@@ -26,11 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncgraph.cuda.capturable import CapturePlan, plan_capture
-from asyncgraph.cuda.capture import CudaGraphs
-from asyncgraph.cuda.device import Backend, CudaRuntime
-from asyncgraph.cuda.segments import SegmentPlan, segment_plan_for
-from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
 from asyncgraph.graph.ir import Graph
 from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.kernels.base import KernelKind
@@ -43,6 +39,7 @@ from asyncgraph.passes.qkv import split_packed_qkv
 from asyncgraph.passes.recompose import recompose_attention
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate, segment_backend
+from asyncgraph.runtime.device import DevicePlan, device_backend
 from asyncgraph.runtime.placement import AdaptivePlacement, batch_bucket_key
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, build_plan
 from asyncgraph.runtime.schedule import AtomicGroups, ScheduleCache
@@ -116,17 +113,6 @@ class PassCounts:
 
 
 @dataclass(slots=True)
-class CudaPlans:
-    """The device side of a program with CUDA nodes (docs/gpu.md)."""
-
-    stream_plan: StreamPlan
-    runtime: CudaRuntime  # the stream sets of all executions
-    graph_plan: CapturePlan  # whether executions are captured whole, and why not
-    segment_plan: SegmentPlan  # otherwise the segments captured, and the nodes left out
-    graphs: CudaGraphs  # the frame-side state factory of both
-
-
-@dataclass(slots=True)
 class Built:
     """What all executions of one Executor share, as the pipeline made it."""
 
@@ -140,7 +126,7 @@ class Built:
     # every delegate node's target: the backends', and those a compiled package brought
     delegates: tuple[Delegate, ...] = ()
     counts: PassCounts = field(default_factory=PassCounts)
-    cuda: CudaPlans | None = None
+    device: DevicePlan | None = None  # with CUDA nodes: cuda/backend.py's CudaPlans
     adaptive: AdaptivePlacement | None = None
 
 
@@ -159,7 +145,7 @@ def build(
     graph: Graph,
     config: ExecutorConfig,
     factory: KernelFactory,
-    cuda_backend: Backend | None = None,
+    cuda_backend: object | None = None,
 ) -> Built:
     """Run the whole pipeline on an imported program's graph (the module docstring's steps)."""
     graph, counts = run_passes(graph, config)
@@ -169,7 +155,7 @@ def build(
         graph, kernels, folder = fold_constants(graph, kernels)
     graph, kernels, segments = plan_segments(graph, kernels, config, factory)
     plan = build_plan(graph, kernels, config)
-    cuda = _cuda_plans(graph, plan, kernels, config, cuda_backend)
+    device = _device_plan(graph, plan, kernels, config, cuda_backend)
     adaptive = (
         AdaptivePlacement(
             graph, plan, kernels,
@@ -184,24 +170,21 @@ def build(
         if config.adaptive_placement
         else None
     )
-    if adaptive is not None and cuda is not None and not any(adaptive.movable):
+    if adaptive is not None and device is not None and not any(adaptive.movable):
         adaptive = None  # a GPU program with no node to move: profiling would delay capture
-    segment_plan = cuda.segment_plan if cuda is not None else None
+    groups = device.atomic_groups() if device is not None else None
     schedules = ScheduleCache(
         graph, plan, kernels, config.max_fused_nodes,
         # a CPU node reading GPU values may have to wait for them: it is never fused
-        unfusable=cuda.runtime.needs_host_wait if cuda is not None else None,
+        unfusable=device.unfusable if device is not None else None,
         decided=adaptive.decision if adaptive is not None else None,
-        stream_plan=cuda.stream_plan if cuda is not None else None,  # one stream's nodes fuse
-        segments=(  # each captured segment is one unit (cuda/segments.py)
-            AtomicGroups(segment_plan.order, segment_plan.segment_of)
-            if segment_plan is not None and segment_plan.segments
-            else None
-        ),
+        stream_plan=device.runs if device is not None else None,  # one stream's nodes fuse
+        # each captured segment is one unit (cuda/segments.py)
+        segments=AtomicGroups(*groups) if groups is not None else None,
         any_thread=adaptive.any_thread if adaptive is not None else None,  # straight lines
     )
     return Built(
-        graph, kernels, plan, schedules, folder, segments, delegates_of(kernels), counts, cuda,
+        graph, kernels, plan, schedules, folder, segments, delegates_of(kernels), counts, device,
         adaptive,
     )
 
@@ -247,24 +230,15 @@ def delegates_of(kernels: list[OpKernel]) -> tuple[Delegate, ...]:
     )
 
 
-def _cuda_plans(
+def _device_plan(
     graph: Graph,
     plan: ExecutionPlan,
     kernels: list[OpKernel],
     config: ExecutorConfig,
-    backend: Backend | None,
-) -> CudaPlans | None:
-    """Step 5: the device plans, exactly when the program has CUDA nodes (placement STREAM)."""
+    driver: object | None,
+) -> DevicePlan | None:
+    """Step 5: the device plans, exactly when the program has CUDA nodes (placement STREAM),
+    by the backend registered as "cuda" (imported only then)."""
     if Placement.STREAM not in plan.placement:
         return None
-    stream_plan = stream_plan_for(
-        graph, plan, config.cuda_streams, costs=[float(k.cost) for k in kernels]
-    )
-    runtime = CudaRuntime(
-        stream_plan, plan.outputs,
-        max_stream_sets=config.max_concurrent_executions, backend=backend,
-    )
-    graph_plan = plan_capture(graph, plan, stream_plan, kernels, config)
-    segment_plan = segment_plan_for(graph_plan, graph, stream_plan, kernels, config)
-    graphs = CudaGraphs(graph_plan, runtime, graph, plan, config, segment_plan)
-    return CudaPlans(stream_plan, runtime, graph_plan, segment_plan, graphs)
+    return device_backend("cuda").plan(graph, plan, kernels, config, driver)

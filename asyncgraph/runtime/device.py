@@ -8,14 +8,30 @@ Placement.HOST_WAIT); per execution the scheduler calls `begin`, `host_ready`/`w
 before a HOST_WAIT unit, and `await finish()`; the Executor calls `protect_outputs` on what it
 hands to the caller. A frame whose executions are captured as CUDA graphs also holds its
 captures (`ExecutionFrame.graphs`, `Captures`: cuda/graphs.py's FrameGraphs or FrameSegments).
+
+The seam to the device packages (anyio's backend seam: the interfaces live here, the backends
+are registered by name and imported when first used, the runtime never imports one): a
+`DeviceBackend` plans a program's device side into a `DevicePlan` (its runs, the nodes that
+never fuse, the groups captured as one unit, each frame's state, moving inputs, close,
+statistics). Backends are registered by device type (`register_device`; asyncgraph/plugins.py,
+run by `import asyncgraph`, registers cuda/'s as "cuda"), and runtime/build.py asks
+`device_backend("cuda")` only for a program with CUDA nodes, so a CPU-only program imports
+nothing of cuda/. The core types still name CUDA (KernelKind.CUDA, Placement.STREAM: the
+device type is "cuda" for those nodes); once they name a device and its type, adding a device
+kind is its package and one `register_device` call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncgraph.runtime.plan import Placement
+if TYPE_CHECKING:  # `import asyncgraph` registers devices here without importing torch
+    from asyncgraph.graph.ir import Graph, ValueSpec
+    from asyncgraph.kernels import OpKernel
+    from asyncgraph.runtime.config import ExecutorConfig
+    from asyncgraph.runtime.plan import ExecutionPlan, Placement
 
 Calls = tuple[Callable[[list[Any]], Any], ...]
 
@@ -96,3 +112,120 @@ class Captures(Protocol):
     async def run(self, frame: Any, flat: list[Any], signature: Any, version: int) -> bool:
         """Run the loaded frame as a capture or replay; False: it takes the dataflow."""
         ...
+
+
+class DevicePlan(Protocol):
+    """One program's device side as its backend planned it, shared by all its executions
+    (cuda/backend.py's CudaPlans)."""
+
+    @property
+    def runs(self) -> DeviceRuns:
+        """How the program's device nodes fuse into runs."""
+        ...
+
+    @property
+    def unfusable(self) -> Sequence[bool]:
+        """Per node: never fused (a host node reading device values may have to wait)."""
+        ...
+
+    def atomic_groups(self) -> tuple[tuple[int, ...], dict[int, int]] | None:
+        """Groups of nodes each run as one unit (captured segments): a topological order in
+        which each group is contiguous, and node -> group; None when there are none."""
+        ...
+
+    def frame_state(self, calls: Calls) -> tuple[Device, Captures | None]:
+        """A new frame's device state and its captures (None: nothing captured)."""
+        ...
+
+    def move_inputs(self, flat: Sequence[Any], specs: Sequence[ValueSpec | None]) -> list[Any]:
+        """The inputs moved to the devices their specs name (`move_inputs_to_device=True`)."""
+        ...
+
+    def close(self) -> None:
+        """The Executor is closed and every frame idle: free what the plan holds."""
+        ...
+
+    def statistics(self) -> Any:
+        """What the device side did (cuda/: CudaGraphStatistics)."""
+        ...
+
+
+class DeviceBackend(Protocol):
+    """A device kind's planner (cuda/backend.py's CudaBackend)."""
+
+    def plan(
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        kernels: Sequence[OpKernel],
+        config: ExecutorConfig,
+        driver: object | None = None,
+    ) -> DevicePlan:
+        """The device side of a program with nodes on this device. `driver` replaces the
+        device's library (Executor's `_cuda_backend`: tests simulate a GPU with it)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceKind:
+    """A device backend by device type: `load()` imports its package and returns it."""
+
+    type: str
+    load: Callable[[], DeviceBackend]
+
+
+_DEVICES: dict[str, DeviceKind] = {}
+
+
+def register_device(kind: DeviceKind) -> None:
+    """Make programs with nodes on device type `kind.type` plannable; replaces a kind of the
+    same type."""
+    _DEVICES[kind.type] = kind
+
+
+def unregister_device(device_type: str) -> None:
+    """Forget the device kind `device_type`; no error if unknown."""
+    _DEVICES.pop(device_type, None)
+
+
+def registered_devices() -> tuple[str, ...]:
+    """The registered device types, sorted."""
+    return tuple(sorted(_DEVICES))
+
+
+def device_backend(device_type: str) -> DeviceBackend:
+    """The backend of `device_type`, imported now; LookupError naming the registered ones."""
+    kind = _DEVICES.get(device_type)
+    if kind is None:
+        known = ", ".join(repr(t) for t in registered_devices()) or "none (import asyncgraph)"
+        raise LookupError(
+            f"no device backend for device type {device_type!r}; registered: {known} (a "
+            "device package registers itself with asyncgraph.runtime.device.register_device)"
+        )
+    return kind.load()
+
+
+def move_inputs_to_device(flat: Sequence[Any], specs: Sequence[ValueSpec | None]) -> list[Any]:
+    """Move tensor inputs to the device their spec names (`move_inputs_to_device=True`).
+
+    Copies to a GPU are enqueued on the caller's current stream without a host wait
+    (`non_blocking`); the device's frame state (cuda/: `FrameStreams.begin`) orders the
+    execution's streams after them. Copies to the CPU block until the data has arrived: a
+    non-blocking one would hand CPU kernels a tensor the GPU may still be writing, and nothing
+    would order them after it. Device-neutral (only `Tensor.to`): a CPU-only program moves its
+    inputs with it too, without a device backend.
+    """
+    import torch  # this module is imported by `import asyncgraph`, which imports no torch
+
+    from asyncgraph.graph.ir import TensorSpec
+
+    out = list(flat)
+    for i, (value, spec) in enumerate(zip(flat, specs, strict=True)):
+        if not isinstance(spec, TensorSpec) or not isinstance(value, torch.Tensor):
+            continue
+        want = spec.device
+        if value.device.type != want.type or (
+            want.index is not None and value.device.index != want.index
+        ):
+            out[i] = value.to(want, non_blocking=want.type == "cuda")
+    return out

@@ -9,9 +9,11 @@ the outputs, apply mutations -> clear and return the frame -> unflatten.
 The Executor holds only what all executions share (plan, weights, pools); everything of one
 execution lives in its frame.
 
-A program with CUDA nodes (placement STREAM) also gets a StreamPlan and a CudaRuntime (the
-stream sets of all its executions); each frame owns the GPU state of its executions, and the
-scheduler enqueues CUDA nodes on their streams (docs/gpu.md). A program without CUDA nodes
+A program with CUDA nodes (placement STREAM) also gets a device plan from the device backend
+registered as "cuda" (runtime/device.py's seam; cuda/backend.py: a StreamPlan and a
+CudaRuntime, the stream sets of all its executions); each frame owns the GPU state of its
+executions, and the scheduler enqueues CUDA nodes on their streams (docs/gpu.md). This module
+reaches cuda/ only through that plan, and never imports it. A program without CUDA nodes
 builds none of that and never touches torch.cuda, so CPU-only machines never initialise CUDA.
 A GPU program whose nodes can all be captured (`cuda_graph_plan`, asyncgraph/cuda/graphs.py)
 also gets capture state per frame: after warm-up, an execution is one CUDA-graph replay, the
@@ -36,12 +38,6 @@ import anyio.to_thread
 import torch
 from torch.utils import _pytree as pytree
 
-from asyncgraph.cuda.capturable import CapturePlan
-from asyncgraph.cuda.capture import CudaGraphs, CudaGraphStatistics
-from asyncgraph.cuda.device import Backend, CudaRuntime, move_inputs_to_device
-from asyncgraph.cuda.graphs import frame_captures
-from asyncgraph.cuda.segments import SegmentPlan
-from asyncgraph.cuda.streams import StreamPlan
 from asyncgraph.errors import ExecutorClosedError
 from asyncgraph.graph.importers import Program, ProgramLike, to_program
 from asyncgraph.graph.ir import Graph, InputKind, OutputKind, Ref
@@ -63,6 +59,7 @@ from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate
+from asyncgraph.runtime.device import move_inputs_to_device
 from asyncgraph.runtime.frame import ExecutionFrame, load_values
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.placement import NodeTimes, PlacementStatistics
@@ -108,7 +105,8 @@ class Executor:
     once and the others wait their turn. Use it as `async with Executor(p) as ex:` or call
     `await ex.aclose()` when done; resources start lazily on the first execution.
 
-    `_cuda_backend` replaces torch.cuda for the GPU layer (asyncgraph.cuda.device.Backend):
+    `_cuda_backend` replaces torch.cuda for the GPU layer (asyncgraph.cuda.device.Backend,
+    handed to the "cuda" device backend):
     tests run programs with CUDA nodes on a simulated GPU with it. Not part of the public API.
     """
 
@@ -118,7 +116,7 @@ class Executor:
         config: ExecutorConfig | None = None,
         *,
         kernel_factory: KernelFactory | None = None,
-        _cuda_backend: Backend | None = None,
+        _cuda_backend: object | None = None,
     ) -> None:
         self.config = config if config is not None else ExecutorConfig()
         self.program: Program = to_program(program)
@@ -136,14 +134,16 @@ class Executor:
         self._segments = built.segments  # backend -> its delegate nodes (runtime/delegates.py)
         self._delegates = built.delegates  # every delegate node's target: swaps, aclose
         self._folder: ConstantFolder | None = built.folder
-        cuda = built.cuda
-        self.stream_plan: StreamPlan | None = cuda.stream_plan if cuda else None
-        self.cuda_runtime: CudaRuntime | None = cuda.runtime if cuda else None
-        # Whether executions are captured as CUDA graphs, and why not (cuda/graphs.py).
-        self.cuda_graph_plan: CapturePlan | None = cuda.graph_plan if cuda else None
-        # Otherwise, the segments captured and the nodes left out, with why (cuda/segments.py).
-        self.cuda_segment_plan: SegmentPlan | None = cuda.segment_plan if cuda else None
-        self._cuda_graphs: CudaGraphs | None = cuda.graphs if cuda else None
+        # The device side (runtime/device.py's DevicePlan), None for a CPU-only program.
+        device = self._device = built.device
+        # cuda/'s plans under their public names (docs/gpu.md), typed Any: the runtime does
+        # not name cuda/'s types. The StreamPlan and the CudaRuntime (cuda/backend.py);
+        self.stream_plan: Any = getattr(device, "stream_plan", None)
+        self.cuda_runtime: Any = getattr(device, "runtime", None)
+        # whether executions are captured as CUDA graphs, and why not (cuda/graphs.py);
+        self.cuda_graph_plan: Any = getattr(device, "graph_plan", None)
+        # otherwise, the segments captured and the nodes left out, with why (cuda/segments.py).
+        self.cuda_segment_plan: Any = getattr(device, "segment_plan", None)
         self._adaptive = built.adaptive
         self._schedules = built.schedules
         # Fused units time and trace as one: profiled, traced and shuffled runs stay per node.
@@ -182,6 +182,7 @@ class Executor:
         )
         self._validate = self.config.validate_inputs
         self._move_inputs = self.config.move_inputs_to_device
+        self._mover = device.move_inputs if device is not None else move_inputs_to_device
         self._buffer_mutations = [
             (o.arg, o.target) for o in sig.outputs if o.kind is OutputKind.BUFFER_MUTATION
         ]
@@ -191,7 +192,7 @@ class Executor:
             for o in sig.outputs
             if o.kind is OutputKind.USER_INPUT_MUTATION
         ]
-        captured = self.config.cuda_graphs and self.cuda_runtime is not None
+        captured = self.config.cuda_graphs and device is not None
         self._batcher = (
             Batcher(batch_layout(self.graph, self.config.batching, captured=captured),
                     self.config.batching, self._execute)
@@ -202,7 +203,7 @@ class Executor:
         # Straight-line executions run without a frame where a frame would do nothing more:
         # straight.py's run_alone, `_run_alone`.
         self._may_run_alone = (
-            self._fuse and self.recorder is None and self.cuda_runtime is None
+            self._fuse and self.recorder is None and device is None
             and self._output_slots is not None and not self.plan.token_slots
             and not self._buffer_mutations and not self._input_mutations
         )
@@ -277,7 +278,7 @@ class Executor:
         """
         validator = self._validator
         if self._move_inputs and len(flat) == validator.count:
-            flat = move_inputs_to_device(flat, validator.specs)  # before the device check
+            flat = self._mover(flat, validator.specs)  # before the device check
         signature = None
         if self._validate:
             signature = validator.check(flat)
@@ -415,12 +416,11 @@ class Executor:
 
     def _new_frame(self, frame_id: int) -> ExecutionFrame:
         """A frame, with its GPU state (events made once, reused by its executions)."""
-        runtime = self.cuda_runtime
-        if runtime is None:
+        device = self._device
+        if device is None:
             return ExecutionFrame(self.plan, frame_id)
-        gpu = runtime.frame_state(self.plan.calls)
-        assert self._cuda_graphs is not None
-        return ExecutionFrame(self.plan, frame_id, gpu, frame_captures(self._cuda_graphs, gpu))
+        gpu, captures = device.frame_state(self.plan.calls)
+        return ExecutionFrame(self.plan, frame_id, gpu, captures)
 
     def _weights_template(self) -> list[Any]:
         """The weights an execution starting now runs on, noted for its task (weights_ran_on)."""
@@ -569,10 +569,8 @@ class Executor:
         if self._batcher is not None:  # queued requests were accepted: they still run
             await self._batcher.aclose(cancel=cancel)
         await self._pool.wait_idle()
-        if self._cuda_graphs is not None:  # every frame is idle: free their graphs and pools
-            self._cuda_graphs.close()
-        if self.cuda_runtime is not None:  # the host-wait thread ends once nothing waits
-            self.cuda_runtime.close()
+        if self._device is not None:  # every frame is idle: free their graphs and pools; the
+            self._device.close()  # host-wait thread ends once nothing waits
         self._pool.close()
         for delegate in self._delegates:  # their threads (tracers, builders) end
             await delegate.aclose()
@@ -628,9 +626,17 @@ class Executor:
         current = self._adaptive.current if self._adaptive is not None else self.plan.placement
         return {n.name: current[n.index] for n in self.graph.nodes}
 
-    def cuda_graph_statistics(self) -> CudaGraphStatistics | None:
-        """Captures, replays and fallbacks of CUDA graphs (None without CUDA nodes)."""
-        return self._cuda_graphs.statistics() if self._cuda_graphs is not None else None
+    def device_statistics(self) -> Any:
+        """What the device side did, as its backend counts it (runtime/device.py's
+        DevicePlan.statistics; cuda/: captures, replays and fallbacks of CUDA graphs, a
+        CudaGraphStatistics); None for a program without device nodes."""
+        return self._device.statistics() if self._device is not None else None
+
+    def cuda_graph_statistics(self) -> Any:
+        """Captures, replays and fallbacks of CUDA graphs (cuda/capture.py's
+        CudaGraphStatistics; None without CUDA nodes): `device_statistics()` under its
+        older name."""
+        return self.device_statistics()
 
     def placement_statistics(self) -> PlacementStatistics | None:
         """What adaptive placement has profiled and decided (None when it is off)."""

@@ -43,7 +43,7 @@ value) of a plain scalar. Equal signatures pass or fail alike; the Executor also
 adaptive placement, whose shape key is a function of it."""
 
 
-def _signature(flat: Sequence[Any]) -> Signature | None:
+def signature_of(flat: Sequence[Any]) -> Signature | None:
     """What validation depends on, hashable; None when an input is neither a tensor nor a
     plain scalar (such calls are checked in full every time)."""
     parts: list[Any] = []
@@ -223,7 +223,7 @@ class InputValidator:
         """
         if len(flat) != self.count:
             raise InputValidationError(f"expected {self.count} input(s), got {len(flat)}")
-        key = _signature(flat)
+        key = signature_of(flat)
         last = self._last
         if key is not None and key == last:  # a repeat caller: no hashing, and the same
             return last  # object again, by which adaptive placement finds its entry at once

@@ -6,10 +6,14 @@ rules:
 
 - no import cycle between modules;
 - every import between subpackages goes down the layer order (or stays within a layer):
-  errors < graph < passes < kernels < runtime, cuda < tools < compiled, serve, testing
-  < loading, plugins < cli, ray;
+  errors < graph < passes < kernels < runtime < cuda < tools < compiled, serve, testing
+  < loading, plugins < cli, ray (runtime reaches a device only through the registry of
+  runtime/device.py, which cuda/ fills; no exception for the pair);
 - the core of the run loop (runtime/frame.py, schedule.py, scheduler.py) imports nothing from
   cuda/, compiled/ or tools/.
+
+And the device seam (runtime/device.py): cuda/ imports no private name; an Executor of a
+CPU-only program imports nothing of cuda/; the registry names an unknown device type.
 
 The imports that still break them are KNOWN, each with its item of issue 35 (or why it
 stays); the test fails when one of them is gone, so the list only shrinks. The root module
@@ -34,7 +38,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         {"graph"},
         {"passes"},
         {"kernels"},
-        {"runtime", "cuda"},
+        {"runtime"},
+        {"cuda"},
         {"tools"},
         {"compiled", "serve", "testing"},
         {"loading", "plugins"},
@@ -170,3 +175,64 @@ def test_known_violations_still_exist(graph: grimp.ImportGraph) -> None:
         rest = (set(KNOWN) | set(ALLOWED)) - {edge}
         assert _cycles(graph, rest), f"{edge} breaks no rule and closes no cycle: remove it"
     assert set(ALLOWED) <= edges
+
+
+def _private_imports(package: str) -> list[str]:
+    """`from asyncgraph.x import _name` in `package`'s modules, as `file: module.name`."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    root = Path(importlib.import_module(package).__file__ or "").parent
+    found = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(ROOT + "."):
+                found += [f"{path.name}: {node.module}.{a.name}"
+                          for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_cuda_imports_no_private_name() -> None:
+    """cuda/ plugs into the runtime's seam (runtime/device.py) through public names only, and
+    its modules read no private name of each other's either."""
+    private = _private_imports(ROOT + ".cuda")
+    assert not private, f"cuda/ imports private names: {private}"
+
+
+def test_a_cpu_program_imports_nothing_of_cuda() -> None:
+    """The runtime reaches cuda/ only through the device registry, for CUDA nodes: an Executor
+    of a CPU-only program runs without importing asyncgraph.cuda."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import asyncio, sys
+        import torch
+        from asyncgraph import Executor
+
+        class M(torch.nn.Module):
+            def forward(self, x):
+                return x + 1
+
+        async def main():
+            program = torch.export.export(M(), (torch.ones(2),))
+            async with Executor(program) as ex:
+                assert (await ex.execute(torch.ones(2))).tolist() == [2.0, 2.0]
+        asyncio.run(main())
+        print(sorted(m for m in sys.modules if m.startswith("asyncgraph.cuda")))
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_an_unregistered_device_type_is_named() -> None:
+    from asyncgraph.runtime.device import device_backend, registered_devices
+
+    assert "cuda" in registered_devices()  # asyncgraph/plugins.py, run by `import asyncgraph`
+    with pytest.raises(LookupError, match=r"'mps'; registered: 'cuda'"):
+        device_backend("mps")
