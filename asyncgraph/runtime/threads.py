@@ -84,10 +84,14 @@ class _Launcher:
         return True
 
     def stop(self) -> None:
-        """End the thread once the starts asked so far are done."""
+        """End the thread once the starts asked so far are done, and wait for it (unless
+        called on it, from a finalizer a collection ran there): a pool's `aclose` leaves no
+        thread of asyncgraph's behind it."""
         with self._lock:
             self._stopping = True
             self._wakeup.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _serve(self) -> None:
         while True:
