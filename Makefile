@@ -32,7 +32,7 @@ VENV_312 ?= .venv-py312
 
 .PHONY: demo test test-all lint typecheck unit soak test-torch-min test-py312 py312-suite \
 	fresh-clone gpu-report \
-	bench-nativert bench-ort install clean
+	bench-nativert bench-ort bench-serve install clean
 
 # pytest, as every leg runs it: the skip reasons (-rs) and the 25 slowest tests. With JUNIT_DIR
 # (set by scripts/test_legs.py) each run also writes JUnit XML there, for the summary table.
@@ -154,6 +154,14 @@ gpu-report:
 ORT_ARGS ?=
 bench-ort: install
 	$(BIN)/python -m benchmarks.ort $(ORT_ARGS)
+
+# asyncgraph serve under NVIDIA's perf_analyzer 2.60.0 (benchmarks/perf_analyzer.py): HTTP and
+# gRPC, concurrency 1 and 4, -b 4 against a batching server, --shared-memory system. Finds
+# perf_analyzer via $$PERF_ANALYZER, PATH or ~/.cache/perf_analyzer (shared/tools'
+# perf_analyzer_setup.sh makes it runnable); skips with the reason where none runs.
+BENCH_SERVE_ARGS ?=
+bench-serve: install
+	$(BIN)/python -m benchmarks.perf_analyzer $(BENCH_SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_MIN) $(VENV_312) build .pytest_cache .mypy_cache .ruff_cache

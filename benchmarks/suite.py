@@ -23,15 +23,25 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks import chain, concurrency, memory, ort, steady_state, transformer, wide
+from benchmarks import (
+    chain,
+    concurrency,
+    memory,
+    ort,
+    perf_analyzer,
+    steady_state,
+    transformer,
+    wide,
+)
 from benchmarks.harness import CaseResult, Context, Settings, environment, torch_threads
 
 SCENARIOS: dict[str, ModuleType] = {
     m.NAME: m for m in (chain, transformer, wide, concurrency, memory, steady_state)
 }
-# Run only when named (`-s onnxruntime`): peers from the optional `bench` extra, and exports
-# that take seconds; a scenario whose dependency is missing reports one case, skipped, saying why.
-OPTIONAL: dict[str, ModuleType] = {m.NAME: m for m in (ort,)}
+# Run only when named (`-s onnxruntime`, `-s perf-analyzer`): peers from the optional `bench`
+# extra or an external binary (perf_analyzer), and exports that take seconds; a scenario whose
+# dependency is missing reports one case, skipped, saying why.
+OPTIONAL: dict[str, ModuleType] = {m.NAME: m for m in (ort, perf_analyzer)}
 
 
 @dataclass

@@ -42,8 +42,8 @@ def bench(
     scenario: list[str] = typer.Option(  # noqa: B008 - typer's declaration style
         [], "--scenario", "-s",
         help="Scenario to run (repeatable): chain, transformer, wide, concurrent, memory, "
-             "steady_state; onnxruntime (only when named: needs the onnxruntime extra). "
-             "Default: all but onnxruntime.",
+             "steady_state; onnxruntime and perf-analyzer only when named (they need the "
+             "onnxruntime extra and a perf_analyzer binary). Default: all but those two.",
     ),
     quick: bool = typer.Option(
         False, "--quick", help="Target sizes but few rounds: a look, not a figure to quote."
