@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -180,6 +180,9 @@ class BatcherStatistics:
     retried_alone: int
     refused: int = 0
     padded_rows: int = 0
+    # executions that succeeded by the rows they ran (padding included): (count, seconds);
+    # Triton's batch_stats (serve/statistics.py)
+    by_size: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def mean_rows(self) -> float:
@@ -214,6 +217,7 @@ class Batcher:
         self._delay_timer = False  # whether _dispatch_handle is a max_delay_s timer
         self._closed = False
         self._requests = self._batch_count = self._rows = self._largest = 0
+        self._by_size: dict[int, list[float]] = {}  # rows run -> [executions, seconds]
         self._cancelled_in_queue = self._retried_alone = self._refused = self._padded = 0
         self._waiting = 0  # requests in the queue that no one has cancelled
         # _rows_and_key's answer for the last signature it saw (requires_grad of the batched
@@ -395,7 +399,10 @@ class Batcher:
                 return
             self._padded += pad
             try:
-                outputs = await self._run(await self._joined(batch, pad))
+                joined = await self._joined(batch, pad)
+                started = time.perf_counter()
+                outputs = await self._run(joined)
+                self._ran(sum(r.rows for r in batch) + pad, time.perf_counter() - started)
             except Exception:
                 # one request failing padded is retried as it came: the padding may be
                 # what failed (a size the program's guards refuse)
@@ -428,11 +435,13 @@ class Batcher:
         if request.future.done():
             return
         try:
+            started = time.perf_counter()
             outputs = await self._run(request.flat)
         except Exception as exc:
             if not request.future.done():
                 request.future.set_exception(exc)
         else:
+            self._ran(request.rows, time.perf_counter() - started)
             request.weights_version = weights_ran_on()
             if not request.future.done():
                 request.future.set_result(outputs)
@@ -543,6 +552,11 @@ class Batcher:
             self.loop = current_loop()
         return self.loop
 
+    def _ran(self, rows: int, seconds: float) -> None:
+        entry = self._by_size.setdefault(rows, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+
     def statistics(self) -> BatcherStatistics:
         return BatcherStatistics(
             requests=self._requests,
@@ -555,4 +569,5 @@ class Batcher:
             retried_alone=self._retried_alone,
             refused=self._refused,
             padded_rows=self._padded,
+            by_size={rows: (int(n), s) for rows, (n, s) in self._by_size.items()},
         )

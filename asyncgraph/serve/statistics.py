@@ -20,10 +20,10 @@ The figures are the ones /metrics shows: both read the server's per-version coun
   batches, else 1 per execution (core.batch_rows); `execution_count`: executions of the model:
   the batcher's batches when it batches, else the successful requests (nv_inference_count and
   nv_inference_exec_count);
-- `batch_stats`: executions and their compute_infer time by batch size. asyncgraph's batcher
-  does not report the size of each batch it ran, so a request is counted under its own rows
-  (its share of the batch it joined); without batching every execution is of size 1. Decode
-  and encode are per request, not per batch: their batch_stats entries stay zero;
+- `batch_stats`: executions and their compute_infer time by batch size: with batching, the
+  batcher's own count of the batches it ran by their rows (`BatcherStatistics.by_size`,
+  padding included: the size the model ran); without, each request's execution under its
+  rows. Decode and encode are per request, not per batch: their batch_stats entries stay zero;
 - `last_inference`: milliseconds since the epoch of the last successful execution;
 - `cache_hit` / `cache_miss`, `memory_usage`, `response_stats`: no response cache, no
   per-allocation report, no decoupled models: always zero or empty.
@@ -85,6 +85,13 @@ def _all_versions(server: InferenceServer) -> list[tuple[str, str]]:
     return [(e["name"], e["version"]) for e in server.repository_index(ready=True)]
 
 
+def _by_size(c: ModelCounters, batches: Any) -> dict[int, tuple[int, float]]:
+    """Executions and their compute time (us) by batch size: the batcher's, when it batches."""
+    if batches is None:
+        return {size: (int(n), us) for size, (n, us) in c.batches.items()}
+    return {size: (n, seconds * 1e6) for size, (n, seconds) in batches.by_size.items()}
+
+
 def _entry(server: InferenceServer, name: str, version: str) -> dict[str, Any]:
     c = server.metrics.by_version.get((name, version)) or ModelCounters()
     try:
@@ -103,7 +110,7 @@ def _entry(server: InferenceServer, name: str, version: str) -> dict[str, Any]:
         "batch_stats": [
             {"batch_size": size, "compute_input": _duration(0, 0),
              "compute_infer": _duration(n, us), "compute_output": _duration(0, 0)}
-            for size, (n, us) in sorted(c.batches.items())
+            for size, (n, us) in sorted(_by_size(c, batches).items())
         ],
         "memory_usage": [],
         "response_stats": {},

@@ -166,8 +166,11 @@ async def test_statistics_with_batching_count_rows_and_batches(linear: Any) -> N
     assert stats["inference_count"] == sum(len(x) for x in xs)  # rows, as Triton counts
     assert stats["execution_count"] == batches.batches
     assert stats["inference_stats"]["success"]["count"] == len(xs)
-    sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]}
-    assert set(sizes) <= {1, 2, 3} and sum(sizes.values()) == len(xs)
+    # by the batches that ran: their sizes in rows, as the batcher counted them
+    sizes = {int(b["batch_size"]): b["compute_infer"]["count"] for b in stats["batch_stats"]}
+    assert batches.retried_alone == 0 and sum(sizes.values()) == batches.batches
+    assert sum(size * n for size, n in sizes.items()) == batches.rows + batches.padded_rows
+    assert sizes == {size: n for size, (n, _) in batches.by_size.items()}
 
 
 # -- system shared memory -------------------------------------------------------------------
