@@ -48,16 +48,20 @@ endef
 
 # `make demo` installs what the demo needs (the cli extra: about 1.0 GB with torch); `make test`
 # the dev extra on top (ray, onnxruntime, grpc, the linters...: 1.7 GB). Both in the same .venv.
+# EDITABLE: setuptools warns on every editable install of a flat layout that "folders with the
+# same name as your package" may take precedence during imports; here that folder is the
+# package the install maps, so the warning (and only it) is silenced.
+EDITABLE = PYTHONWARNINGS="ignore:Editable installation"
 $(VENV)/.cli-installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[cli]'
+	$(EDITABLE) $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[cli]'
 	touch $@
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(EDITABLE) $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@ $(VENV)/.cli-installed
 
 install: $(VENV)/.installed
@@ -66,7 +70,7 @@ $(VENV_MIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV_MIN)
 	$(VENV_MIN)/bin/python -m pip install --quiet --upgrade pip
 	grep -v '^torch==' constraints.txt > $(VENV_MIN)/constraints.txt
-	$(VENV_MIN)/bin/python -m pip install --quiet -c $(VENV_MIN)/constraints.txt \
+	$(EDITABLE) $(VENV_MIN)/bin/python -m pip install --quiet -c $(VENV_MIN)/constraints.txt \
 		'torch==$(TORCH_MIN)' -e '.[dev]'
 	touch $@
 
@@ -75,7 +79,7 @@ $(VENV_312)/.installed: pyproject.toml constraints.txt
 	$(PYTHON_312) -m venv $(VENV_312)
 	$(VENV_312)/bin/python -m pip install --quiet --upgrade pip
 	grep -v '^torch==' constraints.txt > $(VENV_312)/constraints.txt
-	$(VENV_312)/bin/python -m pip install --quiet -c $(VENV_312)/constraints.txt \
+	$(EDITABLE) $(VENV_312)/bin/python -m pip install --quiet -c $(VENV_312)/constraints.txt \
 		'torch==$(TORCH_312)' -e '.[dev]'
 	touch $@
 
