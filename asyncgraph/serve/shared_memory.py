@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +62,12 @@ class Region:
         self.name, self.key, self.offset, self.byte_size = name, key, offset, byte_size
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         self._delta = offset - start
-        fd = os.open(path, os.O_RDWR)
+        # not through a link, and only a plain file: a link planted in /dev/shm must not turn
+        # the outputs written into a region into writes to any file the server can open
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{path} is not a shared memory object (not a plain file)")
             self._map: mmap.mmap | None = mmap.mmap(
                 fd, self._delta + byte_size, mmap.MAP_SHARED,
                 mmap.PROT_READ | mmap.PROT_WRITE, offset=start,

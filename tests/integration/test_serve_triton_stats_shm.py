@@ -13,6 +13,7 @@ import queue
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -368,3 +369,21 @@ async def test_grpc_stats_and_shm_methods_are_served(linear: Any) -> None:
         assert (await s.grpc.get_system_shared_memory_status(as_json=True)) == {}
         assert (await s.grpc.get_cuda_shared_memory_status(as_json=True)) == {}
         await s.grpc.unregister_system_shared_memory()
+
+
+async def test_a_link_in_shared_memory_is_not_followed(linear: Any, tmp_path: Path) -> None:
+    """A key naming a symbolic link in /dev/shm (planted by anyone on the machine) is refused:
+    followed, the outputs written into the region would land in whatever file it points at."""
+    _, ep = linear
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"\0" * 64)
+    link = Path("/dev/shm") / f"ag{uuid.uuid4().hex[:10]}"
+    link.symlink_to(victim)
+    try:
+        async with asyncgraph.Executor(ep) as ex, serving({"lin": ex}) as s:
+            for client in (s.http, s.grpc):
+                with pytest.raises(InferenceServerException, match="'linked'"):
+                    await client.register_system_shared_memory("linked", "/" + link.name, 32)
+    finally:
+        link.unlink()
+    assert victim.read_bytes() == b"\0" * 64
