@@ -25,7 +25,7 @@ import asyncgraph
 PACKAGE = Path(asyncgraph.__file__).parent
 
 #: The packages checked (the serving stack and what sits on it).
-CHECKED = ("serve", "ray", "cli")
+CHECKED = ("serve", "ray", "cli", "runtime", "cuda")
 
 
 def _private(name: str) -> bool:
