@@ -28,7 +28,7 @@ try:
 except ModuleNotFoundError as missing:
     _CLI_EXTRA_MODULES = {
         "typer", "rich", "click", "starlette", "uvicorn", "uvloop", "prometheus_client",
-        "safetensors",
+        "safetensors", "google",  # google.protobuf: the serve extra's
     }
     _top_level = (missing.name or "").partition(".")[0]
     if _top_level not in _CLI_EXTRA_MODULES:

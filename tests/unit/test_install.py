@@ -9,12 +9,16 @@ them. Each check runs in a fresh interpreter: this process has them all imported
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
 EXTRA_MODULES = ("typer", "rich", "click", "starlette", "uvicorn", "prometheus_client",
                  "safetensors", "uvloop")
 CORE_MODULES = ("asyncgraph", "asyncgraph.testing", "asyncgraph.tools.compare",
@@ -78,3 +82,36 @@ def test_console_script_names_the_cli_extra_when_it_is_missing(missing: str) -> 
         f"asyncgraph's command line needs the cli extra ({missing} is not installed): "
         "pip install 'asyncgraph[cli]'"
     )
+
+
+# the libraries asyncgraph itself imports, by the module it imports and the distribution
+DISTRIBUTIONS = {
+    "torch": "torch", "numpy": "numpy", "anyio": "anyio", "starlette": "starlette",
+    "uvicorn": "uvicorn", "uvloop": "uvloop", "prometheus_client": "prometheus-client",
+    "google.protobuf": "protobuf", "grpc": "grpcio", "typer": "typer", "rich": "rich",
+    "safetensors": "safetensors",
+}
+
+
+@pytest.mark.timeout(180)
+def test_the_http_server_imports_only_what_core_and_the_serve_extra_declare() -> None:
+    """`asyncgraph[serve]` (and `[cli]`, which has it) serves HTTP, Triton's model
+    configuration and config.pbtxt included: every library of asyncgraph's the HTTP server
+    imports is a core dependency or the serve extra's (protobuf was the grpc extra's only,
+    so a `[cli]` install could not start `asyncgraph serve`)."""
+    result = _python(f"""
+        import json, sys
+        sys.modules["grpc"] = None  # the grpc extra's own module: HTTP must not need it
+        from asyncgraph.serve import create_app
+        import asyncgraph.serve.pbtxt
+        create_app({{}})
+        loaded = {{n for n, m in sys.modules.items() if m is not None}}
+        print(json.dumps(sorted(set({list(DISTRIBUTIONS)!r}) & loaded)))
+    """)
+    assert result.returncode == 0, result.stderr
+    imported = {DISTRIBUTIONS[module] for module in json.loads(result.stdout)}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0]
+                for r in [*project["dependencies"], *project["optional-dependencies"]["serve"]]}
+    assert "protobuf" in imported, "the check would pass on nothing"
+    assert imported <= declared, f"imported but not declared: {sorted(imported - declared)}"
