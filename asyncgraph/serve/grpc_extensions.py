@@ -4,7 +4,7 @@ of `inference.GRPCInferenceService`, beside the methods grpc_server.py serves.
 
 Their messages are Triton's (proto/extensions.proto: the same names and field numbers as
 Triton's grpc_service.proto, so tritonclient's stubs call them), loaded into a descriptor
-pool of this module's own, as grpc_protocol.py loads inference.proto's. The answers are the
+pool of their own (proto/__init__.py's ProtoFile), as inference.proto's are. The answers are the
 ones HTTP gives (triton_http.py): statistics.model_statistics as a ModelStatisticsResponse,
 the server's SystemSharedMemory (shared_memory.py), and CUDA shared memory refused.
 """
@@ -15,28 +15,20 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.protobuf import json_format
 
 from asyncgraph.serve.core import InferenceServer
 from asyncgraph.serve.errors import ProtocolError
+from asyncgraph.serve.proto import SERVICE, ProtoFile
 from asyncgraph.serve.proto.extensions_descriptor import SERIALIZED
 from asyncgraph.serve.shared_memory import CUDA_REFUSED
 from asyncgraph.serve.statistics import model_statistics
 
-SERVICE = "inference.GRPCInferenceService"
-
-_POOL = descriptor_pool.DescriptorPool()
-FILE = _POOL.Add(descriptor_pb2.FileDescriptorProto.FromString(SERIALIZED))
-
-
-def _message(name: str) -> Any:
-    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"inference.{name}"))
-
-
-#: method name -> (request class, response class)
+_PROTO = ProtoFile(SERIALIZED)
+FILE = _PROTO.file
+#: method name -> (request class, response class), all unary
 METHODS: dict[str, tuple[Any, Any]] = {
-    method.name: (_message(method.input_type.name), _message(method.output_type.name))
-    for method in _POOL.FindServiceByName(SERVICE).methods
+    name: (request, response) for name, (request, response, _, _) in _PROTO.methods().items()
 }
 
 #: How a handler answers a failed call with a ProtocolError (grpc_server._abort: its gRPC

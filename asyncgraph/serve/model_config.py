@@ -24,30 +24,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.protobuf import json_format
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asyncgraph.serve.core import InferenceServer, Served
 from asyncgraph.serve.interface import TensorInfo
+from asyncgraph.serve.proto import ProtoFile
 from asyncgraph.serve.proto.model_config_descriptor import SERIALIZED
 
 #: What the answer names as the model's platform and backend.
 PLATFORM = "pytorch_export"
 BACKEND = "asyncgraph"
 
-_POOL = descriptor_pool.DescriptorPool()
-FILE = _POOL.Add(descriptor_pb2.FileDescriptorProto.FromString(SERIALIZED))
-
-
-def _message(name: str) -> Any:
-    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"inference.{name}"))
-
-
-ModelConfig = _message("ModelConfig")
-ModelConfigRequest = _message("ModelConfigRequest")
-ModelConfigResponse = _message("ModelConfigResponse")
+_PROTO = ProtoFile(SERIALIZED)
+FILE = _PROTO.file
+ModelConfig = _PROTO.message("ModelConfig")
+ModelConfigRequest = _PROTO.message("ModelConfigRequest")
+ModelConfigResponse = _PROTO.message("ModelConfigResponse")
 
 
 def triton_type(datatype: str) -> str:
