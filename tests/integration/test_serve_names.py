@@ -37,7 +37,7 @@ from asyncgraph.serve.grpc_server import GrpcEndpoint, add_grpc
 from asyncgraph.serve.model_control import add_model_control
 from asyncgraph.serve.names import check_name, version_number
 from asyncgraph.serve.repository import ModelRepository
-from tests.support.models import Affine
+from tests.support.models import Affine, export_model
 from tests.support.serving import CPU, WAIT_S, eventually, identity_graph, metric
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(120)]
@@ -51,9 +51,7 @@ LONG_VERSION = "9" * 5000  # digits, past int()'s default limit of 4,300
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
-    batch = torch.export.Dim("batch", min=1, max=64)
-    ep = torch.export.export(Affine().eval(), (torch.randn(2, 4),),
-                             dynamic_shapes=({0: batch},))
+    ep = export_model(Affine(), torch.randn(2, 4), dynamic=True)
     path = tmp_path_factory.mktemp("pt2") / "a.pt2"
     torch.export.save(ep, path)
     return path

@@ -29,7 +29,7 @@ from asyncgraph.serve import create_app, running_server
 from asyncgraph.serve.grpc_server import add_grpc
 from asyncgraph.serve.model_control import add_model_control
 from asyncgraph.serve.repository import ModelRepository, RepositoryError, VersionPolicy
-from tests.support.models import Affine
+from tests.support.models import Affine, export_model
 from tests.support.serving import metric
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(120)]
@@ -42,9 +42,7 @@ X = np.arange(8, dtype=np.float32).reshape(2, 4) / 8
 def pt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Affine (Linear(4, 3)) exported with a dynamic batch, saved."""
     torch.manual_seed(0)
-    batch = torch.export.Dim("batch", min=1, max=64)
-    ep = torch.export.export(Affine().eval(), (torch.randn(2, 4),),
-                             dynamic_shapes=({0: batch},))
+    ep = export_model(Affine(), torch.randn(2, 4), dynamic=True)
     path = tmp_path_factory.mktemp("pt2") / "affine.pt2"
     torch.export.save(ep, path)
     return path

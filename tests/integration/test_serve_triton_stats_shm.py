@@ -28,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 import asyncgraph
 from asyncgraph.serve import InferenceServer, create_app, running_server
 from asyncgraph.serve.grpc_server import add_grpc
-from tests.support.models import Affine
+from tests.support.models import Affine, export_model
 from tests.support.serving import Gate, gated_graph, metric
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -39,10 +39,8 @@ WAIT_S = 20.0
 @pytest.fixture(scope="module")
 def linear() -> tuple[torch.nn.Module, torch.export.ExportedProgram]:
     torch.manual_seed(0)
-    model = Affine().eval()
-    batch = torch.export.Dim("batch", min=1, max=64)
-    ep = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
-    return model, ep
+    model = Affine()
+    return model, export_model(model, torch.randn(2, 4), dynamic=True)
 
 
 class Clients:
