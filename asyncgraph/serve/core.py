@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -214,23 +215,17 @@ class InferenceServer:
     def lookup(self, route: str, name: str, version: str | None = None) -> Served:
         """`served`, for a client's request on `route` (infer, metadata): its refusal, a
         malformed name or version (400) or one not served (404), counted in the metrics."""
-        try:
+        with self._counted(route):
             return self.served(name, version)
-        except ProtocolError as exc:
-            self.metrics.unserved(route, exc.status)
-            raise
 
     def readiness(self, name: str, version: str | None = None) -> bool:
         """Whether model `name` (at `version`) is ready to serve: False for a repository
         model with no version loaded; refused (400, 404) and counted as `lookup` is."""
-        try:
+        with self._counted("ready"):
             self._check(name, version)
             if self.control is not None and self.control.not_loaded(name):
                 return False
             self.served(name, version)
-        except ProtocolError as exc:
-            self.metrics.unserved("ready", exc.status)
-            raise
         return self.model_ready(name)
 
     def _check(self, name: str, version: str | None) -> None:
@@ -240,9 +235,11 @@ class InferenceServer:
         if self.control is not None or version != self.version:
             check_version(version)
 
-    def _check_counted(self, route: str, name: str) -> None:
+    @contextmanager
+    def _counted(self, route: str) -> Iterator[None]:
+        """A lookup's refusal (ProtocolError: 400, 404) counted by route in the metrics."""
         try:
-            check_name(name)
+            yield
         except ProtocolError as exc:
             self.metrics.unserved(route, exc.status)
             raise
@@ -271,7 +268,8 @@ class InferenceServer:
     async def load_model(self, name: str, parameters: Mapping[str, Any] | None = None) -> None:
         if self.control is None:
             raise ProtocolError(NOT_ALLOWED, 503)  # as Triton when model control is off
-        self._check_counted("load", name)
+        with self._counted("load"):
+            check_name(name)
         await self.control.load(name, parameters)
 
     async def unload_model(
@@ -279,7 +277,8 @@ class InferenceServer:
     ) -> None:
         if self.control is None:
             raise ProtocolError(NOT_ALLOWED, 503)
-        self._check_counted("unload", name)
+        with self._counted("unload"):
+            check_name(name)
         await self.control.unload(name, parameters)
 
     async def calibrate(self) -> None:
