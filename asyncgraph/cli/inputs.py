@@ -20,7 +20,6 @@ from torch.utils import _pytree as pytree
 
 from asyncgraph.errors import InputValidationError
 from asyncgraph.graph.ir import Graph, ScalarSpec
-from asyncgraph.tools.compare import random_flat_inputs
 
 if TYPE_CHECKING:
     from asyncgraph.runtime.executor import Executor
@@ -31,14 +30,6 @@ INPUT_SUFFIXES = (".pt", ".pth", ".npy", ".safetensors")
 def input_names(graph: Graph) -> list[str]:
     """The flat user inputs' names, in signature order."""
     return [graph.values[s.value].name for s in graph.signature.user_inputs]
-
-
-def random_inputs(graph: Graph, seed: int = 0) -> list[Any]:
-    """Flat user inputs that fit the signature: example shapes, random values."""
-    try:
-        return random_flat_inputs(graph, seed)
-    except ValueError as exc:
-        raise InputValidationError(f"{exc} (give its value with --input)") from None
 
 
 def chosen_inputs(
