@@ -1,8 +1,10 @@
-"""asyncgraph's benchmark suite: asyncgraph and its peers, side by side, in one process.
+"""The scripts of asyncgraph's benchmarks that need heavy peers or another environment, run
+from a source checkout: `python -m benchmarks.ort` (ONNX Runtime), `benchmarks.perf_analyzer`
+(NVIDIA's perf_analyzer against `asyncgraph serve`), `benchmarks.nativert_compare` (nativert
+and AOTInductor, in torch 2.11's venv), `benchmarks.gpu`, `benchmarks.overhead` and the
+others here; results/ holds the recorded runs.
 
-Run it with `asyncgraph bench` (all scenarios), `asyncgraph bench --scenario chain --quick`,
-`asyncgraph bench --json` or `asyncgraph bench --check` (exit 1 when a target is missed), from
-a source checkout. One module per scenario (chain, transformer, wide, concurrent, memory,
-steady_state), the harness in harness.py, the peers in peers.py, and nativert_compare.py for a
-separate environment with torch 2.9-2.11.
+The suite `asyncgraph bench` runs, its harness and its default scenarios are the installed
+package asyncgraph.bench; these scripts import them from there, and `asyncgraph bench -s
+onnxruntime` / `-s perf-analyzer` import ort.py / perf_analyzer.py from this folder.
 """

@@ -2,8 +2,8 @@
 
     python -m benchmarks.compiled [--rounds 15] [--calls 50]
 
-Compiles the 70-node export graph of benchmarks/transformer.py (hidden 128, 2 layers, seq 16,
-batch 1) with `--segments whole` and `auto` (a minute or two on 2 cores: compile time and
+Compiles the 70-node export graph of asyncgraph/bench/transformer.py (hidden 128, 2 layers,
+seq 16, batch 1) with `--segments whole` and `auto` (a minute or two on 2 cores: compile time and
 package size are printed), checks that each agrees with the plain Executor, then times the
 three Executors round by round in a new random order each round; medians of per-call times,
 ratios against the plain graph measured in the same run. A diagnostic, not part of
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 import asyncgraph
+from asyncgraph.bench.models import exported_encoder
 from asyncgraph.compiled import compile_program
-from benchmarks.models import exported_encoder
 
 
 async def _calls(ex: asyncgraph.Executor, x: torch.Tensor, calls: int) -> float:

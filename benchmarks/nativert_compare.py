@@ -35,9 +35,10 @@ torch's binding (`AOTIModelPackageLoader.run`, which holds the GIL while the mod
 instead of their C entry points (asyncgraph/compiled/native_call.py), in the same rounds:
 the peers named `... via binding`.
 
-The harness of the main suite (benchmarks/harness.py) does the measuring: outputs compared with
-asyncgraph's first (a peer that disagrees is marked MISMATCH), rounds alternating in a new
-seeded random order each round, medians after warm-up, ratios of medians of the same run.
+The harness of the main suite (asyncgraph/bench/harness.py) does the measuring: outputs
+compared with asyncgraph's first (a peer that disagrees is marked MISMATCH), rounds alternating
+in a new seeded random order each round, medians after warm-up, ratios of medians of the same
+run.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ from torch.export import ExportedProgram
 
 import asyncgraph
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
-from benchmarks.concurrency import measure_concurrent
-from benchmarks.harness import (
+from asyncgraph.bench.concurrency import measure_concurrent
+from asyncgraph.bench.harness import (
     CaseResult,
     Context,
     Peer,
@@ -69,8 +70,8 @@ from benchmarks.harness import (
     new_results,
     sync_peer,
 )
-from benchmarks.models import call_nodes, exported_chain, exported_encoder
-from benchmarks.peers import asyncgraph_peer, in_inference
+from asyncgraph.bench.models import call_nodes, exported_chain, exported_encoder
+from asyncgraph.bench.peers import asyncgraph_peer, in_inference
 
 NAME = "nativert"
 ROOT = Path(__file__).resolve().parent.parent
@@ -520,7 +521,7 @@ async def _concurrent_case(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from benchmarks import suite
+    from asyncgraph.bench import suite
 
     parser = suite.standalone_parser(__doc__.splitlines()[0], GRAPHS)
     parser.add_argument("--no-compile", action="store_true",

@@ -7,14 +7,14 @@ The workloads of issue 40, each exported twice (batch 1 static, and batch dynami
 the batchers): the MLP (8 x Linear(64, 64)+ReLU), tiny BERT (benchmarks/nativert_compare.py's
 TinyBert: token and position embeddings, LayerNorm, a 2-layer post-norm GELU encoder, hidden
 128, 4 heads, intermediate 512, seq 16: BERT's shape without transformers, which is not a
-dependency) and the suite's encoder (benchmarks/models.py: nn.TransformerEncoder, the export
-graph), batch 1. ONNX Runtime gets each model as a user would give it:
+dependency) and the suite's encoder (asyncgraph/bench/models.py: nn.TransformerEncoder, the
+export graph), batch 1. ONNX Runtime gets each model as a user would give it:
 `torch.onnx.export(model, (x,), dynamo=True)`, `ORT_ENABLE_ALL`, sequential execution, one
 inter-op thread, 1 and 2 intra-op threads (both timed; the ratios are against the faster), a
 torch tensor in and out (`x.numpy()`, `torch.from_numpy`). Exports are cached under
 build/onnxruntime/ keyed by graph and weights. onnxruntime, onnx and onnxscript are benchmark
-dependencies (the `bench` extra); without them the scenario reports one case, skipped, with the
-reason, and the rest of the suite runs as before.
+dependencies (the `onnxruntime` extra); without them the scenario reports one case, skipped,
+with the reason, and the rest of the suite runs as before.
 
 Latency (one caller): asyncgraph `execute` on the plain graph, with `segments=("script",)`
 (a torch.jit trace per segment: builds in seconds), with AOTInductor compiled segments
@@ -39,7 +39,7 @@ with 16 rows and 4 in flight: SMALL_BATCH), against
 `asyncio.to_thread(session.run, ...)` and against `OrtBatcher`, the simple batcher a user would
 write around a session (up to 32 rows, 2 batches in flight, each on a thread).
 
-The harness of the main suite measures (benchmarks/harness.py, benchmarks/concurrency.py):
+The harness of the main suite measures (asyncgraph/bench/harness.py, concurrency.py):
 outputs compared with asyncgraph's first, rounds alternating in a new seeded order, medians
 after warm-up, ratios of medians of the same run; the targets are issue 40's.
 """
@@ -63,9 +63,7 @@ import torch
 from torch.export import ExportedProgram
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
-from asyncgraph.compiled.onnx_export import quiet_exporter
-from asyncgraph.runtime.batching import default_buckets
-from benchmarks.harness import (
+from asyncgraph.bench.harness import (
     CaseResult,
     Context,
     Peer,
@@ -74,7 +72,10 @@ from benchmarks.harness import (
     measure,
     sync_peer,
 )
-from benchmarks.models import call_nodes, exported_encoder
+from asyncgraph.bench.models import call_nodes, exported_encoder
+from asyncgraph.bench.peers import asyncgraph_peer, in_inference
+from asyncgraph.compiled.onnx_export import quiet_exporter
+from asyncgraph.runtime.batching import default_buckets
 from benchmarks.nativert_compare import (
     Built,
     TinyBert,
@@ -87,7 +88,6 @@ from benchmarks.nativert_compare import (
     digest,
     mlp,
 )
-from benchmarks.peers import asyncgraph_peer, in_inference
 
 NAME = "onnxruntime"
 ROOT = Path(__file__).resolve().parent.parent
@@ -556,7 +556,7 @@ async def _concurrent_case(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from benchmarks import suite
+    from asyncgraph.bench import suite
 
     parser = suite.standalone_parser((__doc__ or "").splitlines()[0], GRAPHS)
     parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,

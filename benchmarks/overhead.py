@@ -61,8 +61,8 @@ from typing import Any
 import torch
 
 from asyncgraph import Executor, ExecutorConfig
+from asyncgraph.bench.models import exported_chain, exported_encoder
 from asyncgraph.runtime.backend import cancel_pending
-from benchmarks.models import exported_chain, exported_encoder
 
 
 def median_us(fn: Callable[[], Any], repeat: int = 15, number: int = 200) -> float:

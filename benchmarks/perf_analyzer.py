@@ -27,7 +27,7 @@ $PERF_ANALYZER, `perf_analyzer` on PATH, or ~/.cache/perf_analyzer/bin/perf_anal
 none runs (or grpcio, which --grpc-port needs, is missing), the scenario reports one case,
 skipped, with the reason, and exits 0.
 
-With --json the report is the suite's (benchmarks/suite.py: environment with the CPU count
+With --json the report is the suite's (asyncgraph/bench/suite.py: environment with the CPU count
 and load average at the start and end, settings, cases) plus `summary`: run -> "concurrency N"
 -> {throughput, avg_us, p50_us, p90_us, p95_us, p99_us, requests_per_s (throughput / the -b
 batch)}, which the README's serving table quotes (benchmarks/results/cpu/perf_analyzer.json,
@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import CaseResult, Context, PeerResult
+from asyncgraph.bench.harness import CaseResult, Context, PeerResult
 
 NAME = "perf-analyzer"
 HOST = "127.0.0.1"
@@ -402,8 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from benchmarks import suite
-    from benchmarks.harness import Settings, environment
+    from asyncgraph.bench import suite
+    from asyncgraph.bench.harness import Settings, environment
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true",

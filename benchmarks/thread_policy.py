@@ -7,7 +7,7 @@ asyncgraph sets torch's intra-op thread count on its own worker threads only
 never on the thread that runs the event loop, where inline nodes run. A library user who does
 not call torch.set_num_threads leaves that thread at torch's default (the CPU count). This
 measures what that costs, in one process, the two arms alternating round by round (in a new
-seeded order each round, benchmarks/harness.py and benchmarks/concurrency.py):
+seeded order each round, asyncgraph/bench/harness.py and concurrency.py):
 
 - the MLP (8 x Linear(64, 64)+ReLU) and tiny BERT (benchmarks/nativert_compare.py's TinyBert,
   hidden 128, 2 layers, seq 16), batch 1, one caller: asyncgraph plain graph, asyncgraph with
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
-from benchmarks.concurrency import measure_concurrent
-from benchmarks.harness import (
+from asyncgraph.bench.concurrency import measure_concurrent
+from asyncgraph.bench.harness import (
     CaseResult,
     Context,
     Peer,
@@ -55,8 +55,8 @@ from benchmarks.harness import (
     new_results,
     sync_peer,
 )
+from asyncgraph.bench.peers import in_inference
 from benchmarks.nativert_compare import TinyBert, _export, mlp
-from benchmarks.peers import in_inference
 
 DEFAULT_THREADS = torch.get_num_threads()  # torch's default in this process (nothing set it)
 

@@ -2,8 +2,9 @@
 
 Why: once `asyncgraph serve` has drained and closed everything it owns ("server stopped"),
 what is left is CPython's finalization: every module's globals cleared and collected, torch's
-and sympy's among them. That took 0.6 s on 2 cores (2026-11-28), during which the process
-holds its memory and an orchestrator waits to start its replacement. A command that has
+and sympy's among them. That takes a good part of a second
+(benchmarks/results/cpu/design_measurements.md#fast-exit), during which the process holds its
+memory and an orchestrator waits to start its replacement. A command that has
 released all it holds calls `request()`; `asyncgraph`'s entry point (cli/main.py `main`, never
 an in-process CliRunner) then runs the atexit handlers, flushes the standard streams and
 logging, and ends the process with `os._exit`.

@@ -14,8 +14,9 @@ the median of the per-round ratios, so drift in the machine's speed cancels.
 A program with dynamic dimensions is timed twice: on the example inputs, and on inputs grown
 along those dimensions to the largest size the program allows (build.py's `larger_inputs`).
 The autotuned kernels are kept only when faster at both: on tiny BERT exported with a dynamic
-batch up to 32, they took 0.79x the default's time at the example's 2 rows and 1.43x at 32,
-the size a batching server runs (2026-11-27).
+batch up to 32, they were faster than the default's at the example's 2 rows and slower at 32,
+the size a batching server runs
+(benchmarks/results/cpu/design_measurements.md#autotuned-kernels-at-two-sizes).
 """
 
 from __future__ import annotations

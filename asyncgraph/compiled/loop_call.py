@@ -7,10 +7,10 @@ ctypes call, then a ctypes capsule per output and a pybind call to steal them ba
 event loop's own thread the release buys nothing: the loop waits for the result either way,
 and torch's binding (AOTIModelPackageLoader.run) does the same work in C++.
 
-Measured in place (each step timed inside the executor's path, 20,000 calls, 2026-11-27): an
-8-layer MLP compiled into one segment runs in 10.7 us; around it the native call spent 12.4 us
-on handles and stealing. Through the binding on the loop, the whole execution took 0.97x
-ONNX Runtime's time against 1.23x natively, in the same process.
+Measured in place, on an 8-layer MLP compiled into one segment the native call spent longer
+on handles and stealing than the segment's own run, and through the binding on the loop the
+whole execution was faster than natively, in the same process
+(benchmarks/results/cpu/design_measurements.md#small-segments-through-the-binding).
 
 The binding is a second container, with its own copy of the constants (folded ones included),
 and each load of it keeps ~0.34 MB the process never gets back (native_call's docstring). So

@@ -45,19 +45,18 @@ BUILD_INLINE = False  # tests: sessions and checks on the calling thread, not th
 MAX_SIGNATURES = 256  # input signatures checked per segment; beyond, new ones stay plain
 # Fixed-shape sessions: a dynamic segment's checked signature also gets a session with its
 # symbolic dimensions fixed (add_free_dimension_override_by_name), which ONNX Runtime plans for
-# that shape: a 16-row batch of tiny BERT took 1.21 against 1.26 ms, and 64 batched callers
-# ran 5-10% more requests/s (AMD EPYC, 2 cores, 2026-11-28). Each pre-packs its own copy of
-# the weights, so only segments with weights this small get them, and this many per version.
+# that shape, which ran tiny BERT's batches faster
+# (benchmarks/results/cpu/design_measurements.md#fixed-shape-sessions). Each pre-packs its own
+# copy of the weights, so only segments with weights this small get them, and this many per version.
 # A new weights version's session queues them again for the shapes that had them, each checked
 # against the plain nodes on the new weights.
 FIXED_SHAPE_SESSIONS = 8
 FIXED_SHAPE_MAX_WEIGHT_BYTES = 64 << 20
 
 # ONNX Runtime's graph optimisations that sessions run without. SkipLayerNormFusion: ONNX
-# Runtime 1.32's CPU SkipLayerNormalization ran 4-8x slower than the Add and
-# LayerNormalization it replaces (8.3 against 1.3 us at (1, 16, 128), 271 against 36 us at
-# (1, 512, 128), 395 against 50 us at (1, 128, 768), one thread, AMD EPYC, 2026-11-28): tiny
-# BERT's session ran in 97.3 against 125.9 us on one thread, 83.7 against 95.9 us on two.
+# Runtime 1.32's CPU SkipLayerNormalization ran several times slower than the Add and
+# LayerNormalization it replaces, and tiny BERT's session ran faster without it
+# (benchmarks/results/cpu/design_measurements.md#skiplayernorm-fusion-disabled).
 DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 # and, for models with If, Loop or Scan nodes, ConstantFolding (onnx_export.CONTROL_FLOW)
 CONTROL_FLOW_DISABLED = ("ConstantFolding",)

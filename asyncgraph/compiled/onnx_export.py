@@ -233,8 +233,9 @@ def _gelu_fused(proto: Any, names: Sequence[str]) -> Any:
     """`proto` with exact GELU as ONNX Runtime's `Gelu` contrib op, and a bias added before it
     as `BiasGelu` (onnxscript's ORT fusions). torchlib writes exact GELU as
     `x * (0.5 * (erf(x / sqrt(2)) + 1))`, an order ONNX Runtime's own GeluFusion misses, so
-    the five nodes ran one by one: fused, tiny BERT's segment ran 5-6% faster at batch 1
-    (2026-11-28). Unchanged when there is no such GELU, or the fusions are missing or fail."""
+    the five nodes ran one by one; fused, tiny BERT's segment ran faster at batch 1
+    (benchmarks/results/cpu/design_measurements.md#gelu-fusion). Unchanged when there is no
+    such GELU, or the fusions are missing or fail."""
     try:
         from onnxscript import ir
         from onnxscript.rewriter.ort_fusions.bias_gelu import fuse_bias_gelu

@@ -34,10 +34,9 @@ What the delegate promises, as compiled segments do:
   the user sets `ExecutorConfig.intra_op_threads` (then that count, as the executor's torch
   kernels get on a worker). Not the resolved default, CPUs / max_parallel_ops: unlike torch's
   one OpenMP team per thread, each session has a pool of its own, which spins for up to ~30
-  ms after a call. On 2 vCPUs a pool of 2 took tiny BERT from 143 to 113 us at batch 1, level
-  with ONNX Runtime's own 2-thread session, while no other pool spun; alternating with
-  another one, both slowed to 135-220 us, and without spinning 2 threads were slower than one
-  (2026-11-28).
+  ms after a call. On 2 vCPUs a pool of 2 made tiny BERT faster at batch 1 while no other pool
+  spun, but alternating with another one both slowed down, and without spinning 2 threads
+  were slower than one (benchmarks/results/cpu/design_measurements.md#onnx-intra-op-pools).
 
 A call that fails in ONNX Runtime is run again as the fx module: when the plain nodes fail too
 the error names the aten node that failed (as scripted.py's), otherwise the call returns the

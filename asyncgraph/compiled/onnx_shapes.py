@@ -5,10 +5,9 @@ batch-first MultiheadAttention transposes (batch, seq, hidden) to (seq, batch, h
 back, squeezes and unsqueezes around its projections. Such a Transpose, Squeeze or Unsqueeze
 keeps every element where it is, so it is a Reshape, which ONNX Runtime runs as a view where
 its Transpose copies (and, with an intra-op pool, may hand the copy to the pool's threads);
-and a Reshape of a Reshape read by nothing else is one Reshape. With both, tiny BERT at batch 1
-through `execute` on 2 intra-op threads ran in 104.4 against 106.1 us and 100.1 against
-101.4 us, the encoder in 95.8 against 98.1 and 94.9 against 97.2 us (two alternating runs,
-AMD EPYC, 2026-11-28).
+and a Reshape of a Reshape read by nothing else is one Reshape. With both, tiny BERT and the
+suite's encoder at batch 1 ran slightly faster
+(benchmarks/results/cpu/design_measurements.md#onnx-layout-reshapes).
 
 Only where the exporter recorded every dimension of a node's input and output as a number
 (static segments; a symbolic batch dimension keeps its nodes), never on an initializer (ONNX

@@ -310,10 +310,10 @@ class AdaptivePlacement:
         workers would take a hop for each, the dataflow's bookkeeping on the loop, and no
         straight line.
 
-        Lines shorter than a slice count too: tiny BERT compiled into one 0.34 ms segment,
-        64 unbatched callers, ran 3,697 requests/s this way against 3,201 with the segment
-        placed on a worker (the loop then spent 118 us of Python on each request), and
-        ONNX Runtime through `asyncio.to_thread` 3,536 (alternating storms, 2026-11-27)."""
+        Lines shorter than a slice count too: a compiled segment of a fraction of a
+        millisecond under many unbatched callers served more requests/s this way than placed
+        on a worker, where the loop spent the dataflow's Python on each request
+        (benchmarks/results/cpu/design_measurements.md#whole-line-on-a-worker)."""
         bar = self.worker_execution_node_us
         return bar is not None and sum(best_us) >= bar * len(best_us) and all(self.any_thread)
 

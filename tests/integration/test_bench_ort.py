@@ -22,8 +22,9 @@ from tests.support.soak import full_soak
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import ort, suite
-from benchmarks.harness import Settings
+from asyncgraph.bench import suite
+from asyncgraph.bench.harness import Settings
+from benchmarks import ort
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

@@ -12,8 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import perf_analyzer, suite
-from benchmarks.harness import Context, Settings
+from asyncgraph.bench import suite
+from asyncgraph.bench.harness import Context, Settings
+from benchmarks import perf_analyzer
 
 # perf_analyzer 2.60.0 against `asyncgraph serve --max-batch-size 32`, gRPC, -b 4,
 # --concurrency-range 1:4:3 (2026-11-28); the concurrency-4 block trimmed to what is parsed,

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from asyncgraph.bench import suite
+from asyncgraph.bench.harness import Settings
 from asyncgraph.tools.profile import collect, example_inputs
-from benchmarks import suite
-from benchmarks.harness import Settings
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -64,6 +65,59 @@ def test_select_rejects_unknown_scenarios() -> None:
     assert suite.select(["wide", "chain"]) == ["chain", "wide"]
     with pytest.raises(ValueError, match="unknown scenario"):
         suite.select(["nope"])
+
+
+async def test_scenarios_run_without_dask_and_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dask is a peer, not a dependency (issue 53 item 6: the suite imported it, so an
+    installed `asyncgraph bench` needed it): where it does not import, every scenario that
+    times it runs without its peers, and each of those cases says so in one line."""
+    for name in [m for m in sys.modules if m.partition(".")[0] == "dask"] + ["dask"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import dask...` now fails
+    report = await suite.run_scenarios(["chain", "memory"], Settings(size="tiny"))
+
+    assert [case.case for case in report.cases] == ["chain", "memory"]
+    for case in report.cases:
+        names = [peer.name for peer in case.peers]
+        assert not [n for n in names if n.startswith("dask")], names
+        assert all(peer.matched for peer in case.peers), case.case
+        [note] = case.notes
+        assert note.startswith("dask peers left out: dask is not importable")
+        assert "pip install dask (asyncgraph's dev extra has it)" in note
+    console = Console(record=True, width=300)
+    suite.render(report, console)
+    assert console.export_text().count("dask peers left out") == 2
+
+
+async def test_with_dask_its_peers_run_and_no_note_is_added() -> None:
+    report = await suite.run_scenarios(["memory"], Settings(size="tiny"))
+    [case] = report.cases
+    assert {"dask get_sync", "dask threaded"} <= {peer.name for peer in case.peers}
+    assert case.notes == []
+
+
+def test_optional_scenarios_have_the_names_their_modules_give() -> None:
+    for name, module in suite.OPTIONAL.items():
+        assert name == suite.checkout_module(module).NAME
+
+
+async def test_an_optional_scenario_without_a_checkout_is_skipped_saying_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """From a wheel install `-s onnxruntime` finds no benchmarks/ort.py: one skipped case
+    naming the script and how to run it, not a traceback."""
+    monkeypatch.setitem(sys.modules, "benchmarks", None)
+    monkeypatch.setitem(sys.modules, "benchmarks.ort", None)
+    monkeypatch.setattr(suite, "CHECKOUT", tmp_path)
+    report = await suite.run_scenarios(["onnxruntime"], Settings(size="tiny"))
+
+    [case] = report.cases
+    assert case.case == "onnxruntime (skipped)" and case.peers == []
+    assert case.metrics["skipped"] == (
+        "benchmarks.ort is a script of asyncgraph's source checkout (benchmarks/), run there "
+        f"with `python -m benchmarks.ort`; none is importable here or next to the package "
+        f"({tmp_path})"
+    )
+    assert not report.failures and not report.mismatches
 
 
 async def test_profile_collects_every_node(tmp_path: Path) -> None:
@@ -186,8 +240,8 @@ async def test_nativert_compare_tiny_runs_its_graphs_and_peers(tmp_path: Path) -
     """benchmarks/nativert_compare.py at tiny sizes: its graph builders and the asyncgraph peers
     run and agree with eager; nativert joins where this torch has a working PyModelRunner
     (the torch 2.11 leg of `make test`), AOTInductor and compiled segments never (minutes)."""
+    from asyncgraph.bench.harness import Context
     from benchmarks import nativert_compare as nc
-    from benchmarks.harness import Context
 
     has_nativert = nc.check_nativert()[0] is not None
     options = nc.Options(compiled=False, nativert=has_nativert, cache=tmp_path)
@@ -229,9 +283,7 @@ def test_nativert_compare_cache_key_follows_graph_and_weights() -> None:
 def test_round_spread_takes_each_ratio_within_its_round() -> None:
     """A machine that slows down between rounds moves both peers: the round-by-round ratio
     stays put while each peer's own spread is wide."""
-    from rich.console import Console
-
-    from benchmarks.harness import CaseResult, PeerResult, Target
+    from asyncgraph.bench.harness import CaseResult, PeerResult, Target
 
     slow_down = [1.0, 1.5, 2.0, 3.0, 4.0]
     fast = PeerResult("asyncgraph", rounds=[0.5 * s for s in slow_down], median_s=1.0)
@@ -257,7 +309,7 @@ async def test_alternate_counts_calls_per_sample_again_once_warm(
 ) -> None:
     """A peer whose first calls are slow (profiling) gets as many calls per sample as a peer
     that was warm from the start, counted from the last warm-up round (on a fake clock)."""
-    from benchmarks import harness
+    from asyncgraph.bench import harness
 
     now = [0.0]
     monkeypatch.setattr(harness.time, "perf_counter", lambda: now[0])

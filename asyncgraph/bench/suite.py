@@ -2,18 +2,25 @@
 
 `asyncgraph bench` is a thin typer command over `run_suite`, `render` and `to_json`; the same
 functions run under pytest in the smoke test with `Settings(size="tiny")`.
+
+The default scenarios are modules of this package, so an installed `asyncgraph[cli]` runs
+them without a source checkout. The two run only when named (`OPTIONAL`) are scripts of a
+checkout's benchmarks/ folder (they share ONNX Runtime's and nativert's workloads with the
+scripts there): they are imported when named, and where no checkout is in reach the scenario
+reports one case, skipped, saying so.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import math
 import pathlib
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
@@ -23,25 +30,40 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks import (
+from asyncgraph.bench import (
     chain,
     concurrency,
     memory,
-    ort,
-    perf_analyzer,
     steady_state,
     transformer,
     wide,
 )
-from benchmarks.harness import CaseResult, Context, Settings, environment, torch_threads
+from asyncgraph.bench.harness import (
+    CaseResult,
+    Context,
+    Settings,
+    environment,
+    skipped_case,
+    torch_threads,
+)
 
 SCENARIOS: dict[str, ModuleType] = {
     m.NAME: m for m in (chain, transformer, wide, concurrency, memory, steady_state)
 }
-# Run only when named (`-s onnxruntime`, `-s perf-analyzer`): peers from the optional `bench`
-# extra or an external binary (perf_analyzer), and exports that take seconds; a scenario whose
-# dependency is missing reports one case, skipped, saying why.
-OPTIONAL: dict[str, ModuleType] = {m.NAME: m for m in (ort, perf_analyzer)}
+# Run only when named (`-s onnxruntime`, `-s perf-analyzer`), by the module of a source
+# checkout that holds each: peers from the onnxruntime extra or an external binary
+# (perf_analyzer), and exports that take seconds; a scenario whose dependency is missing
+# reports one case, skipped, saying why.
+OPTIONAL: dict[str, str] = {
+    "onnxruntime": "benchmarks.ort",
+    "perf-analyzer": "benchmarks.perf_analyzer",
+}
+# The root of the source checkout this package sits in, when it sits in one (an editable
+# install): where `asyncgraph bench` finds OPTIONAL's modules when `benchmarks` is not
+# importable already (the console script's sys.path has no checkout on it).
+CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
+
+Scenario = Callable[[Context], Awaitable[list[CaseResult]]]
 
 
 @dataclass
@@ -94,6 +116,47 @@ def select(names: Iterable[str] | None) -> list[str]:
     return [n for n in known if n in names]
 
 
+def scenario(name: str) -> Scenario:
+    """The `run` of the scenario `name` (one of `select`'s): a default scenario's, an optional
+    one's from its checkout module, or, where that module is out of reach, a run that reports
+    one case, skipped, saying why."""
+    if name in SCENARIOS:
+        run: Scenario = SCENARIOS[name].run
+        return run
+    try:
+        module = checkout_module(OPTIONAL[name])
+    except LookupError as exc:
+        why = str(exc)
+
+        async def skipped(ctx: Context) -> list[CaseResult]:
+            return [skipped_case(name, why)]
+
+        return skipped
+    run = module.run
+    return run
+
+
+def checkout_module(dotted: str) -> ModuleType:
+    """The module `dotted` of a source checkout's benchmarks/ folder: imported as it is where
+    `benchmarks` is importable (`python -m` from the checkout's root, the tests), else from
+    CHECKOUT, put on sys.path. Raises LookupError naming the module and where it was looked
+    for when neither has it (an install from a wheel)."""
+    try:
+        return importlib.import_module(dotted)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (dotted, dotted.partition(".")[0]):
+            raise
+    script = CHECKOUT.joinpath(*dotted.split(".")).with_suffix(".py")
+    if not script.is_file():
+        raise LookupError(
+            f"{dotted} is a script of asyncgraph's source checkout (benchmarks/), run there "
+            f"with `python -m {dotted}`; none is importable here or next to the package "
+            f"({CHECKOUT})"
+        )
+    sys.path.insert(0, str(CHECKOUT))
+    return importlib.import_module(dotted)
+
+
 async def run_scenarios(
     names: Sequence[str],
     settings: Settings,
@@ -107,7 +170,7 @@ async def run_scenarios(
     torch.set_num_threads(settings.threads)
     try:
         for name in select(names):
-            report.cases.extend(await {**SCENARIOS, **OPTIONAL}[name].run(ctx))
+            report.cases.extend(await scenario(name)(ctx))
     finally:
         torch.set_num_threads(before)
     report.elapsed_s = time.perf_counter() - start
@@ -149,7 +212,7 @@ def run_suite(
             return runner.run(run_scenarios(chosen, settings, start_task))
 
 
-# -- a scenario run as its own script (python -m benchmarks.ort, benchmarks.nativert_compare) ---
+# -- a scenario run as its own script (python -m benchmarks.ort, benchmarks.nativert_compare) --
 
 
 def standalone_parser(description: str, graphs: Sequence[str]) -> argparse.ArgumentParser:
@@ -168,7 +231,7 @@ def standalone_parser(description: str, graphs: Sequence[str]) -> argparse.Argum
 
 def run_standalone(
     args: argparse.Namespace,
-    cases: Callable[[Context], Awaitable[list[CaseResult]]],
+    cases: Callable[[Context], Coroutine[Any, Any, list[CaseResult]]],
     width: int,
 ) -> int:
     """Run one scenario's `cases` on asyncio with progress lines on stderr, then print its
@@ -214,6 +277,8 @@ def render(report: Report, console: Console) -> None:
     """One table per case, then the targets."""
     for case in report.cases:
         console.print(_case_table(case))
+        for note in case.notes:
+            console.print(f"  {note}")
         if case.metrics:
             console.print("  " + ", ".join(f"{k} = {_fmt(v)}" for k, v in case.metrics.items()))
     console.print(_targets_table(report))

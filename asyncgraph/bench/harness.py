@@ -31,6 +31,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 Size = Literal["full", "quick", "tiny"]
+Loop = Literal["asyncio", "uvloop"]
+LOOPS: tuple[Loop, ...] = ("asyncio", "uvloop")
 
 REFERENCE = "asyncgraph"
 
@@ -48,7 +50,7 @@ class Settings:
     rounds: int | None = None
     warmup: int | None = None
     sample_s: float | None = None
-    loop: Literal["asyncio", "uvloop"] = "asyncio"
+    loop: Loop = "asyncio"
     threads: int = 1
     seed: int = 0
 
@@ -68,6 +70,14 @@ class Settings:
     def target_sample_s(self) -> float:
         """How long one timed sample (a batch of calls) should last."""
         return self.sample_s if self.sample_s is not None else self.pick(0.02, 0.01, 0.0)
+
+
+def event_loop(name: str) -> Loop:
+    """`name` as a Settings.loop: raises ValueError naming the choices for any other."""
+    for loop in LOOPS:
+        if loop == name:
+            return loop
+    raise ValueError(f"expected one of {', '.join(LOOPS)}, got {name!r}")
 
 
 # -- results --------------------------------------------------------------------------------
@@ -130,6 +140,8 @@ class CaseResult:
     targets: list[Target] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     columns: str = "time"  # how the report shows the peers: "time" or "metrics"
+    # one line each, shown under the case's table: peers left out, and why (peers.left_out)
+    notes: list[str] = field(default_factory=list)
 
     def peer(self, name: str) -> PeerResult:
         for p in self.peers:
@@ -174,6 +186,14 @@ class CaseResult:
         return d
 
 
+def skipped_case(scenario: str, why: str) -> CaseResult:
+    """The one case a scenario that cannot run here reports: its name and why, no peers."""
+    case = CaseResult(scenario, f"{scenario} (skipped)", f"{scenario} skipped: {why}",
+                      {"skipped": why})
+    case.metrics["skipped"] = why
+    return case
+
+
 def environment() -> dict[str, Any]:
     """What the numbers were measured on; they mean little without it."""
     return {
@@ -199,10 +219,9 @@ class Peer:
 
     `settle_s`: how long the machine is left idle after each of this peer's samples, before the
     next peer's. An ONNX Runtime session with 2 or more intra-op threads keeps its pool's
-    threads spinning for up to ~30 ms after its last call (2026-11-28); on 2 vCPUs that tail
-    took half the CPU from the next peer's 20 ms sample: tiny BERT's 2-thread sessions read
-    105-108 us at batch 1 with no other pool in the process, 135-175 us alternating with
-    another one.
+    threads spinning a while after its last call; on 2 vCPUs that tail took much of the CPU
+    from the next peer's sample and slowed it
+    (benchmarks/results/cpu/design_measurements.md#onnx-pool-spin-between-peers).
     """
 
     name: str
@@ -231,9 +250,14 @@ def compare_outputs(expected: Any, actual: Any, rtol: float = 1e-4, atol: float 
         raise AssertionError(f"expected {len(a)} outputs, got {len(b)}")
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=lambda m, i=i: f"[{i}] {m}")
+            torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=_leaf_message(i))
         elif x != y:
             raise AssertionError(f"[{i}] expected {x!r}, got {y!r}")
+
+
+def _leaf_message(index: int) -> Callable[[str], str]:
+    """assert_close's message for the output leaf `index`: its own, prefixed by the index."""
+    return lambda message: f"[{index}] {message}"
 
 
 async def verify(peers: Sequence[Peer], results: dict[str, PeerResult], **tol: float) -> None:

@@ -8,25 +8,27 @@ the same order. Module-level peers (eager `model(x)`, `ep.module()`) run the use
 
 Every sync peer runs under `torch.inference_mode()`, as asyncgraph's kernels do by default, so
 nobody records autograd and eager modules may take their inference fast paths.
+
+dask is a peer, not a dependency of asyncgraph (its dev extra installs it): where it does not
+import, the dask peers are left out and each case that would have had them says so in one line
+(`left_out`, the case's notes), so an installed `asyncgraph bench` runs without it.
 """
 
 from __future__ import annotations
 
+import importlib
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import dask.local
-import dask.threaded
 import torch
 import torch.fx
-from dask._task_spec import DataNode, List, Task, TaskRef, Tuple
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from benchmarks.harness import Peer, sync_peer
+from asyncgraph.bench.harness import Peer, sync_peer
 
 
 @dataclass
@@ -188,8 +190,10 @@ def _user_outputs(prog: FxProgram, out: Any) -> list[Any]:
 def dask_graph(prog: FxProgram) -> tuple[dict[str, Any], list[str]]:
     """The graph as a dask task graph: one Task per node, TaskRefs for its inputs.
 
-    Input placeholders are left out; `dask_peer` adds them as DataNodes for each call.
+    Input placeholders are left out; `dask_runner` adds them as DataNodes for each call.
     """
+    from dask._task_spec import DataNode, List, Task, TaskRef, Tuple
+
     dsk: dict[str, Any] = {}
 
     def convert(arg: Any) -> Any:
@@ -230,6 +234,10 @@ def _no_grad(target: Any) -> Callable[..., Any]:
 def dask_runner(
     prog: FxProgram, threaded: bool, workers: int = 2
 ) -> Callable[[Sequence[Any]], Any]:
+    import dask.local
+    import dask.threaded
+    from dask._task_spec import DataNode
+
     static, outputs = dask_graph(prog)
 
     def run(inputs: Sequence[Any]) -> Any:
@@ -241,6 +249,41 @@ def dask_runner(
         return list(dask.local.get_sync(dsk, outputs))
 
     return run
+
+
+DASK_MODULES = ("dask._task_spec", "dask.local", "dask.threaded")  # what the dask peers import
+
+
+def dask_missing() -> str | None:
+    """Why the dask peers cannot run here, in one line naming where dask comes from; None
+    when they can."""
+    try:
+        for module in DASK_MODULES:
+            importlib.import_module(module)
+    except ImportError as exc:
+        return (f"dask peers left out: dask is not importable ({exc}); install it with "
+                "pip install dask (asyncgraph's dev extra has it)")
+    return None
+
+
+def dask_peers(prog: FxProgram, inputs: Sequence[Any], workers: int = 2) -> list[Peer]:
+    """dask.local.get_sync and dask.threaded.get over `prog`; none where dask is missing."""
+    if dask_missing() is not None:
+        return []
+    sync = dask_runner(prog, threaded=False)
+    threaded = dask_runner(prog, threaded=True, workers=workers)
+    return [
+        sync_peer("dask get_sync", lambda: sync(inputs), "dask.local.get_sync"),
+        sync_peer("dask threaded", lambda: threaded(inputs),
+                  f"dask.threaded.get, {workers} workers"),
+    ]
+
+
+def left_out() -> list[str]:
+    """The notes of a case whose peers include dask's (CaseResult.notes): why they are left
+    out, one line, or nothing when they ran."""
+    why = dask_missing()
+    return [] if why is None else [why]
 
 
 # -- peers --------------------------------------------------------------------------------------
@@ -269,7 +312,8 @@ def asyncgraph_peer(
 def graph_peers(
     prog: FxProgram, inputs: Sequence[Any], *, dask_workers: int = 2, loop: bool = True
 ) -> list[Peer]:
-    """python loop, torch.fx.Interpreter, dask get_sync and dask threaded over `prog`."""
+    """python loop, torch.fx.Interpreter, dask get_sync and dask threaded over `prog` (the
+    dask ones where dask imports: `left_out`)."""
     peers: list[Peer] = []
     if loop:
         run_loop = python_loop(prog)
@@ -277,12 +321,7 @@ def graph_peers(
                                "a list of slots and a for loop over the nodes"))
     interp = fx_interpreter(prog)
     peers.append(sync_peer("fx.Interpreter", lambda: interp(inputs), "torch.fx.Interpreter"))
-    sync = dask_runner(prog, threaded=False)
-    peers.append(sync_peer("dask get_sync", lambda: sync(inputs), "dask.local.get_sync"))
-    threaded = dask_runner(prog, threaded=True, workers=dask_workers)
-    peers.append(sync_peer("dask threaded", lambda: threaded(inputs),
-                           f"dask.threaded.get, {dask_workers} workers"))
-    return peers
+    return peers + dask_peers(prog, inputs, dask_workers)
 
 
 def module_peers(

@@ -24,8 +24,14 @@ import torch
 import torch.fx
 
 from asyncgraph import Executor, ExecutorConfig
-from benchmarks.harness import CaseResult, Context, Peer, PeerResult, Target, compare_outputs
-from benchmarks.peers import asyncgraph_peer, dask_runner, from_graph_module, fx_interpreter
+from asyncgraph.bench.harness import CaseResult, Context, Peer, PeerResult, Target, compare_outputs
+from asyncgraph.bench.peers import (
+    asyncgraph_peer,
+    dask_peers,
+    from_graph_module,
+    fx_interpreter,
+    left_out,
+)
 
 NAME = "memory"
 
@@ -88,8 +94,6 @@ async def run(ctx: Context) -> list[CaseResult]:
     parallel = Executor(gm, ExecutorConfig(max_parallel_ops=2))
     prog = from_graph_module(gm)
     interp = fx_interpreter(prog)
-    dask_sync = dask_runner(prog, threaded=False)
-    dask_threaded = dask_runner(prog, threaded=True, workers=2)
 
     def loop() -> torch.Tensor:
         y = x
@@ -108,8 +112,7 @@ async def run(ctx: Context) -> list[CaseResult]:
         Peer("python loop", sync(loop), "y = step(y), n times"),
         Peer("fx GraphModule", sync(lambda: gm(x)), "fx's generated code"),
         Peer("fx.Interpreter", sync(lambda: interp([x])), "torch.fx.Interpreter"),
-        Peer("dask get_sync", sync(lambda: dask_sync([x])), "dask.local.get_sync"),
-        Peer("dask threaded", sync(lambda: dask_threaded([x])), "dask.threaded.get, 2 workers"),
+        *dask_peers(prog, [x], workers=2),
     ]
     runs = s.pick(5, 3, 1)
     advance = ctx.task(f"{NAME}: {n} nodes x {intermediate >> 20} MB", len(peers))
@@ -154,7 +157,7 @@ async def run(ctx: Context) -> list[CaseResult]:
     case = CaseResult(
         NAME, "memory", f"{n}-node chain, {intermediate / 2**20:.3g} MB intermediates",
         {"nodes": n, "intermediate_bytes": intermediate, "runs": runs}, results,
-        columns="metrics",
+        columns="metrics", notes=left_out(),
     )
     for name in ("asyncgraph (serial)", "asyncgraph (parallel)"):
         case.targets.append(Target(

@@ -29,10 +29,10 @@ import torch
 import asyncgraph.runtime.frame
 import asyncgraph.runtime.plan
 from asyncgraph import Executor, ExecutorConfig
-from benchmarks.harness import CaseResult, Context, Peer, PeerResult, Target, verify
-from benchmarks.models import call_nodes, exported_encoder
-from benchmarks.peers import asyncgraph_peer, module_peers
-from benchmarks.transformer import TOLERANCE, sizes
+from asyncgraph.bench.harness import CaseResult, Context, Peer, PeerResult, Target, verify
+from asyncgraph.bench.models import call_nodes, exported_encoder
+from asyncgraph.bench.peers import asyncgraph_peer, module_peers
+from asyncgraph.bench.transformer import TOLERANCE, sizes
 
 NAME = "steady_state"
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from asyncgraph import BatchingConfig, Executor, ExecutorConfig
-from benchmarks.harness import (
+from asyncgraph.bench.harness import (
     CaseResult,
     Context,
     Peer,
@@ -43,9 +43,9 @@ from benchmarks.harness import (
     round_order,
     verify,
 )
-from benchmarks.models import call_nodes, exported_encoder
-from benchmarks.peers import asyncgraph_peer, in_inference
-from benchmarks.transformer import TOLERANCE, sizes
+from asyncgraph.bench.models import call_nodes, exported_encoder
+from asyncgraph.bench.peers import asyncgraph_peer, in_inference
+from asyncgraph.bench.transformer import TOLERANCE, sizes
 
 NAME = "concurrent"
 BATCHED = "asyncgraph (batched)"

@@ -18,9 +18,15 @@ from __future__ import annotations
 import torch
 
 from asyncgraph import Executor, ExecutorConfig
-from benchmarks.harness import CaseResult, Context, Target, measure, sync_peer, torch_threads
-from benchmarks.models import call_nodes, exported_chains
-from benchmarks.peers import asyncgraph_peer, dask_runner, from_exported, in_inference
+from asyncgraph.bench.harness import CaseResult, Context, Target, measure, sync_peer, torch_threads
+from asyncgraph.bench.models import call_nodes, exported_chains
+from asyncgraph.bench.peers import (
+    asyncgraph_peer,
+    dask_peers,
+    from_exported,
+    in_inference,
+    left_out,
+)
 
 NAME = "wide"
 
@@ -51,8 +57,6 @@ async def _case(ctx: Context, case: str, lengths: tuple[int, ...], dim: int) -> 
             return eager(x)  # type: ignore[no-any-return]
 
     prog = from_exported(ep)
-    threaded = dask_runner(prog, threaded=True, workers=2)
-    sync = dask_runner(prog, threaded=False)
     try:
         peers = [
             asyncgraph_peer("asyncgraph", parallel, [x], "max_parallel_ops=2"),
@@ -63,8 +67,7 @@ async def _case(ctx: Context, case: str, lengths: tuple[int, ...], dim: int) -> 
             ),
             sync_peer("eager model(x)", lambda: eager(x), "1 intra-op thread"),
             sync_peer("eager (2 threads)", eager_two_threads, "2 intra-op threads"),
-            sync_peer("dask threaded", lambda: threaded([x]), "dask.threaded.get, 2 workers"),
-            sync_peer("dask get_sync", lambda: sync([x]), "dask.local.get_sync"),
+            *dask_peers(prog, [x], workers=2),
         ]
         advance = ctx.task(f"{case}: chains of {lengths} matmuls {dim}", ctx.rounds_total)
         results = await measure(peers, ctx.settings, advance, rtol=1e-3, atol=1e-3)
@@ -80,7 +83,7 @@ async def _case(ctx: Context, case: str, lengths: tuple[int, ...], dim: int) -> 
         NAME, case, f"{lengths_text} chained {dim}x{dim} matmuls",
         {"nodes": call_nodes(ep), "lengths": list(lengths), "dim": dim,
          "worker_nodes": workers},
-        results,
+        results, notes=left_out(),
     )
     result.metrics["speedup_2_workers_vs_serial"] = result.ratio(
         "asyncgraph (serial)", "asyncgraph"

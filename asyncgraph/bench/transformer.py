@@ -18,9 +18,15 @@ from __future__ import annotations
 import torch
 
 from asyncgraph import Executor, ExecutorConfig
-from benchmarks.harness import CaseResult, Context, Target, measure
-from benchmarks.models import call_nodes, exported_encoder
-from benchmarks.peers import asyncgraph_peer, from_exported, graph_peers, module_peers
+from asyncgraph.bench.harness import CaseResult, Context, Target, measure
+from asyncgraph.bench.models import call_nodes, exported_encoder
+from asyncgraph.bench.peers import (
+    asyncgraph_peer,
+    from_exported,
+    graph_peers,
+    left_out,
+    module_peers,
+)
 
 NAME = "transformer"
 TOLERANCE = {"rtol": 1e-3, "atol": 1e-3}  # the fused fast path rounds differently
@@ -28,7 +34,8 @@ TOLERANCE = {"rtol": 1e-3, "atol": 1e-3}  # the fused fast path rounds different
 
 def sizes(ctx: Context) -> tuple[int, int, int]:
     """hidden, layers, sequence."""
-    return ctx.settings.pick((128, 2, 16), (128, 2, 16), (32, 1, 4))
+    size: tuple[int, int, int] = ctx.settings.pick((128, 2, 16), (128, 2, 16), (32, 1, 4))
+    return size
 
 
 async def run(ctx: Context) -> list[CaseResult]:
@@ -63,7 +70,7 @@ async def _case(ctx: Context, hidden: int, layers: int, seq: int, core_aten: boo
         f"TransformerEncoder hidden {hidden}, {layers} layers, seq {seq}, batch 1; {name} graph",
         {"nodes": call_nodes(ep), "hidden": hidden, "layers": layers, "seq": seq,
          "executed_nodes": len(ex.graph.nodes), "worker_nodes": placements.count("WORKER")},
-        results,
+        results, notes=left_out(),
     )
     case.targets.append(Target(
         2, f"asyncgraph / eager model(x) ({name})",
