@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from asyncgraph.graph.importers import Program, to_program
     from asyncgraph.graph.ir import Graph, Node, Ref, Signature, Value
     from asyncgraph.loading import load, save
-    from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
+    from asyncgraph.runtime.config import BatchingConfig, CudaConfig, ExecutorConfig
     from asyncgraph.runtime.executor import Executor, ExecutorStatistics
     from asyncgraph.runtime.frame import ExecutionFrame
     from asyncgraph.runtime.plan import ExecutionPlan, Placement
@@ -50,6 +50,7 @@ _LAZY = {
     "load": "asyncgraph.loading",
     "save": "asyncgraph.loading",
     "BatchingConfig": "asyncgraph.runtime.config",
+    "CudaConfig": "asyncgraph.runtime.config",
     "ExecutorConfig": "asyncgraph.runtime.config",
     "Executor": "asyncgraph.runtime.executor",
     "ExecutorStatistics": "asyncgraph.runtime.executor",
@@ -81,6 +82,7 @@ __all__ = [
     "AsyncGraphError",
     "BatchCancelledError",
     "BatchingConfig",
+    "CudaConfig",
     "ExecutionFrame",
     "ExecutionPlan",
     "Executor",

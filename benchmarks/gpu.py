@@ -8,15 +8,15 @@ asyncgraph is faster):
 
 1. One caller, per model (a small transformer encoder, a CNN, a wide MLP): asyncgraph
    (`Executor.execute`, which returns once the GPU is done) with its executions captured as
-   CUDA graphs (`cuda_graphs=True`, off by default: replays after warm-up; the capture decision
-   is printed, with the reason when a model is not captured) and without them
-   (`cuda_graphs=False`: the stream path) vs eager (`model(x)` then a stream synchronize) vs a
+   CUDA graphs (`CudaConfig(graphs=True)`, off by default: replays after warm-up; the capture
+   decision is printed, with the reason when a model is not captured) and without them
+   (`graphs=False`: the stream path) vs eager (`model(x)` then a stream synchronize) vs a
    CUDA-graph replay of eager (`torch.cuda.CUDAGraph`, input copied into the static buffer)
    vs `torch.compile(mode="reduce-overhead")` (its compile time printed).
 2. `--callers` concurrent callers: asyncgraph (`asyncio.gather` of executes) vs eager on
    `asyncio.to_thread` (each call synchronizing its stream), as calls per second, and the
    event loop's lag p99 meanwhile (a 1 ms ticker's lateness).
-3. The wide MLP on 1 vs 4 CUDA streams (`ExecutorConfig.cuda_streams`), captured and not.
+3. The wide MLP on 1 vs 4 CUDA streams (`CudaConfig.streams`), captured and not.
 
 Without CUDA it says it cannot run and exits 0: nothing was measured. docs/gpu.md says what
 has and has not been run on a GPU.
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from asyncgraph import Executor, ExecutorConfig
+from asyncgraph.runtime.config import CudaConfig
 
 
 class Encoder(torch.nn.Module):
@@ -212,14 +213,14 @@ async def one_caller(args: argparse.Namespace) -> None:
         model = model.cuda().eval()
         x = x_cpu.cuda()
         ep = torch.export.export(model, (x,))
-        async with Executor(ep, ExecutorConfig(cuda_streams=4, cuda_graphs=True)) as ex:
+        async with Executor(ep, ExecutorConfig(cuda=CudaConfig(streams=4, graphs=True))) as ex:
             ours = await timed(lambda ex=ex, x=x: ex.execute(x), args.iterations)
             captured = graphs_line(ex)
-        uncaptured_config = ExecutorConfig(cuda_streams=4, cuda_graphs=False)
+        uncaptured_config = ExecutorConfig(cuda=CudaConfig(streams=4, graphs=False))
         async with Executor(ep, uncaptured_config) as ex:
             uncaptured = await timed(lambda ex=ex, x=x: ex.execute(x), args.iterations)
-        rows = [("asyncgraph, cuda_graphs=True", ours),
-                ("asyncgraph, cuda_graphs=False", uncaptured),
+        rows = [("asyncgraph, cuda.graphs=True", ours),
+                ("asyncgraph, cuda.graphs=False", uncaptured),
                 ("eager", await timed(eager_call(model, x), args.iterations))]
         rows.append(("cuda graph of eager", await timed(graph_call(model, x), args.iterations)))
         if not args.quick:
@@ -238,7 +239,7 @@ async def many_callers(args: argparse.Namespace) -> None:
         x = x_cpu.cuda()
         ep = torch.export.export(model, (x,))
         config = ExecutorConfig(
-            cuda_streams=4, cuda_graphs=True, max_concurrent_executions=args.callers
+            cuda=CudaConfig(streams=4, graphs=True), max_concurrent_executions=args.callers
         )
         async with Executor(ep, config) as ex:
             await asyncio.gather(*(ex.execute(x) for _ in range(args.callers)))  # warm-up
@@ -277,14 +278,14 @@ async def streams(args: argparse.Namespace) -> None:
     results = {}
     for graphs in (True, False):
         for count in (1, 4):
-            config = ExecutorConfig(cuda_streams=count, cuda_graphs=graphs)
+            config = ExecutorConfig(cuda=CudaConfig(streams=count, graphs=graphs))
             async with Executor(ep, config) as ex:
                 results[graphs, count] = await timed(lambda ex=ex: ex.execute(x), args.iterations)
                 line = graphs_line(ex)
-            label = "captured" if graphs else "cuda_graphs=False"
+            label = "captured" if graphs else "cuda.graphs=False"
             print(f"  {label:<18} {count} stream(s): {results[graphs, count]:8.3f} ms  ({line})")
     for graphs in (True, False):
-        label = "captured" if graphs else "cuda_graphs=False"
+        label = "captured" if graphs else "cuda.graphs=False"
         print(f"  {label}: 1 stream / 4 streams: "
               f"x{results[graphs, 1] / results[graphs, 4]:5.2f}")
 

@@ -4,9 +4,10 @@
 
 Three timings of the same exported model, each on 1 stream and on `--streams` streams:
 
-- the Executor (`ExecutorConfig(cuda_streams=...)`): what a caller gets, scheduler included,
-  with executions captured as CUDA graphs (the default; the capture decision is printed);
-- the Executor with `cuda_graphs=False`: the stream path, node by node;
+- the Executor (`ExecutorConfig(cuda=CudaConfig(streams=...))`): what a caller gets,
+  scheduler included, with executions captured as CUDA graphs (the default; the capture
+  decision is printed);
+- the Executor with `CudaConfig(graphs=False)`: the stream path, node by node;
 - the cuda layer alone (`asyncgraph.cuda.device.run_in_order`: the same begin / enqueue /
   host-wait / finish calls the scheduler makes, one node after another on the loop), which
   isolates what the streams buy from the scheduler's own overhead.
@@ -29,7 +30,7 @@ import torch
 
 from asyncgraph.cuda.device import CudaRuntime, FrameStreams, run_in_order
 from asyncgraph.cuda.streams import stream_plan_for
-from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.config import CudaConfig, ExecutorConfig
 from asyncgraph.runtime.executor import Executor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -97,7 +98,7 @@ async def time_executor(
 ) -> tuple[float, float]:
     """The same two numbers as `time_layer`, through `Executor.execute`."""
     config = ExecutorConfig(
-        cuda_streams=streams, max_concurrent_executions=concurrency, cuda_graphs=graphs
+        cuda=CudaConfig(streams=streams, graphs=graphs), max_concurrent_executions=concurrency
     )
     async with Executor(ep, config) as ex:
         for _ in range(5):
@@ -121,7 +122,7 @@ async def time_executor(
 async def time_uncaptured(
     ep: Any, x: torch.Tensor, streams: int, iterations: int, concurrency: int
 ) -> tuple[float, float]:
-    """`time_executor` with `cuda_graphs=False`."""
+    """`time_executor` with `CudaConfig(graphs=False)`."""
     return await time_executor(ep, x, streams, iterations, concurrency, graphs=False)
 
 

@@ -19,17 +19,19 @@ from asyncgraph.kernels.fast_bindings import fast_binding
 from asyncgraph.kernels.higher_order import higher_order_kernel, is_higher_order
 from asyncgraph.kernels.prim import PRIM_ATEN, PRIM_FUNCTIONS
 
-_CPU_KEYS = ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
-             "CompositeExplicitAutogradNonFunctional")
-_CUDA_KEYS = ("CUDA", "CompositeExplicitAutograd", "CompositeImplicitAutograd",
-              "CompositeExplicitAutogradNonFunctional")
-# Ops such as aten._to_dense (core ATen's to_dense) have kernels only for the layouts they take:
-# sparse, quantized, mkldnn, nested. Their node calls the operator, which dispatches on the
-# actual inputs' keys, as ep.module() does; a strided input then fails in that node, named.
-_LAYOUT_KEYS = {
-    KernelKind.CPU: ("SparseCPU", "SparseCsrCPU", "QuantizedCPU", "MkldnnCPU",
-                     "NestedTensorCPU"),
-    KernelKind.CUDA: ("SparseCUDA", "SparseCsrCUDA", "QuantizedCUDA", "NestedTensorCUDA"),
+_COMPOSITE_KEYS = ("CompositeExplicitAutograd", "CompositeImplicitAutograd",
+                   "CompositeExplicitAutogradNonFunctional")
+# Per device type ("cpu", and each one whose nodes get KernelKind.DEVICE kernels), the dispatch
+# keys of which one makes an aten op runnable there: its backend's, the composite ones, and
+# those of the layouts. Ops such as aten._to_dense (core ATen's to_dense) have kernels only for
+# the layouts they take: sparse, quantized, mkldnn, nested. Their node calls the operator, which
+# dispatches on the actual inputs' keys, as ep.module() does; a strided input then fails in
+# that node, named.
+_DISPATCH_KEYS: dict[str, tuple[str, ...]] = {
+    "cpu": ("CPU", *_COMPOSITE_KEYS,
+            "SparseCPU", "SparseCsrCPU", "QuantizedCPU", "MkldnnCPU", "NestedTensorCPU"),
+    "cuda": ("CUDA", *_COMPOSITE_KEYS,
+             "SparseCUDA", "SparseCsrCUDA", "QuantizedCUDA", "NestedTensorCUDA"),
 }
 
 
@@ -121,11 +123,11 @@ class KernelFactory:
             fn = fast_binding(op, node.kwargs) or fn
         if schema_name in PRIM_ATEN or overload in PRIM_ATEN:
             return OpKernel(fn, KernelKind.PRIM, str(op))
-        kind = KernelKind.CUDA if _on_cuda(node, graph) else KernelKind.CPU
-        keys = _CUDA_KEYS if kind is KernelKind.CUDA else _CPU_KEYS
-        if not _has_kernel(op, keys + _LAYOUT_KEYS[kind]):
+        device = _device_type(node, graph)
+        if not _has_kernel(op, _DISPATCH_KEYS[device or "cpu"]):
             return None
-        return OpKernel(fn, kind, str(op), estimate_cost(node, graph))
+        kind = KernelKind.CPU if device is None else KernelKind.DEVICE
+        return OpKernel(fn, kind, str(op), estimate_cost(node, graph), device_type=device)
 
 
 def _has_kernel(op: torch._ops.OpOverload, keys: tuple[str, ...]) -> bool:
@@ -136,13 +138,15 @@ def _has_kernel(op: torch._ops.OpOverload, keys: tuple[str, ...]) -> bool:
     return bool(getattr(op, "py_kernels", None)) or bool(getattr(op, "_py_kernels", None))
 
 
-def _on_cuda(node: Node, graph: Graph) -> bool:
-    """A node producing a CUDA tensor; for multi-output ops (no single output spec), one
-    reading a CUDA tensor."""
+def _device_type(node: Node, graph: Graph) -> str | None:
+    """The device type ("cuda") of a node's DEVICE kernel: that of the tensor it produces;
+    for multi-output ops (no single output spec), of the first device tensor it reads. None
+    for a CPU kernel, and for a device no row of _DISPATCH_KEYS names (its ops run as CPU
+    kernels do, as before devices had kernels of their own)."""
     spec = graph.values[node.output].spec
-    if isinstance(spec, TensorSpec):
-        return spec.device.type == "cuda"
-    return any(
-        isinstance(s, TensorSpec) and s.device.type == "cuda"
-        for s in (graph.values[v].spec for v in node.inputs())
-    )
+    specs = [spec] if isinstance(spec, TensorSpec) else [
+        graph.values[v].spec for v in node.inputs()]
+    for s in specs:
+        if isinstance(s, TensorSpec) and s.device.type != "cpu" and s.device.type in _DISPATCH_KEYS:
+            return s.device.type
+    return None

@@ -5,7 +5,7 @@ CUDA context in one cannot spoil the others):
 
 - env: versions (Python, torch, CUDA, cuDNN, the device and its driver, asyncgraph), the
   imports asyncgraph and its tests need, and one capture and replay through the real backend:
-  a small exported GPU program run by `asyncgraph.Executor` with `cuda_graphs=True` until
+  a small exported GPU program run by `asyncgraph.Executor` with `cuda.graphs=True` until
   `cuda_graph_statistics()` shows a capture and replays, every output compared with eager.
 - wait (issue 36, item 1): what the host's wait adds to GPU work of about 50 us, 300 us and
   1.5 ms (`torch.cuda._sleep`, calibrated once), on asyncio, uvloop and trio: each wait's
@@ -21,9 +21,9 @@ CUDA context in one cannot spoil the others):
   and `memory_allocated()` / `memory_reserved()` growth over 20 more executions with their
   outputs dropped, against a plain stream-path Executor before and after.
 - concurrency (issue 36, item 7): 64 frames (`max_concurrent_executions=64`, one stream each,
-  `cuda_graphs=True`) replaying a GEMM chain with small M and large K (split-K territory) for
+  `cuda.graphs=True`) replaying a GEMM chain with small M and large K (split-K territory) for
   64 concurrent callers with distinct inputs; every output compared with eager; the same with
-  `cuda_graphs=False` as the control; how many capture streams were made and how many of them
+  `cuda.graphs=False` as the control; how many capture streams were made and how many of them
   were distinct (torch hands out 32 per device and priority).
 
 Each writes its findings to OUT.json (rewritten as it goes, so a probe killed by its time limit
@@ -225,15 +225,17 @@ def probe_env(out: Findings) -> None:
 
 
 async def _capture_check() -> dict[str, Any]:
-    """Executions of a small program through the Executor with cuda_graphs=True, through the
+    """Executions of a small program through the Executor with cuda.graphs=True, through the
     real backend (TorchCudaBackend), until a capture and replays; each output against eager."""
     from asyncgraph import Executor, ExecutorConfig
+    from asyncgraph.runtime.config import CudaConfig
 
     torch.manual_seed(0)
     model = TinyModel().cuda().eval()
     x0 = torch.randn(16, 64, device="cuda")
     ep = torch.export.export(model, (x0,))
-    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=1, adaptive_placement=False)
+    config = ExecutorConfig(
+        cuda=CudaConfig(graphs=True, graph_warmup=1), adaptive_placement=False)
     result: dict[str, Any] = {}
     async with Executor(ep, config) as ex:
         plan = ex.cuda_graph_plan
@@ -305,7 +307,7 @@ def asyncgraph_wait() -> AsyncgraphWait:
 
         model = TinyModel(16).cuda().eval()
         ep = torch.export.export(model, (torch.randn(4, 16, device="cuda"),))
-        ex = Executor(ep, ExecutorConfig(cuda_graphs=False, adaptive_placement=False))
+        ex = Executor(ep, ExecutorConfig(adaptive_placement=False))  # CUDA graphs off
         runtime = ex.cuda_runtime
         policy = getattr(runtime, "poll", None)
         waiter = getattr(runtime, "waiter", None)
@@ -524,10 +526,12 @@ async def _growth(ex: Any, runs: int = GROWTH_RUNS) -> dict[str, Any]:
 
 async def _plain_growth() -> dict[str, Any]:
     from asyncgraph import Executor, ExecutorConfig
+    from asyncgraph.runtime.config import CudaConfig
 
     x = torch.randn(N_BIG, device="cuda")
     ep = torch.export.export(Plain().cuda().eval(), (x,))
-    config = ExecutorConfig(cuda_graphs=False, cuda_streams=1, adaptive_placement=False)
+    config = ExecutorConfig(
+        cuda=CudaConfig(streams=1, graphs=False), adaptive_placement=False)
     async with Executor(ep, config) as ex:
         return await _growth(ex)
 
@@ -536,10 +540,12 @@ async def _failing(model: torch.nn.Module, op: str) -> tuple[dict[str, Any], Any
     """Run `model` with its capture forced until the capture has been tried; returns the
     findings and the still-open Executor (the caller closes it)."""
     from asyncgraph import Executor, ExecutorConfig
+    from asyncgraph.runtime.config import CudaConfig
 
     x = torch.randn(N_BIG, device="cuda")
     ep = torch.export.export(model, (x,))
-    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=1, adaptive_placement=False)
+    config = ExecutorConfig(
+        cuda=CudaConfig(graphs=True, graph_warmup=1), adaptive_placement=False)
     with forced_capture(op) as how:
         ex = Executor(ep, config)
     r: dict[str, Any] = {"forced": how}
@@ -652,6 +658,7 @@ def probe_concurrency(out: Findings, callers: int = 64, rounds: int = 20,
                       dim: int = 4096) -> None:
     from asyncgraph import Executor, ExecutorConfig
     from asyncgraph.cuda import device
+    from asyncgraph.runtime.config import CudaConfig
 
     made: list[tuple[int, int]] = []
     original = getattr(device.TorchCudaBackend, "new_capture_stream", None)
@@ -676,8 +683,8 @@ def probe_concurrency(out: Findings, callers: int = 64, rounds: int = 20,
 
     async def storm(graphs: bool) -> dict[str, Any]:
         config = ExecutorConfig(
-            max_concurrent_executions=callers, cuda_streams=1, cuda_graphs=graphs,
-            cuda_graph_warmup=1, adaptive_placement=False,
+            max_concurrent_executions=callers,
+            cuda=CudaConfig(streams=1, graphs=graphs, graph_warmup=1), adaptive_placement=False,
         )
         r: dict[str, Any] = {}
         async with Executor(ep, config) as ex:

@@ -910,7 +910,7 @@ def env_section(report: Report) -> list[str]:
     check = env.get("capture_check")
     if check:
         out += ["One capture and replay through the real backend (a small exported program run "
-                "by `Executor` with `cuda_graphs=True`):", "",
+                "by `Executor` with `cuda.graphs=True`):", "",
                 _fence(json.dumps({k: v for k, v in check.items() if k != "traceback"},
                                   indent=1, default=str)), ""]
         if check.get("traceback"):

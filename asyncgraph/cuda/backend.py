@@ -2,7 +2,8 @@
 
 The runtime never imports this package: asyncgraph/plugins.py registers `CudaBackend` as the
 device type "cuda", and runtime/build.py asks the registry for it only when a program has CUDA
-nodes (placement STREAM), so a CPU-only program never imports cuda/ or touches torch.cuda.
+nodes (KernelKind.DEVICE kernels of device type "cuda", placed DEVICE), so a CPU-only program
+never imports cuda/ or touches torch.cuda.
 `CudaBackend.plan` makes the device plans, in this order: the streams (streams.py), the stream
 sets of all executions (device.py's CudaRuntime), whether executions are captured whole
 (capturable.py), otherwise the segments captured (segments.py), and the frame-side capture
@@ -87,7 +88,7 @@ class CudaBackend:
         """The device plans of a program with CUDA nodes; `driver`, a `Backend` replacing
         torch.cuda (tests' simulated GPU), or None for torch.cuda."""
         stream_plan = stream_plan_for(
-            graph, plan, config.cuda_streams, costs=[float(k.cost) for k in kernels]
+            graph, plan, config.cuda.streams, costs=[float(k.cost) for k in kernels]
         )
         runtime = CudaRuntime(
             stream_plan, plan.outputs,

@@ -82,8 +82,8 @@ def node_blocker(
     if role is not Role.CUDA:
         return None  # ALIAS and META nodes run on the host, reading no GPU data
     node = graph.nodes[index]
-    if kernel.kind is not KernelKind.CUDA:
-        return f"is a {kernel.kind.value} kernel"
+    if kernel.kind is not KernelKind.DEVICE or kernel.device_type != "cuda":
+        return f"is a {kernel.where} kernel"
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return "is a Python kernel, not an aten op"
@@ -200,8 +200,8 @@ def _blocker(
     graph: Graph, stream_plan: StreamPlan, kernels: Sequence[OpKernel], config: ExecutorConfig
 ) -> str | None:
     """The first reason the program cannot be captured, or None."""
-    if not config.cuda_graphs:
-        return "cuda_graphs=False"
+    if not config.cuda.graphs:
+        return "cuda.graphs=False"
     if config.trace:
         return "trace=True records a span per node, which a replay does not have"
     sig = graph.signature

@@ -203,7 +203,7 @@ class CudaGraphs:
         self.graph = graph
         self.value_ids = plan.outputs
         self.input_slots = plan.user_input_slots
-        self.warmup = config.cuda_graph_warmup
+        self.warmup = config.cuda.graph_warmup
         self.inference_mode = config.inference_mode
         self.failed: dict[Signature, str] = {}
         self.frames: weakref.WeakSet[FrameCaptures] = weakref.WeakSet()

@@ -19,7 +19,7 @@ What a segment is (decided once per Executor, `plan_segments`, tested on the CPU
   node) closes it and opens the next, and the split is reported.
 - It has at least `MIN_CUDA_NODES` (2) CUDA nodes. A replay of one kernel is one launch, as
   the kernel's own launch is, plus a copy per input and a clone per output: no gain.
-- Program-level blockers are those of whole capture: `cuda_graphs=False`, `trace=True`, a
+- Program-level blockers are those of whole capture: `cuda.graphs=False`, `trace=True`, a
   mutated buffer or input, several devices. Then no segment is planned, and `reason` says why.
 
 `order` is a topological order of the nodes in which each segment is contiguous (the window
@@ -165,8 +165,8 @@ def plan_segments(
 
 
 def _program_blocker(graph: Graph, stream_plan: StreamPlan, config: ExecutorConfig) -> str | None:
-    if not config.cuda_graphs:
-        return "cuda_graphs=False"
+    if not config.cuda.graphs:
+        return "cuda.graphs=False"
     if config.trace:
         return "trace=True records a span per node, which a replay does not have"
     for out in graph.signature.outputs:

@@ -131,10 +131,10 @@ class StreamPlan:
     # -- DeviceRuns (runtime/device.py): how schedule.py fuses CUDA runs and what they call --
 
     def run_key(self, node: int, placement: Placement) -> StreamKey | None:
-        """(device, stream) of a CUDA node placed STREAM: consecutive ones on one stream fuse
+        """(device, stream) of a CUDA node placed DEVICE: consecutive ones on one stream fuse
         into a CUDA run; ALIAS_KEY for an inline alias node, which continues the run."""
         role = self.roles[node]
-        if placement is Placement.STREAM and role is Role.CUDA:
+        if placement is Placement.DEVICE and role is Role.CUDA:
             return self.key(node)
         if placement is Placement.INLINE and role is Role.ALIAS:
             return ALIAS_KEY
@@ -353,7 +353,7 @@ def aten_names(target: object) -> tuple[str, str] | None:
 
 def node_role(graph: Graph, plan: ExecutionPlan, index: int) -> Role:
     """The Role of one node, from its placement, its target and its output spec."""
-    if plan.placement[index] is Placement.STREAM:
+    if plan.placement[index] is Placement.DEVICE:
         return Role.CUDA
     node = graph.nodes[index]
     target = node.target
@@ -385,7 +385,7 @@ def stream_plan_for(
     costs: Sequence[float] | None = None,
     default_device: int = 0,
 ) -> StreamPlan:
-    """The StreamPlan of an Executor's graph: roles from the plan's placement (STREAM nodes
+    """The StreamPlan of an Executor's graph: roles from the plan's placement (DEVICE nodes
     are CUDA nodes), devices from the nodes' output specs (`cuda` without an index means
     `default_device`), every kind of graph output counted as an output."""
     producers: list[list[int]] = []

@@ -13,9 +13,10 @@ executions share (`Built`). The order matters and is the order of this file:
    runtime/delegates.py, so that the runtime never imports compiled/); new nodes get kernels
    again, and every node a backend made must be a `Delegate`;
 4. the execution plan: value slots, placement per node (runtime/plan.py);
-5. with CUDA nodes, the device plans: streams, capture plans, segments, made by the device
-   backend registered as "cuda" (runtime/device.py's registry; cuda/backend.py), asked for
-   only then, so a CPU-only program never imports cuda/ or touches torch.cuda;
+5. with device nodes (placed DEVICE), the device plans (for CUDA: streams, capture plans,
+   segments), made by the device backend registered under their kernels' device type
+   (runtime/device.py's registry; cuda/backend.py is "cuda"), asked for only then, so a
+   CPU-only program never imports cuda/ or touches torch.cuda;
 6. the per-signature machinery: adaptive placement and the schedule cache.
 
 A pass added to the library is one row of `GRAPH_PASSES`; `Executor.__init__` only calls
@@ -126,7 +127,7 @@ class Built:
     # every delegate node's target: the backends', and those a compiled package brought
     delegates: tuple[Delegate, ...] = ()
     counts: PassCounts = field(default_factory=PassCounts)
-    device: DevicePlan | None = None  # with CUDA nodes: cuda/backend.py's CudaPlans
+    device: DevicePlan | None = None  # with device nodes: cuda/backend.py's CudaPlans
     adaptive: AdaptivePlacement | None = None
 
 
@@ -237,8 +238,25 @@ def _device_plan(
     config: ExecutorConfig,
     driver: object | None,
 ) -> DevicePlan | None:
-    """Step 5: the device plans, exactly when the program has CUDA nodes (placement STREAM),
-    by the backend registered as "cuda" (imported only then)."""
-    if Placement.STREAM not in plan.placement:
+    """Step 5: the device plans, exactly when the program has device nodes (placement
+    DEVICE), by the backend registered under their kernels' device type (imported only then)."""
+    device_type = _device_type(graph, plan, kernels)
+    if device_type is None:
         return None
-    return device_backend("cuda").plan(graph, plan, kernels, config, driver)
+    return device_backend(device_type).plan(graph, plan, kernels, config, driver)
+
+
+def _device_type(graph: Graph, plan: ExecutionPlan, kernels: list[OpKernel]) -> str | None:
+    """The one device type of the nodes placed DEVICE (None: there are none); a program on two
+    device types is refused, naming a node of each (one device backend plans a program)."""
+    first: dict[str, str] = {}  # device type -> its first node
+    for node, kernel, where in zip(graph.nodes, kernels, plan.placement, strict=True):
+        if where is Placement.DEVICE and kernel.device_type is not None:
+            first.setdefault(kernel.device_type, node.name)
+    if len(first) > 1:
+        (a, a_node), (b, b_node) = list(first.items())[:2]
+        raise ValueError(
+            f"the program has nodes on device types {a!r} (node {a_node}) and {b!r} "
+            f"(node {b_node}); one program runs on one device type"
+        )
+    return next(iter(first), None)

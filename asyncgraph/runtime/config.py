@@ -6,12 +6,14 @@ max_parallel_ops, max_concurrent_executions, frame cleanup), in snake_case.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import operator
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 #: The defaults of the two queue bounds: far above any burst a test, benchmark or the server
@@ -118,10 +120,9 @@ class BatchingConfig:
             queues meanwhile, so batches grow with load. Batches that take milliseconds on
             worker threads (an ONNX or compiled segment) keep the workers busier with more in
             flight than workers: while the loop answers one batch's callers and takes their
-            next requests, a worker runs a queued batch (64 callers of tiny BERT's ONNX
-            segment: 16 rows x 4 in flight 1.90-1.96x ONNX Runtime via to_thread, 32 x 2
-            1.71-1.86x; the MLP, whose batches take microseconds, 6.9-10.5x against
-            8.0-12.1x with 32 x 2; 2026-11-28).
+            next requests, a worker runs a queued batch. Measured on tiny BERT's ONNX
+            segment; batches of microseconds (the MLP) did better fewer and larger
+            (benchmarks/results/cpu/design_measurements.md#batches-in-flight).
         retry_alone: when a batch of several requests fails, run each alone so a bad request
             fails alone and the others succeed.
         max_queued_requests: requests that may wait in the batcher's queue (4096); the next
@@ -143,6 +144,43 @@ class BatchingConfig:
 
     def __post_init__(self) -> None:
         check(self, BATCHING_RULES)
+
+
+#: CudaConfig's checks, in the order they run.
+CUDA_RULES: tuple[Rule, ...] = (
+    Range("streams", ">=", 1, why="CUDA streams per device for one execution"),
+    Range("graph_warmup", ">=", 0, why="executions of a signature before its capture"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaConfig:
+    """How an Executor runs a program's CUDA nodes (asyncgraph/cuda/, docs/gpu.md):
+    `ExecutorConfig(cuda=CudaConfig(...))`. Unused by programs without CUDA nodes.
+
+    Attributes:
+        streams: CUDA streams per device that one execution spreads its CUDA nodes over
+            (docs/gpu.md): independent branches on different streams can overlap on the GPU;
+            1 runs every CUDA node of an execution in order on one stream. Concurrent
+            executions get stream sets of their own, up to `max_concurrent_executions` sets.
+        graphs: capture whole executions of a GPU program as CUDA graphs and replay them
+            (docs/gpu.md, asyncgraph/cuda/graphs.py): acts only on programs whose nodes can
+            all be captured (CUDA aten ops without host syncs; `Executor.cuda_graph_plan` says
+            why not otherwise). Per frame and input signature, after `graph_warmup`
+            executions. Outputs are copies, never the graph's static memory. Off by default
+            until the GPU test suite passes on a real GPU with graphs faster than the stream
+            path (docs/gpu.md: what has run on which GPU); the CUDA graphs of segments
+            (cuda/segments.py) follow the same switch.
+        graph_warmup: executions of an input signature on a frame, on the stream path,
+            before the next one is captured (lazy initialisation, cuBLAS workspaces).
+    """
+
+    streams: int = 4
+    graphs: bool = False
+    graph_warmup: int = 2
+
+    def __post_init__(self) -> None:
+        check(self, CUDA_RULES)
 
 
 def _min_frames_within_executions(config: ExecutorConfig) -> None:
@@ -167,8 +205,55 @@ def _segments_name_backends(config: ExecutorConfig) -> None:
         raise ValueError(f"segments must name each backend once, got {segments!r}")
 
 
-# The deprecated flags and the backend each means, in the order the builder ran them.
-_DEPRECATED_SEGMENT_FLAGS = (("script_segments", "script"), ("onnx_segments", "onnx"))
+# How a deprecated keyword argument is rewritten: (the constructor's other keyword arguments,
+# its name, its value); it warns, naming the spelling that replaced it, then rewrites that.
+Rewrite = Callable[[dict[str, Any], str, Any], None]
+
+
+def _warn_deprecated(name: str, value: Any, instead: str) -> None:
+    warnings.warn(
+        f"ExecutorConfig({name}={value!r}) is deprecated: use {instead}",
+        DeprecationWarning, stacklevel=4,  # the caller of ExecutorConfig(...)
+    )
+
+
+def _segment_flag(backend: str) -> Rewrite:
+    """A flag that meant segments=(backend,): True adds the backend (once); False, the
+    default, means nothing and warns of nothing."""
+
+    def rewrite(kwargs: dict[str, Any], name: str, on: Any) -> None:
+        if not on:
+            return
+        _warn_deprecated(name, on, f"segments=({backend!r},)")
+        segments = kwargs.get("segments", ())
+        if isinstance(segments, tuple | list) and backend not in segments:
+            kwargs["segments"] = (*segments, backend)
+
+    return rewrite
+
+
+def _cuda_field(cuda_field: str) -> Rewrite:
+    """A flat `cuda_*` field that is now CudaConfig's `cuda_field`: set in `cuda` (the one
+    given, else the defaults), which checks it."""
+
+    def rewrite(kwargs: dict[str, Any], name: str, value: Any) -> None:
+        _warn_deprecated(name, value, f"cuda=CudaConfig({cuda_field}={value!r})")
+        cuda = kwargs.get("cuda", CudaConfig())
+        kwargs["cuda"] = dataclasses.replace(cuda, **{cuda_field: value})
+
+    return rewrite
+
+
+#: The keyword arguments ExecutorConfig still takes for one release, each rewritten into the
+#: spelling that replaced it, in this order (the segment flags': the order the builder ran
+#: their backends in).
+DEPRECATED_KEYWORDS: dict[str, Rewrite] = {
+    "script_segments": _segment_flag("script"),
+    "onnx_segments": _segment_flag("onnx"),
+    "cuda_streams": _cuda_field("streams"),
+    "cuda_graphs": _cuda_field("graphs"),
+    "cuda_graph_warmup": _cuda_field("graph_warmup"),
+}
 
 
 #: ExecutorConfig's checks, in the order they run.
@@ -188,8 +273,6 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
     Range("loaded_heavy_node_us", ">=", 0),
     Range("worker_execution_node_us", ">=", 0, or_none=True),
     Range("max_fused_nodes", ">=", 1),
-    Range("cuda_streams", ">=", 1, why="streams per device for one execution"),
-    Range("cuda_graph_warmup", ">=", 0, why="executions of a signature before its capture"),
     Range("heavy_op_flops", ">=", 0),
     _segments_name_backends,
 )
@@ -238,11 +321,10 @@ class ExecutorConfig:
         worker_nice: how much each worker thread raises its own nice value (Linux; 0 leaves
             them as they are). The event loop's thread turns finished work into the next;
             with workers on every core at the same priority, a loop woken by a finished
-            batch could wait milliseconds for a core while the workers' queue ran dry. 64
-            batched callers of tiny BERT in ONNX segments on 2 cores, at 5 against 0: the
-            loop's wake-to-run p90 50-66 us against 81-1,065 us, and a median 5% more
-            requests/s in ten alternating runs (-6% to +8%); unbatched and plain-graph
-            callers the same either way (AMD EPYC, Linux 6.18, 2026-11-28).
+            batch could wait milliseconds for a core while the workers' queue ran dry. At 5,
+            against 0, the loop woke sooner and batched callers ran slightly more
+            requests/s; unbatched and plain-graph callers ran the same either way
+            (benchmarks/results/cpu/design_measurements.md#worker-nice).
             Workers still take every core the loop leaves, but other processes at the
             default priority come first: set 0 to share a machine as equals. Threads the
             library starts from a worker (tracer, ONNX builder, host waiter, a nested pool)
@@ -338,24 +420,16 @@ class ExecutorConfig:
             Other backends register themselves (`register_backend`). () (the default): none.
         script_segments, onnx_segments: deprecated spellings of segments=("script",) and
             segments=("onnx",), accepted by the constructor only (they warn, and add their
-            backend to `segments`; read `segments`).
+            backend to `segments`; read `segments`). DEPRECATED_KEYWORDS lists every
+            deprecated keyword argument.
         max_fused_nodes: the longest run of consecutive inline nodes compiled into one
             straight-line function (a unit); 1 runs every node as its own unit.
-        cuda_streams: CUDA streams per device that one execution spreads its CUDA nodes over
-            (docs/gpu.md): independent branches on different streams can overlap on the GPU;
-            1 runs every CUDA node of an execution in order on one stream. Concurrent
-            executions get stream sets of their own, up to `max_concurrent_executions` sets.
-            Unused by programs without CUDA nodes.
-        cuda_graphs: capture whole executions of a GPU program as CUDA graphs and replay them
-            (docs/gpu.md, asyncgraph/cuda/graphs.py): acts only on programs whose nodes can
-            all be captured (CUDA aten ops without host syncs; `Executor.cuda_graph_plan` says
-            why not otherwise). Per frame and input signature, after `cuda_graph_warmup`
-            executions. Outputs are copies, never the graph's static memory. Off by default
-            until the GPU test suite passes on a real GPU with graphs faster than the stream
-            path (docs/gpu.md: what has run on which GPU); the CUDA graphs of segments
-            (cuda/segments.py) follow the same switch.
-        cuda_graph_warmup: executions of an input signature on a frame, on the stream path,
-            before the next one is captured (lazy initialisation, cuBLAS workspaces).
+        cuda: how CUDA nodes run (CudaConfig: streams per execution, CUDA graphs and their
+            warm-up); unused by programs without CUDA nodes.
+        cuda_streams, cuda_graphs, cuda_graph_warmup: deprecated spellings of
+            cuda=CudaConfig(streams=..., graphs=..., graph_warmup=...): the constructor (and
+            dataclasses.replace) still takes them, warns, and sets them in `cuda`; reading
+            them gives `cuda`'s values.
         move_inputs_to_device: move a tensor input that is on another device than the program
             was exported for (a CPU tensor for a CUDA program, say) instead of rejecting it;
             copies to a GPU are enqueued without a host wait. Off by default, because a silent
@@ -398,29 +472,31 @@ class ExecutorConfig:
     fuse_activations: bool = True
     segments: tuple[str, ...] = ()
     max_fused_nodes: int = 32
-    cuda_streams: int = 4
-    cuda_graphs: bool = False
-    cuda_graph_warmup: int = 2
+    cuda: CudaConfig = CudaConfig()
     move_inputs_to_device: bool = False
     batching: BatchingConfig | None = None
     trace: bool = False
     ready_order_seed: int | None = None
-    script_segments: InitVar[bool] = False  # deprecated: segments=("script",)
-    onnx_segments: InitVar[bool] = False  # deprecated: segments=("onnx",)
 
-    def __post_init__(self, script_segments: bool, onnx_segments: bool) -> None:
+    def __post_init__(self) -> None:
         if isinstance(self.segments, list):
             object.__setattr__(self, "segments", tuple(self.segments))
-        flags = {"script_segments": script_segments, "onnx_segments": onnx_segments}
-        for flag, backend in _DEPRECATED_SEGMENT_FLAGS:
-            if flags[flag]:
-                warnings.warn(
-                    f"ExecutorConfig({flag}=True) is deprecated: use segments=({backend!r},)",
-                    DeprecationWarning, stacklevel=3,
-                )
-                if isinstance(self.segments, tuple) and backend not in self.segments:
-                    object.__setattr__(self, "segments", (*self.segments, backend))
         check(self, EXECUTOR_RULES)
+
+    @property
+    def cuda_streams(self) -> int:
+        """Deprecated: read `cuda.streams`."""
+        return self.cuda.streams
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Deprecated: read `cuda.graphs`."""
+        return self.cuda.graphs
+
+    @property
+    def cuda_graph_warmup(self) -> int:
+        """Deprecated: read `cuda.graph_warmup`."""
+        return self.cuda.graph_warmup
 
     @property
     def intra_op_threads_or_default(self) -> int:
@@ -432,3 +508,26 @@ class ExecutorConfig:
 
         per_worker = max(1, usable_cpus() // self.max_parallel_ops)
         return min(per_worker, max(1, torch.get_num_threads()))
+
+
+def _take_deprecated_keywords(config_class: type[ExecutorConfig]) -> None:
+    """Make `config_class`'s constructor take DEPRECATED_KEYWORDS too, each rewritten into the
+    spelling that replaced it before the dataclass's own `__init__` (and its checks) runs.
+
+    Not InitVars: `cuda_streams` and the like are also read-only properties, and
+    dataclasses.replace passes every InitVar back in with the value it reads, which would
+    undo the `cuda` given to replace; replace calls this constructor with the fields only,
+    and with a deprecated name when its caller passes one (which then warns and maps)."""
+    init = config_class.__init__
+
+    @functools.wraps(init)
+    def __init__(self: ExecutorConfig, *args: Any, **kwargs: Any) -> None:
+        for name, rewrite in DEPRECATED_KEYWORDS.items():
+            if name in kwargs:
+                rewrite(kwargs, name, kwargs.pop(name))
+        init(self, *args, **kwargs)
+
+    setattr(config_class, "__init__", __init__)  # noqa: B010 - mypy refuses assigning a method
+
+
+_take_deprecated_keywords(ExecutorConfig)

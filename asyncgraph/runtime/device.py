@@ -1,13 +1,14 @@
 """Device: what the run loop asks of a frame's device state, without knowing what is behind it.
 
-A frame of a program with CUDA nodes holds one (`ExecutionFrame.gpu`); cuda/device.py's
-FrameStreams implements it, and the frame never imports cuda/. Per loaded schedule the device
-gives the frame its unit tables (`unit_tables`: the call and the placement of every unit, in
-which CUDA units enqueue on their streams and units that read GPU values are
-Placement.HOST_WAIT); per execution the scheduler calls `begin`, `host_ready`/`wait_host`
-before a HOST_WAIT unit, and `await finish()`; the Executor calls `protect_outputs` on what it
-hands to the caller. A frame whose executions are captured as CUDA graphs also holds its
-captures (`ExecutionFrame.graphs`, `Captures`: cuda/graphs.py's FrameGraphs or FrameSegments).
+A frame of a program with device nodes holds one (`ExecutionFrame.gpu`); cuda/device.py's
+FrameStreams implements it for CUDA, and the frame never imports cuda/. Per loaded schedule the
+device gives the frame its unit tables (`unit_tables`: the call and the placement of every
+unit, in which device units enqueue on the device's queues, CUDA's streams, and units that
+read device values are Placement.HOST_WAIT); per execution the scheduler calls `begin`,
+`host_ready`/`wait_host` before a HOST_WAIT unit, and `await finish()`; the Executor calls
+`protect_outputs` on what it hands to the caller. A frame whose executions are captured as
+CUDA graphs also holds its captures (`ExecutionFrame.graphs`, `Captures`: cuda/graphs.py's
+FrameGraphs or FrameSegments).
 
 The seam to the device packages (anyio's backend seam: the interfaces live here, the backends
 are registered by name and imported when first used, the runtime never imports one): a
@@ -15,10 +16,11 @@ are registered by name and imported when first used, the runtime never imports o
 never fuse, the groups captured as one unit, each frame's state, moving inputs, close,
 statistics). Backends are registered by device type (`register_device`; asyncgraph/plugins.py,
 run by `import asyncgraph`, registers cuda/'s as "cuda"), and runtime/build.py asks
-`device_backend("cuda")` only for a program with CUDA nodes, so a CPU-only program imports
-nothing of cuda/. The core types still name CUDA (KernelKind.CUDA, Placement.STREAM: the
-device type is "cuda" for those nodes); once they name a device and its type, adding a device
-kind is its package and one `register_device` call.
+`device_backend(t)` only for a program with device nodes (KernelKind.DEVICE kernels, placed
+Placement.DEVICE), `t` their kernels' `device_type` ("cuda"), so a CPU-only program imports
+nothing of cuda/. The core types name a device, not CUDA: adding a device kind is its package
+and one `register_device` call (and, for the aten ops the KernelFactory makes, its row of
+dispatch keys in kernels/factory.py, which picks the device type from the node's tensors).
 """
 
 from __future__ import annotations

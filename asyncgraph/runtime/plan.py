@@ -10,7 +10,7 @@ producers_), and shared read-only by every execution:
   the last reader of, so intermediates are dropped as soon as their last reader has run, in
   whatever order a parallel run takes;
 - `placement[i]`: where node i runs (inline on the loop, on a worker thread, as a task, on a
-  CUDA stream).
+  device: its kernel's `device_type` names the device backend that plans it).
 """
 
 from __future__ import annotations
@@ -28,15 +28,20 @@ from asyncgraph.runtime.config import ExecutorConfig
 
 
 class Placement(enum.IntEnum):
-    """Where a node runs. The scheduler has one handler per placement."""
+    """Where a node runs. The scheduler has one handler per placement.
+
+    DEVICE: enqueued on its device's queues (cuda/: a CUDA stream) by the device's unit
+    tables. STREAM is a deprecated alias of DEVICE (the same member), kept for one release.
+    """
 
     INLINE = 0
     WORKER = 1
     TASK = 2
-    STREAM = 3
+    DEVICE = 3
+    STREAM = 3  # deprecated alias of DEVICE
     # Only in a frame's unit table (runtime/device.py), never a node's placement: the unit's
-    # node reads GPU values; the scheduler hands it off to await the GPU's events, then runs
-    # it where its schedule places it.
+    # node reads device values; the scheduler hands it off to await the device's events, then
+    # runs it where its schedule places it.
     HOST_WAIT = 4
 
 
@@ -73,8 +78,8 @@ def choose_placement(node: Node, kernel: OpKernel, config: ExecutorConfig) -> Pl
         return _HINTS[node.placement_hint]
     if kernel.kind is KernelKind.PRIM:
         return Placement.INLINE
-    if kernel.kind is KernelKind.CUDA:
-        return Placement.STREAM
+    if kernel.kind is KernelKind.DEVICE:
+        return Placement.DEVICE
     if not isinstance(node.target, torch._ops.OpOverload) and kernel.cost == 0:
         return Placement.WORKER  # a Python callable of unknown cost: keep it off the loop
     return Placement.WORKER if kernel.cost >= config.heavy_op_flops else Placement.INLINE

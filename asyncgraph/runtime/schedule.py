@@ -21,7 +21,7 @@ GPU has written them: docs/gpu.md) is a unit of its own, and runs end before it.
 
 A *segment* (an atomic group, `AtomicGroups`: asyncgraph/cuda/segments.py's convex groups of
 capturable nodes of a GPU program that is not wholly capturable) is one unit of fused
-schedules, placed STREAM: its nodes run in the order of `AtomicGroups.order`, a topological
+schedules, placed DEVICE: its nodes run in the order of `AtomicGroups.order`, a topological
 order in which each group is contiguous, so units stay consecutive nodes of that order. Its
 schedule call only refuses to run: the frame's device tables give it the frame's segment call
 (warm-up, capture or replay: cuda/graphs.py), and `segments[u]` names the segment of unit u
@@ -356,8 +356,8 @@ def build_schedule(
                 v for v, k in reads.items()
                 if k == plan.read_counts[v] and graph.values[v].producer not in members
             }
-            # a CUDA run: only they start with a STREAM node and have more than one
-            cuda = stream_plan if placement[run[0]] is Placement.STREAM else None
+            # a CUDA run: only they start with a DEVICE node and have more than one
+            cuda = stream_plan if placement[run[0]] is Placement.DEVICE else None
             calls.append(_compile_run(graph, plan, kernels, run, escaping, owned, u, cuda))
             if yield_gil:
                 time.sleep(0)  # releases the GIL: a waiting thread takes it now
@@ -391,7 +391,7 @@ def build_schedule(
         stores=tuple(stores),
         nodes=tuple(tuple(r) for r in runs),
         where=tuple(
-            Placement.STREAM if r[0] in segment_of else placement[r[0]] for r in runs
+            Placement.DEVICE if r[0] in segment_of else placement[r[0]] for r in runs
         ),
         users_reversed=tuple(tuple(reversed(us)) for us in users),
         producer_counts=counts,

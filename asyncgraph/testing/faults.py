@@ -323,7 +323,7 @@ class FaultInjector:
 
             wrapped = sync_kernel
         wrapped.__name__ = f"faulty[{kernel.name}]"
-        return OpKernel(wrapped, kernel.kind, kernel.name, kernel.cost)
+        return kernel.with_fn(wrapped)
 
     def check_nodes(self, graph: Graph) -> None:
         """Raise KeyError naming any node of a rule that the graph does not have."""

@@ -49,8 +49,8 @@ class NodeTime:
     index: int
     name: str
     op: str
-    kind: str
-    placement: str
+    kind: str  # the kernel's kind (prim, cpu, ...), a device kernel's device type (cuda)
+    placement: str  # runtime/plan.py's Placement, lower case (inline, worker, task, device)
     mean_us: float
     percent: float
 
@@ -183,7 +183,7 @@ def _metrics(ex: Executor, executions: Sequence[_Execution]) -> ProfileMetrics:
     for node, kernel, us in zip(ex.graph.nodes, ex.kernels, mean_us, strict=True):
         op = node.target_name()
         placement = ex.plan.placement[node.index].name.lower()
-        nodes.append(NodeTime(node.index, node.name, op, kernel.kind.value, placement, us,
+        nodes.append(NodeTime(node.index, node.name, op, kernel.where, placement, us,
                               100 * us / total if total else 0.0))
         by_type[op] += us
         instances[op] += 1

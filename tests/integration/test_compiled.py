@@ -316,7 +316,7 @@ class Gate(KernelFactory):
             assert self.release.wait(30), "the test never released the segment"
             return run(*args)
 
-        return OpKernel(gated, kernel.kind, kernel.name, kernel.cost)
+        return kernel.with_fn(gated)
 
 
 async def _wait(event: threading.Event) -> None:
@@ -371,7 +371,7 @@ class HoldFirst(KernelFactory):
                 assert self.release.wait(30), "the test never released the segment"
             return run(*args)
 
-        return OpKernel(held, kernel.kind, kernel.name, kernel.cost)
+        return kernel.with_fn(held)
 
 
 @pytest.mark.timeout(120)

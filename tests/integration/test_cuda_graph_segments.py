@@ -6,7 +6,7 @@ captured one segment at a time, each one unit of the schedule.
 1. `plan_segments` on builder graphs (pure): segments, splits of non-convex groups, groups too
    small to be worth a graph, the reason each node is left out.
 2. The Executor on the simulated GPU of support/cuda_graph_fake.py (asyncio and trio): both runs
-   around a host read captured and replayed, results equal to `cuda_graphs=False`, outputs read
+   around a host read captured and replayed, results equal to `cuda.graphs=False`, outputs read
    by host nodes and held by the caller, weights swaps, a failing capture, cancellation during
    a host wait between two replayed segments, close; `asyncgraph profile`'s listing.
 3. A real-GPU test, skipped without CUDA.
@@ -28,6 +28,7 @@ from asyncgraph.cuda import capture as cuda_capture
 from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, ScalarSpec
+from asyncgraph.runtime.config import CudaConfig
 from asyncgraph.testing import LeakChecker, introspect
 from tests.support.backends import run, settle, until
 from tests.support.cuda_graph_fake import (
@@ -186,7 +187,7 @@ def test_a_lone_cuda_node_a_host_scalar_and_a_denied_op_are_left_out_with_reason
 def test_no_segments_for_a_wholly_captured_program_or_without_cuda_graphs() -> None:
 
     assert segments_of(diamond_program()).reason == "the whole execution is captured"
-    assert segments_of(two_runs_program(), cuda_graphs=False).reason == "cuda_graphs=False"
+    assert segments_of(two_runs_program(), graphs=False).reason == "cuda.graphs=False"
     ex_plan = segments_of(two_runs_program(), trace=True)
     assert ex_plan.reason is not None and ex_plan.reason.startswith("trace=True")
     assert ex_plan.describe(two_runs_graph()) == [f"segments: none ({ex_plan.reason})"]
@@ -205,8 +206,8 @@ def test_both_runs_around_a_host_read_are_captured_and_equal_the_uncaptured_path
         gpu = CaptureGpu(seed=1)
         cuda = CaptureBackend(gpu)
         w = torch.tensor([2.0, -1.0, 0.5, 3.0])
-        ex = make_executor(two_runs_program(w), gpu, cuda, cuda_graph_warmup=2)
-        plain = make_executor(two_runs_program(w), gpu, cuda_graphs=False)
+        ex = make_executor(two_runs_program(w), gpu, cuda, graph_warmup=2)
+        plain = make_executor(two_runs_program(w), gpu, graphs=False)
         async with running(ex, gpu), running(plain, gpu):
             seen = []
             for k in range(5):
@@ -250,7 +251,7 @@ def test_held_outputs_and_outputs_read_by_host_nodes_survive_later_replays(backe
     async def body() -> None:
         gpu = CaptureGpu(seed=3)
         w = torch.full((4,), 2.0)
-        ex = make_executor(two_runs_program(w), gpu, cuda_graph_warmup=0)
+        ex = make_executor(two_runs_program(w), gpu, graph_warmup=0)
         async with running(ex, gpu):
             held = await ex.execute(inputs(0))  # the captures' own results
             for k in range(1, 4):
@@ -270,7 +271,7 @@ def test_without_the_clone_a_later_replay_overwrites_a_held_output(
     async def body() -> None:
         gpu = CaptureGpu(seed=3)
         w = torch.full((4,), 2.0)
-        ex = make_executor(two_runs_program(w), gpu, cuda_graph_warmup=0)
+        ex = make_executor(two_runs_program(w), gpu, graph_warmup=0)
         async with running(ex, gpu):
             held = await ex.execute(inputs(0))
             later = await ex.execute(inputs(1))
@@ -286,7 +287,7 @@ def test_swap_weights_recaptures_every_segment(backend: str) -> None:
         gpu = CaptureGpu(seed=5)
         cuda = CaptureBackend(gpu)
         old, new = torch.full((4,), 2.0), torch.tensor([-1.0, 0.0, 1.0, 4.0])
-        ex = make_executor(two_runs_program(old), gpu, cuda, cuda_graph_warmup=1)
+        ex = make_executor(two_runs_program(old), gpu, cuda, graph_warmup=1)
         async with running(ex, gpu):
             for k in range(3):
                 check(await ex.execute(inputs(k)), inputs(k), old)
@@ -308,7 +309,7 @@ def test_a_segment_whose_capture_fails_runs_uncaptured_and_the_other_is_replayed
     async def body() -> None:
         gpu = CaptureGpu(seed=6)
         w = torch.full((4,), 2.0)
-        ex = make_executor(two_runs_program(w, sync_in_second=True), gpu, cuda_graph_warmup=1)
+        ex = make_executor(two_runs_program(w, sync_in_second=True), gpu, graph_warmup=1)
         async with running(ex, gpu):
             for k in range(4):
                 check(await ex.execute(inputs(k)), inputs(k), w)
@@ -334,7 +335,7 @@ def test_cancellation_during_the_host_wait_between_two_replayed_segments(backend
     async def body() -> None:
         gpu = CaptureGpu(seed=7)
         w = torch.full((4,), 2.0)
-        ex = make_executor(two_runs_program(w), gpu, cuda_graph_warmup=0,
+        ex = make_executor(two_runs_program(w), gpu, graph_warmup=0,
                            max_concurrent_executions=1)
         cancelled: list[bool] = []
         second: list[Any] = []
@@ -404,7 +405,7 @@ def test_an_error_in_a_segment_node_fails_the_execution_naming_the_node(
         product = b.call(aten.mul.Tensor, a, y, name="gpu_mul")
         b.output((product, b.call(aten._local_scalar_dense.default, total, name="item_1")))
         g = b.build()
-        ex = make_executor(g, gpu, cuda_graph_warmup=warmup)
+        ex = make_executor(g, gpu, graph_warmup=warmup)
         assert ex.cuda_segment_plan is not None
         (segment,) = ex.cuda_segment_plan.segments
         assert names(g, segment.nodes) == ["gpu_a", "gpu_sum", "gpu_mul"]
@@ -453,7 +454,7 @@ def test_a_cuda_node_after_a_segment_on_a_side_stream_runs_after_the_replay(
 
         monkeypatch.setattr(cuda_capture, "clone", tracked_clone)
         graph = fork_then_nonzero_graph()
-        ex = make_executor(graph, gpu, cuda_graph_warmup=0)
+        ex = make_executor(graph, gpu, graph_warmup=0)
         assert ex.stream_plan is not None and ex.cuda_segment_plan is not None
         (segment,) = ex.cuda_segment_plan.segments
         assert names(graph, segment.nodes) == ["gpu_a", "gpu_b", "gpu_c"]
@@ -528,7 +529,7 @@ async def test_gpu_segments_of_an_exported_model_match_eager(leak_check: LeakChe
     torch.manual_seed(0)
     model = ItemModel().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
-    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=1, adaptive_placement=False)
+    config = ExecutorConfig(cuda=CudaConfig(graphs=True, graph_warmup=1), adaptive_placement=False)
     async with Executor(ep, config) as ex:
         assert ex.cuda_segment_plan is not None and ex.cuda_segment_plan.segments
         xs = [torch.randn(16, 64, device="cuda") for _ in range(5)]

@@ -33,6 +33,7 @@ from asyncgraph.cuda.capturable import CapturePlan
 from asyncgraph.cuda.device import TorchCudaBackend
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, OutputKind, OutputSpec, Signature, TensorSpec
+from asyncgraph.runtime.config import CudaConfig
 from asyncgraph.testing import LeakChecker, introspect
 from tests.support.backends import run, settle, until
 from tests.support.cuda_graph_fake import (
@@ -233,7 +234,7 @@ def test_an_input_returned_as_an_output_is_the_callers_tensor_after_a_capture() 
 
     async def body() -> None:
         gpu = CaptureGpu(seed=3)
-        ex = make_executor(b.build(), gpu, cuda_graph_warmup=1)
+        ex = make_executor(b.build(), gpu, graph_warmup=1)
         async with running(ex, gpu):
             held = []
             for k in range(4):
@@ -250,8 +251,8 @@ def test_an_input_returned_as_an_output_is_the_callers_tensor_after_a_capture() 
 
 
 def test_settings_and_mutated_inputs_are_reasons() -> None:
-    assert (plan := plan_of(diamond_program(), cuda_graphs=False)) is not None
-    assert plan.reason == "cuda_graphs=False"
+    assert (plan := plan_of(diamond_program(), graphs=False)) is not None
+    assert plan.reason == "cuda.graphs=False"
     assert (plan := plan_of(diamond_program(), trace=True)) is not None
     assert plan.reason is not None and plan.reason.startswith("trace=True")
     g = diamond_graph()
@@ -277,8 +278,8 @@ async def test_a_cpu_program_has_no_capture_state(
 
 
 def test_cuda_graph_warmup_must_not_be_negative() -> None:
-    with pytest.raises(ValueError, match="cuda_graph_warmup must be >= 0"):
-        ExecutorConfig(cuda_graph_warmup=-1)
+    with pytest.raises(ValueError, match="graph_warmup must be >= 0"):
+        CudaConfig(graph_warmup=-1)
 
 
 # =============================================================================================
@@ -292,8 +293,8 @@ def test_warm_up_then_capture_then_replays_equal_the_uncaptured_path(backend: st
         gpu = CaptureGpu(seed=1)
         cuda = CaptureBackend(gpu)
         w = torch.tensor([2.0, -1.0, 0.5, 3.0])
-        ex = make_executor(diamond_program(w), gpu, cuda, cuda_graph_warmup=2)
-        plain = make_executor(diamond_program(w), gpu, cuda_graphs=False)
+        ex = make_executor(diamond_program(w), gpu, cuda, graph_warmup=2)
+        plain = make_executor(diamond_program(w), gpu, graphs=False)
         async with running(ex, gpu), running(plain, gpu):
             seen = []
             for k in range(6):
@@ -308,7 +309,7 @@ def test_warm_up_then_capture_then_replays_equal_the_uncaptured_path(backend: st
             (pool,) = cuda.pools
             assert len(pool.allocations) == 4  # the static output of each CUDA node
             assert gpu.captures == 1
-            assert stats(plain).captures == 0 and stats(plain).reason == "cuda_graphs=False"
+            assert stats(plain).captures == 0 and stats(plain).reason == "cuda.graphs=False"
         assert gpu.errors == []
         assert all(g.freed for g in cuda.graphs)  # aclose freed the graphs
 
@@ -321,7 +322,7 @@ def test_an_input_that_requires_grad_leaves_the_static_buffers_out_of_autograd()
         gpu = CaptureGpu(seed=11)
         cuda = CaptureBackend(gpu)
         w = torch.full((4,), 2.0)
-        ex = make_executor(diamond_program(w), gpu, cuda, cuda_graph_warmup=0)
+        ex = make_executor(diamond_program(w), gpu, cuda, graph_warmup=0)
         async with running(ex, gpu):
             for k in range(3):
                 x = inputs(k).requires_grad_()
@@ -343,7 +344,7 @@ def test_each_input_signature_warms_up_and_captures_on_its_own(backend: str) -> 
     async def body() -> None:
         gpu = CaptureGpu(seed=2)
         w = torch.tensor(1.5)
-        ex = make_executor(diamond_program(w), gpu, cuda_graph_warmup=1)
+        ex = make_executor(diamond_program(w), gpu, graph_warmup=1)
         async with running(ex, gpu):
             for k in range(3):
                 for n in (4, 8):
@@ -366,7 +367,7 @@ def test_a_size_read_by_a_meta_node_is_a_static_output_of_its_signature(backend:
         x = b.input("x")
         size = b.call(aten.sym_size.int, x, 0, name="size")
         b.output((b.call(aten.mul.Tensor, x, size, name="gpu_scale"), size))
-        ex = make_executor(b.build(), gpu, cuda_graph_warmup=0)
+        ex = make_executor(b.build(), gpu, graph_warmup=0)
         assert ex.stream_plan is not None and ex.stream_plan.roles[0].value == "meta"
         async with running(ex, gpu):
             for k in range(3):
@@ -386,7 +387,7 @@ def test_executions_profiled_by_adaptive_placement_count_as_warm_up() -> None:
         w = torch.tensor(1.5)
         ex = make_executor(
             diamond_program(w), gpu, adaptive_placement=True, profile_executions=2,
-            cuda_graph_warmup=3,
+            graph_warmup=3,
         )
         async with running(ex, gpu):
             for k in range(8):
@@ -402,7 +403,7 @@ def test_a_held_output_is_not_overwritten_by_later_replays(backend: str) -> None
     async def body() -> None:
         gpu = CaptureGpu(seed=3)
         w = torch.full((4,), 2.0)
-        ex = make_executor(diamond_program(w), gpu, cuda_graph_warmup=0)
+        ex = make_executor(diamond_program(w), gpu, graph_warmup=0)
         async with running(ex, gpu):
             held = await ex.execute(inputs(0))  # the capture's result
             for k in range(1, 4):
@@ -423,7 +424,7 @@ def test_without_the_clone_a_later_replay_overwrites_a_held_output(
     async def body() -> None:
         gpu = CaptureGpu(seed=3)
         w = torch.full((4,), 2.0)
-        ex = make_executor(diamond_program(w), gpu, cuda_graph_warmup=0)
+        ex = make_executor(diamond_program(w), gpu, graph_warmup=0)
         async with running(ex, gpu):
             held = await ex.execute(inputs(0))
             await ex.execute(inputs(1))
@@ -438,7 +439,7 @@ def test_a_gpu_program_with_nothing_to_move_is_not_profiled_before_its_capture()
     executions node by node would only delay the capture (issue 36 item 9)."""
     async def body() -> None:
         gpu = CaptureGpu(seed=7)
-        ex = make_executor(diamond_program(), gpu, cuda_graph_warmup=1, adaptive_placement=True)
+        ex = make_executor(diamond_program(), gpu, graph_warmup=1, adaptive_placement=True)
         async with running(ex, gpu):
             for k in range(3):
                 await ex.execute(inputs(k))
@@ -459,7 +460,7 @@ def test_the_captures_of_one_frame_share_its_memory_pool() -> None:
         gpu = CaptureGpu(seed=6)
         cuda = CaptureBackend(gpu)
         w4, w8 = torch.full((4,), 0.5), torch.full((8,), 0.5)
-        ex = make_executor(diamond_graph(), gpu, cuda, cuda_graph_warmup=0,
+        ex = make_executor(diamond_graph(), gpu, cuda, graph_warmup=0,
                            max_concurrent_executions=1)
         async with running(ex, gpu):
             for k in range(2):
@@ -484,7 +485,7 @@ def test_frames_never_share_a_capture_stream_past_the_pool(backend: str) -> None
         gpu = CaptureGpu(seed=5)
         cuda = CaptureBackend(gpu, capture_streams_per_device=3)
         w = torch.full((4,), 0.5)
-        ex = make_executor(diamond_program(w), gpu, cuda, cuda_graph_warmup=1, cuda_streams=1,
+        ex = make_executor(diamond_program(w), gpu, cuda, graph_warmup=1, streams=1,
                            max_concurrent_executions=5)
         held_before = cuda_capture.CAPTURE_STREAMS.held
         results: dict[int, torch.Tensor] = {}
@@ -523,7 +524,7 @@ def test_concurrent_executions_on_different_frames_each_capture_their_own(backen
         cuda = CaptureBackend(gpu)
         w = torch.full((4,), 0.5)
         ex = make_executor(
-            diamond_program(w), gpu, cuda, cuda_graph_warmup=1, max_concurrent_executions=2
+            diamond_program(w), gpu, cuda, graph_warmup=1, max_concurrent_executions=2
         )
         results: dict[int, torch.Tensor] = {}
 
@@ -558,7 +559,7 @@ def test_swap_weights_recaptures_and_results_use_the_new_weights(backend: str) -
         gpu = CaptureGpu(seed=5)
         cuda = CaptureBackend(gpu)
         old, new = torch.full((4,), 2.0), torch.tensor([-1.0, 0.0, 1.0, 4.0])
-        ex = make_executor(diamond_program(old), gpu, cuda, cuda_graph_warmup=1)
+        ex = make_executor(diamond_program(old), gpu, cuda, graph_warmup=1)
         async with running(ex, gpu):
             for k in range(3):
                 await ex.execute(inputs(k))
@@ -588,7 +589,7 @@ def test_a_capture_that_fails_falls_back_with_the_reason(
     async def body() -> None:
         gpu = CaptureGpu(seed=6)
         cuda = CaptureBackend(gpu)
-        ex = make_executor(syncing_graph(), gpu, cuda, cuda_graph_warmup=1)
+        ex = make_executor(syncing_graph(), gpu, cuda, graph_warmup=1)
         assert ex.cuda_graph_plan is not None and ex.cuda_graph_plan.capturable
         async with running(ex, gpu):
             for k in range(4):
@@ -617,7 +618,7 @@ def test_capture_streams_are_warmed_on_the_capturing_thread_before_the_capture()
     async def body() -> None:
         gpu = CaptureGpu(seed=9)
         cuda = CaptureBackend(gpu)
-        ex = make_executor(diamond_program(), gpu, cuda, cuda_graph_warmup=1)
+        ex = make_executor(diamond_program(), gpu, cuda, graph_warmup=1)
         async with running(ex, gpu):
             for k in range(3):
                 await ex.execute(inputs(k))
@@ -646,7 +647,7 @@ def test_a_capture_failing_on_a_forked_stream_joins_it_so_the_capture_can_end() 
     async def body() -> None:
         gpu = CaptureGpu(seed=8)
         cuda = CaptureBackend(gpu)
-        ex = make_executor(program, gpu, cuda, cuda_graph_warmup=0)
+        ex = make_executor(program, gpu, cuda, graph_warmup=0)
         assert ex.stream_plan is not None and len(ex.stream_plan.streams_used) == 2
         async with running(ex, gpu):
             for k in range(2):
@@ -664,7 +665,7 @@ def test_cancellation_during_a_replay_returns_the_frame_only_after_the_gpu(backe
     async def body() -> None:
         gpu = CaptureGpu(seed=7)
         w = torch.full((4,), 2.0)
-        ex = make_executor(diamond_program(w), gpu, cuda_graph_warmup=0,
+        ex = make_executor(diamond_program(w), gpu, graph_warmup=0,
                            max_concurrent_executions=1)
         cancelled: list[bool] = []
         second: list[torch.Tensor] = []
@@ -712,7 +713,7 @@ def test_the_least_recently_used_signature_is_evicted_past_the_cap(backend: str)
     async def body() -> None:
         gpu = CaptureGpu(seed=8)
         cuda = CaptureBackend(gpu)
-        ex = make_executor(diamond_program(torch.tensor(2.0)), gpu, cuda, cuda_graph_warmup=0)
+        ex = make_executor(diamond_program(torch.tensor(2.0)), gpu, cuda, graph_warmup=0)
         async with running(ex, gpu):
             for n in range(1, cuda_capture.MAX_CAPTURES + 2):
                 await ex.execute(inputs(0, n))
@@ -818,7 +819,7 @@ def test_a_capture_records_only_on_capture_streams_no_stream_set_uses(backend: s
     async def body() -> None:
         gpu = CaptureGpu(seed=3)
         cuda = StreamRecordingBackend(gpu)
-        ex = make_executor(diamond_program(), gpu, cuda, cuda_graph_warmup=0, cuda_streams=2)
+        ex = make_executor(diamond_program(), gpu, cuda, graph_warmup=0, streams=2)
         async with running(ex, gpu):
             for k in range(3):
                 torch.testing.assert_close(
@@ -859,7 +860,7 @@ def test_a_replay_orders_and_awaits_only_the_origin_stream(
 
     async def body() -> None:
         gpu = CaptureGpu(seed=5)
-        ex = make_executor(diamond_program(), gpu, cuda_graph_warmup=0, cuda_streams=2)
+        ex = make_executor(diamond_program(), gpu, graph_warmup=0, streams=2)
         async with running(ex, gpu):
             await ex.execute(inputs(0))  # the capture
             runtime = ex.cuda_runtime
@@ -900,7 +901,7 @@ def test_a_capture_orders_the_origin_after_the_warm_up_on_the_capture_streams(
     async def body() -> None:
         gpu = CaptureGpu(seed=6)
         cuda = CaptureBackend(gpu)
-        ex = make_executor(diamond_program(), gpu, cuda, cuda_graph_warmup=0, cuda_streams=2)
+        ex = make_executor(diamond_program(), gpu, cuda, graph_warmup=0, streams=2)
         async with running(ex, gpu):
             await ex.execute(inputs(0))
             runtime = ex.cuda_runtime
@@ -920,7 +921,7 @@ def test_replayed_outputs_are_inference_tensors_as_the_stream_paths_are(backend:
         gpu = CaptureGpu(seed=7)
         for inference_mode in (True, False):
             ex = make_executor(
-                diamond_program(), gpu, cuda_graph_warmup=1, inference_mode=inference_mode
+                diamond_program(), gpu, graph_warmup=1, inference_mode=inference_mode
             )
             async with running(ex, gpu):
                 seen = [(await ex.execute(inputs(k))).is_inference() for k in range(4)]
@@ -939,7 +940,7 @@ def test_an_execution_finding_another_capture_recording_runs_uncaptured_then_cap
         gpu = CaptureGpu(seed=4)
         cuda = CaptureBackend(gpu)
         w = torch.full((4,), 2.0)
-        ex = make_executor(diamond_program(w), gpu, cuda, cuda_graph_warmup=0)
+        ex = make_executor(diamond_program(w), gpu, cuda, graph_warmup=0)
         async with running(ex, gpu):
             with cuda_capture.CAPTURE_LOCK:
                 out = await ex.execute(inputs(0))
@@ -1060,7 +1061,7 @@ async def test_gpu_captured_exported_model_matches_eager(
     torch.manual_seed(0)
     model = SmallModel().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
-    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=2, adaptive_placement=False)
+    config = ExecutorConfig(cuda=CudaConfig(graphs=True, graph_warmup=2), adaptive_placement=False)
     async with Executor(ep, config) as ex:
         assert ex.cuda_graph_plan is not None and ex.cuda_graph_plan.capturable, (
             ex.cuda_graph_plan
@@ -1082,7 +1083,7 @@ async def test_gpu_a_held_output_survives_later_replays(
     torch.manual_seed(0)
     model = SmallModel().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
-    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=0, adaptive_placement=False)
+    config = ExecutorConfig(cuda=CudaConfig(graphs=True, graph_warmup=0), adaptive_placement=False)
     async with Executor(ep, config) as ex:
         x0 = torch.randn(16, 64, device="cuda")
         held = await ex.execute(x0)
@@ -1116,7 +1117,7 @@ async def test_gpu_after_a_capture_fails_random_ops_and_later_captures_work(
     torch.manual_seed(0)
     model = MaskedFillSync().cuda().eval()
     ep = torch.export.export(model, (torch.randn(1024, device="cuda"),))
-    config = ExecutorConfig(cuda_graphs=True, cuda_graph_warmup=1, adaptive_placement=False)
+    config = ExecutorConfig(cuda=CudaConfig(graphs=True, graph_warmup=1), adaptive_placement=False)
     async with Executor(ep, config) as ex:
         for _ in range(3):
             x = torch.randn(1024, device="cuda")
@@ -1199,7 +1200,7 @@ def test_batches_padded_to_buckets_capture_one_graph_per_bucket(backend: str) ->
     async def body() -> None:
         gpu = CaptureGpu(seed=8)
         ex = make_executor(
-            program, gpu, cuda_graph_warmup=0, max_concurrent_executions=1,
+            program, gpu, graph_warmup=0, max_concurrent_executions=1,
             batching=BatchingConfig(max_batch_size=8),
         )
         async with running(ex, gpu):

@@ -30,6 +30,7 @@ import torch
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder, InputValidationError
 from asyncgraph.cuda.device import FrameStreams, move_inputs_to_device
 from asyncgraph.graph.ir import Graph, TensorSpec
+from asyncgraph.runtime.config import CudaConfig
 from asyncgraph.runtime.frame import HOST_WAIT
 from asyncgraph.runtime.plan import Placement
 from asyncgraph.testing import LeakChecker, introspect
@@ -40,6 +41,7 @@ from tests.support.fake_gpu import (
     FaultyBackend,
     Sim,
     ThreadGpu,
+    gpu_config,
 )
 from tests.support.gpu_graphs import (
     add,
@@ -167,7 +169,7 @@ async def gpu_executor(
     for executions in flight, which a test that failed while the GPU was paused leaves."""
     ex = Executor(
         graph,
-        ExecutorConfig(**{"adaptive_placement": False, **config}),
+        gpu_config(**config),
         kernel_factory=CudaNodes(),
         _cuda_backend=backend or FakeBackend(gpu),
     )
@@ -193,7 +195,7 @@ CONFIGS = {
     "default": {"adaptive_placement": True, "profile_executions": 1},
     "unfused": {"max_fused_nodes": 1},
     "shuffled": {"ready_order_seed": 3},
-    "one-stream": {"cuda_streams": 1},
+    "one-stream": {"streams": 1},
 }
 
 
@@ -265,7 +267,7 @@ async def test_a_cpu_node_reading_gpu_values_is_a_unit_of_its_own() -> None:
         assert schedule.nodes == ((0,), (1,), (2, 3))
         assert await ex.execute(sim.upload(4)) == 11
         (frame,) = introspect.idle_frames(ex)
-        assert frame.where == (Placement.STREAM, HOST_WAIT, Placement.INLINE)
+        assert frame.where == (Placement.DEVICE, HOST_WAIT, Placement.INLINE)
         assert frame.gpu is not None and frame.calls[0] is frame.gpu.calls[0]
     assert gpu.errors == []
 
@@ -280,7 +282,7 @@ def cuda_units(ex: Executor) -> list[tuple[int, ...]]:
     schedule = introspect.schedule(ex, ex.plan.placement, fused=True)
     return [
         nodes for nodes, where in zip(schedule.nodes, schedule.where, strict=True)
-        if where is Placement.STREAM
+        if where is Placement.DEVICE
     ]
 
 
@@ -330,7 +332,7 @@ async def test_stream_switches_follow_stream_changes_not_nodes(streams: int) -> 
     backend = FakeBackend(gpu)
     graph = wide(sim, width=6, depth=5)
     async with gpu_running(gpu), gpu_executor(
-        graph, gpu, backend=backend, cuda_streams=streams
+        graph, gpu, backend=backend, streams=streams
     ) as ex:
         units = cuda_units(ex)
         cuda_nodes = sum(len(u) for u in units)
@@ -454,7 +456,7 @@ async def test_concurrent_executions_each_get_a_stream_set_of_their_own() -> Non
     gpu = ThreadGpu(seed=5)
     sim = Sim(gpu)
     graph = wide(sim)
-    config = {"max_concurrent_executions": 4, "cuda_streams": 2}
+    config = {"max_concurrent_executions": 4, "streams": 2}
     async with gpu_running(gpu), gpu_executor(graph, gpu, **config) as ex:
         assert ex.cuda_runtime is not None
         pool = ex.cuda_runtime.pool
@@ -603,14 +605,14 @@ async def test_a_gpu_fault_seen_by_an_event_fails_the_execution(when: str) -> No
 
 
 def test_cuda_streams_must_be_at_least_one() -> None:
-    with pytest.raises(ValueError, match=r"cuda_streams must be >= 1 .*got 0"):
-        ExecutorConfig(cuda_streams=0)
+    with pytest.raises(ValueError, match=r"streams must be >= 1 .*got 0"):
+        CudaConfig(streams=0)
 
 
 async def test_a_cpu_program_builds_no_gpu_state() -> None:
     b = GraphBuilder()
     b.output(b.call(add_one, b.input("x"), name="cpu_only", placement="inline"))
-    async with Executor(b.build(), ExecutorConfig(cuda_streams=2)) as ex:
+    async with Executor(b.build(), ExecutorConfig(cuda=CudaConfig(streams=2))) as ex:
         assert await ex.execute(1) == 2
         assert ex.stream_plan is None and ex.cuda_runtime is None
         (frame,) = introspect.idle_frames(ex)
@@ -689,7 +691,7 @@ async def test_gpu_exported_model_matches_eager(streams: int) -> None:
     torch.manual_seed(0)
     model = TwoBranches().cuda().eval()
     ep = torch.export.export(model, (torch.randn(16, 64, device="cuda"),))
-    config = ExecutorConfig(cuda_streams=streams, max_concurrent_executions=4)
+    config = ExecutorConfig(cuda=CudaConfig(streams=streams), max_concurrent_executions=4)
     async with Executor(ep, config) as ex:
         assert ex.stream_plan is not None
         used = len(ex.stream_plan.streams_used)
@@ -702,7 +704,7 @@ async def test_gpu_exported_model_matches_eager(streams: int) -> None:
         # a CPU input is rejected, or moved when asked to
         with pytest.raises(InputValidationError, match=r"^x\.device: expected cuda"):
             await ex.execute(xs[0].cpu())
-    moving = ExecutorConfig(cuda_streams=streams, move_inputs_to_device=True)
+    moving = ExecutorConfig(cuda=CudaConfig(streams=streams), move_inputs_to_device=True)
     async with Executor(ep, moving) as ex:
         out = await ex.execute(xs[0].cpu())
         with torch.no_grad():
@@ -762,7 +764,7 @@ _SANITIZER_SCRIPT = textwrap.dedent(
     async def main():
         ep = torch.export.load({program!r})
         x = torch.randn(16, 64, device="cuda")
-        async with Executor(ep, ExecutorConfig(cuda_streams=4)) as ex:
+        async with Executor(ep, ExecutorConfig(cuda=CudaConfig(streams=4))) as ex:
             outs = await asyncio.gather(*(ex.execute(x) for _ in range(4)))
             for out in outs:
                 out.sum().item()

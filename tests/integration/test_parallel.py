@@ -70,7 +70,7 @@ class _MeetingFactory(KernelFactory):
     def create(self, graph: asyncgraph.Graph) -> list[OpKernel]:
         kernels = super().create(graph)
         return [
-            OpKernel(self._meeting(k.fn), k.kind, k.name, k.cost)
+            k.with_fn(self._meeting(k.fn))
             if "matmul" in node.target_name() else k
             for k, node in zip(kernels, graph.nodes, strict=True)
         ]

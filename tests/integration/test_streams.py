@@ -637,7 +637,7 @@ def _sleep_graph(
     b.output(b.call(total, *tails))
     graph = b.build()
     plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
-    return graph, dataclasses.replace(plan, placement=(Placement.STREAM,) * len(graph.nodes))
+    return graph, dataclasses.replace(plan, placement=(Placement.DEVICE,) * len(graph.nodes))
 
 
 class GpuIntervals:
@@ -733,7 +733,7 @@ async def test_gpu_mixed_cpu_and_gpu_nodes() -> None:
     plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
     streams_at = {graph.node(n).index for n in ("g", "out")}
     plan = dataclasses.replace(plan, placement=tuple(
-        Placement.STREAM if i in streams_at else p for i, p in enumerate(plan.placement)
+        Placement.DEVICE if i in streams_at else p for i, p in enumerate(plan.placement)
     ))
     sp = stream_plan_for(graph, plan, 2, default_device=torch.cuda.current_device())
     assert sp.host_waits[graph.node("h").index] == (graph.node("g").index,)

@@ -22,7 +22,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from asyncgraph import Executor, ExecutorConfig
+from asyncgraph import Executor
 from asyncgraph.graph.ir import Graph
 from tests.support.backends import closed_by_cancel, outcome_of, run, settle, until
 from tests.support.fake_gpu import (
@@ -31,6 +31,7 @@ from tests.support.fake_gpu import (
     FaultyBackend,
     Sim,
     ThreadGpu,
+    gpu_config,
     gpu_running,
 )
 from tests.support.gpu_graphs import chain, diamond, host_reader_graph, index, reference, wide
@@ -40,7 +41,7 @@ def executor(graph: Graph, gpu: ThreadGpu, backend: FakeBackend | None = None,
              **config: Any) -> Executor:
     return Executor(
         graph,
-        ExecutorConfig(**{"adaptive_placement": False, **config}),
+        gpu_config(**config),
         kernel_factory=CudaNodes(),
         _cuda_backend=backend or FakeBackend(gpu),
     )
@@ -55,7 +56,7 @@ async def closed(ex: Executor, gpu: ThreadGpu) -> None:
 # -- results -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [{}, {"max_fused_nodes": 1}, {"cuda_streams": 1}],
+@pytest.mark.parametrize("config", [{}, {"max_fused_nodes": 1}, {"streams": 1}],
                          ids=["fused", "unfused", "one-stream"])
 @pytest.mark.timeout(60)
 def test_results_follow_the_gpu_order(backend: str, config: dict[str, Any]) -> None:
@@ -90,7 +91,7 @@ def test_concurrent_executions_on_the_gpu(backend: str) -> None:
         gpu = ThreadGpu(seed=5)
         sim = Sim(gpu)
         graph = wide(sim)
-        ex = executor(graph, gpu, max_concurrent_executions=4, cuda_streams=2)
+        ex = executor(graph, gpu, max_concurrent_executions=4, streams=2)
         results: dict[int, Any] = {}
 
         async def call(k: int) -> None:

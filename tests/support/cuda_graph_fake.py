@@ -58,12 +58,20 @@ from typing import Any
 
 import torch
 
-from asyncgraph import Executor, ExecutorConfig, GraphBuilder
+from asyncgraph import Executor, GraphBuilder
 from asyncgraph.cuda import capture as cuda_capture
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, InputKind, Node, Signature
 from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
-from tests.support.fake_gpu import FakeBackend, FakeEvent, FakeStream, ThreadGpu, gpu_running
+from asyncgraph.runtime.config import CudaConfig
+from tests.support.fake_gpu import (
+    FakeBackend,
+    FakeEvent,
+    FakeStream,
+    ThreadGpu,
+    gpu_config,
+    gpu_running,
+)
 
 NOT_PERMITTED = "operation not permitted when stream is capturing"
 
@@ -383,7 +391,7 @@ class FakeCudaOps(KernelFactory):
         kernel = super().kernel_for(node, graph)
         if kernel is not None and node.name.startswith("gpu"):
             fn = fake_kernel(self.gpu, kernel.fn, node.name, node.name.startswith("gpu_sync"))
-            return OpKernel(fn, KernelKind.CUDA, kernel.name, cost=1000)
+            return OpKernel(fn, KernelKind.DEVICE, kernel.name, cost=1000, device_type="cuda")
         return kernel
 
 
@@ -422,7 +430,7 @@ def make_executor(
 ) -> Executor:
     return Executor(
         program,
-        ExecutorConfig(**{"adaptive_placement": False, "cuda_graphs": True, **config}),
+        gpu_config(CudaConfig(graphs=True), **config),
         kernel_factory=FakeCudaOps(gpu),
         _cuda_backend=backend or CaptureBackend(gpu),
     )

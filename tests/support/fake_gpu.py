@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import random
 import sys
@@ -42,9 +43,11 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from asyncgraph import ExecutorConfig
 from asyncgraph.cuda.device import CudaFunctions
 from asyncgraph.graph.ir import Graph, Node
 from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
+from asyncgraph.runtime.config import CudaConfig
 
 
 class FakeEvent:
@@ -410,14 +413,27 @@ class Sim:
         return FakeCudaTensor(data, name)
 
 
+CUDA_FIELDS = frozenset(f.name for f in dataclasses.fields(CudaConfig))
+
+
+def gpu_config(cuda: CudaConfig | None = None, **config: Any) -> ExecutorConfig:
+    """The ExecutorConfig of a simulated-GPU test: adaptive placement off, and CudaConfig's
+    fields (`streams`, `graphs`, `graph_warmup`) given by their own names beside
+    ExecutorConfig's, set in `cuda` (the defaults when None)."""
+    cuda_fields = {name: config.pop(name) for name in CUDA_FIELDS & config.keys()}
+    cuda = dataclasses.replace(cuda or CudaConfig(), **cuda_fields)
+    return ExecutorConfig(**{"adaptive_placement": False, **config}, cuda=cuda)
+
+
 class CudaNodes(KernelFactory):
     """Builder graphs' kernels, with every node named `gpu*` a CUDA kernel, as an aten op on
-    a CUDA tensor is (so its placement is STREAM)."""
+    a CUDA tensor is (so its placement is DEVICE)."""
 
     def kernel_for(self, node: Node, graph: Graph) -> OpKernel | None:
         kernel = super().kernel_for(node, graph)
         if kernel is not None and node.name.startswith("gpu"):
-            return OpKernel(kernel.fn, KernelKind.CUDA, kernel.name, cost=1000)
+            return OpKernel(kernel.fn, KernelKind.DEVICE, kernel.name, cost=1000,
+                            device_type="cuda")
         return kernel
 
 

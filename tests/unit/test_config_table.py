@@ -1,4 +1,5 @@
-"""The range tables of BatchingConfig and ExecutorConfig (asyncgraph/runtime/config.py).
+"""The range tables of BatchingConfig, CudaConfig and ExecutorConfig
+(asyncgraph/runtime/config.py).
 
 Every Range rejects a value just out of its range with a message that names its field and
 accepts its boundary; the rules run in table order, so of two bad fields the earlier one is
@@ -15,15 +16,19 @@ import pytest
 
 from asyncgraph.runtime.config import (
     BATCHING_RULES,
+    CUDA_RULES,
     EXECUTOR_RULES,
     BatchingConfig,
+    CudaConfig,
     ExecutorConfig,
     Range,
 )
 
 RANGES: list[tuple[type[Any], Range]] = [
     (config, rule)
-    for config, rules in ((BatchingConfig, BATCHING_RULES), (ExecutorConfig, EXECUTOR_RULES))
+    for config, rules in (
+        (BatchingConfig, BATCHING_RULES), (CudaConfig, CUDA_RULES), (ExecutorConfig, EXECUTOR_RULES)
+    )
     for rule in rules
     if isinstance(rule, Range)
 ]
@@ -90,12 +95,12 @@ def test_rules_run_in_table_order() -> None:
             "worker_execution_node_us must be >= 0 or None, got -1.5",
         ),
         (
-            {"cuda_streams": 0},
-            "cuda_streams must be >= 1 (streams per device for one execution), got 0",
+            {"streams": 0},
+            "streams must be >= 1 (CUDA streams per device for one execution), got 0",
         ),
         (
-            {"cuda_graph_warmup": -1},
-            "cuda_graph_warmup must be >= 0 (executions of a signature before its capture), got -1",
+            {"graph_warmup": -1},
+            "graph_warmup must be >= 0 (executions of a signature before its capture), got -1",
         ),
         (
             {"max_concurrent_executions": 2, "min_frames": 3},
@@ -104,7 +109,11 @@ def test_rules_run_in_table_order() -> None:
     ],
 )
 def test_messages_keep_their_text(kwargs: dict[str, Any], message: str) -> None:
-    config = BatchingConfig if "max_batch_size" in kwargs else ExecutorConfig
+    config = (
+        BatchingConfig if "max_batch_size" in kwargs
+        else CudaConfig if kwargs.keys() & {"streams", "graph_warmup"}
+        else ExecutorConfig
+    )
     with pytest.raises(ValueError) as err:
         config(**kwargs)
     assert str(err.value) == message

@@ -282,7 +282,7 @@ def _graph_with_stream_nodes(streams: Sequence[str]) -> tuple[Any, ExecutionPlan
     graph = b.build()
     plan = build_plan(graph, KernelFactory().create(graph), ExecutorConfig())
     placement = tuple(
-        Placement.STREAM if n.name in streams else plan.placement[n.index] for n in graph.nodes
+        Placement.DEVICE if n.name in streams else plan.placement[n.index] for n in graph.nodes
     )
     return graph, dataclasses.replace(plan, placement=placement)
 
