@@ -689,7 +689,7 @@ class FrameStreams:
                 captured = self.segments
                 assert captured is not None, "a segment unit without segment state"
                 calls[unit] = captured.segment_call(segments[unit])
-            elif schedule.where[unit] is Placement.STREAM:
+            elif schedule.where[unit] is Placement.DEVICE:
                 if len(nodes) == 1:
                     calls[unit] = self.calls[nodes[0]]
                 else:

@@ -16,7 +16,7 @@ program's runs of capturable nodes between host nodes are captured as *segments*
 How (`FrameGraphs`, one per frame, per input signature, at most `MAX_CAPTURES` kept, least
 recently used evicted):
 
-- The first `cuda_graph_warmup` executions of a signature on a frame take the normal stream
+- The first `cuda.graph_warmup` executions of a signature on a frame take the normal stream
   path (lazy initialisation, cuBLAS workspaces on the frame's streams). The next one captures:
   static input buffers (made outside the graph's pool, the caller's inputs copied in), a
   private memory pool per capture, and an in-order run of the frame's node calls on its stream
@@ -73,6 +73,7 @@ from asyncgraph.cuda.capture import (
 )
 from asyncgraph.cuda.device import FrameStreams, StreamSet
 from asyncgraph.cuda.segment_graphs import FrameSegments
+from asyncgraph.runtime.units import Line, in_order, run_units
 from asyncgraph.runtime.validation import Signature, signature_of
 
 if TYPE_CHECKING:
@@ -293,22 +294,21 @@ class FrameGraphs:
         self._fork.record(origin)
         for stream in others:
             stream.wait_event(self._fork)
-        ids, drops = owner.value_ids, owner.capture_plan.drops
         names = owner.graph.nodes
+
+        def failed(run: Line, node: int, exc: BaseException) -> None:
+            exc.add_note(
+                f"while capturing node {names[node].name!r} ({names[node].target_name()})"
+            )
+            with contextlib.suppress(Exception):  # an invalidated capture refuses it
+                self._join(origin, others)  # so that a valid capture can still end
+            raise exc
+
+        calls = self._gpu.calls
+        line = Line(values, calls, owner.value_ids, owner.capture_plan.drops)
         guard = torch._C._InferenceMode(owner.inference_mode)
         try:
-            for node, call in enumerate(self._gpu.calls):
-                try:
-                    values[ids[node]] = call(values)
-                except Exception as exc:
-                    exc.add_note(
-                        f"while capturing node {names[node].name!r} ({names[node].target_name()})"
-                    )
-                    with contextlib.suppress(Exception):  # an invalidated capture refuses it
-                        self._join(origin, others)  # so that a valid capture can still end
-                    raise
-                for value in drops[node]:
-                    values[value] = None
+            run_units(line, in_order(len(calls)), failed)
         finally:
             del guard
         self._join(origin, others)

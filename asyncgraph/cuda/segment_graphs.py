@@ -30,6 +30,7 @@ from asyncgraph.cuda.capture import (
 from asyncgraph.cuda.device import FrameStreams
 from asyncgraph.cuda.segments import Segment
 from asyncgraph.cuda.streams import Role, StreamKey
+from asyncgraph.runtime.units import Line, in_order, run_units
 from asyncgraph.runtime.validation import Signature
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class FrameSegments:
     scheduler runs CUDA units on, inside the execution (`FrameStreams.begin` has leased the
     stream set, `finish` awaits it), and never waits on the host:
 
-    - warm-up (the first `cuda_graph_warmup` runs of a signature), an uncapturable signature
+    - warm-up (the first `cuda.graph_warmup` runs of a signature), an uncapturable signature
       or a capture already open on this frame: the segment's nodes on the stream path, in
       order (`FrameStreams.run`: planned streams, waits, events).
     - capture: the origin stream ordered after every stream of the set (and the host streams
@@ -155,15 +156,17 @@ class FrameSegments:
         """The segment's nodes in order on their planned streams (the uncaptured path)."""
         ids = self._owner.value_ids
         calls = self._gpu.calls
-        for position, node in enumerate(seg.nodes):
-            try:
-                values[ids[node]] = calls[node](values)
-            except BaseException as exc:
-                with contextlib.suppress(AttributeError):  # names the node: failed_node
-                    exc.asyncgraph_node = node  # type: ignore[attr-defined]
-                raise
-            for value in seg.drops[position]:
-                values[value] = None
+        nodes = seg.nodes
+
+        def failed(run: Line, position: int, exc: BaseException) -> None:
+            with contextlib.suppress(AttributeError):  # names the node: failed_node
+                exc.asyncgraph_node = nodes[position]  # type: ignore[attr-defined]
+            raise exc
+
+        line = Line(
+            values, [calls[n] for n in nodes], [ids[n] for n in nodes], seg.drops
+        )
+        run_units(line, in_order(len(nodes)), failed)
 
     def _capture(
         self, index: int, seg: Segment, values: list[Any], key: Any

@@ -9,7 +9,7 @@ the outputs, apply mutations -> clear and return the frame -> unflatten.
 The Executor holds only what all executions share (plan, weights, pools); everything of one
 execution lives in its frame.
 
-A program with CUDA nodes (placement STREAM) also gets a device plan from the device backend
+A program with CUDA nodes (placement DEVICE) also gets a device plan from the device backend
 registered as "cuda" (runtime/device.py's seam; cuda/backend.py: a StreamPlan and a
 CudaRuntime, the stream sets of all its executions); each frame owns the GPU state of its
 executions, and the scheduler enqueues CUDA nodes on their streams (docs/gpu.md). This module
@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -60,8 +60,9 @@ from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate
 from asyncgraph.runtime.device import move_inputs_to_device
-from asyncgraph.runtime.frame import ExecutionFrame, load_values
+from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument, make_tracer
+from asyncgraph.runtime.modes import Mode, ModeChooser
 from asyncgraph.runtime.placement import NodeTimes, PlacementStatistics
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.pool import FramePool, FramePoolStatistics
@@ -74,6 +75,8 @@ from asyncgraph.runtime.workers import WorkerPool, WorkerPoolStatistics
 # An execution's placement, its node times to record (None unless profiled) and its schedule
 # (None until built): Executor._choose
 _Choice = tuple[tuple[Placement, ...], NodeTimes | None, Schedule | None]
+
+_COMPLETED, _FAILED, _CANCELLED = range(3)  # how an execution ended: Executor._ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,9 @@ class ExecutorStatistics:
     frameless_executions: int = 0  # straight lines run at once without a frame (_run_alone)
     # input signatures remembered as valid: inputs alike skip the full check (validation.py)
     validated_signatures: int = 0
+    # executions by the mode they ran in (runtime/modes.py's Mode names): LINE_NEXT counts
+    # those that waited an iteration, whether they then ran at once or in slices
+    modes: dict[str, int] = field(default_factory=dict)
 
 
 class Executor:
@@ -161,6 +167,10 @@ class Executor:
         self._scheduler = Scheduler(
             self.graph, self.plan, self.config, self._workers, self.recorder
         )
+        self._modes = ModeChooser(  # the one decision of how each execution runs
+            self._scheduler.state, self.config, device=device is not None,
+            captured=device is not None, traced=self.recorder is not None,
+        )
         self._pool = FramePool(
             self._new_frame,
             self.config.max_concurrent_executions,
@@ -192,7 +202,7 @@ class Executor:
             for o in sig.outputs
             if o.kind is OutputKind.USER_INPUT_MUTATION
         ]
-        captured = self.config.cuda_graphs and device is not None
+        captured = self.config.cuda.graphs and device is not None
         self._batcher = (
             Batcher(batch_layout(self.graph, self.config.batching, captured=captured),
                     self.config.batching, self._execute)
@@ -207,14 +217,15 @@ class Executor:
             and self._output_slots is not None and not self.plan.token_slots
             and not self._buffer_mutations and not self._input_mutations
         )
-        self._no_values: list[Any] = [None] * self.plan.num_values
-        self._alone_values: list[Any] = list(self._no_values)  # one at a time: synchronous
+        self._alone_frame = ExecutionFrame(self.plan, 0)  # Mode.FRAMELESS's, one at a time
         self._alone = 0
         self._loop: Loop | None = None  # the event loop's seam (backend.py), bound on first use
         self._native_loop: object = None  # its asyncio loop (or TrioLoop): the bound check
         self._cancelled_exc: type[BaseException] = asyncio.CancelledError  # the loop's
         self._closed = False
-        self._started = self._completed = self._failed = self._cancelled = 0
+        self._started = 0
+        self._ended = [0, 0, 0]  # executions by how they ended: _COMPLETED, _FAILED, _CANCELLED
+        self._by_mode = dict.fromkeys(Mode, 0)  # executions by the mode they ran in
         self._callers: set[Caller] = set()  # what aclose(cancel=True) cancels
         registry.register(self)
 
@@ -301,65 +312,92 @@ class Executor:
         if caller is None and self._loop is not None:
             scoped = self._loop.scope_caller()  # trio: no task to cancel, a cancel scope
             if scoped is not None:
-                caller = scoped
-                with scoped.scope:
-                    return await self._execute(flat, caller_inputs, caller, signature)
-                raise ExecutorClosedError(  # the scope caught its own cancellation
-                    f"{self.program.name}: the execution was cancelled by aclose(cancel=True)"
-                )
+                return await self._execute_in_scope(scoped, flat, caller_inputs, signature)
             caller = asyncio.current_task()
-        scheduler = self._scheduler
-        chosen: _Choice | None = None  # placement, node times, schedule: when a frame is free
-        admitted: float | str | None = None  # StraightRunner.admit's answer, once asked
-        if self._may_run_alone and self._pool.has_free():
-            try:  # no wait for a frame follows: chosen as the frame path would choose
-                chosen = _, times, schedule = self._choose(flat, signature)
-                if times is None and schedule is not None and schedule.straight is not None:
-                    admitted = scheduler.straight.admit(schedule.straight)
-            except BaseException:  # an execution like any other that failed
-                self._started += 1
-                self._failed += 1
-                raise
-            if admitted is not None and not isinstance(admitted, str):
-                assert schedule is not None
-                return self._run_alone(flat, schedule, admitted)
         execution = next(self._ids)
+        frame = None  # none taken while one is free: the execution may need none
+        if not (self._may_run_alone and self._pool.has_free()):
+            frame = await self._take_frame(caller, execution)
+        self._started += 1
+        ended = _FAILED
+        try:  # from here on a frame taken goes back to the pool on every path
+            placement, times, schedule = self._choose(flat, signature)
+            if schedule is None:  # compiled on a thread (milliseconds on large graphs)
+                if frame is None:
+                    frame = await self._take_frame(caller, execution)
+                schedule = await self._schedules.aget(placement, self._fuse and times is None)
+            mode, start = self._modes.choose(schedule, times, alone=frame is None)
+            self._by_mode[mode] += 1
+            if mode is Mode.FRAMELESS:
+                outputs = self._run_alone(flat, schedule, start)
+            else:
+                if frame is None:  # one was free, and no await since
+                    frame = self._take_free_frame(caller)
+                frame.load(self._weights_template(), flat, execution, schedule, times)
+                if mode is Mode.LINE_NOW:
+                    self._scheduler.run_now(frame, start)
+                elif mode is not Mode.CAPTURED:
+                    await self._scheduler.run(frame, mode)
+                elif not await self._replayed(frame, flat, signature):
+                    await self._scheduler.run(frame, Mode.DATAFLOW)
+                outputs = self._take_outputs(frame, caller_inputs or flat)
+            if times is not None and self._adaptive is not None:
+                self._adaptive.finished(flat, times)
+            ended = _COMPLETED
+        except self._cancelled_exc:
+            ended = _CANCELLED
+            raise
+        finally:
+            self._ended[ended] += 1
+            if frame is not None:
+                self._callers.discard(caller)  # type: ignore[arg-type]
+                self._pool.release(frame)  # the scheduler returns only once the frame is idle
+        return outputs
+
+    async def _execute_in_scope(
+        self, scoped: Any, flat: list[Any], caller_inputs: list[Any] | None,
+        signature: Signature | None,
+    ) -> list[Any]:
+        """`_execute` in a cancel scope of its own, the caller trio's (backend.py): what
+        aclose(cancel=True) cancels, where trio has no task to cancel."""
+        with scoped.scope:
+            return await self._execute(flat, caller_inputs, scoped, signature)
+        raise ExecutorClosedError(  # the scope caught its own cancellation
+            f"{self.program.name}: the execution was cancelled by aclose(cancel=True)"
+        )
+
+    async def _take_frame(self, caller: Caller | None, execution: int) -> ExecutionFrame:
+        """Wait for a frame (FIFO); the caller is known to aclose(cancel=True) from now on."""
         if caller is not None:  # before the frame wait, so aclose(cancel=True) reaches waiters
             self._callers.add(caller)
         waited = time.perf_counter_ns() if self.recorder is not None else 0
+        frame = None
         try:
             frame = self._pool.try_acquire() or await self._pool.acquire()
-        except BaseException:
-            self._callers.discard(caller)  # type: ignore[arg-type]
-            raise
-        self._started += 1
-        try:  # from here on the frame goes back to the pool on every path
-            if self.recorder is not None:
-                self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
-            placement, times, schedule = chosen or self._choose(flat, signature)
-            if schedule is None:  # compiled on a thread: milliseconds on large graphs
-                schedule = await self._schedules.aget(placement, self._fuse and times is None)
-            frame.load(self._weights_template(), flat, execution, schedule, times)
-            if not scheduler.run_straight(frame, admitted):  # ran at once, or the dataflow
-                graphs = frame.graphs  # a CUDA-graph capture or replay (None: not captured)
-                if graphs is None or not await graphs.run(
-                    frame, flat, signature, self._weights.version
-                ):
-                    await scheduler.run_dataflow(frame)
-            outputs = self._take_outputs(frame, flat if caller_inputs is None else caller_inputs)
-            if times is not None and self._adaptive is not None:
-                self._adaptive.finished(flat, times)
-        except self._cancelled_exc:
-            self._cancelled += 1
-            raise
-        except BaseException:
-            self._failed += 1
-            raise
         finally:
-            self._callers.discard(caller)  # type: ignore[arg-type]
-            self._pool.release(frame)  # the scheduler returns only once the frame is idle
-        self._completed += 1
-        return outputs
+            if frame is None:  # cancelled, or refused (too many waiters)
+                self._callers.discard(caller)  # type: ignore[arg-type]
+        if self.recorder is not None:
+            self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
+        return frame
+
+    def _take_free_frame(self, caller: Caller | None) -> ExecutionFrame:
+        """The frame the pool said was free, taken without a wait."""
+        frame = self._pool.try_acquire()
+        assert frame is not None, "a frame said free was taken meanwhile"
+        if caller is not None:
+            self._callers.add(caller)
+        return frame
+
+    async def _replayed(
+        self, frame: ExecutionFrame, flat: list[Any], signature: Signature | None
+    ) -> bool:
+        """Mode.CAPTURED: whether the device replayed (or captured) the execution whole;
+        False while it warms up, or for a signature it cannot capture (the dataflow runs)."""
+        graphs = frame.graphs
+        return graphs is not None and await graphs.run(
+            frame, flat, signature, self._weights.version
+        )
 
     def _choose(self, flat: list[Any], signature: Signature | None) -> _Choice:
         """The placement for this execution, the node times to record (None unless it is
@@ -372,28 +410,24 @@ class Executor:
         return placement, times, self._schedules.cached(placement, self._fuse and times is None)
 
     def _run_alone(self, flat: list[Any], schedule: Schedule, start: float) -> list[Any]:
-        """Run an execution whose straight line may start now (at `start`: StraightRunner's
-        admit) without a frame (its run_alone).
+        """Mode.FRAMELESS: run the straight line at once on the Executor's own frame, never
+        one of the pool's (the pool's acquire and release, the frame's load, finish and clear
+        are a fixed cost per execution, a fifth of a one-node graph's).
 
         Only where a frame would hold nothing more than the values (`_may_run_alone`: no
-        GPU, trace, seeded order, mutation or effect token) and one is free, so the frames
-        still bound how many executions run, and none waits: the placement is then chosen as
-        when the frame is taken. (Chosen on arrival instead, before a wait for a frame, 64
-        unbatched callers of compiled tiny BERT lost 11% of their throughput, 2026-11-27.)"""
-        values = self._alone_values
-        load_values(values, self._weights_template(), self.plan.user_input_slots, flat)
+        GPU, trace, seeded order, mutation or effect token) and a frame of the pool is free,
+        so the pool still bounds how many executions run; run synchronously, nothing
+        interleaves with it: no cancellation, no other execution reading the values."""
+        frame = self._alone_frame
+        frame.load_line(self._weights_template(), flat, schedule)
         outputs_at = self._output_slots
         assert outputs_at is not None
-        self._started += 1
         try:
-            self._scheduler.straight.run_alone(schedule, values, start)
+            self._scheduler.run_now(frame, start)
+            values = frame.values
             outputs = [values[slot] for slot in outputs_at]
-        except BaseException:
-            self._failed += 1
-            raise
         finally:
-            values[:] = self._no_values
-        self._completed += 1
+            frame.clear()
         self._alone += 1
         return outputs
 
@@ -601,9 +635,9 @@ class Executor:
         frames = self._pool.statistics()
         return ExecutorStatistics(
             started=self._started,
-            completed=self._completed,
-            failed=self._failed,
-            cancelled=self._cancelled,
+            completed=self._ended[_COMPLETED],
+            failed=self._ended[_FAILED],
+            cancelled=self._ended[_CANCELLED],
             in_flight=frames.in_use,
             frames=frames,
             workers=self._workers.statistics(),
@@ -612,8 +646,9 @@ class Executor:
             folded_nodes=len(self._folder) if self._folder is not None else 0,
             closed=self._closed,
             schedules=self._schedules.statistics(),
-            worker_executions=self._scheduler.straight.worker_executions,
+            worker_executions=self._scheduler.worker_executions,
             frameless_executions=self._alone,
+            modes={mode.name: count for mode, count in self._by_mode.items()},
             validated_signatures=self._validator.passed_signatures,
         )
 

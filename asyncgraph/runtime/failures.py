@@ -61,12 +61,19 @@ def cancel_tasks(frame: ExecutionFrame) -> None:
 
 
 def raise_errors(frame: ExecutionFrame) -> None:
-    """Raise what stopped the execution: its one error, or all of them as a group."""
-    errors = list(frame.errors)
-    frame.errors.clear()
-    if len(errors) == 1:
-        raise errors[0]
-    raise BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", errors)
+    """Raise what stopped the execution: its one error, or all of them as a group. Holds
+    no reference to it once raised (a cycle through this frame in its traceback would keep
+    the failed execution's values alive until a collection)."""
+    errors = frame.errors
+    error: BaseException = (
+        errors[0] if len(errors) == 1
+        else BaseExceptionGroup(f"{len(errors)} nodes failed in one execution", list(errors))
+    )
+    errors.clear()
+    try:
+        raise error
+    finally:
+        del error
 
 
 def add_node_note(exc: BaseException, graph: Graph, index: int) -> None:

@@ -32,6 +32,7 @@ from asyncgraph.runtime.device import Calls, Captures, Device
 from asyncgraph.runtime.placement import NodeTimes
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.schedule import Schedule
+from asyncgraph.runtime.units import Observer
 
 HOST_WAIT = Placement.HOST_WAIT
 """The placement of a unit in a frame's `where` table (never in a Schedule) whose node reads
@@ -56,9 +57,10 @@ class ExecutionFrame:
     """The per-execution storage of one graph's values and counters."""
 
     __slots__ = (
-        "_nothing", "calls", "counts", "errors", "execution_id",
-        "finished", "gpu", "graphs", "id", "last_used", "lock", "pending", "plan", "reads", "rng",
-        "schedule", "stopped", "tasks", "times", "values", "waiter", "where",
+        "_nothing", "calls", "counts", "drops", "errors", "execution_id", "finished", "gpu",
+        "graphs", "id", "last_used", "lock", "observer", "pending", "plan", "reads", "rng",
+        "schedule", "seconds", "stopped", "stores", "tasks", "times", "values", "waiter",
+        "where",
     )
 
     def __init__(
@@ -92,6 +94,13 @@ class ExecutionFrame:
         # the schedule's own without a GPU.
         self.calls: Calls = ()
         self.where: tuple[int, ...] = ()
+        # What the run loop (units.py) reads besides: the store slot and the measured time of
+        # each unit, the values each drops when the execution runs as a straight line (None:
+        # the dataflow's counters free them), and the timing hook of a profiled or traced one.
+        self.stores: tuple[int, ...] = ()
+        self.seconds: tuple[float, ...] | None = None
+        self.drops: tuple[tuple[int, ...], ...] | None = None
+        self.observer: Observer | None = None
 
     def load(
         self,
@@ -116,10 +125,27 @@ class ExecutionFrame:
         self.execution_id = execution_id
         self.schedule = schedule
         self.times = times
+        self.stores, self.seconds = schedule.stores, schedule.seconds
+        self.drops = self.observer = None
         if self.gpu is None:
             self.calls, self.where = schedule.calls, schedule.where
         else:
             self.calls, self.where = self.gpu.unit_tables(schedule)
+
+    def load_line(self, template: list[Any], inputs: list[Any], schedule: Schedule) -> None:
+        """Start an execution that runs its straight line at once, on the loop, without a
+        frame of the pool (Mode.FRAMELESS: the Executor's own frame, reused synchronously):
+        only what the run loop reads; `clear` ends it."""
+        load_values(self.values, template, self.plan.user_input_slots, inputs)
+        self.schedule = schedule
+        self.calls, self.stores, self.seconds = schedule.calls, schedule.stores, schedule.seconds
+        self.stopped = self.finished = False
+
+    def as_line(self, schedule: Schedule) -> None:
+        """Run the loaded execution as its schedule's straight line: each unit drops the
+        values whose last reader it is (no counters)."""
+        assert schedule.straight is not None, "the schedule has no straight line"
+        self.drops = schedule.straight.drops
 
     def load_counters(self) -> None:
         """Fresh producer and read counts for the loaded schedule (the dataflow's)."""

@@ -9,6 +9,7 @@ asyncgraph/plugins.py (run by `import asyncgraph`) registers.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,3 +45,27 @@ def make_tracer(graph: Graph) -> Instrument:
             "ExecutorConfig(trace=True) needs a tracer: import asyncgraph"
         )
     return _TRACER[0](graph)
+
+
+class UnitObserver:
+    """The run loop's one timing hook (units.py's Observer), set on a frame only while its
+    execution is profiled or traced: profiling by thread CPU time, which a GIL wait or a
+    loaded machine does not inflate (into the frame's NodeTimes: placement.py), tracing by
+    wall time (to the Instrument). Timed executions run unfused schedules: one node a unit."""
+
+    __slots__ = ("instrument",)
+
+    def __init__(self, instrument: Instrument | None) -> None:
+        self.instrument = instrument
+
+    def start(self) -> tuple[int, int]:
+        return time.perf_counter_ns(), time.thread_time_ns()
+
+    def done(self, run: Any, unit: int, started: tuple[int, int], result: Any) -> None:
+        node = run.schedule.nodes[unit][0]
+        if run.times is not None:
+            run.times.add(node, time.thread_time_ns() - started[1])
+        if self.instrument is not None:
+            self.instrument.node_done(
+                run.execution_id, node, started[0], time.perf_counter_ns(), result
+            )

@@ -1,33 +1,34 @@
-"""The scheduler: WorkUnits that run a graph as a dataflow over one ExecutionFrame.
+"""The scheduler: runs one execution in the Mode the Executor chose, over one ExecutionFrame.
 
-Policy (after nativert's ParallelGraphExecutor and WorkUnit::run):
+Every mode runs its units through the one run loop (units.py) inside *work items*; one
+wrapper, `_item`, owns the error boundary of the runtime's own steps and the item's end.
 
-- The frame's Schedule says what a unit is: one node, or a run of inline nodes fused into one
-  function (schedule.py). A *work item* runs units on one thread: it runs a unit, drops values
-  past their last use, decrements its users' producer counts, and keeps going with the users
-  that became ready and may run where it is; the others are handed off: heavy CPU units to the
-  worker threads, async ones to tasks on the loop. A chain therefore costs no scheduling round
-  trip, and a chain of heavy nodes stays on its worker without a hop back to the loop.
-- Heavy units handed off together queue most work ahead first (the schedule's priorities),
-  so a long branch is not left for last; between hand-offs the workers' queue is FIFO.
-- On the loop thread inline units run within the loop's shared slice (LoopBudget:
-  `loop_slice_s` per loop iteration, for all executions together); work that finds the slice
-  spent, or overruns it, goes on in a later iteration.
-- State: only the frame (values, counts, reads, `pending` units, `stopped`, `errors`). Counters
-  change under the frame's lock. The unit that brings `pending` to zero ends the execution and
-  wakes the awaiting caller once, on the loop thread.
-- Errors and cancellation set `stopped`: nothing new is dispatched, in-flight units drain, and
-  the caller is woken only when no thread or task can touch the frame any more.
-- Every unit counted in `pending` ends exactly once, on every path: a work item ends its unit
-  whatever its run raised, and a hand-off ends the units it could not start. An error of the
-  runtime's own steps (bookkeeping, tracing, a hand-off) fails the execution like a kernel
-  error, so it never strands `pending` above zero (an execution nothing could end or cancel).
-- GPU programs (docs/gpu.md): the frame's unit tables make a CUDA unit enqueue its kernel on
+- A straight line (modes.py) is one work item whose stack holds its units in order: at once on
+  the loop (`run_now`), in the loop's slices, or on a worker thread.
+- The dataflow (after nativert's ParallelGraphExecutor and WorkUnit::run): a work item runs a
+  unit, drops values past their last use, decrements its users' producer counts and keeps
+  going with the users that became ready and may run where it is (`_complete`); the others
+  are handed off by placement (`_hand_off`'s table): heavy CPU units to the worker threads,
+  most work ahead first (the schedule's priorities), async ones to tasks on the loop, units
+  reading GPU values to a wait for the GPU. A chain costs no scheduling round trip, and a
+  chain of heavy nodes stays on its worker without a hop back to the loop.
+- On the loop thread units run within the loop's shared slice (LoopBudget: `loop_slice_s`
+  per loop iteration, for all executions together); work that finds the slice spent, or
+  would overrun it, goes on in a later iteration.
+- State: only the frame (values, counts, reads, `pending` items, `stopped`, `errors`).
+  Counters change under the frame's lock. The item that brings `pending` to zero ends the
+  execution and wakes the awaiting caller once, on the loop thread.
+- Errors and cancellation set `stopped`: nothing new is dispatched, items in flight drain,
+  and the caller is woken only when no thread or task can touch the frame any more. Every
+  item counted in `pending` ends exactly once, on every path; an error of the runtime's own
+  steps (bookkeeping, tracing, a hand-off) fails the execution like a kernel error, so it
+  never strands `pending` above zero.
+- GPU programs (docs/gpu.md): the frame's unit tables make a device unit enqueue its kernel on
   its stream (it then runs like an inline unit: microseconds, never a host wait) and mark a
-  unit reading GPU values HOST_WAIT, which is handed off: it runs at once if the GPU has
-  written its inputs, or else after awaiting their events as a task of the frame, so no
-  thread ever blocks on the GPU. `run_dataflow` leases the execution's streams before the
-  roots start and returns only once the GPU has finished the execution's work as well.
+  unit reading GPU values HOST_WAIT: it runs at once if the GPU has written its inputs, or
+  after awaiting their events as a task of the frame, so no thread ever blocks on the GPU.
+  `run` leases the execution's streams first and returns only once the GPU has finished the
+  execution's work as well.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import asyncio
 import functools
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 import anyio.lowlevel
@@ -47,30 +48,24 @@ from asyncgraph.runtime.backend import Loop, TaskLike
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.failures import cancel_tasks, fail, internal_error, raise_errors
 from asyncgraph.runtime.frame import HOST_WAIT, ExecutionFrame
-from asyncgraph.runtime.instrument import Instrument
+from asyncgraph.runtime.instrument import Instrument, UnitObserver
 from asyncgraph.runtime.loop_state import LoopState
+from asyncgraph.runtime.modes import Mode
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
-from asyncgraph.runtime.schedule import Schedule, StraightLine
-from asyncgraph.runtime.straight import StraightRunner
+from asyncgraph.runtime.schedule import Schedule
+from asyncgraph.runtime.units import in_order, run_units
 from asyncgraph.runtime.workers import WorkerPool
 
 # torch.inference_mode() is a Python context manager costing ~3 us per entry; the C++ guard
-# behind it (~0.4 us with `with`) enables the mode when made and restores it when freed, and
-# its __enter__ and __exit__ do nothing: the straight line makes and frees it without them.
+# behind it (~0.4 us with `with`) enables the mode when made and restores it when freed.
 _inference_mode = torch._C._InferenceMode
-
-_START = (0, 0)
-
-
-def _clock() -> tuple[int, int]:
-    return time.perf_counter_ns(), time.thread_time_ns()
-
 
 _INLINE = Placement.INLINE
 _WORKER = Placement.WORKER
-_TASK = Placement.TASK
-_STREAM = Placement.STREAM
-_HOST_WAIT = HOST_WAIT
+_DEVICE = Placement.DEVICE
+_FIRST_UNIT = ((0.0, 0),)  # a straight line handed to a worker is one item
+
+Ranked = list[tuple[float, int]]  # units handed off together, each with its key (lowest first)
 
 
 class Scheduler:
@@ -86,16 +81,27 @@ class Scheduler:
     ) -> None:
         self.graph = graph
         self.plan = plan
-        self.config = config
         self.workers = workers
-        self.recorder = recorder
-        # the loop, its slice budget and its load, shared with the straight line
+        # the loop, its slice budget and its load, shared with the mode chooser (modes.py)
         self.state = LoopState(config.loop_slice_s)
-        self.straight = StraightRunner(graph, self.state, workers, config)
         self._seed = config.ready_order_seed
-        # Seeded orders, profiling and traces go through the dataflow (straight.py).
-        self._may_straight = self._seed is None and recorder is None
         self._inference_mode = config.inference_mode
+        self._traced = recorder is not None
+        self._observer = UnitObserver(recorder)  # profiled and traced executions' timing
+        self.worker_executions = 0  # straight lines run on a worker thread
+        # The run loop's callbacks, bound once for each side of it.
+        self._complete_on_loop = functools.partial(self._complete, on_worker=False)
+        self._complete_on_worker = functools.partial(self._complete, on_worker=True)
+        self._failed_on_loop = functools.partial(self._unit_failed, on_worker=False)
+        self._failed_on_worker = functools.partial(self._unit_failed, on_worker=True)
+        # How a unit handed off starts, by its placement in the frame's table.
+        # `in_drain`: started inside a loop-side item (a ready host-wait unit then waits for
+        # the next iteration rather than nest a drain); False when a worker handed it over.
+        self._starts: dict[int, Callable[[ExecutionFrame, Ranked, bool], None]] = {
+            Placement.WORKER: self._submit,
+            Placement.TASK: self._start_task,
+            HOST_WAIT: self._start_host_wait,
+        }
 
     @property
     def loop(self) -> Loop | None:
@@ -113,86 +119,51 @@ class Scheduler:
 
     # -- one execution, seen from the caller --------------------------------------------------
 
-    def run_straight(self, frame: ExecutionFrame, admitted: float | str | None = None) -> bool:
-        """Run the loaded frame to completion without a coroutine when the execution may take
-        the straight line and it fits the loop's slice (straight.py): True once it ran (its
-        error raised here); False when not, and the caller awaits `run_dataflow(frame)`
-        instead. The Executor calls this first, then `run_dataflow`: together they run an
-        execution.
+    def run_now(self, frame: ExecutionFrame, start: float) -> None:
+        """Run the loaded frame's straight line to completion on the loop, without a
+        coroutine (Mode.FRAMELESS, LINE_NOW: chosen at `start`); its error raised here."""
+        schedule = _schedule(frame)
+        frame.as_line(schedule)
+        guard = _inference_mode(self._inference_mode)  # on while it lives: no `with` needed
+        try:
+            run_units(frame, in_order(len(frame.calls)), self._failed_on_loop)
+        finally:
+            del guard
+        self.state.account(start, time.perf_counter())
+        frame.finish()
+        if frame.errors:
+            raise_errors(frame)
 
-        On a one-node graph a coroutine to create and await is a tenth of the execution's
-        fixed cost. `admitted`: StraightRunner.admit's answer for this execution, when the
-        Executor asked already (it tries the line without a frame first: `_run_alone`).
-        """
-        runner = self.straight
-        runner.retry = runner.to_worker = None
-        if frame.times is not None or not self._may_straight or frame.gpu is not None:
-            return False  # `_straight_of`, inlined: this runs once per execution
-        straight = _schedule(frame).straight
-        return straight is not None and runner.run_now(frame, straight, admitted)
+    async def run(self, frame: ExecutionFrame, mode: Mode) -> None:
+        """Run the loaded frame in `mode` (any but the at-once ones); raise its error, or
+        re-raise a cancellation.
 
-    async def run_dataflow(self, frame: ExecutionFrame) -> None:
-        """Run the loaded frame through the WorkUnits (the path of every execution
-        `run_straight` refuses); raise its error, or re-raise a cancellation.
-
-        Returns only when no unit is in flight and, with a GPU, when none of the execution's
+        Returns only when no item is in flight and, with a GPU, when none of the execution's
         GPU work is (its kernels may still write the frame's tensors), so the caller may
-        release the frame. A cancellation while the GPU finishes is absorbed, then re-raised.
-
-        An execution that `run_straight` refused only because this iteration's slice was
-        spent, and that a whole slice holds, first waits one loop iteration and tries the
-        straight line once more (`retry`); one it refused because other work waits on the
-        loop while a worker is free goes to that worker at once (`to_worker`, `contended`:
-        StraightRunner.run_now, takes_worker).
-        """
-        contended = self.straight.to_worker is frame
-        if contended:
-            self.straight.to_worker = None
-        elif self.straight.retry is frame:
-            self.straight.retry = None
-            await anyio.lowlevel.checkpoint()  # others' callbacks, I/O and timers first
-            if self.run_straight(frame):
-                return
+        release the frame. Cancelled (asyncio's CancelledError, trio's Cancelled), it stops
+        dispatching, waits shielded until the items in flight end, then re-raises."""
         state = self.state
+        if mode is Mode.LINE_NEXT:  # a fresh slice holds the line: after others' callbacks
+            await anyio.lowlevel.checkpoint()
+            budget = state.budget if state.budget is not None else state.bind()
+            start = budget.start(_schedule(frame).straight.seconds)  # type: ignore[union-attr]
+            if start is not None:
+                self.run_now(frame, start)
+                return
+            mode = Mode.LINE_SLICED
         if state.loop is None or state.budget is None:
             state.bind()
         loop = state.loop
         assert loop is not None
-        straight = self._straight_of(frame)
-        if straight is None:
-            if self._seed is not None:
-                frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
-            frame.load_counters()
-        await self._run_dataflow(frame, loop, straight, contended)
-        if frame.errors:
-            raise_errors(frame)
-
-    async def _run_dataflow(
-        self, frame: ExecutionFrame, loop: Loop, straight: StraightLine | None = None,
-        contended: bool = False,
-    ) -> None:
-        """The WorkUnits of the execution, across the loop, workers, tasks and streams; or,
-        given the schedule's `straight` form, its units in order in the loop's slices or
-        on a worker (straight.py; `contended`: see run_dataflow).
-
-        Cancelled (asyncio's CancelledError, trio's Cancelled), it stops dispatching, waits
-        shielded until the units in flight end, then re-raises the original cancellation.
-        """
         gpu = frame.gpu
         if gpu is not None:
             gpu.begin()  # lease a stream set, ordered after the caller's stream
-        state = self.state
+        on_worker = mode is Mode.LINE_WORKER
         state.running += 1
-        on_worker = straight is not None and self.straight.takes_worker(straight, contended)
         state.lines_on_workers += on_worker
         cancelled: BaseException | None = None
         try:
-            if straight is None:
-                self._start(frame)
-            elif on_worker:
-                self.straight.hand_off(frame, straight)
-            else:
-                self.straight.run_in_slices(frame, straight, 0)
+            self._start(frame, mode)
             if not frame.finished:  # made only now: most small graphs finish inside _start
                 frame.waiter = loop.create_future()
                 await frame.waiter
@@ -210,6 +181,28 @@ class Scheduler:
                 await self._finish_gpu(frame, gpu)
         if cancelled is not None:
             raise cancelled
+        if frame.errors:
+            raise_errors(frame)
+
+    def _start(self, frame: ExecutionFrame, mode: Mode) -> None:
+        """Start the execution as one work item (`pending` 1): a straight line's units in
+        order, on a worker or in the loop's slices; or the dataflow's roots, those that run
+        elsewhere handed off, the others run here. Never raises."""
+        frame.pending = 1
+        if mode is Mode.DATAFLOW:
+            if self._seed is not None:
+                frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
+            frame.load_counters()
+            if frame.times is not None or self._traced:
+                frame.observer = self._observer
+            self._item(frame, False, self._roots)
+            return
+        frame.as_line(_schedule(frame))
+        if mode is Mode.LINE_WORKER:
+            self.worker_executions += 1
+            self._item(frame, False, self._line_to_worker)
+        else:
+            self._run_on_loop(frame, in_order(len(frame.calls)))
 
     @staticmethod
     async def _finish_gpu(frame: ExecutionFrame, gpu: Any) -> None:
@@ -223,18 +216,11 @@ class Scheduler:
                 raise
             frame.errors[0].add_note(f"finishing the execution's GPU work also raised: {exc!r}")
 
-    def _straight_of(self, frame: ExecutionFrame) -> StraightLine | None:
-        """The straight-line form of the frame's schedule when the execution may take it: not
-        profiled, no seeded order or trace, no GPU (straight.py)."""
-        if frame.times is not None or not self._may_straight or frame.gpu is not None:
-            return None
-        return _schedule(frame).straight
-
     async def _wait_finished(self, frame: ExecutionFrame, loop: Loop) -> BaseException | None:
-        """Wait until the units in flight have ended (threads write the frame until then).
+        """Wait until the items in flight have ended (threads write the frame until then).
 
         Cancellations meanwhile are absorbed and the first returned, for the caller to raise
-        once the frame is idle. This ends as soon as the units do: every unit ends on every
+        once the frame is idle. This ends as soon as the items do: every item ends on every
         path, so a cancellation waits at most for the kernels running now.
         """
         absorbed: BaseException | None = None
@@ -252,55 +238,69 @@ class Scheduler:
             frame.stopped = True
         cancel_tasks(frame)
 
-    # -- units -----------------------------------------------------------------------------
+    # -- work items ------------------------------------------------------------------------
 
-    def _start(self, frame: ExecutionFrame) -> None:
-        """Start the execution as a work item of its own (`pending` 1): hand off the roots
-        that run elsewhere, then go on as the drain of the inline ones. Never raises."""
-        frame.pending = 1
+    def _item(
+        self, frame: ExecutionFrame, on_worker: bool, body: Callable[..., bool], *args: Any
+    ) -> None:
+        """A work item: `body(frame, *args)`, which returns True when the item goes on later
+        (deferred to a later loop iteration, or handed on). Otherwise the item ends here,
+        whatever `body` raised: an error of the runtime's own steps fails the execution as a
+        kernel error does. Never raises."""
         try:
-            stack = self._start_roots(frame)
+            if body(frame, *args):
+                return
         except BaseException as exc:
-            internal_error(frame, exc, self.state.loop, on_worker=False)
-            self._end_unit(frame, on_worker=False)
-            return
-        self._run_on_loop(frame, stack)
+            internal_error(frame, exc, self.state.loop, on_worker)
+        self._end_item(frame, on_worker)
 
-    def _start_roots(self, frame: ExecutionFrame) -> list[int]:
-        """Hand off the root units that do not run on the loop; return the others."""
+    def _run_on_loop(self, frame: ExecutionFrame, stack: list[int], waited: bool = False) -> None:
+        """A work item on the loop thread: `stack`'s units in the loop's slices."""
+        self._item(frame, False, self._loop_slice, stack, waited)
+
+    def _run_on_worker(self, frame: ExecutionFrame, unit: int) -> None:
+        """A work item on a worker thread, from `unit` (WorkerPool.submit's contract: it
+        never raises)."""
+        self._item(frame, True, self._worker_units, [unit])
+
+    def _line_on_worker(self, frame: ExecutionFrame, unit: int) -> None:
+        """A straight line as one work item of a worker thread, from its first unit; a stop
+        (a cancellation) is seen between units."""
+        self._item(frame, True, self._worker_units, in_order(len(frame.calls), unit))
+
+    def _worker_units(self, frame: ExecutionFrame, stack: list[int]) -> bool:
+        run_units(frame, stack, self._failed_on_worker, self._complete_on_worker)
+        return False
+
+    def _line_to_worker(self, frame: ExecutionFrame) -> bool:
+        self.workers.submit(self._line_on_worker, frame, _FIRST_UNIT)
+        return True  # the worker's item ends it
+
+    def _roots(self, frame: ExecutionFrame) -> bool:
+        """The dataflow's first item: hand off the roots that do not run on the loop, run
+        the others here."""
         stack: list[int] = []
         handoff: list[int] = []
-        schedule = _schedule(frame)
-        roots = list(schedule.roots)
+        roots = list(_schedule(frame).roots)
         if frame.rng is not None:
             frame.rng.shuffle(roots)
         where = frame.where
         for unit in reversed(roots):
-            if where[unit] in (_INLINE, _STREAM):
+            if where[unit] in (_INLINE, _DEVICE):
                 stack.append(unit)
             else:
                 handoff.append(unit)
         if handoff:
             frame.pending += len(handoff)
             self._hand_off(frame, handoff, on_worker=False)
-        return stack
-
-    def _run_on_loop(self, frame: ExecutionFrame, stack: list[int], waited: bool = False) -> None:
-        """A work item on the loop thread: run `stack`'s inline work in the loop's shared
-        slice, or later (`_loop_slice`); end the unit once done, whatever was raised."""
-        try:
-            if self._loop_slice(frame, stack, waited):
-                return  # the item goes on in a later iteration
-        except BaseException as exc:
-            internal_error(frame, exc, self.state.loop, on_worker=False)
-        self._end_unit(frame, on_worker=False)
+        return self._loop_slice(frame, stack, False)
 
     def _loop_slice(self, frame: ExecutionFrame, stack: list[int], waited: bool) -> bool:
-        """Run inline work within the loop's shared slice, or defer it to the next iteration
-        when this iteration's slice is spent (LoopBudget); True when deferred. `waited`: the
-        work was deferred because its next unit would have overrun the slice; that unit now
-        runs first, fitting or not, so a long unit neither stretches an iteration nor waits
-        for ever.
+        """Run units within the loop's shared slice, extended while nothing else waits on
+        the loop, or defer them to a later iteration when this iteration's slice is spent
+        (LoopBudget); True when deferred. `waited`: the work was deferred because its next
+        unit would have overrun the slice; that unit now runs first, fitting or not, so a
+        long unit neither stretches an iteration nor waits for ever.
 
         The first unit of a slice this call opens runs too: nothing else has used the slice,
         and work deferred now would run first in the next iteration anyway, before its
@@ -309,77 +309,46 @@ class Scheduler:
         an execution's inline roots ran in the iteration that started it (before its async
         kernels' first steps) depended on timing.
         """
+        if not stack or frame.stopped:
+            return False
         budget = self.state.budget
         assert budget is not None
-        first_of_slice = not budget.is_open
+        run_first = waited or not budget.is_open
         deadline = budget.deadline()
-        if deadline is None and stack and not frame.stopped:
+        if deadline is None:  # spent: wait for a later iteration, in turn
             budget.defer(self._run_on_loop, frame, stack, waited)
             return True
         start = time.perf_counter()
+        complete = self._complete_on_loop
         with _inference_mode(self._inference_mode):
-            overrun = self._run_units(
-                frame, stack, False, deadline or 0.0, waited or first_of_slice
-            )
+            overrun = run_units(frame, stack, self._failed_on_loop, complete, deadline, run_first)
+            while overrun and (deadline := budget.extend()) is not None:
+                overrun = run_units(frame, stack, self._failed_on_loop, complete, deadline)
         self.state.account(start, time.perf_counter())
         if overrun:  # the next unit would end after the slice: it goes first next time
             budget.defer(self._run_on_loop, frame, stack, True)
         return overrun
 
-    def _run_units(
-        self,
-        frame: ExecutionFrame,
-        stack: list[int],
-        on_worker: bool,
-        deadline: float = 0.0,
-        waited: bool = False,
-    ) -> bool:
-        """The run loop of one work item: run ready units from `stack` until none is left
-        here. On the loop, a unit that would end after `deadline` (by its measured time, or
-        any unit once the deadline has passed) stops the loop, and True is returned: it goes
-        on in a later iteration, with the rest; after `waited`, the first unit runs
-        regardless. The caller ends the item's unit."""
-        schedule = _schedule(frame)
-        calls, stores = frame.calls, schedule.stores
-        values = frame.values
-        timed = self.recorder is not None or frame.times is not None
-        seconds = schedule.seconds  # measured unit times: does the next one fit the slice?
-        check = not on_worker and not waited
-        while stack:
-            if frame.stopped:
-                break
-            if check:
-                expected = seconds[stack[-1]] if seconds is not None else 0.0
-                if time.perf_counter() + expected > deadline:
-                    return True
-            check = not on_worker
-            unit = stack.pop()
-            start = _clock() if timed else _START
-            try:
-                result = calls[unit](values)
-            except BaseException as exc:
-                node = schedule.failed_node(unit, exc)
-                fail(frame, self.graph, node, exc, self.state.loop, on_worker)
-                break
-            if timed:
-                self._record(frame, schedule.nodes[unit][0], start, result)
-            store = stores[unit]
-            if store >= 0:
-                values[store] = result
-            del result
-            self._complete(frame, unit, stack, on_worker)
-        return False
+    def _end_item(self, frame: ExecutionFrame, on_worker: bool, count: int = 1) -> None:
+        """End `count` items; the last one of the execution wakes the caller, on the loop."""
+        with frame.lock:
+            frame.pending -= count
+            last = frame.pending == 0
+        if last:
+            if on_worker:
+                assert self.state.loop is not None
+                self.state.loop.call_soon_threadsafe(frame.finish)
+            else:
+                frame.finish()
 
-    def _record(
-        self, frame: ExecutionFrame, node: int, start: tuple[int, int], result: Any = None
+    # -- the dataflow's bookkeeping ----------------------------------------------------------
+
+    def _unit_failed(
+        self, frame: ExecutionFrame, unit: int, exc: BaseException, on_worker: bool
     ) -> None:
-        """Profile by thread CPU time (immune to GIL waits and a loaded machine); trace by
-        wall time. Timed executions run unfused schedules: one unit per node."""
-        wall, cpu = _clock()
-        if frame.times is not None:
-            frame.times.add(node, cpu - start[1])
-        if self.recorder is not None:
-            self.recorder.node_done(frame.execution_id, node, start[0], wall, result)
+        """A kernel's error (the run loop's on_error): name its node, stop the execution."""
+        node = _schedule(frame).failed_node(unit, exc)
+        fail(frame, self.graph, node, exc, self.state.loop, on_worker)
 
     def _complete(
         self, frame: ExecutionFrame, unit: int, stack: list[int], on_worker: bool
@@ -417,7 +386,7 @@ class Scheduler:
                 if c:
                     continue
                 where = placement[user]
-                if where in (_INLINE, _STREAM):
+                if where in (_INLINE, _DEVICE):
                     stack.append(user)
                     continue
                 if where == _WORKER and on_worker:
@@ -436,204 +405,160 @@ class Scheduler:
         if handoff is not None:
             self._hand_off(frame, handoff, on_worker)
 
-    @staticmethod
-    def _rank(frame: ExecutionFrame, unit: int) -> float:
-        """A handed-off unit's key among those handed off with it: the most work ahead first
-        (schedule.py); random in seeded-order runs."""
-        if frame.rng is not None:
-            return float(frame.rng.random())
-        return -_schedule(frame).priority[unit]
-
     def _hand_off(self, frame: ExecutionFrame, units: list[int], on_worker: bool) -> None:
-        """Start a new work item for each unit; `pending` already counts them.
-
-        Async and host-wait units start on the loop: their tasks belong to it. Never raises:
-        the units it could not start are ended here and the error fails the execution.
-        """
+        """Start a new work item for each unit (`pending` already counts them), by its
+        placement (`_starts`). Worker units go in one submission, so that a free thread
+        takes the best of them (the most work ahead: random in seeded-order runs); the
+        others start on the loop, where their tasks belong. Never raises: the units it could
+        not start are ended here and the error fails the execution."""
         started = 0
         try:
             where = frame.where
-            loop = self.state.loop
-            ranked: list[tuple[float, int]] = []
+            rng = frame.rng
+            priority = _schedule(frame).priority
+            by_placement: dict[int, Ranked] = {}
             for unit in units:
-                w = where[unit]
-                if w == _TASK:
-                    if on_worker:
-                        assert loop is not None
-                        loop.call_soon_threadsafe(self._start_task, frame, unit)
-                    else:
-                        self._start_task(frame, unit)
-                elif w == _HOST_WAIT:
-                    if on_worker:
-                        assert loop is not None
-                        loop.call_soon_threadsafe(self._start_host_wait, frame, unit, False)
-                    else:
-                        self._start_host_wait(frame, unit, True)
+                placement = where[unit]
+                key = 0.0
+                if placement == _WORKER:
+                    key = float(rng.random()) if rng is not None else -priority[unit]
+                by_placement.setdefault(placement, []).append((key, unit))
+            for placement, ranked in by_placement.items():
+                start = self._starts[placement]
+                if on_worker and placement != _WORKER:
+                    assert self.state.loop is not None
+                    self.state.loop.call_soon_threadsafe(start, frame, ranked, False)
                 else:
-                    ranked.append((self._rank(frame, unit), unit))
-                    continue
-                started += 1
-            if ranked:  # one submission: a free thread takes the best of them, not the first
-                self.workers.submit(self._run_on_worker_item, frame, ranked)
+                    start(frame, ranked, True)
                 started += len(ranked)
         except BaseException as exc:
             internal_error(frame, exc, self.state.loop, on_worker)
-            self._end_unit(frame, on_worker, len(units) - started)
+            self._end_item(frame, on_worker, len(units) - started)
 
-    def _run_on_worker_item(self, frame: Any, unit: int) -> None:
-        """A work item on a worker thread; never raises (WorkerPool.submit's contract): an
-        error of the runtime fails the execution, and the unit ends on every path."""
-        try:
-            try:
-                self._run_units(frame, [unit], on_worker=True)
-            except BaseException as exc:
-                internal_error(frame, exc, self.state.loop, on_worker=True)
-        finally:
-            self._end_unit(frame, on_worker=True)
-
-    def _end_unit(self, frame: ExecutionFrame, on_worker: bool, count: int = 1) -> None:
-        """End `count` units; the last one of the execution wakes the caller, on the loop."""
-        if not count:
-            return
-        with frame.lock:
-            frame.pending -= count
-            last = frame.pending == 0
-        if last:
-            if on_worker:
-                assert self.state.loop is not None
-                self.state.loop.call_soon_threadsafe(frame.finish)
-            else:
-                frame.finish()
+    def _submit(self, frame: ExecutionFrame, ranked: Ranked, in_drain: bool = False) -> None:
+        self.workers.submit(self._run_on_worker, frame, ranked)
 
     # -- async kernels -----------------------------------------------------------------------
 
-    def _start_task(self, frame: ExecutionFrame, unit: int) -> None:
-        """An async kernel's unit (always a single node) as a task of the frame; the unit
-        ends in the task's done-callback, or here if the task cannot start."""
-        if frame.stopped:
-            self._end_unit(frame, on_worker=False)
-            return
-        self._start_frame_task(frame, unit, self._task_done, self._await_kernel, frame, unit)
+    def _start_task(self, frame: ExecutionFrame, ranked: Ranked, in_drain: bool) -> None:
+        """Async kernels' units (each a single node) as tasks of the frame, on the loop;
+        each unit ends in its task's done-callback, or here if the task cannot start."""
+        for _, unit in ranked:
+            self._item(frame, False, self._new_task, unit, self._task_done, self._await_kernel)
 
-    def _start_frame_task(
+    def _new_task(
         self,
         frame: ExecutionFrame,
         unit: int,
         done: Callable[[ExecutionFrame, int, TaskLike], None],
-        fn: Callable[..., Coroutine[Any, Any, Any]],
+        fn: Callable[..., Any],
         *args: Any,
-    ) -> None:
-        """Run `fn(*args)` as a task of the frame (loop thread); `done(frame, unit, task)`,
-        its done-callback, goes on with the unit. If the task cannot start, the unit ends here
-        and the error fails the execution."""
+    ) -> bool:
+        """Run `fn(frame, unit, *args)` as a task of the frame (loop thread), unless the
+        execution stopped; `done(frame, unit, task)`, its done-callback, goes on with the
+        unit. Bookkeeping lives in the done-callback, not in the coroutine: a task cancelled
+        before its first step never runs any of its code, but its callbacks always run."""
+        if frame.stopped:
+            return False
         assert self.state.loop is not None
-        try:
-            task = self.state.loop.create_task(fn(*args))
-        except BaseException as exc:
-            internal_error(frame, exc, self.state.loop, on_worker=False)
-            self._end_unit(frame, on_worker=False)
-            return
+        task = self.state.loop.create_task(fn(frame, unit, *args))
         frame.tasks.add(task)
-        # Bookkeeping lives in the done-callback, not in the coroutine: a task cancelled
-        # before its first step never runs any of its code, but its callbacks always run.
         task.add_done_callback(functools.partial(done, frame, unit))
+        return True
 
     async def _await_kernel(self, frame: ExecutionFrame, unit: int) -> Any:
-        start = _clock()
+        observer = frame.observer
+        if observer is None:
+            return await frame.calls[unit](frame.values)
+        started = observer.start()
         result = await frame.calls[unit](frame.values)
-        self._record(frame, _schedule(frame).nodes[unit][0], start, result)
+        observer.done(frame, unit, started, result)
         return result
 
     def _task_done(self, frame: ExecutionFrame, unit: int, task: TaskLike) -> None:
         """The task's unit goes on as a work item on the loop (which ends it)."""
+        self._item(frame, False, self._after_task, unit, task)
+
+    def _after_task(self, frame: ExecutionFrame, unit: int, task: TaskLike) -> bool:
+        if self._task_failed(frame, unit, task):
+            return False
+        store = _schedule(frame).stores[unit]
+        if store >= 0:
+            frame.values[store] = task.result()
         stack: list[int] = []
-        try:
-            if self._task_failed(frame, unit, task):
-                return
-            schedule = _schedule(frame)
-            if schedule.stores[unit] >= 0:
-                frame.values[schedule.stores[unit]] = task.result()
-            self._complete(frame, unit, stack, on_worker=False)
-        except BaseException as exc:
-            internal_error(frame, exc, self.state.loop, on_worker=False)
-            stack.clear()  # the item only ends its unit
-        self._run_on_loop(frame, stack)
+        self._complete(frame, unit, stack, on_worker=False)
+        return self._loop_slice(frame, stack, False)
 
     def _task_failed(self, frame: ExecutionFrame, unit: int, task: TaskLike) -> bool:
-        """Forget a finished task of the frame; if it failed or was cancelled, account the
-        failure, end its unit and return True."""
+        """Forget a finished task of the frame; if it failed or was cancelled, fail the
+        execution and return True."""
         frame.tasks.discard(task)
         node = _schedule(frame).nodes[unit][0]
         if task.cancelled():
             if not frame.stopped:  # cancelled by someone else than us: an error of this node
                 fail(frame, self.graph, node, asyncio.CancelledError(), self.state.loop, False)
-        elif (exc := task.exception()) is not None:
+            return True
+        exc = task.exception()
+        if exc is not None:
             fail(frame, self.graph, node, exc, self.state.loop, on_worker=False)
-        else:
-            return False
-        self._end_unit(frame, on_worker=False)
-        return True
+            return True
+        return False
 
     # -- CPU units reading GPU values --------------------------------------------------------
 
-    def _start_host_wait(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
-        """A unit whose node reads GPU values (loop thread): run it once the GPU wrote them.
+    def _start_host_wait(self, frame: ExecutionFrame, ranked: Ranked, in_drain: bool) -> None:
+        """Units whose nodes read GPU values (loop thread): each runs once the GPU wrote
+        them; if its events have completed it continues at once, otherwise a task of the
+        frame awaits them (`wait_host` polls, the loop never blocks) and the unit continues
+        when it is done. A stop cancels that task like an async kernel's."""
+        for _, unit in ranked:
+            self._item(frame, False, self._host_wait, unit, in_drain)
 
-        If its events have completed it continues at once; otherwise a task of the frame
-        awaits them (`FrameStreams.wait_host` polls, the loop never blocks) and the unit
-        continues when it is done. A stop cancels that task like an async kernel's.
-        """
+    def _host_wait(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> bool:
         if frame.stopped:
-            self._end_unit(frame, on_worker=False)
-            return
+            return False
         gpu = frame.gpu
-        assert gpu is not None and self.state.loop is not None
+        assert gpu is not None
         node = _schedule(frame).nodes[unit][0]
         try:
             ready = gpu.host_ready(node)
-        except BaseException as exc:  # a CUDA error surfaces at the first query after it
+        except Exception as exc:  # a CUDA error surfaces at the first query after it: its node's
             fail(frame, self.graph, node, exc, self.state.loop, on_worker=False)
-            self._end_unit(frame, on_worker=False)
-            return
+            return False
         if ready:
-            try:
-                self._continue_unit(frame, unit, in_drain)
-            except BaseException as exc:
-                internal_error(frame, exc, self.state.loop, on_worker=False)
-                self._end_unit(frame, on_worker=False)
-            return
-        self._start_frame_task(frame, unit, self._host_wait_done, gpu.wait_host, node)
+            return self._continue_unit(frame, unit, in_drain)
+        return self._new_task(frame, unit, self._host_wait_done, self._wait_host, node)
+
+    @staticmethod
+    async def _wait_host(frame: ExecutionFrame, unit: int, node: int) -> None:
+        await frame.gpu.wait_host(node)  # type: ignore[union-attr]
 
     def _host_wait_done(self, frame: ExecutionFrame, unit: int, task: TaskLike) -> None:
-        try:
-            if self._task_failed(frame, unit, task):
-                return
-        except BaseException as exc:
-            internal_error(frame, exc, self.state.loop, on_worker=False)
-            self._end_unit(frame, on_worker=False)
-            return
-        try:
-            self._continue_unit(frame, unit, in_drain=False)
-        except BaseException as exc:
-            internal_error(frame, exc, self.state.loop, on_worker=False)
-            self._end_unit(frame, on_worker=False)
+        self._item(frame, False, self._after_host_wait, unit, task)
 
-    def _continue_unit(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
-        """Run a host-wait unit whose GPU inputs are ready where its schedule places it.
+    def _after_host_wait(self, frame: ExecutionFrame, unit: int, task: TaskLike) -> bool:
+        if self._task_failed(frame, unit, task):
+            return False
+        return self._continue_unit(frame, unit, in_drain=False)
+
+    def _continue_unit(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> bool:
+        """Run a host-wait unit whose GPU inputs are ready where its schedule places it;
+        True: it goes on there (the caller's item does not end it).
 
         An inline unit found ready inside a drain starts on the next loop iteration rather
         than in a nested drain, so chains of CPU and GPU nodes cannot grow the stack.
         """
         where = _schedule(frame).where[unit]
-        if where == _TASK:
-            self._start_task(frame, unit)
-        elif where == _WORKER:
-            self.workers.submit(self._run_on_worker_item, frame, [(self._rank(frame, unit), unit)])
-        elif in_drain:
+        if where == Placement.TASK:
+            return self._new_task(frame, unit, self._task_done, self._await_kernel)
+        if where == _WORKER:
+            self._submit(frame, [(-_schedule(frame).priority[unit], unit)])
+            return True
+        if in_drain:
             assert self.state.loop is not None
             self.state.loop.call_soon(self._run_on_loop, frame, [unit])
-        else:
-            self._run_on_loop(frame, [unit])
+            return True
+        return self._loop_slice(frame, [unit], False)
 
 
 def _schedule(frame: ExecutionFrame) -> Schedule:

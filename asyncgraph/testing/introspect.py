@@ -31,7 +31,6 @@ __all__ = [
     "idle_frames",
     "return_frame",
     "schedule",
-    "straight_retry_pending",
     "take_frame",
 ]
 
@@ -44,7 +43,7 @@ def idle_frames(ex: Executor) -> tuple[ExecutionFrame, ...]:
 def frameless_values(ex: Executor) -> tuple[Any, ...]:
     """The value slots of the executions that run without a frame (Executor._run_alone),
     cleared after each: anything left in them outlives its execution."""
-    return tuple(ex._alone_values)
+    return tuple(ex._alone_frame.values)
 
 
 def take_frame(ex: Executor) -> ExecutionFrame:
@@ -90,9 +89,3 @@ def calling_task(ex: Executor) -> asyncio.Task[Any] | None:
     """The task the executor takes for the caller here (whose pending cancellation it
     honours before taking a frame); None without an asyncio loop (trio)."""
     return ex._calling_task()
-
-
-def straight_retry_pending(ex: Executor) -> bool:
-    """Whether the scheduler holds a frame refused the straight line for a spent slice,
-    to try again after one loop iteration (StraightRunner.run_now)."""
-    return ex._scheduler.straight.retry is not None

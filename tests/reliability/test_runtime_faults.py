@@ -18,6 +18,7 @@ import pytest
 
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.graph.ir import Graph
+from asyncgraph.runtime.instrument import UnitObserver
 from asyncgraph.runtime.loop_state import LoopState
 from asyncgraph.runtime.placement import AdaptivePlacement
 from asyncgraph.runtime.schedule import ScheduleCache
@@ -166,8 +167,8 @@ def _chain_with_a_branch() -> Graph:
     [
         (Scheduler, "_complete", "loop"),  # bookkeeping after a unit
         (Scheduler, "_complete", "worker"),
-        (Scheduler, "_record", "loop"),  # tracing a unit
-        (Scheduler, "_record", "worker"),
+        (UnitObserver, "done", "loop"),  # tracing a unit
+        (UnitObserver, "done", "worker"),
         (WorkerPool, "submit", "loop"),  # handing units to the workers
         (WorkerPool, "submit", "worker"),
         (LoopState, "account", "loop"),  # the loop's load, after a slice

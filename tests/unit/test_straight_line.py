@@ -21,8 +21,9 @@ import torch
 from asyncgraph import Executor, ExecutorConfig, GraphBuilder
 from asyncgraph.runtime.config import usable_cpus
 from asyncgraph.runtime.loop_budget import LoopBudget
+from asyncgraph.runtime.modes import Mode
+from asyncgraph.runtime.schedule import straight_line
 from asyncgraph.runtime.scheduler import Scheduler
-from asyncgraph.runtime.straight import StraightRunner, straight_line
 from asyncgraph.testing import introspect
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(60)]
@@ -36,38 +37,30 @@ class Chain(torch.nn.Module):
 
 
 def _count_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Executions by path: "straight" (all units at once: run_straight, or run_alone without
-    a frame, also counted in "frameless"), "sliced" (the straight line over loop slices,
-    run_dataflow) and "dataflow" (the WorkUnits)."""
+    """Executions by path: "straight" (all units at once: Scheduler.run_now, with a frame or
+    without one, then also counted in "frameless"), "sliced" (the straight line over loop
+    slices) and "dataflow" (the WorkUnits)."""
     counts = {"straight": 0, "sliced": 0, "dataflow": 0, "frameless": 0}
-    units, sliced, start, alone = (
-        StraightRunner._units, StraightRunner.run_in_slices, Scheduler._start,
-        StraightRunner.run_alone)
-    executions: set[tuple[int, int]] = set()
+    run_now, start, alone = Scheduler.run_now, Scheduler._start, Executor._run_alone
 
-    def straight_units(self: StraightRunner, *args: Any, **kwargs: Any) -> int:
-        if (args[3] if len(args) > 3 else kwargs.get("deadline")) is None:  # run_now's
-            counts["straight"] += 1
-        return units(self, *args, **kwargs)
+    def at_once(self: Scheduler, *args: Any) -> None:
+        counts["straight"] += 1
+        run_now(self, *args)
 
-    def straight_alone(self: StraightRunner, *args: Any) -> None:
-        counts["straight"] += 1  # at once, as run_now's, only without a frame
+    def frameless(self: Executor, *args: Any) -> Any:
         counts["frameless"] += 1
-        alone(self, *args)
+        return alone(self, *args)
 
-    def continue_straight(self: StraightRunner, frame: Any, *args: Any) -> None:
-        executions.add((id(self), frame.execution_id))  # once per slice, again when deferred
-        counts["sliced"] = len(executions)
-        sliced(self, frame, *args)
+    def started(self: Scheduler, frame: Any, mode: Mode) -> None:
+        if mode is Mode.DATAFLOW:
+            counts["dataflow"] += 1
+        elif mode is Mode.LINE_SLICED:
+            counts["sliced"] += 1
+        start(self, frame, mode)
 
-    def dataflow_start(self: Scheduler, *args: Any) -> None:
-        counts["dataflow"] += 1
-        start(self, *args)
-
-    monkeypatch.setattr(StraightRunner, "_units", straight_units)
-    monkeypatch.setattr(StraightRunner, "run_alone", straight_alone)
-    monkeypatch.setattr(StraightRunner, "run_in_slices", continue_straight)
-    monkeypatch.setattr(Scheduler, "_start", dataflow_start)
+    monkeypatch.setattr(Scheduler, "run_now", at_once)
+    monkeypatch.setattr(Executor, "_run_alone", frameless)
+    monkeypatch.setattr(Scheduler, "_start", started)
     return counts
 
 
@@ -245,13 +238,13 @@ async def test_a_spent_slice_sends_the_execution_straight_after_one_iteration(
         ran_first = asyncio.Event()
         asyncio.get_running_loop().call_soon(ran_first.set)
         seen: list[bool] = []
-        units = StraightRunner._units
+        run_now = Scheduler.run_now
 
-        def straight_units(self: StraightRunner, *args: Any) -> int:
+        def at_once(self: Scheduler, *args: Any) -> None:
             seen.append(ran_first.is_set())
-            return units(self, *args)
+            run_now(self, *args)
 
-        monkeypatch.setattr(StraightRunner, "_units", straight_units)
+        monkeypatch.setattr(Scheduler, "run_now", at_once)
         before = dict(counts)
         x = torch.randn(4, 8)
         torch.testing.assert_close(await ex.execute(x), Chain()(x))
@@ -301,7 +294,7 @@ async def test_a_cancellation_during_the_wait_for_a_fresh_slice_frees_the_frame(
             patch.setattr(LoopBudget, "start", lambda self, seconds: None)
             task = asyncio.create_task(ex.execute(torch.randn(4, 8)))
             await asyncio.sleep(0)  # the task runs up to the wait for a fresh slice
-            assert not introspect.straight_retry_pending(ex) and ex.statistics().in_flight == 1
+            assert ex.statistics().modes["LINE_NEXT"] == 1 and ex.statistics().in_flight == 1
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

@@ -1,0 +1,99 @@
+"""How one execution runs: the one decision, made once per execution, as a closed value.
+
+An execution of a CPU program whose schedule is all inline runs as a straight line, its units
+in order (nativert's serial executor); anything else runs as the WorkUnit dataflow across the
+loop, workers, tasks and streams, or, for a GPU program with captures, as a CUDA-graph replay.
+`ModeChooser.choose` decides which, and the Executor switches on the answer (executor.py's
+`_execute`); nothing else decides, and the answer never travels in a mutable field.
+
+Which straight-line mode (runtime/loop_budget.py's shared slice decides most of it):
+
+- FRAMELESS / LINE_NOW: it fits what is left of the loop's slice: at once, without a
+  coroutine; without a frame where a frame would hold nothing more than the values and one
+  is free (the Executor says so: `alone`).
+- LINE_NEXT: it fits a slice but this one is spent: after one loop iteration, at once if a
+  fresh slice then holds it, else in slices (the dataflow would defer it as well, at the cost
+  of a future; the retry saves that).
+- LINE_SLICED: longer than a slice: in the loop's slices, deferring between them as the
+  dataflow does, so neither stretches a loop iteration beyond what the dataflow would.
+- LINE_WORKER: whole, as one work item of a worker thread, when there is something to
+  overlap it (other executions in flight, or other work waiting on the loop) and its nodes
+  are mostly kernel time, off the GIL (`worker_execution_node_us`).
+
+Why a line goes to a worker only with something to overlap: a worker that finished waited
+for the loop, busy in a segment, to hand it the next line; capped at one line per worker
+fewer than the CPUs, 64 callers of a compiled tiny BERT lost about a third of their
+throughput on two cores (benchmarks/results/cpu/design_measurements.md).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.loop_state import LoopState
+from asyncgraph.runtime.placement import NodeTimes
+from asyncgraph.runtime.schedule import Schedule, StraightLine
+
+
+class Mode(enum.Enum):
+    """How one execution runs (the module docstring)."""
+
+    FRAMELESS = "a straight line at once, without a frame"
+    LINE_NOW = "a straight line at once"
+    LINE_NEXT = "a straight line after one loop iteration"
+    LINE_SLICED = "a straight line in the loop's slices"
+    LINE_WORKER = "a straight line on a worker thread"
+    CAPTURED = "a CUDA-graph capture or replay (the dataflow while it warms up)"
+    DATAFLOW = "the WorkUnit dataflow"
+
+
+# The modes that start their line at once, at the time `choose` returns with them.
+AT_ONCE = frozenset({Mode.FRAMELESS, Mode.LINE_NOW})
+
+
+class ModeChooser:
+    """Chooses the Mode of each execution of one Executor (shared by all its executions)."""
+
+    def __init__(
+        self, state: LoopState, config: ExecutorConfig, *, device: bool, captured: bool,
+        traced: bool,
+    ) -> None:
+        self.state = state
+        self._captured = captured
+        # Seeded orders, traces and GPU programs run through the dataflow.
+        self._lines = config.ready_order_seed is None and not traced and not device
+        bar = config.worker_execution_node_us
+        self._worker_node_s = float("inf") if bar is None else bar * 1e-6
+
+    def choose(
+        self, schedule: Schedule, times: NodeTimes | None, alone: bool = False
+    ) -> tuple[Mode, float]:
+        """The execution's mode, and for FRAMELESS and LINE_NOW the perf_counter time its
+        line starts at (the loop's time it then uses is accounted from there). `times`: the
+        node times to record when placement profiles this execution (it then takes the
+        dataflow, timed node by node); `alone`: it may run without a frame."""
+        if self._captured:
+            return Mode.CAPTURED, 0.0
+        line = schedule.straight
+        if line is None or times is not None or not self._lines:
+            return Mode.DATAFLOW, 0.0
+        state = self.state
+        budget = state.budget if state.budget is not None else state.bind()
+        start = budget.start(line.seconds)
+        worth = self._worth_a_worker(line)
+        if start is None:  # the slice is spent, or left too short for it
+            if line.seconds > budget.slice_s:  # a fresh slice would not hold it either
+                busy = state.running > 0  # another execution is in flight to overlap it
+                return (Mode.LINE_WORKER if busy and worth else Mode.LINE_SLICED), 0.0
+            if worth and budget.others_wait:  # extend's peek: work waits on the loop
+                return Mode.LINE_WORKER, 0.0
+            return Mode.LINE_NEXT, 0.0
+        if worth and budget.others_queued():  # it fits, but other callers queue for the loop
+            return Mode.LINE_WORKER, 0.0
+        return (Mode.FRAMELESS if alone else Mode.LINE_NOW), start
+
+    def _worth_a_worker(self, line: StraightLine) -> bool:
+        """Whether this line may go to a worker: its nodes are kernel time enough and free to
+        leave the loop thread (adaptive placement keeps such a line whole on a loaded loop)."""
+        return line.node_seconds >= self._worker_node_s and line.any_thread
