@@ -66,16 +66,18 @@ class HandOffQueue(Generic[T]):
         next waiter or free it) before the cancellation goes on."""
         waiter: FutureLike = current_loop().create_future()
         self.queue.append(waiter)
+        taken = False
         try:
             handed: T = await waiter
+            taken = True
             return handed
-        except BaseException:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                pass_on(waiter.result())  # handed it, then cancelled: pass it on
-            else:
-                with contextlib.suppress(ValueError):
-                    self.queue.remove(waiter)
-            raise
+        finally:
+            if not taken:  # cancelled, or the wait itself failed
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    pass_on(waiter.result())  # handed it, then cancelled: pass it on
+                else:
+                    with contextlib.suppress(ValueError):
+                        self.queue.remove(waiter)
 
     def hand_over(self, value: T) -> bool:
         """Give `value` to the oldest waiter still waiting (it owns it now); False, and

@@ -90,12 +90,14 @@ class _WakePipe:
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
+        made = False
         try:
             os.set_blocking(self.read_fd, False)
             os.set_blocking(self.write_fd, False)
-        except BaseException:
-            _close(self.read_fd, self.write_fd)
-            raise
+            made = True
+        finally:
+            if not made:
+                _close(self.read_fd, self.write_fd)
         self.closed = False
         self._lock = threading.Lock()
 
@@ -126,11 +128,13 @@ class LoopWake:
         )
         self._pending = False  # a byte is written and not yet drained
         self._pipe = _WakePipe()
+        watched = False
         try:
             loop.add_reader(self._pipe.read_fd, self._drain)
-        except BaseException:
-            self._pipe.close()
-            raise
+            watched = True
+        finally:
+            if not watched:
+                self._pipe.close()
         # only once the pipe is this object's for good, and not at the interpreter's exit,
         # while daemon workers may still write (module doc)
         weakref.finalize(self, self._pipe.close).atexit = False
@@ -187,13 +191,13 @@ class LoopWake:
                             "message": f"Exception in callback {fn!r} (asyncgraph LoopWake)",
                             "exception": exc,
                         })
-        except BaseException:
+        finally:
             self._wake_for_the_rest()
-            raise
 
     def _wake_for_the_rest(self) -> None:
         """The drain is left with calls still queued (an interrupt, an exception handler that
-        raised): they run on the loop's next iteration, on a byte written for them."""
+        raised): they run on the loop's next iteration, on a byte written for them. After a
+        whole drain nothing is left that wrote no byte of its own: this does nothing."""
         if self._calls and not self._pending:
             self._pending = True
             self._pipe.write()
