@@ -342,7 +342,7 @@ class Executor:
                     await self._scheduler.run(frame, Mode.DATAFLOW)
                 outputs = self._take_outputs(frame, caller_inputs or flat)
             if times is not None and self._adaptive is not None:
-                self._adaptive.finished(flat, times)
+                self._adaptive.finished(times)
             ended = _COMPLETED
         except self._cancelled_exc:
             ended = _CANCELLED
@@ -404,7 +404,8 @@ class Executor:
         profiled) and its schedule when one is built (None: `aget` builds it)."""
         adaptive = self._adaptive
         if adaptive is not None:
-            placement, times = adaptive.choose(flat, self._scheduler.loaded, signature)
+            inputs = flat if signature is None else None  # the signature finds the entry
+            placement, times = adaptive.choose(inputs, self._scheduler.loaded, signature)
         else:
             placement, times = self.plan.placement, None
         return placement, times, self._schedules.cached(placement, self._fuse and times is None)

@@ -141,12 +141,6 @@ class ExecutionFrame:
         self.calls, self.stores, self.seconds = schedule.calls, schedule.stores, schedule.seconds
         self.stopped = self.finished = False
 
-    def as_line(self, schedule: Schedule) -> None:
-        """Run the loaded execution as its schedule's straight line: each unit drops the
-        values whose last reader it is (no counters)."""
-        assert schedule.straight is not None, "the schedule has no straight line"
-        self.drops = schedule.straight.drops
-
     def load_counters(self) -> None:
         """Fresh producer and read counts for the loaded schedule (the dataflow's)."""
         schedule = self.schedule

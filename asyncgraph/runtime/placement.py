@@ -89,11 +89,12 @@ class NodeTimes:
     loaded machine adds noise that only ever makes a node look slower.
     """
 
-    __slots__ = ("best_ns", "runs")
+    __slots__ = ("best_ns", "key", "runs")
 
-    def __init__(self, num_nodes: int) -> None:
+    def __init__(self, num_nodes: int, key: ShapeKey = ()) -> None:
         self.best_ns = [1 << 62] * num_nodes
         self.runs = 0
+        self.key = key  # the shape key of the entry they time (AdaptivePlacement.finished)
 
     def add(self, node: int, ns: int) -> None:
         if ns < self.best_ns[node]:
@@ -117,8 +118,8 @@ class Decision:
 class _Entry:
     __slots__ = ("calls", "loaded", "placement", "recheck_in", "rechecks", "times")
 
-    def __init__(self, num_nodes: int) -> None:
-        self.times = NodeTimes(num_nodes)
+    def __init__(self, num_nodes: int, key: ShapeKey) -> None:
+        self.times = NodeTimes(num_nodes, key)
         self.placement: tuple[Placement, ...] | None = None  # for a quiet loop
         self.loaded: tuple[Placement, ...] | None = None  # while executions overlap
         self.calls = 0
@@ -157,6 +158,8 @@ class AdaptivePlacement:
         self.recheck_after = recheck_after
         self.max_signatures = max_signatures
         self.key = key if key is not None else shape_key
+        # the same key from an input Signature (validation.py), without the inputs
+        self.signature_key = _SIGNATURE_KEYS.get(self.key)
         self.movable = tuple(  # a compiled segment (DELEGATE) is placed like any CPU kernel
             k.kind in (KernelKind.CPU, KernelKind.DELEGATE) and n.placement_hint is None
             for n, k in zip(graph.nodes, kernels, strict=True)
@@ -179,7 +182,7 @@ class AdaptivePlacement:
 
     def choose(
         self,
-        inputs: Sequence[Any],
+        inputs: Sequence[Any] | None,
         loaded: bool = False,
         signature: tuple[Any, ...] | None = None,
     ) -> tuple[tuple[Placement, ...], NodeTimes | None]:
@@ -187,18 +190,19 @@ class AdaptivePlacement:
         (None once the placement for this shape signature is decided). `loaded`: other
         executions are in flight and the loop is busy (Scheduler.loaded). `signature`: the
         inputs' Signature (InputValidator.check), when known: the entry is then found by
-        it, the same entry `key` finds."""
+        it, the same entry `key` finds, and the inputs are not needed (None)."""
         hot_signature, hot_entry = self._hot
         if signature is not None and signature is hot_signature:
             entry = hot_entry  # validation hands a repeat caller the same object: no hashing
         elif signature is None:
+            assert inputs is not None, "choose needs the inputs or their signature"
             entry = self._entry(self.key(inputs))
         else:
             hit = self._by_signature.get(signature)
             if hit is None:
                 if len(self._by_signature) >= _MAX_BY_SIGNATURE:
                     self._by_signature.clear()
-                hit = self._by_signature[signature] = self._entry(self.key(inputs))
+                hit = self._by_signature[signature] = self._entry(self._key(inputs, signature))
             entry = hit
             self._hot = (signature, entry)
         assert entry is not None
@@ -222,7 +226,7 @@ class AdaptivePlacement:
         `max_signatures`)."""
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry(len(self.base))
+            entry = self._entries[key] = _Entry(len(self.base), key)
             if len(self._entries) > self.max_signatures:
                 _, evicted = self._entries.popitem(last=False)
                 for placement in (evicted.placement, evicted.loaded):
@@ -231,11 +235,17 @@ class AdaptivePlacement:
                 self._hot = (None, None)
         return entry
 
-    def finished(self, inputs: Sequence[Any], times: NodeTimes) -> None:
-        """Account a profiled execution; decide the placement after enough of them, and
-        decide it again after each recheck round."""
+    def _key(self, inputs: Sequence[Any] | None, signature: tuple[Any, ...]) -> ShapeKey:
+        if self.signature_key is not None:
+            return self.signature_key(signature)
+        assert inputs is not None, f"{self.key.__name__} needs the inputs"
+        return self.key(inputs)
+
+    def finished(self, times: NodeTimes) -> None:
+        """Account a profiled execution (its `times`, which name their entry); decide the
+        placement after enough of them, and decide it again after each recheck round."""
         times.runs += 1
-        entry = self._entries.get(self.key(inputs))
+        entry = self._entries.get(times.key)
         if entry is None or entry.times is not times:
             return
         if entry.placement is None:
@@ -379,13 +389,43 @@ def shape_key(inputs: Sequence[Any]) -> ShapeKey:
     )
 
 
+def _bucket(rows: int) -> int:
+    return 1 << (max(rows, 1) - 1).bit_length()
+
+
 def batch_bucket_key(inputs: Sequence[Any]) -> ShapeKey:
     """shape_key with dim 0 rounded up to a power of two, for batched executions: a batch
     of 23 rows runs with the placement profiled for 32, so batch sizes that vary with load
     share a few profiled signatures instead of re-profiling (and evicting) one per size."""
     return tuple(
-        ((1 << (max(x.shape[0], 1) - 1).bit_length(), *x.shape[1:]), x.dtype)
+        ((_bucket(x.shape[0]), *x.shape[1:]), x.dtype)
         if isinstance(x, torch.Tensor) and x.dim() > 0
         else type(x)
         for x in inputs
     )
+
+
+# A Signature's part per input (validation.py): (type, shape, dtype, device) of a tensor,
+# (type, value) of a plain scalar; the keys below are those of the inputs it describes.
+
+
+def _is_tensor(part: tuple[Any, ...]) -> bool:
+    return len(part) == 4 and issubclass(part[0], torch.Tensor)
+
+
+def signature_shape_key(signature: tuple[Any, ...]) -> ShapeKey:
+    """shape_key of the inputs `signature` describes."""
+    return tuple((p[1], p[2]) if _is_tensor(p) else p[0] for p in signature)
+
+
+def signature_bucket_key(signature: tuple[Any, ...]) -> ShapeKey:
+    """batch_bucket_key of the inputs `signature` describes."""
+    return tuple(
+        ((_bucket(p[1][0]), *p[1][1:]), p[2]) if _is_tensor(p) and len(p[1]) > 0 else p[0]
+        for p in signature
+    )
+
+
+_SIGNATURE_KEYS: dict[Callable[..., ShapeKey], Callable[..., ShapeKey]] = {
+    shape_key: signature_shape_key, batch_bucket_key: signature_bucket_key,
+}

@@ -52,7 +52,7 @@ from asyncgraph.runtime.instrument import Instrument, UnitObserver
 from asyncgraph.runtime.loop_state import LoopState
 from asyncgraph.runtime.modes import Mode
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
-from asyncgraph.runtime.schedule import Schedule
+from asyncgraph.runtime.schedule import Schedule, StraightLine
 from asyncgraph.runtime.units import in_order, run_units
 from asyncgraph.runtime.workers import WorkerPool
 
@@ -122,8 +122,7 @@ class Scheduler:
     def run_now(self, frame: ExecutionFrame, start: float) -> None:
         """Run the loaded frame's straight line to completion on the loop, without a
         coroutine (Mode.FRAMELESS, LINE_NOW: chosen at `start`); its error raised here."""
-        schedule = _schedule(frame)
-        frame.as_line(schedule)
+        frame.drops = _line(frame).drops
         guard = _inference_mode(self._inference_mode)  # on while it lives: no `with` needed
         try:
             run_units(frame, in_order(len(frame.calls)), self._failed_on_loop)
@@ -146,7 +145,7 @@ class Scheduler:
         if mode is Mode.LINE_NEXT:  # a fresh slice holds the line: after others' callbacks
             await anyio.lowlevel.checkpoint()
             budget = state.budget if state.budget is not None else state.bind()
-            start = budget.start(_schedule(frame).straight.seconds)  # type: ignore[union-attr]
+            start = budget.start(_line(frame).seconds)
             if start is not None:
                 self.run_now(frame, start)
                 return
@@ -197,7 +196,7 @@ class Scheduler:
                 frame.observer = self._observer
             self._item(frame, False, self._roots)
             return
-        frame.as_line(_schedule(frame))
+        frame.drops = _line(frame).drops
         if mode is Mode.LINE_WORKER:
             self.worker_executions += 1
             self._item(frame, False, self._line_to_worker)
@@ -565,3 +564,10 @@ def _schedule(frame: ExecutionFrame) -> Schedule:
     schedule = frame.schedule
     assert schedule is not None, "the frame was not loaded"
     return schedule
+
+
+def _line(frame: ExecutionFrame) -> StraightLine:
+    """The straight line of the frame's schedule (a line mode's: there is one)."""
+    line = _schedule(frame).straight
+    assert line is not None, "a line mode without a straight line"
+    return line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def test_new_shapes_are_profiled_again() -> None:
     assert adaptive.choose(first)[1] is None  # the warm-up execution is not profiled
     _, times = adaptive.choose(first)
     assert times is not None
-    adaptive.finished(first, times)
+    adaptive.finished(times)
     assert adaptive.choose(first)[1] is None  # decided for this signature
     second = [torch.randn(16, 16), torch.randn(4)]
     adaptive.choose(second)
@@ -195,7 +196,7 @@ def test_a_signature_finds_the_entry_its_shape_key_finds_until_that_entry_is_evi
     assert adaptive.choose(first, signature=signature)[1] is None  # warm-up
     _, times = adaptive.choose(first)  # without the signature: the same entry, profiled
     assert times is not None
-    adaptive.finished(first, times)
+    adaptive.finished(times)
     decided, times = adaptive.choose(first, signature=signature)
     assert times is None and decided is adaptive.choose(first)[0]
     second = [torch.randn(16, 16), torch.randn(4)]
@@ -221,7 +222,7 @@ def test_a_decided_placement_is_rechecked_as_it_warms_up() -> None:
         placement, times = adaptive.choose(inputs)
         assert times is not None
         times.add(0, int(us * 1000))
-        adaptive.finished(inputs, times)
+        adaptive.finished(times)
     first, times = adaptive.choose(inputs)
     assert first == (Placement.WORKER,) and times is None
     decided = adaptive.decision(first)
@@ -232,7 +233,7 @@ def test_a_decided_placement_is_rechecked_as_it_warms_up() -> None:
         placement, times = adaptive.choose(inputs)
         assert placement is first and times is not None
         times.add(0, int(us * 1000))
-        adaptive.finished(inputs, times)
+        adaptive.finished(times)
     rechecked, times = adaptive.choose(inputs)
     assert rechecked == (Placement.INLINE,) and times is None
     assert adaptive.decision(first) is None  # the old decision is forgotten
@@ -245,7 +246,7 @@ def test_a_decided_placement_is_rechecked_as_it_warms_up() -> None:
             placement, times = adaptive.choose(inputs)
             assert placement is rechecked and times is not None
             times.add(0, int(us * 1000))
-            adaptive.finished(inputs, times)
+            adaptive.finished(times)
         rechecked, times = adaptive.choose(inputs)
         assert rechecked == (Placement.INLINE,) and times is None
         assert adaptive.decision(rechecked).best_us == (600.0,)  # type: ignore[union-attr]
@@ -273,7 +274,7 @@ def test_a_later_recheck_catches_a_slow_warm_up() -> None:
                 break
         assert times is not None, f"no profiled round for {us} us"
         times.add(0, int(us * 1000))
-        adaptive.finished(inputs, times)
+        adaptive.finished(times)
         seen.append(adaptive.choose(inputs)[0])
     assert seen == [(Placement.WORKER,), (Placement.WORKER,), (Placement.INLINE,)]
     stats = adaptive.statistics()
@@ -299,7 +300,7 @@ def test_recheck_after_zero_decides_once() -> None:
     for _ in range(adaptive.profile_executions):
         _, times = adaptive.choose(inputs)
         assert times is not None
-        adaptive.finished(inputs, times)
+        adaptive.finished(times)
     assert all(adaptive.choose(inputs)[1] is None for _ in range(300))
     assert adaptive.statistics().rechecked == 0
 
@@ -371,3 +372,30 @@ def test_the_worker_execution_bar_comes_from_the_config() -> None:
     ex = _diamond_of_heavy_nodes(ExecutorConfig(heavy_op_flops=0, worker_execution_node_us=None))
     stats = ex.placement_statistics()
     assert stats is not None and stats.worker_execution_node_us is None
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        (torch.randn(3, 4),),
+        (torch.randn(23, 8), torch.tensor(1.5), 7),
+        (torch.zeros(0, 2, dtype=torch.int64), 2.5, True),
+        (torch.randn(1, 1, 1).to(torch.float16),),
+    ],
+    ids=["one", "mixed", "empty-rows", "half"],
+)
+def test_a_signature_gives_the_key_its_inputs_give(inputs: tuple[Any, ...]) -> None:
+    """Adaptive placement finds an entry by the validated Signature without the inputs
+    (the Executor hands it none then): its key must be the one the inputs make."""
+    from asyncgraph.runtime.placement import (
+        batch_bucket_key,
+        shape_key,
+        signature_bucket_key,
+        signature_shape_key,
+    )
+    from asyncgraph.runtime.validation import signature_of
+
+    signature = signature_of(inputs)
+    assert signature is not None
+    assert signature_shape_key(signature) == shape_key(inputs)
+    assert signature_bucket_key(signature) == batch_bucket_key(inputs)
