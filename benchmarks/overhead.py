@@ -30,10 +30,11 @@ line runs without a frame: Executor._run_alone):
   choose       adaptive placement, found by the signature (AdaptivePlacement.choose)
   schedule     the placement's schedule (ScheduleCache.cached)
   free frame   whether a frame is free, so one may run without it (FramePool.has_free)
-  admit        whether the line fits what is left of the loop's slice (StraightRunner.admit)
-  run          the straight line, kernel included (StraightRunner.run_alone)
-  values       weights and inputs into the value slots, the outputs out, the slots cleared
-               (the rest of Executor._run_alone)
+  mode         the execution's mode: the line fits what is left of the loop's slice
+               (ModeChooser.choose)
+  run          weights and inputs into the value slots and the straight line, kernel
+               included (ExecutionFrame.load_line, Scheduler.run_now)
+  values       the outputs out, the slots cleared (the rest of Executor._run_alone)
   coroutines   creating and awaiting execute's two coroutines (execute, _execute), empty
   steps        the sum of the steps above, for comparison with execute
 Loop slice (--slice; a 4-layer encoder, one caller awaiting executions back to back), per
@@ -174,22 +175,19 @@ async def per_execution() -> dict[str, float]:
         adaptive = ex._adaptive
         assert adaptive is not None
         sched = ex._scheduler
-        placement, times = adaptive.choose(flat, sched.loaded, signature)
+        placement, times = adaptive.choose(None, sched.loaded, signature)
         assert times is None, "placement not decided yet"
         schedule = ex._schedules.cached(placement, True)
         assert schedule is not None
         pool = ex._pool
-        runner = sched.straight
-        line = schedule.straight
-        assert line is not None, "the one-node graph has no straight line"
+        modes = ex._modes
+        assert schedule.straight is not None, "the one-node graph has no straight line"
         template = ex._weights_template()
-        values = [None] * len(template)
-        slot = ex.plan.user_input_slots[0]
+        frame = ex._alone_frame
 
         def run() -> None:
-            values[:] = template
-            values[slot] = x
-            runner.run_alone(schedule, values, time.perf_counter())
+            frame.load_line(template, flat, schedule)
+            sched.run_now(frame, time.perf_counter())
 
         async def nothing() -> None:
             pass
@@ -205,10 +203,10 @@ async def per_execution() -> dict[str, float]:
             "flatten": median_us(lambda: ex._validator.flatten((x,), {})),
             "check": median_us(lambda: ex._validator.check(flat)),
             "bind": median_us(ex._bind_loop),
-            "choose": median_us(lambda: adaptive.choose(flat, sched.loaded, signature)),
+            "choose": median_us(lambda: adaptive.choose(None, sched.loaded, signature)),
             "schedule": median_us(lambda: ex._schedules.cached(placement, True)),
             "free frame": median_us(pool.has_free),
-            "admit": await sliced_us(lambda: runner.admit(line)),
+            "mode": await sliced_us(lambda: modes.choose(schedule, None, True)),
             "run": median_us(run),
         }
         r["values"] = median_us(

@@ -20,7 +20,6 @@ from asyncgraph.cuda.capturable import CapturePlan, plan_capture
 from asyncgraph.cuda.capture import CudaGraphs, CudaGraphStatistics
 from asyncgraph.cuda.device import Backend, CudaRuntime, FrameStreams
 from asyncgraph.cuda.graphs import FrameGraphs, frame_captures
-from asyncgraph.cuda.segment_graphs import FrameSegments
 from asyncgraph.cuda.segments import SegmentPlan, segment_plan_for
 from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
 from asyncgraph.graph.ir import Graph, ValueSpec
@@ -55,7 +54,12 @@ class CudaPlans:
         segments = self.segment_plan
         return (segments.order, segments.segment_of) if segments.segments else None
 
-    def frame_state(self, calls: Calls) -> tuple[FrameStreams, FrameGraphs | FrameSegments | None]:
+    @property
+    def captures_whole(self) -> bool:
+        """Executions captured whole (graphs.py), not only segments."""
+        return self.graph_plan.capturable
+
+    def frame_state(self, calls: Calls) -> tuple[FrameStreams, FrameGraphs | None]:
         """A frame's GPU state (events made once, reused by its executions) and captures."""
         gpu = self.runtime.frame_state(calls)
         return gpu, frame_captures(self.graphs, gpu)

@@ -633,6 +633,7 @@ class FrameStreams:
     __slots__ = (
         "_backend", "_begin_events", "_begun", "_end_events", "_events", "_host", "_host_waits",
         "_outputs", "_set", "_tables", "_waits", "calls", "runtime", "segments",
+        "weights_version",
     )
 
     def __init__(self, runtime: CudaRuntime, calls: Sequence[Callable[[list[Any]], Any]]) -> None:
@@ -653,6 +654,7 @@ class FrameStreams:
         self._begun: tuple[tuple[StreamKey, CudaStream], ...] = ()  # what `finish` awaits
         self._host: dict[int, tuple[Any, ...]] = {}  # per device: the caller's streams
         self.segments: SegmentCalls | None = None
+        self.weights_version = 0  # the loaded execution's (ExecutionFrame.load): its segments'
         # id(schedule) -> (schedule, its unit calls, its unit placements): see unit_tables
         self._tables: dict[int, tuple[UnitSchedule, Calls, tuple[int, ...]]] = {}
         # CUDA nodes run through `run`; the scheduler calls `calls[i](values)` for every node,

@@ -80,19 +80,20 @@ if TYPE_CHECKING:
     from asyncgraph.runtime.frame import ExecutionFrame
 
 
-def frame_captures(owner: CudaGraphs, gpu: FrameStreams) -> FrameGraphs | FrameSegments | None:
-    """A frame's state: its whole-execution captures, or its segments' when the program
-    is not wholly capturable; None when nothing is captured (its frames never look)."""
-    state: FrameGraphs | FrameSegments
+def frame_captures(owner: CudaGraphs, gpu: FrameStreams) -> FrameGraphs | None:
+    """A frame's whole-execution captures (Mode.CAPTURED replays them); None when its
+    executions are not captured whole. A program that is not wholly capturable gets its
+    segments' captures instead, which the frame's device state calls from its unit tables
+    (inside the dataflow): the frame itself never sees them."""
     if owner.capture_plan.capturable:
         state = FrameGraphs(owner, gpu)
-    elif owner.segment_plan.segments:
-        state = FrameSegments(owner, gpu)
-        gpu.segments = state  # the GPU's unit tables call its segments
-    else:
-        return None
-    owner.add_frame(state)
-    return state
+        owner.add_frame(state)
+        return state
+    if owner.segment_plan.segments:
+        segments = FrameSegments(owner, gpu)
+        gpu.segments = segments  # the GPU's unit tables call its segments
+        owner.add_frame(segments)
+    return None
 
 
 class FrameGraphs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -31,10 +31,6 @@ from asyncgraph.cuda.device import FrameStreams
 from asyncgraph.cuda.segments import Segment
 from asyncgraph.cuda.streams import Role, StreamKey
 from asyncgraph.runtime.units import Line, in_order, run_units
-from asyncgraph.runtime.validation import Signature
-
-if TYPE_CHECKING:
-    from asyncgraph.runtime.frame import ExecutionFrame
 
 
 class FrameSegments:
@@ -62,12 +58,12 @@ class FrameSegments:
       the clones marked used on every other stream (`record_stream`): a reader there may
       read them after the frame dropped them.
 
-    `run` is the Executor's per-execution hook (as `FrameGraphs.run`): it keeps the weights
-    version the execution loaded and returns False (the execution takes the dataflow).
+    A segment's capture is of one weights version: the frame's device state carries the
+    loaded execution's (`FrameStreams.weights_version`), and a capture of another is redone.
     """
 
     __slots__ = (
-        "__weakref__", "_after", "_gpu", "_lease", "_marks", "_owner", "_states", "version",
+        "__weakref__", "_after", "_gpu", "_lease", "_marks", "_owner", "_states",
     )
 
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
@@ -80,18 +76,10 @@ class FrameSegments:
         self._marks = {key: backend.new_event() for key in owner.runtime.plan.streams_used}
         self._after = backend.new_event()
         self._lease = FrameLease()  # the frame's capture streams, leased at first capture
-        self.version = 0
 
     @property
     def live(self) -> int:
         return sum(1 for states in self._states for s in states.values() if s.capture)
-
-    async def run(
-        self, frame: ExecutionFrame, flat: list[Any], signature: Signature | None, version: int
-    ) -> bool:
-        """Keep the execution's weights version for its segments; it takes the dataflow."""
-        self.version = version
-        return False
 
     def segment_call(self, index: int) -> Callable[[list[Any]], None]:
         """The frame's call for the schedule unit of segment `index`."""
@@ -123,7 +111,7 @@ class FrameSegments:
         state = self._state(index, key)
         capture = state.capture
         if capture is not None:
-            if capture.version == self.version:
+            if capture.version == self._gpu.weights_version:
                 owner.count("segment_replays")
                 self._launch(seg, capture, values)
                 return
@@ -214,7 +202,7 @@ class FrameSegments:
             owner.mark_segment_failed(index, key, failure_text(exc))
             return None
         outputs = {slot: private[slot] for slot in seg.outputs}
-        capture = Capture(graph, pool, static, outputs, self.version)
+        capture = Capture(graph, pool, static, outputs, self._gpu.weights_version)
         owner.count("segment_captures")
         self._launch(seg, capture, values)
         return capture

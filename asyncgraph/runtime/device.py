@@ -6,9 +6,10 @@ device gives the frame its unit tables (`unit_tables`: the call and the placemen
 unit, in which device units enqueue on the device's queues, CUDA's streams, and units that
 read device values are Placement.HOST_WAIT); per execution the scheduler calls `begin`,
 `host_ready`/`wait_host` before a HOST_WAIT unit, and `await finish()`; the Executor calls
-`protect_outputs` on what it hands to the caller. A frame whose executions are captured as
-CUDA graphs also holds its captures (`ExecutionFrame.graphs`, `Captures`: cuda/graphs.py's
-FrameGraphs or FrameSegments).
+`protect_outputs` on what it hands to the caller. A frame whose executions are captured
+whole as CUDA graphs also holds its captures (`ExecutionFrame.graphs`, `Captures`:
+cuda/graphs.py's FrameGraphs; `DevicePlan.captures_whole` says so, and the Executor then
+runs its executions in Mode.CAPTURED).
 
 The seam to the device packages (anyio's backend seam: the interfaces live here, the backends
 are registered by name and imported when first used, the runtime never imports one): a
@@ -83,6 +84,8 @@ class UnitSchedule(Protocol):
 class Device(Protocol):
     """A frame's device state, reused by the frame's executions (one at a time)."""
 
+    weights_version: int  # the loaded execution's weights (ExecutionFrame.load sets it)
+
     def unit_tables(self, schedule: UnitSchedule) -> tuple[Calls, tuple[int, ...]]:
         """The calls and placements of `schedule`'s units on this device (kept per schedule)."""
         ...
@@ -133,6 +136,12 @@ class DevicePlan(Protocol):
     def atomic_groups(self) -> tuple[tuple[int, ...], dict[int, int]] | None:
         """Groups of nodes each run as one unit (captured segments): a topological order in
         which each group is contiguous, and node -> group; None when there are none."""
+        ...
+
+    @property
+    def captures_whole(self) -> bool:
+        """Whether executions may be captured whole (Mode.CAPTURED: the frames' Captures
+        replay them); segments captured inside the dataflow do not count."""
         ...
 
     def frame_state(self, calls: Calls) -> tuple[Device, Captures | None]:

@@ -77,6 +77,7 @@ from asyncgraph.runtime.workers import WorkerPool, WorkerPoolStatistics
 _Choice = tuple[tuple[Placement, ...], NodeTimes | None, Schedule | None]
 
 _COMPLETED, _FAILED, _CANCELLED = range(3)  # how an execution ended: Executor._ended
+_FRAMELESS, _LINE_NOW, _CAPTURED = Mode.FRAMELESS, Mode.LINE_NOW, Mode.CAPTURED
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +170,8 @@ class Executor:
         )
         self._modes = ModeChooser(  # the one decision of how each execution runs
             self._scheduler.state, self.config, device=device is not None,
-            captured=device is not None, traced=self.recorder is not None,
+            captured=device is not None and device.captures_whole,
+            traced=self.recorder is not None,
         )
         self._pool = FramePool(
             self._new_frame,
@@ -218,6 +220,7 @@ class Executor:
             and not self._buffer_mutations and not self._input_mutations
         )
         self._alone_frame = ExecutionFrame(self.plan, 0)  # Mode.FRAMELESS's, one at a time
+        self._no_values = [None] * self.plan.num_values
         self._alone = 0
         self._loop: Loop | None = None  # the event loop's seam (backend.py), bound on first use
         self._native_loop: object = None  # its asyncio loop (or TrioLoop): the bound check
@@ -225,7 +228,7 @@ class Executor:
         self._closed = False
         self._started = 0
         self._ended = [0, 0, 0]  # executions by how they ended: _COMPLETED, _FAILED, _CANCELLED
-        self._by_mode = dict.fromkeys(Mode, 0)  # executions by the mode they ran in
+        self._by_mode = [0] * len(Mode)  # executions by the mode they ran in
         self._callers: set[Caller] = set()  # what aclose(cancel=True) cancels
         registry.register(self)
 
@@ -314,29 +317,30 @@ class Executor:
             if scoped is not None:
                 return await self._execute_in_scope(scoped, flat, caller_inputs, signature)
             caller = asyncio.current_task()
-        execution = next(self._ids)
         frame = None  # none taken while one is free: the execution may need none
         if not (self._may_run_alone and self._pool.has_free()):
-            frame = await self._take_frame(caller, execution)
+            frame = self._take_free_frame(caller) or await self._take_frame(caller)
         self._started += 1
         ended = _FAILED
         try:  # from here on a frame taken goes back to the pool on every path
             placement, times, schedule = self._choose(flat, signature)
             if schedule is None:  # compiled on a thread (milliseconds on large graphs)
                 if frame is None:
-                    frame = await self._take_frame(caller, execution)
+                    frame = await self._take_frame(caller)
                 schedule = await self._schedules.aget(placement, self._fuse and times is None)
-            mode, start = self._modes.choose(schedule, times, alone=frame is None)
+            mode, start = self._modes.choose(schedule, times, frame is None)
             self._by_mode[mode] += 1
-            if mode is Mode.FRAMELESS:
+            if mode is _FRAMELESS:
                 outputs = self._run_alone(flat, schedule, start)
             else:
                 if frame is None:  # one was free, and no await since
                     frame = self._take_free_frame(caller)
-                frame.load(self._weights_template(), flat, execution, schedule, times)
-                if mode is Mode.LINE_NOW:
+                    assert frame is not None, "a frame said free was taken meanwhile"
+                frame.load(self._weights_template(), flat, frame.execution_id, schedule, times,
+                           self._weights.version)
+                if mode is _LINE_NOW:
                     self._scheduler.run_now(frame, start)
-                elif mode is not Mode.CAPTURED:
+                elif mode is not _CAPTURED:
                     await self._scheduler.run(frame, mode)
                 elif not await self._replayed(frame, flat, signature):
                     await self._scheduler.run(frame, Mode.DATAFLOW)
@@ -366,27 +370,34 @@ class Executor:
             f"{self.program.name}: the execution was cancelled by aclose(cancel=True)"
         )
 
-    async def _take_frame(self, caller: Caller | None, execution: int) -> ExecutionFrame:
-        """Wait for a frame (FIFO); the caller is known to aclose(cancel=True) from now on."""
+    async def _take_frame(self, caller: Caller | None) -> ExecutionFrame:
+        """Wait for a frame (FIFO), which carries the id of the execution it will run; the
+        caller is known to aclose(cancel=True) from now on."""
+        execution = next(self._ids)
         if caller is not None:  # before the frame wait, so aclose(cancel=True) reaches waiters
             self._callers.add(caller)
         waited = time.perf_counter_ns() if self.recorder is not None else 0
         frame = None
         try:
-            frame = self._pool.try_acquire() or await self._pool.acquire()
+            frame = await self._pool.acquire()
         finally:
             if frame is None:  # cancelled, or refused (too many waiters)
                 self._callers.discard(caller)  # type: ignore[arg-type]
         if self.recorder is not None:
             self.recorder.phase(execution, "frame wait", waited, time.perf_counter_ns())
+        frame.execution_id = execution
         return frame
 
-    def _take_free_frame(self, caller: Caller | None) -> ExecutionFrame:
-        """The frame the pool said was free, taken without a wait."""
+    def _take_free_frame(self, caller: Caller | None) -> ExecutionFrame | None:
+        """A free frame, taken without a wait (None: none is free, `_take_frame` waits)."""
         frame = self._pool.try_acquire()
-        assert frame is not None, "a frame said free was taken meanwhile"
-        if caller is not None:
-            self._callers.add(caller)
+        if frame is not None:
+            if caller is not None:
+                self._callers.add(caller)
+            frame.execution_id = execution = next(self._ids)
+            if self.recorder is not None:  # a trace shows every execution's wait, none too
+                now = time.perf_counter_ns()
+                self.recorder.phase(execution, "frame wait", now, now)
         return frame
 
     async def _replayed(
@@ -423,12 +434,12 @@ class Executor:
         frame.load_line(self._weights_template(), flat, schedule)
         outputs_at = self._output_slots
         assert outputs_at is not None
+        values = frame.values
         try:
             self._scheduler.run_now(frame, start)
-            values = frame.values
             outputs = [values[slot] for slot in outputs_at]
         finally:
-            frame.clear()
+            values[:] = self._no_values  # nothing of it outlives the execution
         self._alone += 1
         return outputs
 
@@ -649,7 +660,7 @@ class Executor:
             schedules=self._schedules.statistics(),
             worker_executions=self._scheduler.worker_executions,
             frameless_executions=self._alone,
-            modes={mode.name: count for mode, count in self._by_mode.items()},
+            modes={mode.name: self._by_mode[mode] for mode in Mode},
             validated_signatures=self._validator.passed_signatures,
         )
 

@@ -14,10 +14,11 @@ once with the frame, which gives the frame per-unit call and placement tables fo
 schedule: CUDA units enqueue on their streams and CPU units that read GPU values are marked
 Placement.HOST_WAIT. The device builds them once per schedule and keeps them, so the
 scheduler's run loop is the same for CPU and GPU programs and tests nothing per unit. A frame
-of a program captured as CUDA graphs also owns its captures (`graphs`, a Captures:
-cuda/graphs.py's FrameGraphs for whole executions, or FrameSegments for a program's segments,
-whose schedule units the device's tables map to the segment's call). The frame never knows
-what is behind either.
+of a program whose executions are captured whole as CUDA graphs also owns its captures
+(`graphs`, a Captures: cuda/graphs.py's FrameGraphs, which Mode.CAPTURED asks to replay);
+a program's captured segments are its device state's, reached through the unit tables, which
+carry the loaded execution's weights version (`load`). The frame never knows what is behind
+either.
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ class ExecutionFrame:
         self.calls: Calls = ()
         self.where: tuple[int, ...] = ()
         # What the run loop (units.py) reads besides: the store slot and the measured time of
-        # each unit, the values each drops when the execution runs as a straight line (None:
-        # the dataflow's counters free them), and the timing hook of a profiled or traced one.
+        # each unit, the values each drops when the execution runs as a straight line (set
+        # by `load` when the schedule has one; None: the dataflow's counters free them), and
+        # the timing hook of a profiled or traced execution.
         self.stores: tuple[int, ...] = ()
         self.seconds: tuple[float, ...] | None = None
         self.drops: tuple[tuple[int, ...], ...] | None = None
@@ -109,6 +111,7 @@ class ExecutionFrame:
         execution_id: int,
         schedule: Schedule,
         times: NodeTimes | None = None,
+        weights_version: int = 0,
     ) -> None:
         """Start an execution: weights from `template`, the user inputs and the units it runs
         (`times` collects node times while placement is profiled). The dataflow's counters
@@ -126,19 +129,25 @@ class ExecutionFrame:
         self.schedule = schedule
         self.times = times
         self.stores, self.seconds = schedule.stores, schedule.seconds
-        self.drops = self.observer = None
+        line = schedule.straight  # run as a line unless the dataflow clears them
+        self.drops = line.drops if line is not None else None
+        self.observer = None
         if self.gpu is None:
             self.calls, self.where = schedule.calls, schedule.where
         else:
             self.calls, self.where = self.gpu.unit_tables(schedule)
+            self.gpu.weights_version = weights_version
 
     def load_line(self, template: list[Any], inputs: list[Any], schedule: Schedule) -> None:
         """Start an execution that runs its straight line at once, on the loop, without a
         frame of the pool (Mode.FRAMELESS: the Executor's own frame, reused synchronously):
         only what the run loop reads; `clear` ends it."""
         load_values(self.values, template, self.plan.user_input_slots, inputs)
-        self.schedule = schedule
-        self.calls, self.stores, self.seconds = schedule.calls, schedule.stores, schedule.seconds
+        if schedule is not self.schedule:  # mostly the same one, execution after execution
+            self.schedule = schedule
+            self.calls, self.stores = schedule.calls, schedule.stores
+            self.seconds = schedule.seconds
+            self.drops = schedule.straight.drops if schedule.straight is not None else None
         self.stopped = self.finished = False
 
     def load_counters(self) -> None:

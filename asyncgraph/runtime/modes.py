@@ -36,20 +36,17 @@ from asyncgraph.runtime.placement import NodeTimes
 from asyncgraph.runtime.schedule import Schedule, StraightLine
 
 
-class Mode(enum.Enum):
-    """How one execution runs (the module docstring)."""
+class Mode(enum.IntEnum):
+    """How one execution runs (the module docstring); an IntEnum, so that counting
+    executions by mode is a list index, not an Enum hash."""
 
-    FRAMELESS = "a straight line at once, without a frame"
-    LINE_NOW = "a straight line at once"
-    LINE_NEXT = "a straight line after one loop iteration"
-    LINE_SLICED = "a straight line in the loop's slices"
-    LINE_WORKER = "a straight line on a worker thread"
-    CAPTURED = "a CUDA-graph capture or replay (the dataflow while it warms up)"
-    DATAFLOW = "the WorkUnit dataflow"
-
-
-# The modes that start their line at once, at the time `choose` returns with them.
-AT_ONCE = frozenset({Mode.FRAMELESS, Mode.LINE_NOW})
+    FRAMELESS = 0  # a straight line at once, without a frame
+    LINE_NOW = 1  # a straight line at once
+    LINE_NEXT = 2  # a straight line after one loop iteration
+    LINE_SLICED = 3  # a straight line in the loop's slices
+    LINE_WORKER = 4  # a straight line on a worker thread
+    CAPTURED = 5  # a CUDA-graph capture or replay (the dataflow while it warms up)
+    DATAFLOW = 6  # the WorkUnit dataflow
 
 
 class ModeChooser:
@@ -65,6 +62,8 @@ class ModeChooser:
         self._lines = config.ready_order_seed is None and not traced and not device
         bar = config.worker_execution_node_us
         self._worker_node_s = float("inf") if bar is None else bar * 1e-6
+        self._line: StraightLine | None = None  # the line seen last, and whether it is
+        self._worth = False  # worth a worker (`_worth_a_worker`)
 
     def choose(
         self, schedule: Schedule, times: NodeTimes | None, alone: bool = False
@@ -74,26 +73,33 @@ class ModeChooser:
         node times to record when placement profiles this execution (it then takes the
         dataflow, timed node by node); `alone`: it may run without a frame."""
         if self._captured:
-            return Mode.CAPTURED, 0.0
+            return _CAPTURED, 0.0
         line = schedule.straight
         if line is None or times is not None or not self._lines:
-            return Mode.DATAFLOW, 0.0
+            return _DATAFLOW, 0.0
         state = self.state
         budget = state.budget if state.budget is not None else state.bind()
         start = budget.start(line.seconds)
-        worth = self._worth_a_worker(line)
+        if line is not self._line:  # the worker bar of the line seen last, kept
+            self._line, self._worth = line, self._worth_a_worker(line)
         if start is None:  # the slice is spent, or left too short for it
             if line.seconds > budget.slice_s:  # a fresh slice would not hold it either
                 busy = state.running > 0  # another execution is in flight to overlap it
-                return (Mode.LINE_WORKER if busy and worth else Mode.LINE_SLICED), 0.0
-            if worth and budget.others_wait:  # extend's peek: work waits on the loop
-                return Mode.LINE_WORKER, 0.0
-            return Mode.LINE_NEXT, 0.0
-        if worth and budget.others_queued():  # it fits, but other callers queue for the loop
-            return Mode.LINE_WORKER, 0.0
-        return (Mode.FRAMELESS if alone else Mode.LINE_NOW), start
+                return (_LINE_WORKER if busy and self._worth else _LINE_SLICED), 0.0
+            if self._worth and budget.others_wait:  # extend's peek: work waits on the loop
+                return _LINE_WORKER, 0.0
+            return _LINE_NEXT, 0.0
+        if self._worth and budget.others_queued():  # it fits, but callers queue for the loop
+            return _LINE_WORKER, 0.0
+        return (_FRAMELESS if alone else _LINE_NOW), start
 
     def _worth_a_worker(self, line: StraightLine) -> bool:
         """Whether this line may go to a worker: its nodes are kernel time enough and free to
         leave the loop thread (adaptive placement keeps such a line whole on a loaded loop)."""
         return line.node_seconds >= self._worker_node_s and line.any_thread
+
+
+# The modes as module constants: read on every execution, faster than Mode's attributes.
+_FRAMELESS, _LINE_NOW, _LINE_NEXT = Mode.FRAMELESS, Mode.LINE_NOW, Mode.LINE_NEXT
+_LINE_SLICED, _LINE_WORKER = Mode.LINE_SLICED, Mode.LINE_WORKER
+_CAPTURED, _DATAFLOW = Mode.CAPTURED, Mode.DATAFLOW

@@ -67,6 +67,7 @@ class StraightLine:
     unit_seconds: tuple[float, ...]  # per unit: its measured time
     node_seconds: float  # the measured time per node: large when kernels (off the GIL) rule
     any_thread: bool  # every node may run on any thread (placement.py: AdaptivePlacement)
+    stack: tuple[int, ...] = ()  # its units as the run loop's stack (units.py): last first
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +430,7 @@ def straight_line(
         tuple(tuple(d) for d in drops), seconds, schedule.seconds,
         seconds / max(len(nodes), 1),
         any_thread is not None and all(any_thread[node] for node in nodes),
+        tuple(range(len(schedule.calls) - 1, -1, -1)),
     )
 
 

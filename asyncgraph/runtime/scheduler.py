@@ -53,7 +53,7 @@ from asyncgraph.runtime.loop_state import LoopState
 from asyncgraph.runtime.modes import Mode
 from asyncgraph.runtime.plan import ExecutionPlan, Placement
 from asyncgraph.runtime.schedule import Schedule, StraightLine
-from asyncgraph.runtime.units import in_order, run_units
+from asyncgraph.runtime.units import run_units
 from asyncgraph.runtime.workers import WorkerPool
 
 # torch.inference_mode() is a Python context manager costing ~3 us per entry; the C++ guard
@@ -89,10 +89,11 @@ class Scheduler:
         self._traced = recorder is not None
         self._observer = UnitObserver(recorder)  # profiled and traced executions' timing
         self.worker_executions = 0  # straight lines run on a worker thread
-        # The run loop's callbacks, bound once for each side of it.
-        self._complete_on_loop = functools.partial(self._complete, on_worker=False)
+        # The run loop's callbacks, bound once for each side of it (the loop's take the
+        # methods' defaults: a plain bound-method call per unit).
+        self._complete_on_loop = self._complete
         self._complete_on_worker = functools.partial(self._complete, on_worker=True)
-        self._failed_on_loop = functools.partial(self._unit_failed, on_worker=False)
+        self._failed_on_loop = self._unit_failed
         self._failed_on_worker = functools.partial(self._unit_failed, on_worker=True)
         # How a unit handed off starts, by its placement in the frame's table.
         # `in_drain`: started inside a loop-side item (a ready host-wait unit then waits for
@@ -122,14 +123,14 @@ class Scheduler:
     def run_now(self, frame: ExecutionFrame, start: float) -> None:
         """Run the loaded frame's straight line to completion on the loop, without a
         coroutine (Mode.FRAMELESS, LINE_NOW: chosen at `start`); its error raised here."""
-        frame.drops = _line(frame).drops
         guard = _inference_mode(self._inference_mode)  # on while it lives: no `with` needed
-        try:
-            run_units(frame, in_order(len(frame.calls)), self._failed_on_loop)
+        try:  # the line's drops are the frame's (ExecutionFrame.load)
+            stack = list(frame.schedule.straight.stack)  # type: ignore[union-attr]
+            run_units(frame, stack, self._failed_on_loop)
         finally:
             del guard
         self.state.account(start, time.perf_counter())
-        frame.finish()
+        frame.finished = True  # ran synchronously: nothing awaits it
         if frame.errors:
             raise_errors(frame)
 
@@ -189,6 +190,7 @@ class Scheduler:
         elsewhere handed off, the others run here. Never raises."""
         frame.pending = 1
         if mode is Mode.DATAFLOW:
+            frame.drops = None  # the counters free the values
             if self._seed is not None:
                 frame.rng = random.Random(self._seed * 1_000_003 + frame.execution_id)
             frame.load_counters()
@@ -196,12 +198,11 @@ class Scheduler:
                 frame.observer = self._observer
             self._item(frame, False, self._roots)
             return
-        frame.drops = _line(frame).drops
         if mode is Mode.LINE_WORKER:
             self.worker_executions += 1
             self._item(frame, False, self._line_to_worker)
         else:
-            self._run_on_loop(frame, in_order(len(frame.calls)))
+            self._run_on_loop(frame, list(_line(frame).stack))
 
     @staticmethod
     async def _finish_gpu(frame: ExecutionFrame, gpu: Any) -> None:
@@ -263,9 +264,9 @@ class Scheduler:
         self._item(frame, True, self._worker_units, [unit])
 
     def _line_on_worker(self, frame: ExecutionFrame, unit: int) -> None:
-        """A straight line as one work item of a worker thread, from its first unit; a stop
-        (a cancellation) is seen between units."""
-        self._item(frame, True, self._worker_units, in_order(len(frame.calls), unit))
+        """A straight line as one work item of a worker thread (`unit`: its first, 0); a
+        stop (a cancellation) is seen between units."""
+        self._item(frame, True, self._worker_units, list(_line(frame).stack))
 
     def _worker_units(self, frame: ExecutionFrame, stack: list[int]) -> bool:
         run_units(frame, stack, self._failed_on_worker, self._complete_on_worker)
@@ -343,14 +344,14 @@ class Scheduler:
     # -- the dataflow's bookkeeping ----------------------------------------------------------
 
     def _unit_failed(
-        self, frame: ExecutionFrame, unit: int, exc: BaseException, on_worker: bool
+        self, frame: ExecutionFrame, unit: int, exc: BaseException, on_worker: bool = False
     ) -> None:
         """A kernel's error (the run loop's on_error): name its node, stop the execution."""
         node = _schedule(frame).failed_node(unit, exc)
         fail(frame, self.graph, node, exc, self.state.loop, on_worker)
 
     def _complete(
-        self, frame: ExecutionFrame, unit: int, stack: list[int], on_worker: bool
+        self, frame: ExecutionFrame, unit: int, stack: list[int], on_worker: bool = False
     ) -> None:
         """Free values past their last use, wake users that became ready, route them.
 

@@ -91,7 +91,7 @@ def run_units(
     (`run.seconds`) would end after it, the unit left on the stack: it goes on later. The
     first unit runs regardless when `run_first`. Otherwise return False."""
     values, calls, stores, drops = run.values, run.calls, run.stores, run.drops
-    seconds, observer = run.seconds, run.observer
+    observer, seconds = run.observer, run.seconds
     check = deadline is not None and not run_first
     while stack:
         if run.stopped:
@@ -103,7 +103,8 @@ def run_units(
                 stack.append(unit)
                 return True
         check = deadline is not None
-        started = observer.start() if observer is not None else None
+        if observer is not None:
+            started = observer.start()
         try:
             result = calls[unit](values)
         except BaseException as exc:  # the kernel's: its node is named by on_error
