@@ -314,8 +314,8 @@ class TorchCudaBackend:
         """`capture_end`, and when it fails, the pool given back to the allocator.
 
         `CUDAGraph::capture_end` checks `cudaStreamEndCapture` before it calls the caching
-        allocator's `endAllocateToPool` (torch 2.11 to 2.13, and torch's main branch as read
-        on 2026-11-27), and `reset()` releases only the pool of a capture that ended. So
+        allocator's `endAllocateToPool` (torch 2.11 to 2.13, and torch's main branch when this
+        was written), and `reset()` releases only the pool of a capture that ended. So
         after one failed end the allocator stays in capture mode for the process:
         `empty_cache()` hits `INTERNAL ASSERT captures_underway.empty()` and blocks with a
         recorded stream are never freed. torch's own bindings (`_cuda_endAllocateToPool`,
@@ -342,7 +342,8 @@ class TorchCudaBackend:
         the `capture_end` of a capture that succeeds takes it out (`capture_epilogue`, after
         `cudaStreamEndCapture`). After one failed end, every random op of the process raised
         "Offset increment outside graph capture encountered unexpectedly": `torch.randn` on
-        the GPU, dropout, any later capture (seen on an H200, torch 2.11, 2026-11-27). An
+        the GPU, dropout, any later capture (seen on an H200 with torch 2.11: the GPU reports
+        in benchmarks/results/gpu/). An
         empty capture that ends takes the generator out of capture mode; its pool is given
         back by `reset()`. Should that fail too, the capture's own error is still raised and
         this one is logged."""

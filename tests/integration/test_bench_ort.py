@@ -1,9 +1,9 @@
 """The ONNX Runtime peer of the benchmark suite (benchmarks/ort.py, `asyncgraph bench -s
 onnxruntime`): structure and outputs only, never a time.
 
-The quick scenario runs where onnxruntime, onnx and onnxscript are installed (the `bench`
-extra); the rest runs everywhere: the scenario's registration, its skip without onnxruntime,
-and the batcher written around ORT, on a fake session.
+The quick scenario runs where onnxruntime, onnx and onnxscript are installed (the
+`onnxruntime` extra); the rest runs everywhere: the scenario's registration, its skip without
+onnxruntime, and the batcher written around ORT, on a fake session.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ async def test_exported_branches_run_on_two_workers_at_once() -> None:
 
     A handshake, not a clock: the first two matmul calls wait for each other, which can only
     happen when the scheduler runs two branches at once. (How much faster that makes the
-    program is benchmarks/wide.py's question.)"""
+    program is asyncgraph/bench/wide.py's question.)"""
     model = WideMatmul()
     x = torch.randn(256, 256)
     ep = torch.export.export(model, (x,))

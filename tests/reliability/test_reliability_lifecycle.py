@@ -9,7 +9,7 @@
    so every wait has a deadline).
 7. While 64 CPU-heavy executions run, the loop keeps running: a heavy kernel, on a worker
    thread, waits for the loop to answer it (a handshake, not a clock: the loop lag under load
-   is measured by benchmarks/concurrency.py).
+   is measured by asyncgraph/bench/concurrency.py).
 10. The loop matrix: each test here runs on asyncio in debug mode and on uvloop (conftest);
     the eager task factory exists only on Python 3.12+, where a mini-suite runs with it.
 """

@@ -28,14 +28,6 @@ MEASUREMENTS = ROOT / "benchmarks" / "results" / "cpu" / "design_measurements.md
 DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
 LINK = re.compile(r"design_measurements\.md#([\w-]+)")
 
-# Modules that still quote dated figures, by path under asyncgraph/: being rewritten
-# elsewhere, each moves its figures to design_measurements.md (or drops them) then leaves
-# this list. The test fails when a module here quotes no date any more, so it only shrinks.
-DATED_FIGURES_PENDING_REWRITE: frozenset[str] = frozenset({
-    "cuda/device.py",
-})
-
-
 def _modules() -> Iterator[Path]:
     for folder, _, files in os.walk(PACKAGE, followlinks=True):
         for name in sorted(files):
@@ -65,15 +57,11 @@ def _name(path: Path) -> str:
 
 
 def test_no_module_quotes_a_dated_figure_in_a_docstring_or_comment() -> None:
-    found = {_name(p): dated for p in _modules() if (dated := _dated(p))}
-    quoting = {name: dates for name, dates in found.items()
-               if name not in DATED_FIGURES_PENDING_REWRITE}
+    quoting = {_name(p): dated for p in _modules() if (dated := _dated(p))}
     assert not quoting, (
         f"dated figures in docstrings or comments (move each, with its date and machine, to "
         f"{MEASUREMENTS.relative_to(ROOT)} and link its section): {quoting}"
     )
-    stale = sorted(DATED_FIGURES_PENDING_REWRITE - set(found))
-    assert not stale, f"quote no date any more: remove them from the allowlist: {stale}"
 
 
 def _anchor(heading: str) -> str:
