@@ -58,6 +58,9 @@ def _onnx_planner() -> SegmentPlanner:
 
 
 register_tracer(_trace_recorder)
-register_device(DeviceKind("cuda", _cuda_backend))
+register_device(DeviceKind(
+    "cuda", _cuda_backend,
+    dispatch_keys=("CUDA", "SparseCUDA", "SparseCsrCUDA", "QuantizedCUDA", "NestedTensorCUDA"),
+))
 register_backend(SegmentBackend("script", _script_planner))
 register_backend(SegmentBackend("onnx", _onnx_planner))

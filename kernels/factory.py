@@ -7,6 +7,7 @@ when the model is loaded — never in the middle of serving a request.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,18 +22,36 @@ from asyncgraph.kernels.prim import PRIM_ATEN, PRIM_FUNCTIONS
 
 _COMPOSITE_KEYS = ("CompositeExplicitAutograd", "CompositeImplicitAutograd",
                    "CompositeExplicitAutogradNonFunctional")
-# Per device type ("cpu", and each one whose nodes get KernelKind.DEVICE kernels), the dispatch
-# keys of which one makes an aten op runnable there: its backend's, the composite ones, and
-# those of the layouts. Ops such as aten._to_dense (core ATen's to_dense) have kernels only for
-# the layouts they take: sparse, quantized, mkldnn, nested. Their node calls the operator, which
-# dispatches on the actual inputs' keys, as ep.module() does; a strided input then fails in
-# that node, named.
+# The CPU's dispatch keys (a device's: `_keys_of`), of which one makes an aten op runnable
+# there: its backend's, the composite ones, and those of the layouts. Ops such as
+# aten._to_dense (core ATen's to_dense) have kernels only for the layouts they take: sparse,
+# quantized, mkldnn, nested. Their node calls the operator, which dispatches on the actual
+# inputs' keys, as ep.module() does; a strided input then fails in that node, named.
 _DISPATCH_KEYS: dict[str, tuple[str, ...]] = {
     "cpu": ("CPU", *_COMPOSITE_KEYS,
             "SparseCPU", "SparseCsrCPU", "QuantizedCPU", "MkldnnCPU", "NestedTensorCPU"),
-    "cuda": ("CUDA", *_COMPOSITE_KEYS,
-             "SparseCUDA", "SparseCsrCUDA", "QuantizedCUDA", "NestedTensorCUDA"),
 }
+
+
+# Where a device type's dispatch keys come from (its backend's first: ("CUDA", "SparseCUDA",
+# ...)): the runtime's device registry, set when the runtime is imported (runtime/device.py's
+# DeviceKind.dispatch_keys). A device package brings them with its registration.
+_DEVICE_KEYS: list[Callable[[str], tuple[str, ...]]] = []
+
+
+def device_dispatch_keys(lookup: Callable[[str], tuple[str, ...]]) -> None:
+    """Set where the dispatch keys of a device type come from (() for an unknown one, whose
+    nodes then get CPU kernels)."""
+    _DEVICE_KEYS[:] = [lookup]
+
+
+def _keys_of(device_type: str) -> tuple[str, ...] | None:
+    """The dispatch keys that make an aten op runnable on `device_type`; None when no device
+    package registered it."""
+    if device_type == "cpu":
+        return _DISPATCH_KEYS["cpu"]
+    keys = _DEVICE_KEYS[0](device_type) if _DEVICE_KEYS else ()
+    return (keys[0], *_COMPOSITE_KEYS, *keys[1:]) if keys else None
 
 
 # The maker of inner executors for factories made without one; the runtime sets it.
@@ -124,7 +143,8 @@ class KernelFactory:
         if schema_name in PRIM_ATEN or overload in PRIM_ATEN:
             return OpKernel(fn, KernelKind.PRIM, str(op))
         device = _device_type(node, graph)
-        if not _has_kernel(op, _DISPATCH_KEYS[device or "cpu"]):
+        keys = _keys_of(device or "cpu")
+        if keys is None or not _has_kernel(op, keys):
             return None
         kind = KernelKind.CPU if device is None else KernelKind.DEVICE
         return OpKernel(fn, kind, str(op), estimate_cost(node, graph), device_type=device)
@@ -141,12 +161,13 @@ def _has_kernel(op: torch._ops.OpOverload, keys: tuple[str, ...]) -> bool:
 def _device_type(node: Node, graph: Graph) -> str | None:
     """The device type ("cuda") of a node's DEVICE kernel: that of the tensor it produces;
     for multi-output ops (no single output spec), of the first device tensor it reads. None
-    for a CPU kernel, and for a device no row of _DISPATCH_KEYS names (its ops run as CPU
+    for a CPU kernel, and for a device no package registered (its ops run as CPU
     kernels do, as before devices had kernels of their own)."""
     spec = graph.values[node.output].spec
     specs = [spec] if isinstance(spec, TensorSpec) else [
         graph.values[v].spec for v in node.inputs()]
     for s in specs:
-        if isinstance(s, TensorSpec) and s.device.type != "cpu" and s.device.type in _DISPATCH_KEYS:
+        if (isinstance(s, TensorSpec) and s.device.type != "cpu"
+                and _keys_of(s.device.type) is not None):
             return s.device.type
     return None

@@ -228,35 +228,46 @@ class FrameSegments:
         for stream in others:
             stream.wait_event(fork)
         waited = {s for sources in seg.sources for s in sources}
-        inner: dict[int, Any] = {}
+        inner: dict[int, Any] = {}  # the events recorded inside, by node
         names = owner.graph.nodes
-        for position, node in enumerate(seg.nodes):
-            try:
-                if plan.roles[node] is Role.CUDA:
-                    key = plan.key(node)
-                    stream = streams[key]
-                    for source in seg.sources[position]:
-                        stream.wait_event(inner[source])
-                    token = backend.enter_stream(self._lease.handles[key])
-                    try:
-                        result = raw[node](values)
-                    finally:
-                        backend.leave_stream(token)
-                    if node in waited:
-                        event = inner[node] = backend.new_event()
-                        event.record(stream)
-                else:
-                    result = raw[node](values)  # ALIAS / META: on the host, no GPU data
-            except Exception as exc:
-                exc.add_note(
-                    f"while capturing node {names[node].name!r} ({names[node].target_name()})"
-                )
-                with contextlib.suppress(Exception):  # an invalidated capture refuses it
-                    _join(backend, origin, others)  # so that a valid capture can still end
-                raise
-            values[ids[node]] = result
-            for value in seg.drops[position]:
-                values[value] = None
+
+        def on_stream(position: int, node: int) -> Callable[[list[Any]], Any]:
+            """Node `node`'s call inside the capture: on its stream, after the events of
+            its sources, recording its own when a later node waits on it."""
+            key = plan.key(node)
+            stream, handle, call = streams[key], self._lease.handles[key], raw[node]
+            sources = seg.sources[position]
+
+            def recorded(values: list[Any]) -> Any:
+                for source in sources:
+                    stream.wait_event(inner[source])
+                token = backend.enter_stream(handle)
+                try:
+                    result = call(values)
+                finally:
+                    backend.leave_stream(token)
+                if node in waited:
+                    event = inner[node] = backend.new_event()
+                    event.record(stream)
+                return result
+
+            return recorded
+
+        def failed(run: Line, position: int, exc: BaseException) -> None:
+            node = seg.nodes[position]
+            exc.add_note(
+                f"while capturing node {names[node].name!r} ({names[node].target_name()})"
+            )
+            with contextlib.suppress(Exception):  # an invalidated capture refuses it
+                _join(backend, origin, others)  # so that a valid capture can still end
+            raise exc
+
+        calls = [  # ALIAS / META nodes: on the host, no GPU data
+            on_stream(position, node) if plan.roles[node] is Role.CUDA else raw[node]
+            for position, node in enumerate(seg.nodes)
+        ]
+        line = Line(values, calls, [ids[n] for n in seg.nodes], seg.drops)
+        run_units(line, in_order(len(calls)), failed)
         _join(backend, origin, others)
 
     def _order_before(self, seg: Segment, origin: Any) -> None:

@@ -179,10 +179,14 @@ class DeviceBackend(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class DeviceKind:
-    """A device backend by device type: `load()` imports its package and returns it."""
+    """A device backend by device type: `load()` imports its package and returns it;
+    `dispatch_keys`, the device's torch dispatch keys, its backend's first (("CUDA",
+    "SparseCUDA", ...)): the aten ops with a kernel for one of them get device kernels
+    (kernels/factory.py's `_keys_of`)."""
 
     type: str
     load: Callable[[], DeviceBackend]
+    dispatch_keys: tuple[str, ...] = ()
 
 
 _DEVICES: dict[str, DeviceKind] = {}
@@ -197,6 +201,13 @@ def register_device(kind: DeviceKind) -> None:
 def unregister_device(device_type: str) -> None:
     """Forget the device kind `device_type`; no error if unknown."""
     _DEVICES.pop(device_type, None)
+
+
+def dispatch_keys(device_type: str) -> tuple[str, ...]:
+    """The torch dispatch keys of registered device type `device_type`; () when unknown
+    (kernels/factory.py asks, through `device_dispatch_keys`, which the Executor sets)."""
+    kind = _DEVICES.get(device_type)
+    return kind.dispatch_keys if kind is not None else ()
 
 
 def registered_devices() -> tuple[str, ...]:

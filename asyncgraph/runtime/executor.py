@@ -44,7 +44,7 @@ from asyncgraph.graph.ir import Graph, InputKind, OutputKind, Ref
 from asyncgraph.kernels import KernelFactory, OpKernel
 from asyncgraph.kernels.base import KernelConfig
 from asyncgraph.kernels.control_flow import SubgraphKernel
-from asyncgraph.kernels.factory import default_inner_executor
+from asyncgraph.kernels.factory import default_inner_executor, device_dispatch_keys
 from asyncgraph.passes.folding import ConstantFolder
 from asyncgraph.runtime import registry
 from asyncgraph.runtime.backend import (
@@ -59,7 +59,7 @@ from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate
-from asyncgraph.runtime.device import move_inputs_to_device
+from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
 from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.modes import Mode, ModeChooser
@@ -747,6 +747,7 @@ def subgraph_executor(program: Program, config: KernelConfig | None) -> Executor
 
 
 default_inner_executor(subgraph_executor)
+device_dispatch_keys(dispatch_keys)  # kernels of a registered device type run there
 
 
 def _prepare_delegates(delegates: Sequence[Delegate], tensors: Mapping[str, Any]) -> None:

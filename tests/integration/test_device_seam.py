@@ -8,6 +8,7 @@ import torch
 
 from asyncgraph import Executor, GraphBuilder
 from asyncgraph.cuda.backend import CudaPlans
+from asyncgraph.graph.importers import to_program
 from asyncgraph.graph.ir import Graph, Node
 from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
 from asyncgraph.testing import LeakChecker
@@ -68,3 +69,35 @@ def test_a_program_on_two_device_types_is_refused_naming_them() -> None:
     with pytest.raises(ValueError, match=r"device types 'mps' \(node mps_relu\) and 'xpu' "
                                          r"\(node xpu_neg\)"):
         Executor(b.build(), kernel_factory=DeviceTyped())
+
+
+def test_a_device_registered_with_its_dispatch_keys_gets_device_kernels() -> None:
+    """A device package brings its torch dispatch keys with its registration (runtime/
+    device.py's DeviceKind): nodes on that device then get DEVICE kernels of its type, and
+    the core names no device but the CPU. Unregistered, they are CPU kernels again."""
+    from asyncgraph.kernels.factory import _keys_of
+    from asyncgraph.runtime.device import DeviceKind, register_device, unregister_device
+
+    def load() -> object:
+        raise AssertionError("not planned in this test")
+
+    assert _keys_of("meta") is None
+    register_device(DeviceKind("meta", load, dispatch_keys=("Meta",)))  # type: ignore[arg-type]
+    try:
+        keys = _keys_of("meta")
+        assert keys is not None and keys[0] == "Meta" and "CompositeImplicitAutograd" in keys
+        ep = torch.export.export(_Relu(), (torch.empty(2, 3, device="meta"),))
+        graph = to_program(ep).graph
+        (kernel,) = KernelFactory().create(graph)
+        assert (kernel.kind, kernel.device_type) == (KernelKind.DEVICE, "meta")
+    finally:
+        unregister_device("meta")
+    assert _keys_of("meta") is None
+    (kernel,) = KernelFactory().create(graph)
+    assert (kernel.kind, kernel.device_type) == (KernelKind.CPU, None)
+    assert _keys_of("cuda") is not None  # cuda's, registered by `import asyncgraph`
+
+
+class _Relu(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
