@@ -31,7 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,7 @@ async def _throughput(call: Callable[[], Awaitable[Any]], callers: int, each: in
     return callers * each / (time.perf_counter() - start)
 
 
-async def _run_worker(seconds: float) -> dict[str, Any]:
+async def _run_worker(seconds: float, only: Sequence[str] = WORKLOADS) -> dict[str, Any]:
     import torch
 
     import asyncgraph
@@ -129,6 +129,8 @@ async def _run_worker(seconds: float) -> dict[str, Any]:
     torch.set_num_threads(1)
     results: dict[str, Any] = {"asyncgraph": asyncgraph.__file__}
     for name, (model, args, config) in _models().items():
+        if name not in only:
+            continue
         ep = torch.export.export(model, args)
         async with Executor(ep, ExecutorConfig(**config)) as ex:
 
@@ -149,12 +151,12 @@ async def _run_worker(seconds: float) -> dict[str, Any]:
 # -- the parent: alternate the versions ----------------------------------------------------
 
 
-def _one_round(tree: Path, seconds: float) -> dict[str, float]:
+def _one_round(tree: Path, seconds: float, only: Sequence[str]) -> dict[str, float]:
     """One worker process on `tree`'s asyncgraph: run as a script from that tree, so that
     nothing but PYTHONPATH decides which asyncgraph it imports (it says which it did)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     out = subprocess.run(
-        [sys.executable, __file__, "--worker", "--seconds", str(seconds)],
+        [sys.executable, __file__, "--worker", "--seconds", str(seconds), "--only", *only],
         env=env, cwd=tree, capture_output=True, text=True, check=False, timeout=900,
     )
     if out.returncode != 0:
@@ -166,15 +168,17 @@ def _one_round(tree: Path, seconds: float) -> dict[str, float]:
     return result
 
 
-def compare(before: Path, after: Path, rounds: int, seconds: float) -> dict[str, Any]:
+def compare(
+    before: Path, after: Path, rounds: int, seconds: float, only: Sequence[str] = WORKLOADS
+) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     for i in range(rounds):
         order = (("before", before), ("after", after))
         for side, tree in order if i % 2 == 0 else reversed(order):
-            runs[side].append(_one_round(tree, seconds))
+            runs[side].append(_one_round(tree, seconds, only))
             print(f"round {i + 1}/{rounds} {side}: {runs[side][-1]}", file=sys.stderr)
     table: dict[str, Any] = {}
-    for name in WORKLOADS:
+    for name in only:
         b = [r[name] for r in runs["before"]]
         a = [r[name] for r in runs["after"]]
         ratios = [y / x for x, y in zip(b, a, strict=True)]
@@ -197,15 +201,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=2.0, help="timing per workload")
     parser.add_argument("--json", type=Path, help="write the comparison here")
+    parser.add_argument("--only", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                        help="the workloads to run (default: all)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
-        print(json.dumps(asyncio.run(_run_worker(options.seconds))))
+        print(json.dumps(asyncio.run(_run_worker(options.seconds, options.only))))
         return
     if options.before is None:
         parser.error("--before is required")
     report = compare(options.before.resolve(), options.after.resolve(), options.rounds,
-                     options.seconds)
+                     options.seconds, options.only)
     for name, row in report["workloads"].items():
         print(f"{name:12s} {row['unit']:15s} before {row['before']:10.2f}  after "
               f"{row['after']:10.2f}  after/before {row['after/before']:.3f}  "
