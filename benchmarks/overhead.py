@@ -33,7 +33,7 @@ line runs without a frame: Executor._run_alone):
   mode         the execution's mode: the line fits what is left of the loop's slice
                (ModeChooser.choose)
   run          weights and inputs into the value slots and the straight line, kernel
-               included (ExecutionFrame.load_line, Scheduler.run_now)
+               included (load_values, Scheduler.run_now)
   values       the outputs out, the slots cleared (the rest of Executor._run_alone)
   coroutines   creating and awaiting execute's two coroutines (execute, _execute), empty
   steps        the sum of the steps above, for comparison with execute
@@ -64,6 +64,7 @@ import torch
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.bench.models import exported_chain, exported_encoder
 from asyncgraph.runtime.backend import cancel_pending
+from asyncgraph.runtime.frame import load_values
 
 
 def median_us(fn: Callable[[], Any], repeat: int = 15, number: int = 200) -> float:
@@ -185,8 +186,11 @@ async def per_execution() -> dict[str, float]:
         template = ex._weights_template()
         frame = ex._alone_frame
 
+        frame.use(schedule)
+        slots = ex.plan.user_input_slots
+
         def run() -> None:
-            frame.load_line(template, flat, schedule)
+            load_values(frame.values, template, slots, flat)
             sched.run_now(frame, time.perf_counter())
 
         async def nothing() -> None:

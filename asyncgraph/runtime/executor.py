@@ -60,7 +60,7 @@ from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
-from asyncgraph.runtime.frame import ExecutionFrame
+from asyncgraph.runtime.frame import ExecutionFrame, load_values
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.modes import Mode, ModeChooser
 from asyncgraph.runtime.placement import NodeTimes, PlacementStatistics
@@ -100,8 +100,9 @@ class ExecutorStatistics:
     frameless_executions: int = 0  # straight lines run at once without a frame (_run_alone)
     # input signatures remembered as valid: inputs alike skip the full check (validation.py)
     validated_signatures: int = 0
-    # executions by the mode they ran in (runtime/modes.py's Mode names): LINE_NEXT counts
-    # those that waited an iteration, whether they then ran at once or in slices
+    # executions by the mode they ran in (runtime/modes.py's Mode names): FRAMELESS those
+    # that completed (frameless_executions); LINE_NEXT those that waited an iteration,
+    # whether they then ran at once or in slices
     modes: dict[str, int] = field(default_factory=dict)
 
 
@@ -329,10 +330,10 @@ class Executor:
                     frame = await self._take_frame(caller)
                 schedule = await self._schedules.aget(placement, self._fuse and times is None)
             mode, start = self._modes.choose(schedule, times, frame is None)
-            self._by_mode[mode] += 1
-            if mode is _FRAMELESS:
+            if mode is _FRAMELESS:  # counted as frameless_executions
                 outputs = self._run_alone(flat, schedule, start)
             else:
+                self._by_mode[mode] += 1
                 if frame is None:  # one was free, and no await since
                     frame = self._take_free_frame(caller)
                     assert frame is not None, "a frame said free was taken meanwhile"
@@ -431,15 +432,18 @@ class Executor:
         so the pool still bounds how many executions run; run synchronously, nothing
         interleaves with it: no cancellation, no other execution reading the values."""
         frame = self._alone_frame
-        frame.load_line(self._weights_template(), flat, schedule)
+        if frame.schedule is not schedule:  # mostly the same, execution after execution
+            frame.use(schedule)
+        values = frame.values
+        load_values(values, self._weights_template(), self.plan.user_input_slots, flat)
         outputs_at = self._output_slots
         assert outputs_at is not None
-        values = frame.values
         try:
             self._scheduler.run_now(frame, start)
             outputs = [values[slot] for slot in outputs_at]
         finally:
             values[:] = self._no_values  # nothing of it outlives the execution
+            frame.stopped = False  # as a failure left it
         self._alone += 1
         return outputs
 
@@ -660,7 +664,8 @@ class Executor:
             schedules=self._schedules.statistics(),
             worker_executions=self._scheduler.worker_executions,
             frameless_executions=self._alone,
-            modes={mode.name: self._by_mode[mode] for mode in Mode},
+            modes={mode.name: self._alone if mode is _FRAMELESS else self._by_mode[mode]
+                   for mode in Mode},
             validated_signatures=self._validator.passed_signatures,
         )
 

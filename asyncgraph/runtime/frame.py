@@ -138,17 +138,14 @@ class ExecutionFrame:
             self.calls, self.where = self.gpu.unit_tables(schedule)
             self.gpu.weights_version = weights_version
 
-    def load_line(self, template: list[Any], inputs: list[Any], schedule: Schedule) -> None:
-        """Start an execution that runs its straight line at once, on the loop, without a
-        frame of the pool (Mode.FRAMELESS: the Executor's own frame, reused synchronously):
-        only what the run loop reads; `clear` ends it."""
-        load_values(self.values, template, self.plan.user_input_slots, inputs)
-        if schedule is not self.schedule:  # mostly the same one, execution after execution
-            self.schedule = schedule
-            self.calls, self.stores = schedule.calls, schedule.stores
-            self.seconds = schedule.seconds
-            self.drops = schedule.straight.drops if schedule.straight is not None else None
-        self.stopped = self.finished = False
+    def use(self, schedule: Schedule) -> None:
+        """Run `schedule`'s straight line on this frame, without loading it (Mode.FRAMELESS:
+        the Executor's own frame, loaded and cleared by the Executor, synchronously): the
+        tables the run loop reads."""
+        self.schedule = schedule
+        self.calls, self.stores = schedule.calls, schedule.stores
+        self.seconds = schedule.seconds
+        self.drops = schedule.straight.drops if schedule.straight is not None else None
 
     def load_counters(self) -> None:
         """Fresh producer and read counts for the loaded schedule (the dataflow's)."""

@@ -58,7 +58,7 @@ class ModeChooser:
     ) -> None:
         self.state = state
         self._captured = captured
-        # Seeded orders, traces and GPU programs run through the dataflow.
+        # Seeded orders, traces and GPU programs run through the dataflow (or are captured).
         self._lines = config.ready_order_seed is None and not traced and not device
         bar = config.worker_execution_node_us
         self._worker_node_s = float("inf") if bar is None else bar * 1e-6
@@ -72,11 +72,9 @@ class ModeChooser:
         line starts at (the loop's time it then uses is accounted from there). `times`: the
         node times to record when placement profiles this execution (it then takes the
         dataflow, timed node by node); `alone`: it may run without a frame."""
-        if self._captured:
-            return _CAPTURED, 0.0
         line = schedule.straight
         if line is None or times is not None or not self._lines:
-            return _DATAFLOW, 0.0
+            return (_CAPTURED if self._captured else _DATAFLOW), 0.0
         state = self.state
         budget = state.budget if state.budget is not None else state.bind()
         start = budget.start(line.seconds)

@@ -90,19 +90,24 @@ def run_units(
     With a `deadline` (perf_counter time), return True before a unit whose measured time
     (`run.seconds`) would end after it, the unit left on the stack: it goes on later. The
     first unit runs regardless when `run_first`. Otherwise return False."""
-    values, calls, stores, drops = run.values, run.calls, run.stores, run.drops
-    observer, seconds = run.observer, run.seconds
-    check = deadline is not None and not run_first
+    values = run.values
+    calls = run.calls
+    stores = run.stores
+    drops = run.drops
+    observer = run.observer
+    sliced = deadline is not None
+    check = sliced and not run_first
     while stack:
         if run.stopped:
             break
         unit = stack.pop()
         if check:
+            seconds = run.seconds
             expected = seconds[unit] if seconds is not None else 0.0
             if time.perf_counter() + expected > deadline:  # type: ignore[operator]
                 stack.append(unit)
                 return True
-        check = deadline is not None
+        check = sliced
         if observer is not None:
             started = observer.start()
         try:
