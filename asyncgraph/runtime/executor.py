@@ -60,7 +60,7 @@ from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
-from asyncgraph.runtime.frame import ExecutionFrame, load_values
+from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.modes import Mode, ModeChooser
 from asyncgraph.runtime.placement import NodeTimes, PlacementStatistics
@@ -221,6 +221,8 @@ class Executor:
             and not self._buffer_mutations and not self._input_mutations
         )
         self._alone_frame = ExecutionFrame(self.plan, 0)  # Mode.FRAMELESS's, one at a time
+        self._templated: Weights | None = None  # the weights `_template` holds
+        self._template: list[Any] = []
         self._no_values = [None] * self.plan.num_values
         self._alone = 0
         self._loop: Loop | None = None  # the event loop's seam (backend.py), bound on first use
@@ -330,7 +332,7 @@ class Executor:
                     frame = await self._take_frame(caller)
                 schedule = await self._schedules.aget(placement, self._fuse and times is None)
             mode, start = self._modes.choose(schedule, times, frame is None)
-            if mode is _FRAMELESS:  # counted as frameless_executions
+            if mode is _FRAMELESS:  # on the Executor's own frame, never one of the pool's
                 outputs = self._run_alone(flat, schedule, start)
             else:
                 self._by_mode[mode] += 1
@@ -434,12 +436,11 @@ class Executor:
         frame = self._alone_frame
         if frame.schedule is not schedule:  # mostly the same, execution after execution
             frame.use(schedule)
-        values = frame.values
-        load_values(values, self._weights_template(), self.plan.user_input_slots, flat)
         outputs_at = self._output_slots
         assert outputs_at is not None
+        values = frame.values
         try:
-            self._scheduler.run_now(frame, start)
+            self._scheduler.run_now(frame, start, self._weights_template(), flat)
             outputs = [values[slot] for slot in outputs_at]
         finally:
             values[:] = self._no_values  # nothing of it outlives the execution
@@ -474,8 +475,12 @@ class Executor:
 
     def _weights_template(self) -> list[Any]:
         """The weights an execution starting now runs on, noted for its task (weights_ran_on)."""
-        ran_on(self._weights.version)
-        return self._weights.template(self.plan.weight_slots, self.plan.num_values)
+        weights = self._weights
+        ran_on(weights.version)
+        if weights is not self._templated:  # built once per weights version
+            self._templated = weights
+            self._template = weights.template(self.plan.weight_slots, self.plan.num_values)
+        return self._template
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.backend import Loop, TaskLike
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.failures import cancel_tasks, fail, internal_error, raise_errors
-from asyncgraph.runtime.frame import HOST_WAIT, ExecutionFrame
+from asyncgraph.runtime.frame import HOST_WAIT, ExecutionFrame, load_values
 from asyncgraph.runtime.instrument import Instrument, UnitObserver
 from asyncgraph.runtime.loop_state import LoopState
 from asyncgraph.runtime.modes import Mode
@@ -120,9 +120,16 @@ class Scheduler:
 
     # -- one execution, seen from the caller --------------------------------------------------
 
-    def run_now(self, frame: ExecutionFrame, start: float) -> None:
+    def run_now(
+        self, frame: ExecutionFrame, start: float, template: list[Any] | None = None,
+        inputs: list[Any] | None = None,
+    ) -> None:
         """Run the loaded frame's straight line to completion on the loop, without a
-        coroutine (Mode.FRAMELESS, LINE_NOW: chosen at `start`); its error raised here."""
+        coroutine (Mode.FRAMELESS, LINE_NOW: chosen at `start`); its error raised here.
+        Given `inputs`, load them first, with the weights `template`: the Executor's own
+        frame (FRAMELESS) is loaded here, as nothing else of it changes between executions."""
+        if inputs is not None:
+            load_values(frame.values, template, self.plan.user_input_slots, inputs)  # type: ignore[arg-type]
         guard = _inference_mode(self._inference_mode)  # on while it lives: no `with` needed
         try:  # the line's drops are the frame's (ExecutionFrame.load)
             stack = list(frame.schedule.straight.stack)  # type: ignore[union-attr]
