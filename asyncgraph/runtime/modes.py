@@ -20,10 +20,13 @@ Which straight-line mode (runtime/loop_budget.py's shared slice decides most of 
   overlap it (other executions in flight, or other work waiting on the loop) and its nodes
   are mostly kernel time, off the GIL (`worker_execution_node_us`).
 
-Why a line goes to a worker only with something to overlap: a worker that finished waited
-for the loop, busy in a segment, to hand it the next line; capped at one line per worker
-fewer than the CPUs, 64 callers of a compiled tiny BERT lost about a third of their
-throughput on two cores (benchmarks/results/cpu/design_measurements.md).
+Lines worth a worker queue for the workers however many run there already: held back on the
+loop instead, a worker that finished waited for the loop, busy in a line, to hand it the next.
+The measurements behind the modes, in benchmarks/results/cpu/:
+design_measurements.md#lines-queue-for-the-workers,
+design_measurements.md#a-spent-slice-waits-one-iteration,
+design_measurements.md#executions-without-a-frame,
+design_measurements.md#lines-in-slices-not-the-dataflow.
 """
 
 from __future__ import annotations
