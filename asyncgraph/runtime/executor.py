@@ -221,8 +221,6 @@ class Executor:
             and not self._buffer_mutations and not self._input_mutations
         )
         self._alone_frame = ExecutionFrame(self.plan, 0)  # Mode.FRAMELESS's, one at a time
-        self._templated: Weights | None = None  # the weights `_template` holds
-        self._template: list[Any] = []
         self._no_values = [None] * self.plan.num_values
         self._alone = 0
         self._loop: Loop | None = None  # the event loop's seam (backend.py), bound on first use
@@ -477,10 +475,7 @@ class Executor:
         """The weights an execution starting now runs on, noted for its task (weights_ran_on)."""
         weights = self._weights
         ran_on(weights.version)
-        if weights is not self._templated:  # built once per weights version
-            self._templated = weights
-            self._template = weights.template(self.plan.weight_slots, self.plan.num_values)
-        return self._template
+        return weights.template(self.plan.weight_slots, self.plan.num_values)  # built once
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -129,7 +129,8 @@ class Scheduler:
         Given `inputs`, load them first, with the weights `template`: the Executor's own
         frame (FRAMELESS) is loaded here, as nothing else of it changes between executions."""
         if inputs is not None:
-            load_values(frame.values, template, self.plan.user_input_slots, inputs)  # type: ignore[arg-type]
+            assert template is not None, "inputs without the weights they run with"
+            load_values(frame.values, template, self.plan.user_input_slots, inputs)
         guard = _inference_mode(self._inference_mode)  # on while it lives: no `with` needed
         try:  # the line's drops are the frame's (ExecutionFrame.load)
             stack = list(frame.schedule.straight.stack)  # type: ignore[union-attr]
