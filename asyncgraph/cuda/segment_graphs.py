@@ -63,7 +63,7 @@ class FrameSegments:
     """
 
     __slots__ = (
-        "__weakref__", "_after", "_gpu", "_lease", "_marks", "_owner", "_states",
+        "__weakref__", "_after", "_gpu", "_lease", "_marks", "_owner", "_states", "_tables",
     )
 
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
@@ -76,6 +76,12 @@ class FrameSegments:
         self._marks = {key: backend.new_event() for key in owner.runtime.plan.streams_used}
         self._after = backend.new_event()
         self._lease = FrameLease()  # the frame's capture streams, leased at first capture
+        ids = owner.value_ids
+        # Per segment, the uncaptured path's calls and store slots (`_stream_path`).
+        self._tables = [
+            (tuple(gpu.calls[n] for n in seg.nodes), tuple(ids[n] for n in seg.nodes))
+            for seg in owner.segment_plan.segments
+        ]
 
     @property
     def live(self) -> int:
@@ -106,7 +112,7 @@ class FrameSegments:
         key = _segment_key(seg, values)
         if key is None or (index, key) in owner.segment_failed:
             owner.count("segment_fallbacks")
-            self._stream_path(seg, values)
+            self._stream_path(index, seg, values)
             return
         state = self._state(index, key)
         capture = state.capture
@@ -121,18 +127,18 @@ class FrameSegments:
         elif state.runs < owner.warmup:
             state.runs += 1
             owner.count("segment_warmups")
-            self._stream_path(seg, values)
+            self._stream_path(index, seg, values)
             return
         if not CAPTURE_LOCK.acquire(blocking=False):  # another capture is recording
             owner.count("segment_fallbacks")
-            self._stream_path(seg, values)
+            self._stream_path(index, seg, values)
             return
         try:
             state.capture = self._capture(index, seg, values, key)
         finally:
             CAPTURE_LOCK.release()
         if state.capture is None:
-            self._stream_path(seg, values)
+            self._stream_path(index, seg, values)
 
     def _state(self, index: int, key: Any) -> CaptureState:
         return lru_state(self._states[index], key, self._evicted)
@@ -140,10 +146,8 @@ class FrameSegments:
     def _evicted(self) -> None:
         self._owner.count("evictions")  # segments run on worker threads: under the lock
 
-    def _stream_path(self, seg: Segment, values: list[Any]) -> None:
-        """The segment's nodes in order on their planned streams (the uncaptured path)."""
-        ids = self._owner.value_ids
-        calls = self._gpu.calls
+    def _stream_path(self, index: int, seg: Segment, values: list[Any]) -> None:
+        """Segment `index`'s nodes in order on their planned streams (the uncaptured path)."""
         nodes = seg.nodes
 
         def failed(run: Line, position: int, exc: BaseException) -> None:
@@ -151,10 +155,8 @@ class FrameSegments:
                 exc.asyncgraph_node = nodes[position]  # type: ignore[attr-defined]
             raise exc
 
-        line = Line(
-            values, [calls[n] for n in nodes], [ids[n] for n in nodes], seg.drops
-        )
-        run_units(line, in_order(len(nodes)), failed)
+        calls, stores = self._tables[index]
+        run_units(Line(values, calls, stores, seg.drops), in_order(len(nodes)), failed)
 
     def _capture(
         self, index: int, seg: Segment, values: list[Any], key: Any

@@ -337,8 +337,7 @@ class Executor:
                 if frame is None:  # one was free, and no await since
                     frame = self._take_free_frame(caller)
                     assert frame is not None, "a frame said free was taken meanwhile"
-                frame.load(self._weights_template(), flat, frame.execution_id, schedule, times,
-                           self._weights.version)
+                frame.load(self._weights_template(), flat, schedule, times, self._weights.version)
                 if mode is _LINE_NOW:
                     self._scheduler.run_now(frame, start)
                 elif mode is not _CAPTURED:

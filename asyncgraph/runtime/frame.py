@@ -108,14 +108,14 @@ class ExecutionFrame:
         self,
         template: list[Any],
         inputs: list[Any],
-        execution_id: int,
         schedule: Schedule,
         times: NodeTimes | None = None,
         weights_version: int = 0,
     ) -> None:
-        """Start an execution: weights from `template`, the user inputs and the units it runs
-        (`times` collects node times while placement is profiled). The dataflow's counters
-        are loaded by `load_counters`: the straight line (straight.py) runs without them."""
+        """Start an execution (its id is the frame's `execution_id`, given when the frame
+        was taken): weights from `template`, the user inputs and the units it runs (`times`
+        collects node times while placement is profiled). The dataflow's counters are loaded
+        by `load_counters`: a straight line runs without them."""
         plan = self.plan
         values = self.values
         load_values(values, template, plan.user_input_slots, inputs)
@@ -125,7 +125,6 @@ class ExecutionFrame:
         self.stopped = False
         self.finished = False
         self.errors.clear()
-        self.execution_id = execution_id
         self.schedule = schedule
         self.times = times
         self.stores, self.seconds = schedule.stores, schedule.seconds

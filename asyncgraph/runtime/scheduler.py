@@ -95,11 +95,11 @@ class Scheduler:
         self._complete_on_worker = functools.partial(self._complete, on_worker=True)
         self._failed_on_loop = self._unit_failed
         self._failed_on_worker = functools.partial(self._unit_failed, on_worker=True)
-        # How a unit handed off starts, by its placement in the frame's table.
-        # `in_drain`: started inside a loop-side item (a ready host-wait unit then waits for
-        # the next iteration rather than nest a drain); False when a worker handed it over.
-        self._starts: dict[int, Callable[[ExecutionFrame, Ranked, bool], None]] = {
-            Placement.WORKER: self._submit,
+        # How a unit handed off to the loop starts, by its placement in the frame's table
+        # (worker units go to the workers in one submission: `_hand_off`). `in_drain`: started
+        # inside a loop-side item (a ready host-wait unit then waits for the next iteration
+        # rather than nest a drain); False when a worker handed it over.
+        self._starts: dict[int, Callable[[ExecutionFrame, int, bool], None]] = {
             Placement.TASK: self._start_task,
             HOST_WAIT: self._start_host_wait,
         }
@@ -415,44 +415,50 @@ class Scheduler:
 
     def _hand_off(self, frame: ExecutionFrame, units: list[int], on_worker: bool) -> None:
         """Start a new work item for each unit (`pending` already counts them), by its
-        placement (`_starts`). Worker units go in one submission, so that a free thread
-        takes the best of them (the most work ahead: random in seeded-order runs); the
-        others start on the loop, where their tasks belong. Never raises: the units it could
-        not start are ended here and the error fails the execution."""
+        placement. Worker units go in one submission, so that a free thread takes the best
+        of them (the most work ahead: random in seeded-order runs); the others start on the
+        loop (`_starts`), where their tasks belong. Never raises: the units it could not
+        start are ended here and the error fails the execution."""
         started = 0
         try:
             where = frame.where
-            rng = frame.rng
-            priority = _schedule(frame).priority
-            by_placement: dict[int, Ranked] = {}
+            ranked: Ranked = []
             for unit in units:
                 placement = where[unit]
-                key = 0.0
                 if placement == _WORKER:
-                    key = float(rng.random()) if rng is not None else -priority[unit]
-                by_placement.setdefault(placement, []).append((key, unit))
-            for placement, ranked in by_placement.items():
+                    ranked.append((self._rank(frame, unit), unit))
+                    continue
                 start = self._starts[placement]
-                if on_worker and placement != _WORKER:
+                if on_worker:
                     assert self.state.loop is not None
-                    self.state.loop.call_soon_threadsafe(start, frame, ranked, False)
+                    self.state.loop.call_soon_threadsafe(start, frame, unit, False)
                 else:
-                    start(frame, ranked, True)
+                    start(frame, unit, True)
+                started += 1
+            if ranked:
+                self._submit(frame, ranked)
                 started += len(ranked)
         except BaseException as exc:
             internal_error(frame, exc, self.state.loop, on_worker)
             self._end_item(frame, on_worker, len(units) - started)
 
-    def _submit(self, frame: ExecutionFrame, ranked: Ranked, in_drain: bool = False) -> None:
+    def _submit(self, frame: ExecutionFrame, ranked: Ranked) -> None:
         self.workers.submit(self._run_on_worker, frame, ranked)
+
+    @staticmethod
+    def _rank(frame: ExecutionFrame, unit: int) -> float:
+        """A worker unit's key among those handed off with it: the most work ahead first
+        (schedule.py); random in seeded-order runs."""
+        if frame.rng is not None:
+            return float(frame.rng.random())
+        return -_schedule(frame).priority[unit]
 
     # -- async kernels -----------------------------------------------------------------------
 
-    def _start_task(self, frame: ExecutionFrame, ranked: Ranked, in_drain: bool) -> None:
-        """Async kernels' units (each a single node) as tasks of the frame, on the loop;
-        each unit ends in its task's done-callback, or here if the task cannot start."""
-        for _, unit in ranked:
-            self._item(frame, False, self._new_task, unit, self._task_done, self._await_kernel)
+    def _start_task(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
+        """An async kernel's unit (a single node) as a task of the frame, on the loop; the
+        unit ends in its task's done-callback, or here if the task cannot start."""
+        self._item(frame, False, self._new_task, unit, self._task_done, self._await_kernel)
 
     def _new_task(
         self,
@@ -514,13 +520,12 @@ class Scheduler:
 
     # -- CPU units reading GPU values --------------------------------------------------------
 
-    def _start_host_wait(self, frame: ExecutionFrame, ranked: Ranked, in_drain: bool) -> None:
-        """Units whose nodes read GPU values (loop thread): each runs once the GPU wrote
-        them; if its events have completed it continues at once, otherwise a task of the
-        frame awaits them (`wait_host` polls, the loop never blocks) and the unit continues
-        when it is done. A stop cancels that task like an async kernel's."""
-        for _, unit in ranked:
-            self._item(frame, False, self._host_wait, unit, in_drain)
+    def _start_host_wait(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> None:
+        """A unit whose node reads GPU values (loop thread): it runs once the GPU wrote them;
+        if its events have completed it continues at once, otherwise a task of the frame
+        awaits them (`wait_host` polls, the loop never blocks) and the unit continues when it
+        is done. A stop cancels that task like an async kernel's."""
+        self._item(frame, False, self._host_wait, unit, in_drain)
 
     def _host_wait(self, frame: ExecutionFrame, unit: int, in_drain: bool) -> bool:
         if frame.stopped:
@@ -560,7 +565,7 @@ class Scheduler:
         if where == Placement.TASK:
             return self._new_task(frame, unit, self._task_done, self._await_kernel)
         if where == _WORKER:
-            self._submit(frame, [(-_schedule(frame).priority[unit], unit)])
+            self._submit(frame, [(self._rank(frame, unit), unit)])
             return True
         if in_drain:
             assert self.state.loop is not None
