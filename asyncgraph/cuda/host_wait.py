@@ -149,6 +149,7 @@ class HostWaiter:
         self.started = 0  # threads started so far
         self.handed = 0  # waits handed over so far
         self.taken_back = 0  # waits that completed while queued, found by their own poll
+        self.synchronized = 0  # waits the thread took from the queue and synchronized
         self.resumed = 0  # waits whose task resumed polling near their expected end
 
     # -- the loop side -----------------------------------------------------------------------
@@ -368,6 +369,7 @@ class HostWaiter:
                     entry = self._queue.popleft()
                     entry.state = _RUNNING
                     self._current = entry
+                    self.synchronized += 1
                     return entry
                 if self._stop is me or (not self._wakeup.wait(self.idle_s) and not self._queue):
                     if self._thread is me:

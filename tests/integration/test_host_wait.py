@@ -444,8 +444,11 @@ def test_an_executions_host_waits_go_through_the_waiter_thread(backend: str) -> 
         assert runtime is not None
         assert runtime.finish_site.waits >= 1  # the waits measured per site
         assert sum(s.waits for s in runtime.host_sites if s is not None) >= 1
-        assert waiter.handed >= 4 and gpu.sync_waits >= 1 and gpu.errors == []
+        assert waiter.handed >= 4 and gpu.errors == []
         await settled(waiter)
+        # every handed wait was synchronized by the thread or found complete by its own task
+        # first (whether the thread ever blocks depends on how fast the simulation runs)
+        assert waiter.synchronized + waiter.taken_back == waiter.handed
 
     run(body, backend)
 
