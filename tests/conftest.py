@@ -32,6 +32,11 @@ if _WORKER and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor-asyncgraph-tests-{_WORKER}")
 
+# Exported segments are cached on disk (asyncgraph/compiled/export_cache.py): each test process
+# uses a folder of its own, removed at exit, never the user's ~/.cache/asyncgraph.
+_EXPORT_CACHE = tempfile.TemporaryDirectory(prefix="asyncgraph-test-cache-")
+os.environ.setdefault("ASYNCGRAPH_CACHE_DIR", _EXPORT_CACHE.name)
+
 
 def _asyncio_debug_loop() -> asyncio.AbstractEventLoop:
     loop = asyncio.new_event_loop()

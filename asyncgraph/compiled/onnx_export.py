@@ -27,7 +27,8 @@ optimizer misses in the order torchlib writes it: 5-6% faster again on tiny BERT
 layout moves of size-1 dimensions in a static segment become Reshapes (onnx_shapes.py).
 
 Exports are cached per process by the module's code and its inputs' specs: the same graph
-built twice (two Executors of one program) exports once.
+built twice (two Executors of one program) exports once; and on disk (export_cache.py), so a
+restart or another process on the machine does not export again.
 
 The exporter's internals (`torch.onnx._internal.exporter`) are used when present; without them
 the public `torch.onnx.export(..., dynamo=True)` does the same, slower.
@@ -50,6 +51,7 @@ import onnxscript  # noqa: F401 - torch.onnx's translations: missing, the extra 
 import torch
 import torch.fx
 
+from asyncgraph.compiled import export_cache
 from asyncgraph.compiled.onnx_shapes import reshapes_simplified
 
 ONNX_DTYPES = frozenset({
@@ -113,7 +115,11 @@ def export_segment(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> 
         if cached is not None:
             _CACHE.move_to_end(key)
             return cached
-    exported = _export(module, specs)
+    disk_key = export_cache.key_of("onnx", module.code, tuple(specs))
+    exported = export_cache.load("onnx", disk_key, OnnxModel)
+    if exported is None:
+        exported = _export(module, specs)
+        export_cache.store("onnx", disk_key, exported)
     with _LOCK:
         _CACHE[key] = exported
         while len(_CACHE) > CACHE_SIZE:
