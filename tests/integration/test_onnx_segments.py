@@ -374,6 +374,7 @@ async def test_batch_first_attention_at_batch_1_moves_its_layout_by_reshapes(
     assert stats["onnx_calls"] >= 1 and not stats["refused"]
     monkeypatch.setattr(onnx_export, "reshapes_simplified", lambda proto: proto)
     monkeypatch.setattr(onnx_export, "_CACHE", type(onnx_export._CACHE)())
+    monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", "")  # exported again, not read from disk
     async with Executor(ep, ONNX) as plain:
         assert transposes(delegate) < transposes(_delegates(plain)[0])
 

@@ -262,6 +262,7 @@ class CaptureBackend(FakeBackend):
         self._capture_next: dict[int, int] = {}
         self.captured_on: list[FakeStream] = []  # each capture's origin stream, in order
         self.capture_threads: list[int] = []  # and the thread that captured it
+        self.capture_stream_requests = 0  # new_capture_stream calls: lease attempts' cost
         # captures CUDA could not end (streams left unjoined): on torch, the allocator stays
         # in capture mode unless the backend gives the pool back (TorchCudaBackend)
         self.failed_ends = 0
@@ -275,6 +276,7 @@ class CaptureBackend(FakeBackend):
         """Named `cap...`: tests check that captures record only on these. As torch's
         pool does, the first 32 calls per device make streams and later calls hand them out
         again, round-robin."""
+        self.capture_stream_requests += 1
         pool = self._capture_pool.setdefault(device, [])
         if len(pool) < self.capture_streams_per_device:
             stream = CaptureStream(self.gpu, f"cap{device}#{len(self.gpu.streams)}")
