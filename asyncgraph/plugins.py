@@ -57,10 +57,18 @@ def _onnx_planner() -> SegmentPlanner:
         graph, intra_op_threads=config.intra_op_threads or 1)
 
 
+def _onnx_missing() -> str | None:
+    """What the ONNX backend needs that is not installed (found without importing it)."""
+    from importlib.util import find_spec
+
+    absent = [m for m in ("onnxruntime", "onnx", "onnxscript") if find_spec(m) is None]
+    return f"{', '.join(absent)} not installed: {ONNX_EXTRA}" if absent else None
+
+
 register_tracer(_trace_recorder)
 register_device(DeviceKind(
     "cuda", _cuda_backend,
     dispatch_keys=("CUDA", "SparseCUDA", "SparseCsrCUDA", "QuantizedCUDA", "NestedTensorCUDA"),
 ))
 register_backend(SegmentBackend("script", _script_planner))
-register_backend(SegmentBackend("onnx", _onnx_planner))
+register_backend(SegmentBackend("onnx", _onnx_planner, fast_form=True, missing=_onnx_missing))

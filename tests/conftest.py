@@ -36,6 +36,11 @@ if _WORKER and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 # uses a folder of its own, removed at exit, never the user's ~/.cache/asyncgraph.
 _EXPORT_CACHE = tempfile.TemporaryDirectory(prefix="asyncgraph-test-cache-")
 os.environ.setdefault("ASYNCGRAPH_CACHE_DIR", _EXPORT_CACHE.name)
+# Fast forms (asyncgraph/runtime/forms.py) are built on a thread and switched to by timing, so
+# a test's Executor would change forms at a moment that depends on the machine's speed. Tests
+# get the plain graph unless they ask (`ExecutorConfig(fast_paths=True)`:
+# tests/integration/test_fast_forms.py, and the conformance run on the fast form).
+os.environ.setdefault("ASYNCGRAPH_FAST_PATHS", "0")
 
 
 def _asyncio_debug_loop() -> asyncio.AbstractEventLoop:

@@ -27,6 +27,13 @@ def _default_parallel_ops() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def fast_paths_default() -> bool:
+    """`ExecutorConfig.fast_paths`'s default: on, unless the environment's
+    ASYNCGRAPH_FAST_PATHS is 0, false, off or no (a whole service, or a test run)."""
+    value = os.environ.get("ASYNCGRAPH_FAST_PATHS", "1").strip().lower()
+    return value not in {"0", "false", "off", "no"}
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity mask where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
@@ -418,6 +425,13 @@ class ExecutorConfig:
             in per weights version (a swap makes a new session), `intra_op_threads` threads
             per session (1 when it is None), the GIL released.
             Other backends register themselves (`register_backend`). () (the default): none.
+        fast_paths: build the program's faster forms off the loop (each segment backend
+            registered as a fast form that can run here: "onnx" when onnxruntime imports)
+            and serve each input signature with the one measured faster, the plain graph
+            until then (asyncgraph/runtime/forms.py). Only where `segments` is () and the
+            program runs on the CPU, untraced, with the default kernel factory. False keeps
+            the plain graph only; the default is True unless the environment's
+            ASYNCGRAPH_FAST_PATHS is 0 (or false, off, no).
         script_segments, onnx_segments: deprecated spellings of segments=("script",) and
             segments=("onnx",), accepted by the constructor only (they warn, and add their
             backend to `segments`; read `segments`). DEPRECATED_KEYWORDS lists every
@@ -471,6 +485,7 @@ class ExecutorConfig:
     pretranspose_weights: bool = True
     fuse_activations: bool = True
     segments: tuple[str, ...] = ()
+    fast_paths: bool = field(default_factory=fast_paths_default)
     max_fused_nodes: int = 32
     cuda: CudaConfig = CudaConfig()
     move_inputs_to_device: bool = False

@@ -58,10 +58,16 @@ SegmentPlanner: TypeAlias = "Callable[[Graph, ExecutorConfig], tuple[Graph, list
 
 @dataclass(frozen=True, slots=True)
 class SegmentBackend:
-    """A delegate backend by name: `load()` imports its modules and returns its planner."""
+    """A delegate backend by name: `load()` imports its modules and returns its planner.
+
+    `fast_form`: the backend may build an Executor's fast form unasked
+    (`ExecutorConfig.fast_paths`, runtime/forms.py), where `missing()` returns None: what it
+    needs imports here (a cheap check, no import); otherwise `missing()` says what is not."""
 
     name: str
     load: Callable[[], SegmentPlanner]
+    fast_form: bool = False
+    missing: Callable[[], str | None] = lambda: None
 
     def plan(self, graph: Graph, config: ExecutorConfig) -> tuple[Graph, list[str]]:
         """The graph with this backend's delegate nodes, and their names."""
@@ -85,6 +91,11 @@ def unregister_backend(name: str) -> None:
 def registered_backends() -> tuple[str, ...]:
     """The names of the registered backends, sorted."""
     return tuple(sorted(_BACKENDS))
+
+
+def fast_form_backends() -> tuple[str, ...]:
+    """The registered fast-form backends that can run here, in registration order."""
+    return tuple(b.name for b in _BACKENDS.values() if b.fast_form and b.missing() is None)
 
 
 def segment_backend(name: str) -> SegmentBackend:

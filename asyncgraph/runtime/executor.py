@@ -58,8 +58,9 @@ from asyncgraph.runtime.backend import (
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
-from asyncgraph.runtime.delegates import Delegate
+from asyncgraph.runtime.delegates import Delegate, fast_form_backends
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
+from asyncgraph.runtime.forms import FastForms
 from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.modes import Mode, ModeChooser
@@ -78,6 +79,11 @@ _Choice = tuple[tuple[Placement, ...], NodeTimes | None, Schedule | None]
 
 _COMPLETED, _FAILED, _CANCELLED = range(3)  # how an execution ended: Executor._ended
 _FRAMELESS, _LINE_NOW, _CAPTURED = Mode.FRAMELESS, Mode.LINE_NOW, Mode.CAPTURED
+
+
+def _idle(timeout: float) -> bool:
+    """A delegate without a builder is always idle."""
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,9 @@ class ExecutorStatistics:
     # that completed (frameless_executions); LINE_NEXT those that waited an iteration,
     # whether they then ran at once or in slices
     modes: dict[str, int] = field(default_factory=dict)
+    # the fast forms (runtime/forms.py): which serves each signature and why; None when
+    # fast_paths is off or does not apply
+    forms: dict[str, Any] | None = None
 
 
 class Executor:
@@ -205,10 +214,14 @@ class Executor:
             for o in sig.outputs
             if o.kind is OutputKind.USER_INPUT_MUTATION
         ]
+        # the faster forms of the program, built off the loop (runtime/forms.py); `_run` is
+        # `_execute` itself when there are none
+        self._forms = self._fast_forms(kernel_factory is None)
+        self._run = self._forms.run if self._forms is not None else self._execute
         captured = self.config.cuda.graphs and device is not None
         self._batcher = (
             Batcher(batch_layout(self.graph, self.config.batching, captured=captured),
-                    self.config.batching, self._execute)
+                    self.config.batching, self._run)
             if self.config.batching is not None
             else None
         )
@@ -253,7 +266,7 @@ class Executor:
         if self._batcher is not None:
             outputs = await self._batcher.submit(inputs, signature)
         else:
-            outputs = await self._execute(inputs, flat, caller, signature)
+            outputs = await self._run(inputs, flat, caller, signature)
         if self._single_output:
             return outputs[0]
         out_spec = self.graph.signature.out_spec
@@ -269,7 +282,7 @@ class Executor:
         accepted, signature = self._accept(flat)
         if self._batcher is not None:
             return await self._batcher.submit(accepted, signature)
-        return await self._execute(accepted, flat, caller, signature)
+        return await self._run(accepted, flat, caller, signature)
 
     def _calling_task(self) -> asyncio.Task[Any] | None:
         """The calling asyncio task; None without an asyncio loop (trio, backend.py)."""
@@ -617,6 +630,8 @@ class Executor:
                     task.cancel()
         if self._batcher is not None:  # queued requests were accepted: they still run
             await self._batcher.aclose(cancel=cancel)
+        if self._forms is not None:  # a build in progress ends, then every form closes
+            await self._forms.aclose(cancel=cancel)
         await self._pool.wait_idle()
         if self._device is not None:  # every frame is idle: free their graphs and pools; the
             self._device.close()  # host-wait thread ends once nothing waits
@@ -666,6 +681,7 @@ class Executor:
             modes={mode.name: self._alone if mode is _FRAMELESS else self._by_mode[mode]
                    for mode in Mode},
             validated_signatures=self._validator.passed_signatures,
+            forms=self._forms.statistics() if self._forms is not None else None,
         )
 
     def batching_statistics(self) -> BatcherStatistics | None:
@@ -696,6 +712,44 @@ class Executor:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<Executor {self.program.name}: {self.plan.num_nodes} nodes, {state}>"
+
+    # -- fast forms (runtime/forms.py) ----------------------------------------------------
+
+    def _fast_forms(self, default_kernels: bool) -> FastForms | None:
+        """The program's fast forms, where `fast_paths` applies: no segments asked for, a
+        CPU program run untraced in graph order with the default kernels, long enough for a
+        segment, and a fast-form backend that can run here."""
+        config = self.config
+        if not (config.fast_paths and not config.segments and default_kernels
+                and self._device is None and self.recorder is None
+                and config.ready_order_seed is None and len(self.graph.nodes) >= 8):
+            return None
+        backends = fast_form_backends()
+        if not backends:
+            return None
+        return FastForms(backends, self._build_form, self._execute,
+                         lambda: self._weights.version)
+
+    def _build_form(self, backend: str) -> Executor:
+        """The program with `backend`'s segments, on the current weights (build thread)."""
+        program = self.program
+        form = Executor(
+            Program(program.graph, dict(self._weights.tensors), f"{program.name} [{backend}]",
+                    program.reference, program.exported),
+            dataclasses.replace(self.config, segments=(backend,), fast_paths=False,
+                                batching=None),
+        )
+        return form
+
+    @property
+    def has_delegates(self) -> bool:
+        """Whether any node runs as a delegate (a segment backend replaced a run)."""
+        return bool(self._delegates)
+
+    @property
+    def delegates_idle(self) -> bool:
+        """Whether no delegate is still building or checking (sessions, first calls)."""
+        return all(getattr(d, "wait_idle", _idle)(0) for d in self._delegates)
 
     # -- internals ---------------------------------------------------------------------------
 

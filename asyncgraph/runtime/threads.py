@@ -30,6 +30,7 @@ pool made makes a later `torch.set_num_interop_threads` raise.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -141,6 +142,16 @@ def release_launcher(hold: object) -> None:
             return
         _launcher = None
     hold.stop()
+
+
+def raise_nice(nice: int) -> None:
+    """Raise the calling thread's nice value by `nice` (Linux: setpriority on a thread id
+    sets that thread's alone; elsewhere the id could name a process, so callers pass 0)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):  # at the ceiling, or not allowed: run as it is
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def start_thread(thread: threading.Thread) -> None:

@@ -49,7 +49,7 @@ from typing import Any
 import anyio
 import torch
 
-from asyncgraph.runtime.threads import hold_launcher, release_launcher, start_thread
+from asyncgraph.runtime.threads import hold_launcher, raise_nice, release_launcher, start_thread
 
 WorkItem = tuple[Callable[[Any, int], None], Any, int]
 
@@ -236,7 +236,7 @@ def _worker_main(
         with contextlib.suppress(OSError):  # the CPU left the process's set: run unpinned
             os.sched_setaffinity(0, {cpu})  # 0: this thread
     if nice:
-        _raise_nice(nice)
+        raise_nice(nice)
     torch.set_num_threads(intra_op_threads)
     parking = threading.Lock()
     parking.acquire()  # held: get() blocks on it until a submission releases it
@@ -252,14 +252,6 @@ def _worker_main(
             except BaseException:  # the scheduler catches kernel errors; this is a bug
                 sys.unraisablehook(_Unraisable(sys.exc_info()[1], fn))  # type: ignore[arg-type]
             del item, fn, frame
-
-
-def _raise_nice(nice: int) -> None:
-    """Raise the calling thread's nice value by `nice` (Linux: setpriority on a thread id
-    sets that thread's alone; elsewhere the id could name a process, so WorkerPool passes 0)."""
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError):  # at the ceiling, or not allowed: run as it is
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 class _Unraisable:

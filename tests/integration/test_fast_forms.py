@@ -1,0 +1,110 @@
+"""Fast forms on a real program (ExecutorConfig.fast_paths, asyncgraph/runtime/forms.py): the
+ONNX Runtime form is built off the loop, every output matches eager whichever form serves,
+the verdict is measured, and a weights swap never serves the old weights."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from asyncgraph import Executor, ExecutorConfig
+from tests.support.models import export_model
+
+pytest.importorskip("onnxruntime", reason="the fast form needs the asyncgraph[onnxruntime] extra")
+pytest.importorskip("onnxscript", reason="the fast form needs the asyncgraph[onnxruntime] extra")
+
+pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(120)]
+
+FAST = ExecutorConfig(fast_paths=True)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int = 32, layers: int = 10) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(m for _ in range(layers) for m in (
+            torch.nn.Linear(width, width), torch.nn.ReLU())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.layers(x)
+        return out
+
+
+async def _until_decided(ex: Executor, model: torch.nn.Module, x: torch.Tensor,
+                         limit: int = 4000) -> dict[str, Any]:
+    """Executions, each checked against eager, until the signature has a verdict."""
+    expected = model(x)
+    for n in range(limit):
+        torch.testing.assert_close(await ex.execute(x), expected, rtol=1e-4, atol=1e-5)
+        forms = ex.statistics().forms
+        assert forms is not None
+        verdict = forms["signatures"].get(next(iter(forms["signatures"]), None), {})
+        if verdict.get("form") in ("onnx", "plain"):
+            return forms
+        if n % 16 == 0:
+            await asyncio.sleep(0.005)  # the build thread's turn
+    pytest.fail(f"no verdict after {limit} executions: {ex.statistics().forms}")
+
+
+async def test_the_onnx_form_is_built_off_the_loop_and_chosen_by_measurement() -> None:
+    model, x = MLP().eval(), torch.randn(1, 32)
+    async with Executor(export_model(model, x), FAST) as ex:
+        forms = await _until_decided(ex, model, x)
+        assert forms["form"] == "onnx" and forms["builds"] == 1 and forms["passed"] == {}
+        (verdict,) = forms["signatures"].values()
+        assert verdict["why"].startswith("measured: onnx ")
+        served = forms["fast_runs"]
+        for _ in range(8):
+            torch.testing.assert_close(await ex.execute(x), model(x), rtol=1e-4, atol=1e-5)
+        after = ex.statistics().forms
+        assert after is not None
+        assert (after["fast_runs"] - served == 8) == (verdict["form"] == "onnx")
+
+
+async def test_after_a_weights_swap_every_output_is_the_new_weights() -> None:
+    model, x = MLP().eval(), torch.randn(1, 32)
+    async with Executor(export_model(model, x), FAST) as ex:
+        await _until_decided(ex, model, x)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-0.5)
+        ex.swap_weights({f"layers.{k}.{w}": getattr(model.layers[k], w)
+                         for k in range(0, 20, 2) for w in ("weight", "bias")})
+        forms = await _until_decided(ex, model, x)  # checks each output on the new weights
+        assert forms["builds"] == 2
+
+
+async def test_off_small_or_traced_programs_have_no_fast_forms() -> None:
+    model, x = MLP().eval(), torch.randn(1, 32)
+    ep = export_model(model, x)
+    small = MLP(layers=2).eval()
+    for ex in (Executor(ep, ExecutorConfig(fast_paths=False)),
+               Executor(ep, ExecutorConfig(fast_paths=True, trace=True)),
+               Executor(ep, ExecutorConfig(fast_paths=True, segments=("onnx",))),
+               Executor(export_model(small, x), FAST)):
+        async with ex:
+            torch.testing.assert_close(await ex.execute(x), ex.program.reference(x))
+            assert ex.statistics().forms is None
+
+
+def test_the_environment_turns_the_default_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCGRAPH_FAST_PATHS", "off")
+    assert ExecutorConfig().fast_paths is False
+    monkeypatch.setenv("ASYNCGRAPH_FAST_PATHS", "1")
+    assert ExecutorConfig().fast_paths is True
+    monkeypatch.delenv("ASYNCGRAPH_FAST_PATHS")
+    assert ExecutorConfig().fast_paths is True
+
+
+async def test_many_callers_while_the_form_builds_and_after() -> None:
+    model, x = MLP().eval(), torch.randn(1, 32)
+    xs = [torch.randn(1, 32) for _ in range(64)]
+    async with Executor(export_model(model, x), FAST) as ex:
+        for _ in range(6):
+            outs = await asyncio.gather(*(ex.execute(v) for v in xs))
+            for v, out in zip(xs, outs, strict=True):
+                torch.testing.assert_close(out, model(v), rtol=1e-4, atol=1e-5)
+            await asyncio.sleep(0.05)
+        await _until_decided(ex, model, x)
