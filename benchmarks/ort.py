@@ -109,6 +109,7 @@ SETTLE_S = 0.05
 # no square brackets: the report's tables are rich markup, where "[bench]" would vanish
 INSTALL = "install them with pip install onnxruntime onnx onnxscript (the onnxruntime extra)"
 ISSUE = 40  # the targets' number in the report: issue 40's
+DEFAULT_ISSUE = 54  # the default path's targets: issue 54's
 
 PLAIN = "asyncgraph"
 SCRIPTED = "asyncgraph (scripted)"
@@ -122,6 +123,11 @@ AUTOTUNED_BATCHED = "asyncgraph (compiled, autotuned, batched)"
 ONNX_BATCHED = "asyncgraph (onnx segments, batched)"
 ONNX_BATCHED_SMALL = (f"asyncgraph (onnx segments, batched, {SMALL_BATCH} rows, "
                       f"{SMALL_IN_FLIGHT} in flight)")
+# What `Executor(ep)` gives with no flag: fast forms on (runtime/forms.py), timed once every
+# signature it is called with has its verdict (the form measured faster, or the plain graph)
+DEFAULT = "asyncgraph (default path)"
+DEFAULT_BATCHED = "asyncgraph (default path, batched)"
+DECIDE_LIMIT = 20_000  # executions to wait for a verdict before timing anyway (and saying so)
 
 
 def settle(threads: int) -> float:
@@ -378,10 +384,12 @@ def _best(case: CaseResult, names: Sequence[str], higher: bool = False) -> str |
 
 async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Built) -> CaseResult:
     x = work.x
-    executors = [Executor(work.ep, ExecutorConfig()),
-                 Executor(work.ep, ExecutorConfig(segments=("script",)))]
-    peers = [asyncgraph_peer(PLAIN, executors[0], [x], "plain graph, default config"),
-             asyncgraph_peer(SCRIPTED, executors[1], [x], "ExecutorConfig(segments=('script',))")]
+    default = await _default_path(work.ep, [x], built.notes, "default path")
+    executors = [Executor(work.ep, ExecutorConfig(fast_paths=False)),
+                 Executor(work.ep, ExecutorConfig(segments=("script",))), default]
+    peers = [asyncgraph_peer(PLAIN, executors[0], [x], "plain graph (fast_paths=False)"),
+             asyncgraph_peer(SCRIPTED, executors[1], [x], "ExecutorConfig(segments=('script',))"),
+             asyncgraph_peer(DEFAULT, default, [x], "Executor(ep): no flags, verdict reached")]
     compiled = _load_compiled(built, built.segments)
     if compiled is not None:
         executors.append(compiled)
@@ -420,6 +428,9 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
     if best is None:
         return case
     case.params["onnxruntime_reference"] = best
+    case.targets.append(Target(
+        DEFAULT_ISSUE, f"{work.key}: batch-1 latency, default path / {best}",
+        case.ratio(DEFAULT, best), "<=", 1.0, rounds=case.round_spread(DEFAULT, best)))
     for peer, what in ((PLAIN, "plain graph"), (SCRIPTED, "scripted segments"),
                        (COMPILED, "compiled segments"), (AUTOTUNED, "autotuned segments"),
                        *((onnx_segments_name(t), "onnx segments"
@@ -430,6 +441,41 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
             ISSUE, f"{work.key}: batch-1 latency, {what} / {best}", case.ratio(peer, best),
             "<=", 1.0, rounds=case.round_spread(peer, best)))
     return case
+
+
+async def _default_path(
+    ep: ExportedProgram, xs: Sequence[Any], notes: dict[str, Any], what: str,
+    config: ExecutorConfig | None = None,
+) -> Executor:
+    """`Executor(ep)` as a user gets it (fast_paths on, whatever the environment says), called
+    until each input in `xs` has its verdict; the verdicts, and how long they took from the
+    first call (export and build, or the disk cache, then the measurement), go in `notes`."""
+    ex = Executor(ep, dataclasses.replace(config or ExecutorConfig(), fast_paths=True))
+    start = time.perf_counter()
+    for n in range(DECIDE_LIMIT):
+        for x in xs:
+            await ex.execute(x)
+        forms = ex.statistics().forms
+        if forms is None:  # no fast form applies to this program
+            break
+        pending = len(forms["signatures"]) < len(xs) or any(
+            v["form"] == "measuring" for v in forms["signatures"].values())
+        if not pending:
+            break
+        if n % 32 == 31:
+            await asyncio.sleep(0.01)  # the build thread's turn
+    forms = ex.statistics().forms
+    if forms is None:
+        notes[f"{what} verdicts"] = "no fast form applies"
+    else:
+        verdicts = [v["form"] + ": " + v["why"] for v in forms["signatures"].values()]
+        served = [v["form"] for v in forms["signatures"].values()]
+        notes[f"{what} verdicts"] = {
+            "form": forms["form"], "passed": forms["passed"],
+            "signatures": verdicts if len(verdicts) <= 2 else
+            {form: served.count(form) for form in sorted(set(served))}}
+    notes[f"{what} to verdicts (s)"] = round(time.perf_counter() - start, 3)
+    return ex
 
 
 async def _with_onnx_segments(
@@ -463,12 +509,21 @@ async def _concurrent_case(
     x = work.x
     batching = BatchingConfig(max_batch_size=MAX_BATCH, max_concurrent_batches=IN_FLIGHT)
     executors = [
-        Executor(work.ep, ExecutorConfig()),
+        Executor(work.ep, ExecutorConfig(fast_paths=False)),
         Executor(work.ep, ExecutorConfig(segments=("script",))),
-        Executor(dynamic_ep, ExecutorConfig(batching=batching)),
+        Executor(dynamic_ep, ExecutorConfig(batching=batching, fast_paths=False)),
         Executor(dynamic_ep, ExecutorConfig(segments=("script",), batching=batching)),
     ]
+    default = await _default_path(work.ep, [x], built.notes, "default path, unbatched")
+    # batched: a batch's rows are a signature each, so every size up to MAX_BATCH is decided
+    default_batched = await _default_path(
+        dynamic_ep, [x.expand(rows, *x.shape[1:]).contiguous() for rows in range(1, MAX_BATCH + 1)],
+        built.notes, "default path, batched", ExecutorConfig(batching=batching))
+    executors += [default, default_batched]
     peers = [
+        asyncgraph_peer(DEFAULT, default, [x], "Executor(ep): no flags, verdict reached"),
+        asyncgraph_peer(DEFAULT_BATCHED, default_batched, [x],
+                        f"Executor(ep, batching up to {MAX_BATCH} rows): no other flag"),
         asyncgraph_peer(PLAIN, executors[0], [x], "each request its own execution"),
         asyncgraph_peer(SCRIPTED, executors[1], [x], "segments=('script',), unbatched"),
         asyncgraph_peer(BATCHED, executors[2], [x], f"dynamic batching, up to {MAX_BATCH} rows"),
@@ -521,6 +576,7 @@ async def _concurrent_case(
                           f"{threads} intra-op", settle(threads)))
     case = await callers_case(ctx, NAME, work, peers, executors, (callers, per_caller),
                               executors[2])
+    case.params.update({k: v for k, v in built.notes.items() if k.startswith("default path")})
     results = {r.name: r for r in case.peers}
     for name, batcher in batchers.items():
         if batcher.batches:
@@ -529,6 +585,19 @@ async def _concurrent_case(
     batcher_best = _best(case, list(batchers), higher=True)
     case.params["onnxruntime_references"] = [to_thread, batcher_best]
     names = {p.name for p in case.peers}
+    # issue 54's targets for the path a user gets without flags
+    unbatched_limit = 1.5 if work.key == "mlp" else 1.0
+    batched_limit, batcher_limit = (4.0, 1.0) if work.key == "mlp" else (2.0, 1.3)
+    for peer, base, limit in ((DEFAULT, to_thread, unbatched_limit),
+                              (DEFAULT_BATCHED, to_thread, batched_limit),
+                              (DEFAULT_BATCHED, batcher_best, batcher_limit)):
+        if base is None or peer not in names:
+            continue
+        mine, theirs = results[peer].extra.get("throughput"), results[base].extra.get("throughput")
+        case.targets.append(Target(
+            DEFAULT_ISSUE, f"{work.key}, {callers} callers: throughput, {peer} / {base}",
+            mine / theirs if mine and theirs else None, ">=", limit,
+            rounds=case.round_spread(peer, base)))
     for peer, base, limit in ((PLAIN, to_thread, 1.0), (SCRIPTED, to_thread, 1.0),
                               (COMPILED, to_thread, 1.0), (AUTOTUNED, to_thread, 1.0),
                               (BATCHED, to_thread, 2.0),
