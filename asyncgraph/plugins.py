@@ -14,6 +14,7 @@ it): nothing in runtime/ changes.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from asyncgraph.runtime.delegates import SegmentBackend, SegmentPlanner, register_backend
@@ -45,23 +46,45 @@ def _script_planner() -> SegmentPlanner:
 
 
 def _onnx_planner() -> SegmentPlanner:
+    absent = _onnx_absent()  # onnx and onnxscript load only when a segment is exported
+    if absent:
+        raise ImportError(_onnx_needs(absent), name=absent[0])
     try:
         from asyncgraph.compiled.onnx_segments import onnx_segments  # onnxruntime on demand
     except ImportError as exc:
-        missing = exc.name or str(exc)
-        raise ImportError(
-            f"ExecutorConfig(segments=('onnx',)) needs onnxruntime, onnx and onnxscript "
-            f"({missing} is missing): {ONNX_EXTRA}", name=exc.name) from exc
+        raise ImportError(_onnx_needs([exc.name or str(exc)]), name=exc.name) from exc
     # one thread unless the user sets a count: each session's pool is its own, and spins
     return lambda graph, config: onnx_segments(
         graph, intra_op_threads=config.intra_op_threads or 1)
 
 
-def _onnx_missing() -> str | None:
-    """What the ONNX backend needs that is not installed (found without importing it)."""
+def _onnx_needs(absent: list[str]) -> str:
+    return (f"ExecutorConfig(segments=('onnx',)) needs onnxruntime, onnx and onnxscript "
+            f"({', '.join(absent)} is missing): {ONNX_EXTRA}")
+
+
+def _onnx_absent() -> list[str]:
+    """The modules the ONNX backend needs that cannot be imported, found without importing
+    them (an import that a test or the application blocked counts as absent)."""
     from importlib.util import find_spec
 
-    absent = [m for m in ("onnxruntime", "onnx", "onnxscript") if find_spec(m) is None]
+    absent = []
+    for name in ("onnxruntime", "onnx", "onnxscript"):
+        try:
+            if name in sys.modules:
+                found = sys.modules[name] is not None
+            else:
+                found = find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            absent.append(name)
+    return absent
+
+
+def _onnx_missing() -> str | None:
+    """Why the ONNX backend cannot build a fast form here, or None."""
+    absent = _onnx_absent()
     return f"{', '.join(absent)} not installed: {ONNX_EXTRA}" if absent else None
 
 

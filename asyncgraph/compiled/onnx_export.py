@@ -46,13 +46,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import onnx
-import onnxscript  # noqa: F401 - torch.onnx's translations: missing, the extra is named at once
 import torch
 import torch.fx
 
 from asyncgraph.compiled import export_cache
-from asyncgraph.compiled.onnx_shapes import reshapes_simplified
 
 ONNX_DTYPES = frozenset({
     torch.float32, torch.float64, torch.float16, torch.int8, torch.int16, torch.int32,
@@ -133,6 +130,13 @@ _REGISTRY: list[Any] = []  # the torchlib registry, built on first use
 
 
 def _export(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> OnnxModel:
+    """The translation itself. onnx and onnxscript are imported here, not with the module:
+    their extensions take 0.1-0.5 s to load, holding the GIL for up to 75 ms at a time, and a
+    segment found in the disk cache (export_cache.py) never needs them."""
+    import onnxscript  # noqa: F401 - torch.onnx's translations
+
+    from asyncgraph.compiled.onnx_shapes import reshapes_simplified
+
     for spec in specs:
         if spec.dtype not in ONNX_DTYPES:
             raise ExportFailed(f"an input of dtype {spec.dtype} (not one ONNX Runtime takes)")
@@ -308,6 +312,8 @@ def _unfused(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _external(name: str, spec: InputSpec) -> Any:
     """An initializer `name` of the spec's dtype and shape whose data the session is given."""
+    import onnx
+
     tensor = onnx.TensorProto()
     tensor.name = name
     sample = torch.empty(0, dtype=spec.dtype)

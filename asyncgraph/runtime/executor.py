@@ -58,7 +58,7 @@ from asyncgraph.runtime.backend import (
 from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
 from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
-from asyncgraph.runtime.delegates import Delegate, fast_form_backends
+from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
 from asyncgraph.runtime.forms import FastForms
 from asyncgraph.runtime.frame import ExecutionFrame
@@ -725,6 +725,8 @@ class Executor:
                 and config.ready_order_seed is None and len(self.graph.nodes) >= 8):
             return None
         backends = fast_form_backends()
+        for backend in backends:  # its imports here, at start-up, not on the build thread
+            segment_backend(backend).load()  # while the loop serves (extensions hold the GIL)
         if not backends:
             return None
         return FastForms(backends, self._build_form, self._execute,

@@ -89,6 +89,41 @@ class _Choice:
     why: str = ""
 
 
+class _QuickSwitches:
+    """The interpreter's switch interval, lowered while any build thread runs.
+
+    A build is Python-heavy (the graph passes, planning, the form's own construction: ~0.1 s
+    for tiny BERT), and with the default interval (5 ms) the loop's thread waits up to that
+    for the GIL each time it wants it back from the build thread: the first burst of
+    requests saw 5-7 ms waits. At 0.5 ms, a build costs the loop at most that per switch, for
+    the build's duration only; the interval the process had is put back after the last build
+    (unless something else changed it meanwhile)."""
+
+    INTERVAL_S = 0.0005
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._builds = 0
+        self._saved = 0.0
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._builds == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, self.INTERVAL_S))
+            self._builds += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._builds -= 1
+            if self._builds == 0 and sys.getswitchinterval() == min(self._saved,
+                                                                      self.INTERVAL_S):
+                sys.setswitchinterval(self._saved)
+
+
+_QUICK_SWITCHES = _QuickSwitches()
+
+
 class FastForms:
     """One Executor's fast forms: the build thread, the verdicts, and the routing."""
 
@@ -196,6 +231,7 @@ class FastForms:
         """The build thread: the first registered backend whose form plans delegates."""
         raise_nice(NICE if sys.platform == "linux" else 0)
         started = time.perf_counter()
+        _QUICK_SWITCHES.enter()
         try:
             for backend in self.backends:
                 if self._closed:
@@ -214,6 +250,7 @@ class FastForms:
                 self._form = built  # one assignment: the loop sees the form whole
                 return
         finally:
+            _QUICK_SWITCHES.exit()
             self.builds += 1
             self.build_s += time.perf_counter() - started
             self._building = None

@@ -26,7 +26,7 @@ from conformance.harness import assert_conforms, cached_export, imported
 from conformance.models import CASES, CASES_BY_NAME, export_case
 
 from asyncgraph import Executor, ExecutorConfig
-from asyncgraph.compiled import onnx_delegate, onnx_export, onnx_segments
+from asyncgraph.compiled import onnx_delegate, onnx_export, onnx_segments, onnx_shapes
 from asyncgraph.compiled.onnx_delegate import OnnxDelegate
 from asyncgraph.runtime.config import usable_cpus
 
@@ -372,7 +372,7 @@ async def test_batch_first_attention_at_batch_1_moves_its_layout_by_reshapes(
         delegate = await _matches_eager_three_times(ex, model, x)
         stats = delegate.statistics()
     assert stats["onnx_calls"] >= 1 and not stats["refused"]
-    monkeypatch.setattr(onnx_export, "reshapes_simplified", lambda proto: proto)
+    monkeypatch.setattr(onnx_shapes, "reshapes_simplified", lambda proto: proto)
     monkeypatch.setattr(onnx_export, "_CACHE", type(onnx_export._CACHE)())
     monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", "")  # exported again, not read from disk
     async with Executor(ep, ONNX) as plain:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import sys
 import threading
 from collections.abc import Callable
@@ -20,6 +21,14 @@ from typing import Any
 
 from asyncgraph.runtime.backends.base import Handle
 from asyncgraph.runtime.backends.loop_wake import threadsafe_call
+
+# anyio imports its asyncio backend on first use, which is the first execution's first
+# `anyio.lowlevel.checkpoint()` or thread hop: 20-130 ms of imports on the event loop, in the
+# first burst of requests a server gets (benchmarks/first_burst.py). Imported here instead, when
+# the application imports asyncgraph. A private module: if anyio moves it, the import happens
+# on first use again, as before.
+with contextlib.suppress(ImportError):
+    importlib.import_module("anyio._backends._asyncio")
 
 # An asyncio loop in run_forever() sets `_thread_id` to its thread, and a thread runs one loop
 # at a time, so a bound loop whose `_thread_id` is this thread is the running loop. That test
