@@ -89,6 +89,22 @@ class _Choice:
     why: str = ""
 
 
+_BUILDING = threading.local()
+
+
+def building_off_loop() -> bool:
+    """Whether the calling thread builds a fast form while the loop serves: work that holds
+    the GIL long (a first export) goes to a child process instead (compiled/export_worker.py)."""
+    return getattr(_BUILDING, "owner", None) is not None
+
+
+def build_cancelled() -> bool:
+    """Whether the fast-form build on the calling thread is no longer wanted (its Executor
+    is closing): a child process working for it is stopped."""
+    owner = getattr(_BUILDING, "owner", None)
+    return owner is not None and owner._closed
+
+
 class _QuickSwitches:
     """The interpreter's switch interval, lowered while any build thread runs.
 
@@ -232,6 +248,7 @@ class FastForms:
         raise_nice(NICE if sys.platform == "linux" else 0)
         started = time.perf_counter()
         _QUICK_SWITCHES.enter()
+        _BUILDING.owner = self
         try:
             for backend in self.backends:
                 if self._closed:
@@ -250,6 +267,7 @@ class FastForms:
                 self._form = built  # one assignment: the loop sees the form whole
                 return
         finally:
+            _BUILDING.owner = None
             _QUICK_SWITCHES.exit()
             self.builds += 1
             self.build_s += time.perf_counter() - started

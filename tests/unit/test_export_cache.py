@@ -5,12 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from asyncgraph.compiled import export_cache
 from asyncgraph.compiled.onnx_export import OnnxModel
+
+
+class Scaled(torch.nn.Module):
+    """At module level: a traced module pickles by its class's name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 3 - 1
+
 
 MODEL = OnnxModel(b"\x08\x07model-bytes", ("x", "w"), (False, True), ("out",), False, False,
                   ("w",))
@@ -84,3 +93,28 @@ def test_a_second_export_of_a_segment_reads_the_disk_not_the_exporter(
     monkeypatch.setattr(onnx_export, "_CACHE", type(onnx_export._CACHE)())  # a new process
     monkeypatch.setattr(onnx_export, "_export", lambda *a: pytest.fail("exported again"))
     assert onnx_export.export_segment(module, specs) == first
+
+
+def test_an_export_in_a_child_process_is_the_in_process_export(root: Path) -> None:
+    """A fast form's export runs in a child (compiled/export_worker.py), which shares no GIL
+    with the serving loop; what comes back is the model the process would have made."""
+    import torch
+
+    from asyncgraph.compiled import onnx_export
+
+    module = torch.fx.symbolic_trace(Scaled())
+    specs = [onnx_export.InputSpec(torch.float32, (2, 3), (2, 3), baked=False)]
+    here = onnx_export._export(module, specs)
+    there = onnx_export.export_elsewhere(module, specs)
+    assert (there.inputs, there.baked, there.outputs) == (here.inputs, here.baked, here.outputs)
+    assert len(there.model) > 0
+
+
+def test_a_child_whose_export_fails_names_the_reason(root: Path) -> None:
+    import torch
+
+    from asyncgraph.compiled import onnx_export
+
+    specs = [onnx_export.InputSpec(torch.complex64, (2, 3), (2, 3), baked=False)]
+    with pytest.raises(onnx_export.ExportFailed, match="complex64"):
+        onnx_export.export_elsewhere(torch.fx.symbolic_trace(Scaled()), specs)
