@@ -688,11 +688,13 @@ def probe_concurrency(out: Findings, callers: int = 64, rounds: int = 20,
         )
         r: dict[str, Any] = {}
         async with Executor(ep, config) as ex:
-            for _ in range(12):  # until every frame has captured (one capture at a time)
+            captures = -1
+            for _ in range(12):  # until captures stop (graph instances, not one per frame)
                 await asyncio.gather(*(ex.execute(x) for x in xs))
                 s = ex.cuda_graph_statistics()
-                if not graphs or (s is not None and s.live_graphs >= callers):
+                if not graphs or (s is not None and s.captures == captures):
                     break
+                captures = s.captures if s is not None else captures
             before = stats_dict(ex) or {}
             worst, bad, calls = 0.0, 0, 0
             t = time.perf_counter()

@@ -1,9 +1,13 @@
-"""What every CUDA-graph capture shares: the Executor's capture cache and counters, one lock,
+"""What every CUDA-graph capture shares: the Executor's capture state and counters, one lock,
 the captures themselves, and copying inputs in and cloning outputs out.
 
 graphs.py (whole executions, `FrameGraphs`) and segment_graphs.py (segments, `FrameSegments`)
 are the frame-side users; this module is what they have in common, so that the capture
-bookkeeping (LRU per frame, failed signatures, statistics) is written once.
+bookkeeping (failed signatures, statistics) is written once. Whole executions are captured
+into graph instances that the Executor keeps per input signature, apart from its frames
+(instances.py: capture streams are leased per instance, so 64 frames share the 8 instances
+that torch's 32 capture streams allow a plan on 4 streams); segments keep their captures per
+frame (an LRU of `MAX_CAPTURES` per frame, `lru_state`, and a capture-stream lease per frame).
 """
 
 from __future__ import annotations
@@ -12,16 +16,19 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from asyncgraph.cuda.capturable import CapturePlan
-from asyncgraph.cuda.device import Backend, CudaGraph, CudaRuntime
+from asyncgraph.cuda.device import CudaGraph, CudaRuntime
+from asyncgraph.cuda.instances import CAPTURE_STREAMS as CAPTURE_STREAMS
+from asyncgraph.cuda.instances import CaptureStreamLeases as CaptureStreamLeases
+from asyncgraph.cuda.instances import FrameLease as FrameLease
+from asyncgraph.cuda.instances import GraphInstances
 from asyncgraph.cuda.segments import SegmentPlan
-from asyncgraph.cuda.streams import StreamKey
 from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.plan import ExecutionPlan
@@ -30,8 +37,9 @@ from asyncgraph.runtime.validation import Signature
 logger = logging.getLogger("asyncgraph.cuda.graphs")  # one logger for captures of both kinds
 
 MAX_CAPTURES = 8
-"""Signatures one frame keeps state for (warm-up counts and captures); the least recently used
-is evicted, its graph freed, when a ninth arrives."""
+"""Signatures kept with captures: per Executor for whole executions (their warm-up counts and
+graph instances, instances.py), per frame for segments; the least recently used is evicted,
+its graphs freed, when a ninth arrives."""
 
 CAPTURE_LOCK = threading.Lock()
 """One capture at a time in the process: capture streams come from torch's high-priority pool
@@ -47,102 +55,8 @@ never wait)."""
 _MAX_FAILED = 256  # uncapturable signatures remembered per Executor
 
 
-class CaptureStreamLeases:
-    """The capture streams that frames of this process hold: no two frames capture on one.
-
-    cuBLAS keeps a workspace per (handle, stream), and a graph captured on a stream bakes that
-    workspace's address into its GEMMs. torch hands capture streams out round-robin from a
-    pool of 32 per device and priority, so a 33rd frame (64 frames, two Executors, frames made
-    again after idle) would get a stream another frame's graphs were captured on, and the two
-    frames' replays, running at once on their own stream sets, would share one workspace:
-    split-K GEMMs racing on it give wrong results without an error. So a frame leases its
-    capture streams for as long as it lives (released when it closes or is collected), a lease
-    never hands out a stream another frame holds, and a frame that finds none free runs on
-    the stream path instead of capturing. Graphs of one frame share its streams' workspaces
-    safely: a frame runs one execution at a time.
-    """
-
-    TRIES = 33  # one more than torch's pool per device and priority: a full round
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # segments capture on worker threads
-        self._held: set[Any] = set()  # stream handles (Backend.stream_handle) leased now
-        self.generation = 0  # counts releases: a failed lease is worth retrying after one
-
-    def lease(self, backend: Backend, keys: Sequence[StreamKey]) -> dict[StreamKey, Any] | None:
-        """A capture stream for each (device, index) key that no frame holds, now held by the
-        caller; None (nothing held) when a device has none free."""
-        taken: dict[StreamKey, Any] = {}
-        with self._lock:
-            for key in keys:
-                for _ in range(self.TRIES):
-                    stream = backend.new_capture_stream(key[0])
-                    handle = backend.stream_handle(stream)
-                    if handle not in self._held:
-                        self._held.add(handle)
-                        taken[key] = stream
-                        break
-                else:
-                    for stream in taken.values():
-                        self._held.discard(backend.stream_handle(stream))
-                    return None
-        return taken
-
-    def release(self, handles: Iterable[Any]) -> None:
-        with self._lock:
-            for handle in handles:
-                self._held.discard(handle)
-            self.generation += 1
-
-    @property
-    def held(self) -> int:
-        """Capture streams leased now (all devices)."""
-        return len(self._held)
-
-
-CAPTURE_STREAMS = CaptureStreamLeases()
-"""The process's capture-stream leases (one table: the pool they come from is torch's)."""
-
-
-class FrameLease:
-    """One frame's capture streams, leased once for its life from CAPTURE_STREAMS and given
-    back on `release` or when the frame's capture state is collected. A failed lease is tried
-    again only after some frame released streams."""
-
-    __slots__ = ("__weakref__", "_failed_at", "_release", "handles", "streams")
-
-    def __init__(self) -> None:
-        self.streams: dict[StreamKey, Any] = {}
-        self.handles: dict[StreamKey, Any] = {}  # Backend.stream_handle of each
-        self._release: weakref.finalize[Any, Any] | None = None
-        self._failed_at = -1  # CAPTURE_STREAMS.generation when no streams were free
-
-    def get(self, backend: Backend, keys: Sequence[StreamKey]) -> dict[StreamKey, Any] | None:
-        """The leased streams, leasing them on first use; None while none are free."""
-        if self.streams:
-            return self.streams
-        if self._failed_at == CAPTURE_STREAMS.generation:
-            return None
-        streams = CAPTURE_STREAMS.lease(backend, keys)
-        if streams is None:
-            self._failed_at = CAPTURE_STREAMS.generation
-            return None
-        self.streams = streams
-        self.handles = {key: backend.stream_handle(s) for key, s in streams.items()}
-        self._release = weakref.finalize(
-            self, CAPTURE_STREAMS.release, list(self.handles.values())
-        )
-        return streams
-
-    def release(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
-            self.streams, self.handles = {}, {}
-
-
 class FrameCaptures(Protocol):
-    """A frame's capture state (FrameGraphs or FrameSegments), as the owner sees it."""
+    """A frame's capture state (segment_graphs.py's FrameSegments), as the owner sees it."""
 
     @property
     def live(self) -> int: ...
@@ -159,6 +73,11 @@ class CudaGraphStatistics:
     inputs without a signature);
     `recaptures`: captures dropped because the weights changed; `failures`: captures that
     raised (`failed` lists the reasons, one per signature).
+
+    Graph instances (whole executions, asyncgraph/cuda/instances.py): `instances` holding a
+    captured graph now; `instance_waits`: executions that waited for another execution to
+    give an instance of their signature back; `lease_failures`: capture-stream leases for a
+    new instance that found none free (each remembered until some holder releases streams).
 
     Segments (programs that are not wholly captured, asyncgraph/cuda/segments.py):
     `segments` planned; `segment_captures`, `segment_replays`, `segment_warmups` (segment
@@ -184,11 +103,15 @@ class CudaGraphStatistics:
     segment_replays: int = 0
     segment_warmups: int = 0
     segment_fallbacks: int = 0
+    instances: int = 0
+    instance_waits: int = 0
+    lease_failures: int = 0
 
 
 class CudaGraphs:
     """The CUDA-graph state an Executor shares across its frames: the plan, counters, the
-    signatures whose capture failed, and the frames' states (to free them on close)."""
+    signatures whose capture failed, the graph instances of whole executions (`instances`)
+    and the frames' segment states (to free them on close)."""
 
     def __init__(
         self, capture_plan: CapturePlan, runtime: CudaRuntime, graph: Graph, plan: ExecutionPlan,
@@ -211,6 +134,7 @@ class CudaGraphs:
         self.segment_captures = self.segment_replays = 0
         self.segment_warmups = self.segment_fallbacks = 0
         self.recaptures = self.evictions = self.failures = 0
+        self.instances = GraphInstances(runtime, config.max_concurrent_executions, MAX_CAPTURES)
 
     def add_frame(self, state: FrameCaptures) -> None:
         """Keep a frame's capture state, to count its graphs and free them on close."""
@@ -243,7 +167,9 @@ class CudaGraphs:
         )
 
     def close(self) -> None:
-        """Free every frame's graphs and pools (the Executor is closing; frames are idle)."""
+        """Free every instance and every frame's segment graphs and pools, and release their
+        capture streams (the Executor is closing; frames, so instances, are idle)."""
+        self.instances.close()
         for state in list(self.frames):
             state.close()
 
@@ -256,15 +182,18 @@ class CudaGraphs:
             warmups=self.warmups,
             fallbacks=self.fallbacks,
             recaptures=self.recaptures,
-            evictions=self.evictions,
+            evictions=self.evictions + self.instances.evictions,
             failures=self.failures,
-            live_graphs=sum(s.live for s in list(self.frames)),
+            live_graphs=self.instances.live + sum(s.live for s in list(self.frames)),
             failed=tuple(dict.fromkeys([*self.failed.values(), *self.segment_failed.values()])),
             segments=len(self.segment_plan.segments),
             segment_captures=self.segment_captures,
             segment_replays=self.segment_replays,
             segment_warmups=self.segment_warmups,
             segment_fallbacks=self.segment_fallbacks,
+            instances=self.instances.live,
+            instance_waits=self.instances.waits,
+            lease_failures=self.instances.lease_failures,
         )
 
 

@@ -13,34 +13,49 @@ are aten ops that neither sync the host nor have data-dependent shapes (capturab
 program's runs of capturable nodes between host nodes are captured as *segments* instead
 (asyncgraph/cuda/segments.py, `FrameSegments` below).
 
-How (`FrameGraphs`, one per frame, per input signature, at most `MAX_CAPTURES` kept, least
-recently used evicted):
+How: the graphs are *instances* the Executor keeps per input signature, apart from its frames
+(asyncgraph/cuda/instances.py: why, the lease, the bounds). Capture streams are leased per
+instance, so the frames share the instances that torch's 32 capture streams per device allow
+(8 for a plan on 4 streams), where each frame used to lease its own and most could never
+capture. An execution in Mode.CAPTURED (`FrameGraphs.run`, the frame's entry point) leases an
+instance of its signature as it leases a frame, runs it on the frame's streams, and gives it
+back once its GPU work is done:
 
-- The first `cuda.graph_warmup` executions of a signature on a frame take the normal stream
-  path (lazy initialisation, cuBLAS workspaces on the frame's streams). The next one captures:
-  static input buffers (made outside the graph's pool, the caller's inputs copied in), a
-  private memory pool per capture, and an in-order run of the frame's node calls on its stream
-  set between a fork (every other stream waits on an event recorded on the origin stream inside
-  the capture) and a join (the origin waits on every other stream's event). Capture only
-  records, so it is replayed once for that execution's result.
-- Later executions of the signature: copy the inputs into the static buffers on the origin
-  stream, replay, and *clone* the outputs out of the graph's static memory on the same stream.
-  A replay writes the same static output tensors every time, so without the clone a caller
-  holding an earlier output would see it overwritten by the frame's next replay; the clone
+- The first `cuda.graph_warmup` executions of a signature (per Executor) take the normal stream
+  path (lazy initialisation, cuBLAS workspaces). Then an execution that finds no idle
+  instance and room for one more leases its capture streams and captures it on a worker
+  thread: static input buffers (made outside the graph's pool, the caller's inputs copied
+  in), the instance's private memory pool, one uncaptured run on the capture streams (their
+  libraries' per-stream state allocated outside the pool), then an in-order run of the node
+  calls on the capture streams between a fork (every other stream waits on an event recorded
+  on the origin stream inside the capture) and a join (the origin waits on every other
+  stream's event). Capture only records, so it is replayed once for that execution's result.
+  A new instance after warm-up needs no second warm-up.
+- Executions that find every instance of their signature busy and no room for another wait
+  for one, first come first served; with no instance at all and none to be had they take the
+  stream path at once (no thread hop, nothing allocated: a failed capture-stream lease is
+  remembered until some holder releases streams).
+- A replay: copy the inputs into the instance's static buffers on the frame's origin stream,
+  replay, and *clone* the outputs out of the graph's static memory on the same stream. A
+  replay writes the same static output tensors every time, so without the clone a caller
+  holding an earlier output would see it overwritten by the instance's next replay; the clone
   costs one device copy per output and leaves ownership with the caller, as the stream path
   does. Non-tensor outputs (sizes from META nodes) are the capture's values, static per
   signature.
 - Ordering and waiting are the stream path's: `FrameStreams.begin` orders the execution's
-  streams after the caller's, `finish` awaits the end of every stream by polling events from
-  the loop (never blocking it), absorbing cancellation until the GPU is done, and only then is
-  the frame returned.
-- Weights are captured by address: each capture remembers the Weights version it read, and an
-  execution that loaded another version drops the frame's stale capture (the frame is leased
-  and its earlier GPU work finished) and captures again at once (no second warm-up: the
-  kernels are warm). A graph holding old weights is never replayed for newer ones.
+  origin stream after the caller's, `finish` awaits its end by polling events from the loop
+  (never blocking it), absorbing cancellation until the GPU is done, and only then are the
+  instance and the frame given back: the next execution's input copy cannot overwrite static
+  buffers that queued work still reads.
+- Weights are captured by address: each instance remembers the Weights version it read, and an
+  execution that loaded another version frees the stale graph (the instance is leased and its
+  earlier GPU work finished) and captures it again at once on the same capture streams (no
+  second warm-up: the kernels are warm). A graph holding old weights is never replayed for
+  newer ones.
 - A capture that raises (an op that syncs the host, say) marks its signature uncapturable for
-  the Executor: the reason is kept, logged once at WARNING, and that execution runs again on
-  the stream path.
+  the Executor: the reason is kept, logged at WARNING, that execution runs again on the stream
+  path, the signature's other instances are freed and its waiters take the stream path. A
+  signature's first instance is captured alone, so such a capture is tried once.
 
 `torch.cuda.graph(...)` is not used: its `__enter__` calls `torch.cuda.synchronize()` (the
 whole device: the loop thread would block on every other execution's GPU work) and empties the
@@ -52,7 +67,6 @@ executions' work while one thread captures.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
@@ -61,17 +75,14 @@ import torch
 from asyncgraph.cuda.capture import (
     CAPTURE_LOCK,
     CAPTURE_WAIT_S,
-    Capture,
-    CaptureState,
     CudaGraphs,
-    FrameLease,
     clone_outputs,
     copy_inputs,
     empty_like,
     failure_text,
-    lru_state,
 )
 from asyncgraph.cuda.device import FrameStreams, StreamSet
+from asyncgraph.cuda.instances import GraphInstance
 from asyncgraph.cuda.segment_graphs import FrameSegments
 from asyncgraph.runtime.units import Line, in_order, run_units
 from asyncgraph.runtime.validation import Signature, signature_of
@@ -81,14 +92,12 @@ if TYPE_CHECKING:
 
 
 def frame_captures(owner: CudaGraphs, gpu: FrameStreams) -> FrameGraphs | None:
-    """A frame's whole-execution captures (Mode.CAPTURED replays them); None when its
-    executions are not captured whole. A program that is not wholly capturable gets its
-    segments' captures instead, which the frame's device state calls from its unit tables
-    (inside the dataflow): the frame itself never sees them."""
+    """A frame's way into the whole-execution captures (Mode.CAPTURED replays the Executor's
+    graph instances); None when its executions are not captured whole. A program that is not
+    wholly capturable gets its segments' captures instead, which the frame's device state
+    calls from its unit tables (inside the dataflow): the frame itself never sees them."""
     if owner.capture_plan.capturable:
-        state = FrameGraphs(owner, gpu)
-        owner.add_frame(state)
-        return state
+        return FrameGraphs(owner, gpu)  # holds no graph: the instances are the Executor's
     if owner.segment_plan.segments:
         segments = FrameSegments(owner, gpu)
         gpu.segments = segments  # the GPU's unit tables call its segments
@@ -97,158 +106,153 @@ def frame_captures(owner: CudaGraphs, gpu: FrameStreams) -> FrameGraphs | None:
 
 
 class FrameGraphs:
-    """The captures of one frame, by input signature (one execution at a time: the frame's).
+    """A frame's way into the Executor's graph instances (instances.py): one execution at a
+    time, the frame's, leases an instance of its input signature, replays it (or captures
+    it) on the frame's streams, and gives it back. The frame keeps no graph of its own, only
+    the fork and join events it records a capture with.
 
     `run` is the Executor's one branch: it returns False when this execution takes the stream
-    path (warming up, an uncapturable signature, a failed capture), and True once the frame's
-    output slots hold this execution's outputs, the GPU work done.
+    path (warming up, an uncapturable signature, a failed capture, no instance to be had),
+    and True once the frame's output slots hold this execution's outputs, the GPU work done.
     """
 
-    __slots__ = (
-        "__weakref__", "_capture_set", "_fork", "_gpu", "_joins", "_lease", "_owner",
-        "_pool", "_states",
-    )
+    __slots__ = ("_fork", "_gpu", "_joins", "_owner")
 
     def __init__(self, owner: CudaGraphs, gpu: FrameStreams) -> None:
         self._owner = owner
         self._gpu = gpu
-        self._states: OrderedDict[Signature, CaptureState] = OrderedDict()
         backend = owner.runtime.backend
         self._fork = backend.new_event()
         others = len(owner.runtime.plan.streams_used) - 1
         self._joins = [backend.new_event() for _ in range(others)]
-        self._capture_set: StreamSet | None = None  # leased at the frame's first capture
-        self._lease = FrameLease()
-        # One memory pool for all the frame's captures: a frame replays one graph at a time
-        # and clones its outputs right after, on the same stream, so a graph's intermediates
-        # may reuse another's (memory: frames x the largest signature, not x signatures).
-        self._pool: Any = None
-
-    @property
-    def live(self) -> int:
-        """Graphs this frame holds."""
-        return sum(1 for s in self._states.values() if s.capture is not None)
 
     async def run(
         self, frame: ExecutionFrame, flat: list[Any], signature: Signature | None, version: int
     ) -> bool:
-        """Run the loaded frame as a capture or a replay when its signature is ready."""
+        """Run the loaded frame as a replay (or a capture) of an instance of its signature,
+        once the signature has warmed up and an instance can be had."""
         owner = self._owner
         key = signature if signature is not None else signature_of(flat)
         if key is None or key in owner.failed:
             owner.count("fallbacks")  # under its lock: captures count from threads
             return False
-        state = self._state(key)
-        if frame.times is not None:  # profiled by adaptive placement: timed node by node
-            state.runs += 1  # on this frame's streams, it warms up as well
-            owner.warmups += 1
-            return False
-        capture = state.capture
-        if capture is not None:
-            if capture.version == version:
-                owner.replays += 1  # launched, whatever happens while it is awaited
-                await self._replay(frame, flat, capture)
-                return True
-            capture.free()  # weights changed: capture again at once (the kernels are warm)
-            state.capture = None
-            owner.recaptures += 1
-        elif state.runs < owner.warmup:
+        state = owner.instances.signature(key)
+        # profiled by adaptive placement (timed node by node), or warming up: stream path
+        if frame.times is not None or state.runs < owner.warmup:
             state.runs += 1
             owner.warmups += 1
             return False
-        state.capture = await self._capture(frame, flat, key, version)
-        return state.capture is not None
+        instance = await self._lease(key)
+        if instance is None:  # none, and none can be made: no thread hop, no allocation
+            owner.count("fallbacks")
+            return False
+        try:
+            return await self._run_on(instance, frame, flat, key, version)
+        finally:  # its GPU work is done (`finish` absorbs a cancellation until then)
+            if instance.graph is None and key in owner.failed:
+                owner.instances.forget(key)  # its waiters take the stream path
+            owner.instances.give_back(instance)
 
-    def close(self) -> None:
-        for state in self._states.values():
-            if state.capture is not None:
-                state.capture.free()
-        self._states.clear()
-        self._lease.release()  # the frame's capture streams go back (CaptureStreamLeases)
-        self._capture_set = None
+    async def _lease(self, key: Signature) -> GraphInstance | None:
+        """An instance of `key` this execution holds: idle, new (capture streams leased), or
+        given back by another execution after a first-come-first-served wait; None when the
+        signature has none and none can be made (or it failed meanwhile)."""
+        owner = self._owner
+        instances = owner.instances
+        waited = False
+        while True:
+            state = instances.signature(key)
+            instance = instances.take(state)
+            if instance is not None or not state.count:
+                return instance
+            if not waited:
+                waited = True
+                instances.waits += 1
+            instance = await instances.wait(state)
+            if instance is not None:
+                return instance
+            if key in owner.failed:  # woken to look again: the signature failed meanwhile
+                return None
 
-    def _lease_capture_set(self) -> StreamSet | None:
-        """The frame's capture streams, leased once for its life (CaptureStreamLeases); None
-        while every capture stream is held by other frames (tried again after a release)."""
-        if self._capture_set is not None:
-            return self._capture_set
-        runtime = self._owner.runtime
-        streams = self._lease.get(runtime.backend, runtime.plan.streams_used)
-        if streams is None:
-            return None
-        self._capture_set = StreamSet(-1, streams, runtime.plan, runtime.backend)
-        return self._capture_set
-
-    def _state(self, key: Signature) -> CaptureState:
-        return lru_state(self._states, key, self._evicted)
-
-    def _evicted(self) -> None:
-        self._owner.evictions += 1
+    async def _run_on(
+        self, instance: GraphInstance, frame: ExecutionFrame, flat: list[Any], key: Signature,
+        version: int,
+    ) -> bool:
+        """Replay `instance`, or capture it first (new, or captured for other weights)."""
+        owner = self._owner
+        if instance.graph is not None and instance.version != version:
+            instance.free_graph()  # weights changed: capture again at once (kernels are warm)
+            owner.recaptures += 1
+        if instance.graph is None:
+            return await self._capture(frame, flat, key, version, instance)
+        owner.replays += 1  # launched, whatever happens while it is awaited
+        await self._replay(frame, flat, instance)
+        return True
 
     # -- capture ------------------------------------------------------------------------------
 
     async def _capture(
-        self, frame: ExecutionFrame, flat: list[Any], key: Signature, version: int
-    ) -> Capture | None:
-        """Capture this execution, replay it once for its result; None when capture raised
-        (the frame is loaded again as it was, for the stream path).
+        self, frame: ExecutionFrame, flat: list[Any], key: Signature, version: int,
+        instance: GraphInstance,
+    ) -> bool:
+        """Capture this execution into `instance`, replay it once for its result; False when
+        capture raised or waited too long for another (the frame is loaded again as it was,
+        for the stream path).
 
         The capture runs on a worker thread (anyio's): warming the capture streams, recording
         every node and the first replay take milliseconds, which on the loop would stall every
-        other request. The frame is this execution's alone meanwhile, and the capture is
-        thread-local, so other threads go on enqueueing their work."""
+        other request. The frame and the instance are this execution's alone meanwhile, and
+        the capture is thread-local, so other threads go on enqueueing their work."""
         gpu = self._gpu
         gpu.begin(only=self._owner.capture_plan.origin)  # the rest runs on capture streams
         try:
             return await anyio.to_thread.run_sync(
-                self._capture_here, frame.values, flat, key, version
+                self._capture_here, frame.values, flat, key, version, instance
             )
         finally:
             await gpu.finish()  # absorbs cancellation until the GPU is done, then re-raises
 
     def _capture_here(
-        self, values: list[Any], flat: list[Any], key: Signature, version: int
-    ) -> Capture | None:
-        """`_capture`'s work, on the calling thread (the stream set is leased)."""
+        self, values: list[Any], flat: list[Any], key: Signature, version: int,
+        instance: GraphInstance,
+    ) -> bool:
+        """`_capture`'s work, on the calling thread (the instance's capture streams leased)."""
         owner = self._owner
         backend = owner.runtime.backend
-        loaded = list(values)
-        handle = self._origin_handle()
-        token = backend.enter_stream(handle)
-        try:  # static inputs: made and filled on the origin stream, outside the graph pool
-            static = [empty_like(x) for x in flat]
-            copy_inputs(static, flat)
-        finally:
-            backend.leave_stream(token)
-        for slot, buffer, x in zip(owner.input_slots, static, flat, strict=True):
-            values[slot] = buffer if buffer is not None else x
-        capture_set = self._lease_capture_set()
-        if capture_set is None:  # every capture stream is another frame's
-            values[:] = loaded
-            owner.count("fallbacks")
-            return None
-        if self._pool is None:
-            self._pool = backend.graph_pool()
-        graph, pool = backend.new_graph(), self._pool
-        origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
         # Another capture may be recording: off the loop, this thread waits its turn (a capture
-        # takes milliseconds and waits on nothing), and gives up only past CAPTURE_WAIT_S.
+        # takes milliseconds and waits on nothing), and gives up only past CAPTURE_WAIT_S,
+        # before anything is allocated for the capture.
         if not CAPTURE_LOCK.acquire(timeout=CAPTURE_WAIT_S):
-            values[:] = loaded
             owner.count("fallbacks")
-            return None
-        try:  # recorded on the frame's capture streams: no other execution enqueues there
-            self._warm(values, capture_set, origin)
-            with self._gpu.recording_on(capture_set), backend.capture(
-                graph, pool, backend.stream_handle(origin)
-            ):
-                self._record(values)
-        except Exception as exc:
-            values[:] = loaded
-            with contextlib.suppress(Exception):  # an invalidated capture has little to free
-                graph.reset()
-            owner.mark_failed(key, failure_text(exc))
-            return None
+            return False
+        loaded = list(values)
+        try:
+            handle = self._origin_handle()
+            token = backend.enter_stream(handle)
+            try:  # static inputs: made and filled on the origin stream, outside the graph pool
+                static = [empty_like(x) for x in flat]
+                copy_inputs(static, flat)
+            finally:
+                backend.leave_stream(token)
+            for slot, buffer, x in zip(owner.input_slots, static, flat, strict=True):
+                values[slot] = buffer if buffer is not None else x
+            capture_set = instance.capture_set
+            if instance.pool is None:
+                instance.pool = backend.graph_pool()
+            graph = backend.new_graph()
+            origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
+            try:  # recorded on the instance's capture streams: no one else enqueues there
+                self._warm(values, capture_set, origin)
+                with self._gpu.recording_on(capture_set), backend.capture(
+                    graph, instance.pool, backend.stream_handle(origin)
+                ):
+                    self._record(values)
+            except Exception as exc:
+                values[:] = loaded
+                with contextlib.suppress(Exception):  # an invalidated capture has little to free
+                    graph.reset()
+                owner.mark_failed(key, failure_text(exc))
+                return False
         finally:
             CAPTURE_LOCK.release()
         # The warm-up's kernels ran on the capture streams and read the static inputs; the
@@ -257,7 +261,7 @@ class FrameGraphs:
         for slot, x in zip(owner.input_slots, flat, strict=True):
             values[slot] = x  # an input returned as an output is the caller's, not static
         outputs = {slot: values[slot] for slot in owner.capture_plan.produced_outputs}
-        capture = Capture(graph, pool, static, outputs, version)
+        instance.captured(graph, static, outputs, version)
         owner.count("captures")
         token = backend.enter_stream(handle)
         try:
@@ -265,7 +269,7 @@ class FrameGraphs:
             self._clone_outputs(values, outputs)
         finally:
             backend.leave_stream(token)
-        return capture
+        return True
 
     def _warm(self, values: list[Any], capture_set: StreamSet, origin: Any) -> None:
         """Run the execution once on the capture streams, uncaptured, on this thread, before
@@ -322,18 +326,23 @@ class FrameGraphs:
 
     # -- replay ---------------------------------------------------------------------------------
 
-    async def _replay(self, frame: ExecutionFrame, flat: list[Any], capture: Capture) -> None:
-        """Inputs into the static buffers, one replay, outputs cloned out, all on the origin
-        stream after the caller's; then await the GPU (cancellation absorbed until done)."""
+    async def _replay(
+        self, frame: ExecutionFrame, flat: list[Any], instance: GraphInstance
+    ) -> None:
+        """Inputs into the static buffers, one replay, outputs cloned out, all on the frame's
+        origin stream after the caller's; then await the GPU (cancellation absorbed until
+        done), so that the instance goes back with no work of this execution in flight."""
         backend = self._owner.runtime.backend
         gpu = self._gpu
+        graph = instance.graph
+        assert graph is not None, f"{instance!r} replayed uncaptured"
         gpu.begin(only=self._owner.capture_plan.origin)  # a replay is one launch on one stream
         try:
             token = backend.enter_stream(self._origin_handle())
             try:
-                copy_inputs(capture.static_inputs, flat)
-                capture.graph.replay()
-                self._clone_outputs(frame.values, capture.outputs)
+                copy_inputs(instance.static_inputs, flat)
+                graph.replay()
+                self._clone_outputs(frame.values, instance.outputs)
             finally:
                 backend.leave_stream(token)
         finally:

@@ -173,12 +173,13 @@ class CudaConfig:
         graphs: capture whole executions of a GPU program as CUDA graphs and replay them
             (docs/gpu.md, asyncgraph/cuda/graphs.py): acts only on programs whose nodes can
             all be captured (CUDA aten ops without host syncs; `Executor.cuda_graph_plan` says
-            why not otherwise). Per frame and input signature, after `graph_warmup`
-            executions. Outputs are copies, never the graph's static memory. Off by default
+            why not otherwise). Per input signature, after `graph_warmup` executions,
+            a few graph instances that executions lease (cuda/instances.py). Outputs are
+            copies, never the graph's static memory. Off by default
             until the GPU test suite passes on a real GPU with graphs faster than the stream
             path (docs/gpu.md: what has run on which GPU); the CUDA graphs of segments
             (cuda/segments.py) follow the same switch.
-        graph_warmup: executions of an input signature on a frame, on the stream path,
+        graph_warmup: executions of an input signature, on the stream path,
             before the next one is captured (lazy initialisation, cuBLAS workspaces).
     """
 

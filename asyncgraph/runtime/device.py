@@ -7,9 +7,9 @@ unit, in which device units enqueue on the device's queues, CUDA's streams, and 
 read device values are Placement.HOST_WAIT); per execution the scheduler calls `begin`,
 `host_ready`/`wait_host` before a HOST_WAIT unit, and `await finish()`; the Executor calls
 `protect_outputs` on what it hands to the caller. A frame whose executions are captured
-whole as CUDA graphs also holds its captures (`ExecutionFrame.graphs`, `Captures`:
-cuda/graphs.py's FrameGraphs; `DevicePlan.captures_whole` says so, and the Executor then
-runs its executions in Mode.CAPTURED).
+whole as CUDA graphs also has `ExecutionFrame.graphs` (`Captures`: cuda/graphs.py's
+FrameGraphs, which leases the Executor's graph instances; `DevicePlan.captures_whole` says
+so, and the Executor then runs its executions in Mode.CAPTURED).
 
 The seam to the device packages (anyio's backend seam: the interfaces live here, the backends
 are registered by name and imported when first used, the runtime never imports one): a

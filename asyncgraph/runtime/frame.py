@@ -14,8 +14,9 @@ once with the frame, which gives the frame per-unit call and placement tables fo
 schedule: CUDA units enqueue on their streams and CPU units that read GPU values are marked
 Placement.HOST_WAIT. The device builds them once per schedule and keeps them, so the
 scheduler's run loop is the same for CPU and GPU programs and tests nothing per unit. A frame
-of a program whose executions are captured whole as CUDA graphs also owns its captures
-(`graphs`, a Captures: cuda/graphs.py's FrameGraphs, which Mode.CAPTURED asks to replay);
+of a program whose executions are captured whole as CUDA graphs also has `graphs` (a
+Captures: cuda/graphs.py's FrameGraphs, which Mode.CAPTURED asks to replay, leasing one of
+the Executor's graph instances, cuda/instances.py);
 a program's captured segments are its device state's, reached through the unit tables, which
 carry the loaded execution's weights version (`load`). The frame never knows what is behind
 either.

@@ -44,6 +44,7 @@ from tests.support.cuda_graph_fake import (
     diamond_graph,
     diamond_program,
     fake_kernel,
+    graph_instances,
     make_executor,
     running,
     stats,
@@ -327,11 +328,9 @@ def test_an_input_that_requires_grad_leaves_the_static_buffers_out_of_autograd()
             for k in range(3):
                 x = inputs(k).requires_grad_()
                 torch.testing.assert_close(await ex.execute(x), expected(inputs(k), w))
-            (frame,) = introspect.idle_frames(ex)
-            assert frame.graphs is not None
-            (state,) = frame.graphs._states.values()
-            assert state.capture is not None
-            (static,) = state.capture.static_inputs  # no autograd node per copy
+            (instance,) = graph_instances(ex)
+            assert instance.graph is not None
+            (static,) = instance.static_inputs  # no autograd node per copy
             assert not static.requires_grad and static.grad_fn is None
         (graph,) = cuda.graphs
         assert stats(ex).replays == 2 and graph.replays == 3
@@ -452,10 +451,12 @@ def test_a_gpu_program_with_nothing_to_move_is_not_profiled_before_its_capture()
 
 
 @pytest.mark.timeout(60)
-def test_the_captures_of_one_frame_share_its_memory_pool() -> None:
-    """A frame replays one graph at a time and clones its outputs right after, so its
-    captures (one per input signature) draw on one pool (issue 36 item 8): memory is frames
-    x the largest signature, not frames x signatures."""
+def test_each_graph_instance_has_a_pool_of_its_own() -> None:
+    """Graph instances of different signatures may replay at once, so each has its own pool
+    (before issue 50 a frame's captures, one per signature, shared the frame's pool). Memory
+    stays what it was (issue 36 item 8): instances are bounded by the capture streams (32 /
+    the plan's streams), as the frames that could capture were, so it is at most that many
+    times the largest signature."""
     async def body() -> None:
         gpu = CaptureGpu(seed=6)
         cuda = CaptureBackend(gpu)
@@ -468,7 +469,9 @@ def test_the_captures_of_one_frame_share_its_memory_pool() -> None:
                     out = await ex.execute(inputs(k, n), w)
                     torch.testing.assert_close(out, expected(inputs(k, n), w))
             assert stats(ex).captures == 2 and stats(ex).replays == 2
-            assert len(cuda.graphs) == 2 and len(cuda.pools) == 1
+            assert len(cuda.graphs) == 2 and len(cuda.pools) == 2
+            pools = {id(instance.pool) for instance in graph_instances(ex)}
+            assert pools == {id(p) for p in cuda.pools}
         assert gpu.errors == []
 
     run(body, "asyncio")
@@ -477,10 +480,11 @@ def test_the_captures_of_one_frame_share_its_memory_pool() -> None:
 @pytest.mark.timeout(60)
 def test_frames_never_share_a_capture_stream_past_the_pool(backend: str) -> None:
     """torch hands out capture streams round-robin from 32 per device, and graphs captured on
-    one stream share its cuBLAS workspace: two frames replaying at once on it would race
-    (issue 36 item 7). Here the pool has 3 streams and 5 frames capture at once: 3 capture,
-    each on a stream of its own, the other 2 run on the stream path, and every stream goes
-    back when the Executor closes."""
+    one stream share its cuBLAS workspace: two replaying at once on it would race (issue 36
+    item 7). Here the pool has 3 streams and 5 frames run at once: 3 graph instances are
+    captured, each on a stream of its own, and the executions that find them busy wait for
+    one (issue 50: before, the 2 frames without a lease ran on the stream path, trying again
+    on every execution); every stream goes back when the Executor closes."""
     async def body() -> None:
         gpu = CaptureGpu(seed=5)
         cuda = CaptureBackend(gpu, capture_streams_per_device=3)
@@ -502,7 +506,8 @@ def test_frames_never_share_a_capture_stream_past_the_pool(backend: str) -> None
                     async with gpu_running(gpu):
                         await until(lambda: ex.statistics().frames.in_use == 0, "done")
             s = stats(ex)
-            assert s.captures == 3 and s.fallbacks >= 2, s
+            assert (s.captures, s.instances, s.fallbacks, s.lease_failures) == (3, 3, 0, 1), s
+            assert s.warmups + s.captures + s.replays == 15 and s.instance_waits >= 1, s
             assert len(cuda.captured_on) == 3
             assert len(set(cuda.captured_on)) == 3  # no stream holds two frames' graphs
             assert cuda_capture.CAPTURE_STREAMS.held == held_before + 3
@@ -545,8 +550,11 @@ def test_concurrent_executions_on_different_frames_each_capture_their_own(backen
         for k, out in results.items():
             torch.testing.assert_close(out, expected(inputs(k), w))
         s = stats(ex)
-        assert (s.warmups, s.captures, s.replays) == (2, 2, 2)
-        assert len(cuda.graphs) == len(cuda.pools) == 2  # a graph and a pool per frame
+        # warm-up is the signature's (one execution), then the second execution of that
+        # round captures an instance; next round one replays it while the other captures a
+        # second instance (the first is busy), and the third round replays both
+        assert (s.warmups, s.captures, s.replays) == (1, 2, 3)
+        assert len(cuda.graphs) == len(cuda.pools) == 2  # a graph and a pool per instance
         assert {id(p.allocations[0]) for p in cuda.pools} != 1
         assert gpu.errors == []
 

@@ -1,5 +1,5 @@
-"""A simulated GPU that can capture CUDA graphs, for tests/integration/test_cuda_graphs.py and
-test_cuda_graph_segments.py.
+"""A simulated GPU that can capture CUDA graphs, for tests/integration/test_cuda_graphs.py,
+test_cuda_graph_segments.py and test_graph_instances.py.
 
 It extends the simulated GPU of support/fake_gpu.py (fake in-order streams and events, a
 current stream per thread: `ThreadGpu`) with what capture requires of the host, as CUDA enforces it:
@@ -32,6 +32,11 @@ current stream per thread: `ThreadGpu`) with what capture requires of the host, 
 - A kernel's first use of a (thread, stream) inside a capture counts as a library workspace
   allocated in the capture's pool (`FakePool.workspaces`), as cuBLAS allocates one per
   (handle, stream).
+- What executions cost the host (`CaptureGpu.host`, a `HostCalls`): events made, event queries
+  (and those on the event loop's thread: its polls), synchronizes; `capture_stream_requests`
+  counts what capture-stream leases asked of the pool. With `eager=True` the GPU is idle by
+  the time the host asks: a query first runs everything enqueued, so a wait's count of
+  queries and hand-offs is exact.
 
 What it cannot model: real kernels and their timing (a replay re-runs Python on the host);
 the caching allocator itself (blocks kept for recorded streams, `empty_cache`, memory growth:
@@ -42,8 +47,8 @@ the host); cuBLAS's actual workspace sharing between concurrent replays (only fi
 are counted); the loop's wake-up latency from a thread on a real machine (benchmarks/gpu_wait.py
 --cuda measures it).
 
-Also the Executor on it (`make_executor`, `running`, `stats`) and the diamond program both
-test files run.
+Also the Executor on it (`make_executor`, `running`, `stats`, `graph_instances`) and the
+diamond program the test files run.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import torch
 
 from asyncgraph import Executor, GraphBuilder
 from asyncgraph.cuda import capture as cuda_capture
+from asyncgraph.cuda.instances import GraphInstances
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, InputKind, Node, Signature
 from asyncgraph.kernels import KernelFactory, KernelKind, OpKernel
@@ -69,6 +75,7 @@ from tests.support.fake_gpu import (
     FakeEvent,
     FakeStream,
     ThreadGpu,
+    _on_event_loop,
     gpu_config,
     gpu_running,
 )
@@ -137,14 +144,27 @@ class FakeCapture:
         return tick
 
 
+@dataclasses.dataclass
+class HostCalls:
+    """What the host asked of the simulated GPU's events (`CaptureGpu.host`)."""
+
+    events_made: int = 0
+    queries: int = 0
+    loop_queries: int = 0  # made on the thread that runs the event loop: its polls
+    synchronizes: int = 0
+    loop_synchronizes: int = 0
+
+
 class CaptureGpu(ThreadGpu):
     """ThreadGpu with one capture open at a time, on the thread that opened it."""
 
-    def __init__(self, seed: int = 0, track_writers: bool = False) -> None:
+    def __init__(self, seed: int = 0, track_writers: bool = False, eager: bool = False) -> None:
         super().__init__(seed)
         self.capture: FakeCapture | None = None
         self.captures = 0
         self.track_writers = track_writers
+        self.eager = eager  # idle by the time the host asks: a query runs what is enqueued
+        self.host = HostCalls()
         self.warmed: set[tuple[int, FakeStream]] = set()  # (thread, stream) that launched
         self._writers: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
 
@@ -223,12 +243,29 @@ class CaptureEvent(FakeEvent):
             raise RuntimeError("query of an event recorded inside a capture")
 
     def query(self) -> bool:
+        gpu = self.gpu
+        assert isinstance(gpu, CaptureGpu)
+        gpu.host.queries += 1
+        if _on_event_loop():
+            gpu.host.loop_queries += 1
         self._check()
+        if gpu.eager:
+            gpu.drain()
         return super().query()
 
     def synchronize(self) -> None:
+        gpu = self.gpu
+        assert isinstance(gpu, CaptureGpu)
+        gpu.host.synchronizes += 1
+        if _on_event_loop():
+            gpu.host.loop_synchronizes += 1
         self._check()
-        super().synchronize()
+        if gpu.eager:
+            gpu.drain()
+        if not FakeEvent.query(self):  # FakeEvent.synchronize, its queries not the host's
+            assert not _on_event_loop(), "synchronize() on a pending event would block the loop"
+            gpu.wait_until(lambda: FakeEvent.query(self))
+        self.synchronized += 1
 
 
 class CaptureStream(FakeStream):
@@ -289,6 +326,7 @@ class CaptureBackend(FakeBackend):
 
     def new_event(self) -> CaptureEvent:
         assert isinstance(self.gpu, CaptureGpu)
+        self.gpu.host.events_made += 1
         return CaptureEvent(self.gpu)
 
     def new_graph(self) -> FakeGraph:
@@ -453,3 +491,11 @@ def stats(ex: Executor) -> cuda_capture.CudaGraphStatistics:
     s = ex.cuda_graph_statistics()
     assert s is not None
     return s
+
+
+def graph_instances(ex: Executor) -> GraphInstances:
+    """The Executor's graph instances (asyncgraph/cuda/instances.py), white-box: its device
+    plan's CUDA-graph state, which the Executor keeps under a private name."""
+    instances = ex._device.graphs.instances  # type: ignore[attr-defined]
+    assert isinstance(instances, GraphInstances)
+    return instances
