@@ -184,10 +184,24 @@ def build(
         segments=AtomicGroups(*groups) if groups is not None else None,
         any_thread=adaptive.any_thread if adaptive is not None else None,  # straight lines
     )
+    prebuild_schedules(schedules, adaptive.base if adaptive is not None else plan.placement,
+                       config, profiled=adaptive is not None)
     return Built(
         graph, kernels, plan, schedules, folder, segments, delegates_of(kernels), counts, device,
         adaptive,
     )
+
+
+def prebuild_schedules(
+    schedules: ScheduleCache, base: tuple[Placement, ...], config: ExecutorConfig, profiled: bool
+) -> None:
+    """The schedules of the first executions, built with the Executor rather than on the loop
+    in its first requests (1-1.5 ms each for tiny BERT's fused one, several per first burst):
+    the first placement's fused schedule, and its unfused one that profiled runs take."""
+    fuse = not config.trace and config.ready_order_seed is None
+    schedules.get(base, fuse)
+    if fuse and profiled:
+        schedules.get(base, False)
 
 
 def plan_segments(

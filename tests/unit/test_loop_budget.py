@@ -246,8 +246,12 @@ async def test_a_schedule_is_compiled_off_the_loop_once_for_concurrent_misses(
         await asyncio.sleep(0)
         turned.set()
 
+    import asyncgraph.runtime.build as build_module
+
     monkeypatch.setattr(schedule_module, "build_schedule", build_waiting_for_the_loop)
     monkeypatch.setattr(schedule_module, "INLINE_BUILD_NODES", 0)  # as a large graph does
+    # a miss in a request: not the first placement's, which the Executor builds when it is made
+    monkeypatch.setattr(build_module, "prebuild_schedules", lambda *args, **kwargs: None)
     b = GraphBuilder()
     b.output(b.call(spin, b.input("x"), name="spin", placement="inline"))
     config = ExecutorConfig(adaptive_placement=False, max_concurrent_executions=2)
@@ -378,3 +382,14 @@ async def test_a_lone_caller_runs_a_long_straight_line_in_one_call() -> None:
             assert extended >= 2 and deferred == 0  # 3.2 ms of units in 1 ms slices
         else:
             assert extended == 0 and deferred >= 2
+
+
+async def test_the_first_placements_schedules_are_built_with_the_executor() -> None:
+    """The first requests find their schedules built (runtime/build.py's prebuild_schedules):
+    the fused one, and the unfused one that profiled runs take."""
+    b = GraphBuilder()
+    b.output(b.call(spin, b.input("x"), name="spin", placement="inline"))
+    async with Executor(b.build(), ExecutorConfig()) as ex:
+        assert ex.statistics().schedules.built == 2
+        assert await ex.execute(1) == 2
+        assert ex.statistics().schedules.built == 2
