@@ -56,6 +56,7 @@ from asyncgraph.compiled.scripted import unscriptable_reason
 from asyncgraph.compiled.segments import Segment, replace_segments, tensor_bounded_segments
 from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, Node, OutputKind, TensorSpec
 from asyncgraph.kernels.cost import estimate_cost
+from asyncgraph.runtime.forms import build_cancelled
 
 MIN_NODES = 8  # a run this long becomes a segment (a call into ONNX Runtime costs ~5-10 us)
 
@@ -119,6 +120,8 @@ def plan_onnx_segments(
                 done[segment.start, segment.stop] = _delegate(
                     graph, segment, weights, intra_op_threads)
             except ExportFailed as failed:
+                if build_cancelled():  # the Executor closed during a fast form's build
+                    return OnnxPlan(graph, [], skipped)
                 nodes = segment.nodes(graph)
                 skipped.append(SkippedSegment(tuple(n.name for n in nodes), failed.reason))
                 LOG.warning("nodes %s..%s stay plain: %s", nodes[0].name, nodes[-1].name,

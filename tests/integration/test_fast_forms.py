@@ -108,3 +108,36 @@ async def test_many_callers_while_the_form_builds_and_after() -> None:
                 torch.testing.assert_close(out, model(v), rtol=1e-4, atol=1e-5)
             await asyncio.sleep(0.05)
         await _until_decided(ex, model, x)
+
+
+async def test_closing_during_a_first_export_stops_it_quietly(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fast form's first export runs in a child process; an Executor closed meanwhile
+    stops the child and leaves no thread, no process and no warning behind."""
+    import logging
+
+    from asyncgraph.compiled import onnx_export
+
+    monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))  # nothing exported yet
+    monkeypatch.setattr(onnx_export, "_CACHE", type(onnx_export._CACHE)())
+    started: list[Any] = []
+    popen = onnx_export.subprocess.Popen
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(onnx_export.subprocess, "Popen", recorded)
+    model, x = MLP().eval(), torch.randn(1, 32)
+    caplog.set_level(logging.WARNING, logger="asyncgraph")
+    ex = Executor(export_model(model, x), FAST)
+    torch.testing.assert_close(await ex.execute(x), model(x), rtol=1e-4, atol=1e-5)
+    for _ in range(200):  # until the build thread has started its child
+        if started:
+            break
+        await asyncio.sleep(0.01)
+    await ex.aclose()
+    assert started and all(child.poll() is not None for child in started)
+    assert ex.statistics().forms is not None and ex.statistics().forms["form"] is None
+    assert not [r for r in caplog.records if r.name.startswith("asyncgraph")], caplog.text
