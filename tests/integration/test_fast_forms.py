@@ -5,6 +5,7 @@ the verdict is measured, and a weights swap never serves the old weights."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import pytest
@@ -33,19 +34,23 @@ class MLP(torch.nn.Module):
 
 
 async def _until_decided(ex: Executor, model: torch.nn.Module, x: torch.Tensor,
-                         limit: int = 4000) -> dict[str, Any]:
-    """Executions, each checked against eager, until the signature has a verdict."""
+                         limit_s: float = 60.0) -> dict[str, Any]:
+    """Executions, each checked against eager, until the signature has a verdict (a first
+    export runs in a child process: seconds)."""
+    import anyio
+
     expected = model(x)
-    for n in range(limit):
-        torch.testing.assert_close(await ex.execute(x), expected, rtol=1e-4, atol=1e-5)
-        forms = ex.statistics().forms
-        assert forms is not None
-        verdict = forms["signatures"].get(next(iter(forms["signatures"]), None), {})
-        if verdict.get("form") in ("onnx", "plain"):
-            return forms
-        if n % 16 == 0:
-            await asyncio.sleep(0.005)  # the build thread's turn
-    pytest.fail(f"no verdict after {limit} executions: {ex.statistics().forms}")
+    with anyio.move_on_after(limit_s):
+        for n in itertools.count():
+            torch.testing.assert_close(await ex.execute(x), expected, rtol=1e-4, atol=1e-5)
+            forms = ex.statistics().forms
+            assert forms is not None
+            verdict = forms["signatures"].get(next(iter(forms["signatures"]), None), {})
+            if verdict.get("form") in ("onnx", "plain"):
+                return forms
+            if n % 16 == 0:
+                await anyio.sleep(0.005)  # the build thread's turn
+    pytest.fail(f"no verdict after {limit_s} s: {ex.statistics().forms}")
 
 
 async def test_the_onnx_form_is_built_off_the_loop_and_chosen_by_measurement() -> None:
@@ -141,3 +146,26 @@ async def test_closing_during_a_first_export_stops_it_quietly(
     assert started and all(child.poll() is not None for child in started)
     assert ex.statistics().forms is not None and ex.statistics().forms["form"] is None
     assert not [r for r in caplog.records if r.name.startswith("asyncgraph")], caplog.text
+
+
+def test_the_fast_form_serves_on_trio_and_asyncio(backend: str) -> None:
+    """The form is an Executor bound to the caller's loop the first time it serves: on trio
+    too, where executions run in cancel scopes, and aclose(cancel=True) reaches its callers."""
+    import anyio
+
+    from tests.support.backends import run
+
+    async def body() -> None:
+        model, x = MLP().eval(), torch.randn(1, 32)
+        ex = Executor(export_model(model, x), FAST)
+        try:
+            forms = await _until_decided(ex, model, x)
+            assert forms["form"] == "onnx"
+            async with anyio.create_task_group() as group:
+                for _ in range(16):
+                    group.start_soon(ex.execute, x)
+        finally:
+            await ex.aclose(cancel=True)
+        assert ex.statistics().closed
+
+    run(body, backend)
