@@ -97,15 +97,23 @@ async def run(graphs: Sequence[str], rounds: int) -> list[dict[str, Any]]:
 
     cases = []
     works = ort.workloads(Settings(size="full"), graphs)
+    before = os.environ.get("ASYNCGRAPH_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="asyncgraph-first-burst-") as cache:
         os.environ["ASYNCGRAPH_CACHE_DIR"] = cache  # cold: nothing exported yet
-        for state in ("cold", "warm"):
-            for work in works:
-                if state == "cold":
-                    from asyncgraph.compiled import onnx_export
+        try:
+            for state in ("cold", "warm"):
+                for work in works:
+                    if state == "cold":
+                        from asyncgraph.compiled import onnx_export
 
-                    onnx_export._CACHE.clear()  # nor in this process's memory
-                cases.append(case(work.key, state, await first_rounds(work.ep, work.x, rounds)))
+                        onnx_export._CACHE.clear()  # nor in this process's memory
+                    rounds_run = await first_rounds(work.ep, work.x, rounds)
+                    cases.append(case(work.key, state, rounds_run))
+        finally:
+            if before is None:
+                del os.environ["ASYNCGRAPH_CACHE_DIR"]
+            else:
+                os.environ["ASYNCGRAPH_CACHE_DIR"] = before
     return cases
 
 
