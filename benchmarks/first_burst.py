@@ -11,7 +11,7 @@ How: for each graph (benchmarks/ort.py's MLP, tiny BERT and encoder) and each ca
 (`cold`: no export on disk, a first start; `warm`: the exports a previous start left, a
 restart), a new Executor on the graph's batch-1 program; `--rounds` rounds of 64 callers
 making one request each, a heartbeat task on the same loop sleeping 1 ms at a time and
-recording how late it wakes. Per round: the lag's p99 and maximum, the throughput, and how
+recording how late it wakes (the suite's heartbeat). Per round: the lag's p99 and maximum, the throughput, and how
 many of the round's executions the fast form served. The target is issue 54's: lag p99 <= 5
 ms in every round, the first included (the figure is the worst round's p99).
 """
@@ -25,45 +25,30 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from asyncgraph import Executor, ExecutorConfig
+from asyncgraph.bench.concurrency import one_round
 from asyncgraph.bench.harness import Settings, quantile
 
 CALLERS = 64
-HEARTBEAT_S = 0.001
 LAG_LIMIT_MS = 5.0
 ISSUE = 54
 
 
 async def burst(ex: Executor, x: torch.Tensor, callers: int) -> dict[str, float]:
-    """One round: `callers` requests at once, the loop's lag while they run."""
-    lags: list[float] = []
-    running = True
-
-    async def heartbeat() -> None:
-        while running:
-            start = time.perf_counter()
-            await asyncio.sleep(HEARTBEAT_S)
-            lags.append(max(0.0, time.perf_counter() - start - HEARTBEAT_S))
-
+    """One round: `callers` requests at once, the loop's lag while they run (the suite's
+    heartbeat, asyncgraph/bench/concurrency.py)."""
     forms = ex.statistics().forms
     fast_before = forms["fast_runs"] if forms else 0
-    beat = asyncio.create_task(heartbeat())
-    await asyncio.sleep(0)
-    start = time.perf_counter()
-    await asyncio.gather(*(ex.execute(x) for _ in range(callers)))
-    elapsed = time.perf_counter() - start
-    running = False
-    await beat
+    measured = await one_round(lambda: ex.execute(x), callers, 1)
     forms = ex.statistics().forms
-    lags = lags or [0.0]
+    lags = measured.lags or [0.0]
     return {"lag_p99_ms": quantile(lags, 0.99) * 1e3, "lag_max_ms": max(lags) * 1e3,
-            "throughput": callers / elapsed,
+            "throughput": callers / measured.elapsed,
             "fast_runs": (forms["fast_runs"] if forms else 0) - fast_before}
 
 

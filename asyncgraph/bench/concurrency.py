@@ -118,14 +118,14 @@ async def measure_concurrent(
     s = ctx.settings
     await verify(peers, results, **TOLERANCE)
     live = [p for p in peers if not results[p.name].failed]
-    rounds: dict[str, list[_Round]] = {p.name: [] for p in live}
+    rounds: dict[str, list[Round]] = {p.name: [] for p in live}
     advance = ctx.task(label, ctx.rounds_total)
     rng = random.Random(s.seed)
     with frozen_heap():
         for r in range(ctx.rounds_total):
             for peer in round_order(live, rng):
                 gc.collect()
-                measured = await _round(peer.call, callers, per_caller)
+                measured = await one_round(peer.call, callers, per_caller)
                 if r >= s.n_warmup:
                     rounds[peer.name].append(measured)
                 await peer.settle()  # its threads quiet before the next peer (Peer's doc)
@@ -134,7 +134,9 @@ async def measure_concurrent(
         _summarise(results[name], rs)
 
 
-class _Round:
+class Round:
+    """One round of callers: its wall time, each request's latency, the loop's lags."""
+
     __slots__ = ("elapsed", "lags", "latencies", "requests")
 
     def __init__(self, elapsed: float, latencies: list[float], lags: list[float]) -> None:
@@ -144,7 +146,8 @@ class _Round:
         self.requests = len(latencies)
 
 
-async def _round(call: Callable[[], Awaitable[Any]], callers: int, per_caller: int) -> _Round:
+async def one_round(call: Callable[[], Awaitable[Any]], callers: int, per_caller: int) -> Round:
+    """`callers` tasks making `per_caller` calls each at once, a heartbeat on the same loop."""
     latencies: list[float] = []
     lags: list[float] = []
     running = True
@@ -168,10 +171,10 @@ async def _round(call: Callable[[], Awaitable[Any]], callers: int, per_caller: i
     elapsed = time.perf_counter() - start
     running = False
     await beat
-    return _Round(elapsed, latencies, lags)
+    return Round(elapsed, latencies, lags)
 
 
-def _summarise(result: PeerResult, rounds: list[_Round]) -> None:
+def _summarise(result: PeerResult, rounds: list[Round]) -> None:
     if not rounds:
         return
     latencies = [x for r in rounds for x in r.latencies]
