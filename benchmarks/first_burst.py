@@ -11,7 +11,8 @@ How: for each graph (benchmarks/ort.py's MLP, tiny BERT and encoder) and each ca
 (`cold`: no export on disk, a first start; `warm`: the exports a previous start left, a
 restart), a new Executor on the graph's batch-1 program; `--rounds` rounds of 64 callers
 making one request each, a heartbeat task on the same loop sleeping 1 ms at a time and
-recording how late it wakes (the suite's heartbeat). Per round: the lag's p99 and maximum, the throughput, and how
+recording how late it wakes (the suite's heartbeat). Per round: the lag's p99 and maximum,
+the throughput, and how
 many of the round's executions the fast form served. The target is issue 54's: lag p99 <= 5
 ms in every round, the first included (the figure is the worst round's p99).
 """
