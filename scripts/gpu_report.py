@@ -25,11 +25,17 @@ a phase the budget no longer admits is reported as "not run: budget"):
 - probes: the host wait's added latency on asyncio, uvloop and trio; a forced capture failure
   followed by `empty_cache()` and memory growth; 64 frames replaying at once, every output
   checked against eager (scripts/gpu_probes.py: issue 36, items 1, 2 and 7);
-- bench: `python -m benchmarks.gpu --quick`;
+- bench: `python -m benchmarks.gpu --quick --json OUT/bench.json` (issue 50, item 6: one
+  caller; 64 callers unbatched, batched into bucket graphs, `to_thread(eager)` and per-thread
+  CUDA graphs of eager, each warmed until its captures stop, then 50 rounds; streams), its
+  graph statistics per case in the JSON;
 - example: `python examples/gpu_check.py --skip-tests` (its tests are the tests phase's).
 
 It writes one directory (default build/gpu-report/DATE-DEVICE-torchVERSION/): README.md, a
-summary table first (phase, status, key figures, time), then the details (failures with their
+summary table first (phase, status, key figures, time), and under it issue 50's targets
+(`ISSUE50_TARGETS`: each with its ratio or figure from the bench's JSON and the concurrency
+probe, its bound and whether it is met, "no figure" where its case could not run), then the
+details (failures with their
 assertions and tracebacks, probe tables, bench output, environment), and the raw logs, junit
 XML and probe JSON beside it. It also writes DATE-DEVICE-torchVERSION.md there, the same
 summary and failures in one file to commit as benchmarks/results/gpu/DATE-DEVICE-torchVERSION.md
@@ -83,6 +89,8 @@ RESERVE_S = 20.0  # kept back from every phase: a killed phase's grace, and the 
 MIN_PHASE_S = 20.0  # a phase that would get less is not started
 MIN_STEP_S = 5.0
 PER_TEST_TIMEOUT_S = 120.0
+BENCH_CAP_S = 240.0  # 3 models x 4 peers x (warm-up + 50 rounds of 64 callers), and exports
+BENCH_JSON = "bench.json"
 
 # The modules of tests that need CUDA: real-GPU tests (skipped without it) and the simulated
 # GPU's. gpu_test_modules() adds any other test file that uses the real-GPU marker.
@@ -96,6 +104,7 @@ GPU_TEST_MODULES = (
     "tests/integration/test_host_wait.py",
     "tests/unit/test_protect_outputs.py",
     "tests/unit/test_stream_plan.py",
+    "tests/integration/test_stream_count.py",
 )
 REAL_GPU_REASON = "needs a CUDA GPU"  # tests/support/real_gpu.py's needs_gpu skip reason
 # a file using the marker: `@needs_gpu`, `pytestmark = needs_gpu` (or in a list), the reason
@@ -630,16 +639,28 @@ def concurrency_figures(cc: dict[str, Any] | None) -> str:
     return f"{cc.get('callers', 64)} frames: " + (", ".join(parts) or "no result")
 
 
-_RATIO_64 = re.compile(r"^\s*(\S+): asyncgraph\s+([\d.]+)/s.*ratio x\s*([\d.]+)", re.MULTILINE)
 _STREAMS = re.compile(r"^(.*?): latency on 1 stream / on (\d+) streams: ([\d.]+)x", re.MULTILINE)
 
 
-def bench_figures(text: str) -> str:
-    ratios = _RATIO_64.findall(text)
+def bench_figures(text: str, bench: dict[str, Any] | None = None,
+                  concurrency: dict[str, Any] | None = None) -> str:
+    """The bench phase's cell: its issue-50 targets counted (from its JSON), its errors."""
     parts = []
-    if ratios:
-        parts.append("64 callers / to_thread(eager): "
-                     + ", ".join(f"{m} x{r}" for m, _, r in ratios))
+    if bench is not None:
+        rows = target_rows(bench, concurrency)
+        verdicts = [r.verdict for r in rows]
+        parts.append(f"issue-50 targets: {verdicts.count(MET)} met, {verdicts.count(NOT_MET)} "
+                     f"not met, {verdicts.count(NO_FIGURE)} no figure (see the targets table)")
+        unbatched = [r for r in rows if r.target.key == "unbatched" and r.value is not None]
+        if unbatched:
+            parts.append("64 callers unbatched / to_thread(eager): " + ", ".join(
+                f"{r.target.model} x{r.value:.2f}" for r in unbatched))
+        errors = bench.get("errors") or []
+        if errors:
+            parts.append(f"{len(errors)} cases raised: " + ", ".join(
+                f"{e.get('model')}/{e.get('peer')}" for e in errors[:6]))
+        if not bench.get("complete"):
+            parts.append("cut short (the JSON holds the cases it finished)")
     if "Traceback" in text:
         parts.append("a traceback in the output")
     if "cannot run" in text:
@@ -653,6 +674,191 @@ def example_figures(text: str) -> str:
     if "Traceback" in text:
         parts.append("a traceback in the output")
     return "; ".join(parts) or "see the output"
+
+
+# == issue 50's targets ==========================================================================
+
+MET, NOT_MET, NO_FIGURE = "met", "NOT MET", "no figure"
+ISSUE50_MODELS = ("encoder", "cnn", "wide-mlp")
+ISSUE50_CALLERS = 64
+ISSUE50_MIN_ROUNDS = 50  # timed rounds of the 64-caller cases, after their warm-up
+# benchmarks/gpu.py's sections and the peers the targets read (its PEERS)
+ONE_CALLER, MANY_CALLERS = "one-caller", "many-callers"
+BASELINE = "to-thread-eager"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One bound of issue 50's table ("Targets"): a figure of benchmarks/gpu.py's JSON (or of
+    the `concurrency` probe), `op` ">=" or "<=" `bound`, for one model (None: all)."""
+
+    key: str
+    what: str
+    model: str | None
+    op: str
+    bound: float
+    unit: str  # "x" a ratio, "ms", "" a count
+
+
+_UNBATCHED_BOUNDS = {"encoder": 2.0, "cnn": 5.0, "wide-mlp": 5.0}
+_BATCHED_BOUNDS = {"encoder": 3.0, "cnn": 10.0, "wide-mlp": 10.0}
+
+ISSUE50_TARGETS: tuple[Target, ...] = (
+    *(Target("unbatched", f"{ISSUE50_CALLERS} callers, unbatched, all replaying / "
+             "to_thread(eager)", m, ">=", b, "x") for m, b in _UNBATCHED_BOUNDS.items()),
+    *(Target("batched", f"{ISSUE50_CALLERS} callers, batched into bucket graphs / "
+             "to_thread(eager)", m, ">=", b, "x") for m, b in _BATCHED_BOUNDS.items()),
+    *(Target("one-caller", "one caller, captured / a CUDA graph of eager", m, "<=", 1.15, "x")
+      for m in ISSUE50_MODELS),
+    *(Target("loop-lag", f"loop lag p99 under {ISSUE50_CALLERS} callers", m, "<=", 2.0, "ms")
+      for m in ISSUE50_MODELS),
+    Target("wrong-outputs", "64 frames replaying at once: wrong outputs", None, "<=", 0, ""),
+)
+
+#: (section, peer) of benchmarks/gpu.py that each kind of target reads: its figure, then
+#: what it is divided by (ratios) or the other cases it covers.
+TARGET_PEERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "unbatched": ((MANY_CALLERS, "asyncgraph"), (MANY_CALLERS, BASELINE)),
+    "batched": ((MANY_CALLERS, "asyncgraph-batched"), (MANY_CALLERS, BASELINE)),
+    "one-caller": ((ONE_CALLER, "asyncgraph-captured"), (ONE_CALLER, "graph-of-eager")),
+    "loop-lag": ((MANY_CALLERS, "asyncgraph"), (MANY_CALLERS, "asyncgraph-batched")),
+    "wrong-outputs": ((MANY_CALLERS, "asyncgraph"), (MANY_CALLERS, "asyncgraph-batched")),
+}
+
+
+@dataclasses.dataclass
+class TargetRow:
+    target: Target
+    value: float | None  # None: no figure
+    figure: str  # the figure and what it is made of, or why there is none
+    verdict: str  # MET, NOT_MET, NO_FIGURE
+
+
+def _bench_case(bench: dict[str, Any] | None, section: str, model: str | None,
+                peer: str) -> dict[str, Any] | None:
+    for case in (bench or {}).get("cases") or []:
+        if (case.get("section"), case.get("model"), case.get("peer")) == (section, model, peer):
+            return dict(case)
+    return None
+
+
+def _why_missing(bench: dict[str, Any] | None, section: str, model: str | None,
+                 peer: str) -> str:
+    if bench is None:
+        return "the benchmark left no results"
+    for err in bench.get("errors") or []:
+        if (err.get("section"), err.get("model"), err.get("peer")) == (section, model, peer):
+            return f"{peer} raised {str(err.get('error'))[:160]}"
+    if model is not None and model not in ((bench.get("args") or {}).get("models") or [model]):
+        return f"{model} was not selected (--models)"
+    done = "" if bench.get("complete") else " (the run was cut short)"
+    return f"{peer} was not measured{done}"
+
+
+def _judge(target: Target, value: float) -> str:
+    ok = value >= target.bound if target.op == ">=" else value <= target.bound
+    return MET if ok else NOT_MET
+
+
+def _ratio_row(target: Target, bench: dict[str, Any] | None) -> TargetRow:
+    (section, ours_key), (_, theirs_key) = TARGET_PEERS[target.key]
+    ours = _bench_case(bench, section, target.model, ours_key)
+    theirs = _bench_case(bench, section, target.model, theirs_key)
+    if ours is None or theirs is None:
+        missing = ours_key if ours is None else theirs_key
+        return TargetRow(target, None, _why_missing(bench, section, target.model, missing),
+                         NO_FIGURE)
+    if target.key == "one-caller":
+        value = ours["ms"] / theirs["ms"]
+        figure = f"x{value:.2f} ({ours['ms']:.3f} ms / {theirs['ms']:.3f} ms)"
+        verdict = _judge(target, value)
+        if not (ours.get("graphs") or {}).get("replays"):
+            figure += "; NOT captured (no replays)"
+            verdict = NOT_MET
+        return TargetRow(target, value, figure, verdict)
+    value = ours["calls_per_s"] / theirs["calls_per_s"]
+    figure = f"x{value:.2f} ({ours['calls_per_s']:,.0f}/s / {theirs['calls_per_s']:,.0f}/s)"
+    verdict = _judge(target, value)
+    timed = ours.get("graphs_timed") or {}
+    if not ours.get("all_replaying"):
+        figure += (f"; NOT all replaying: {timed.get('replays', 0)} replays of "
+                   f"{ours.get('executions')} executions, {timed.get('fallbacks', 0)} fallbacks")
+        if not (ours.get("graphs") or {}).get("capturable"):
+            figure += f", not captured whole ({(ours.get('graphs') or {}).get('reason')})"
+        verdict = NOT_MET
+    if not ours.get("settled", True):
+        figure += f"; still capturing after {ours.get('warm_rounds')} warm-up rounds"
+    if ours.get("callers") != ISSUE50_CALLERS:
+        figure += f"; {ours.get('callers')} callers, not {ISSUE50_CALLERS}"
+        verdict = NOT_MET
+    if int(ours.get("rounds") or 0) < ISSUE50_MIN_ROUNDS:
+        figure += f"; {ours.get('rounds')} timed rounds, fewer than {ISSUE50_MIN_ROUNDS}"
+        verdict = NOT_MET
+    return TargetRow(target, value, figure, verdict)
+
+
+def _lag_row(target: Target, bench: dict[str, Any] | None) -> TargetRow:
+    lags = []
+    for section, key in TARGET_PEERS["loop-lag"]:
+        case = _bench_case(bench, section, target.model, key)
+        if case is not None and case.get("lag_p99_ms") is not None:
+            lags.append((key, float(case["lag_p99_ms"])))
+    if not lags:
+        return TargetRow(target, None, _why_missing(bench, MANY_CALLERS, target.model,
+                                                    "asyncgraph"), NO_FIGURE)
+    value = max(lag for _, lag in lags)
+    figure = f"{value:.2f} ms (" + ", ".join(f"{k} {lag:.2f}" for k, lag in lags) + ")"
+    return TargetRow(target, value, figure, _judge(target, value))
+
+
+def _wrong_row(target: Target, bench: dict[str, Any] | None,
+               concurrency: dict[str, Any] | None) -> TargetRow:
+    wrong, parts = 0, []
+    graphs = (concurrency or {}).get("graphs") or {}
+    if "bad" in graphs:
+        wrong += int(graphs["bad"])
+        parts.append(f"probe: {graphs['bad']} of {graphs.get('calls')} (distinct inputs)")
+    elif concurrency is not None:
+        why = graphs.get("error") or concurrency.get("error") or concurrency.get("skipped")
+        parts.append(f"probe: no result ({str(why)[:120]})")
+    else:
+        parts.append("probe: not run")
+    checked = 0
+    for case in (bench or {}).get("cases") or []:
+        if (case.get("section"), case.get("peer")) in TARGET_PEERS["wrong-outputs"]:
+            wrong += int(case.get("wrong_outputs", 0))
+            checked += int(case.get("checked_outputs", 0))
+    if checked:
+        parts.append(f"benchmark: {wrong - int(graphs.get('bad', 0))} of {checked} checked")
+    if not parts or ("bad" not in graphs and not checked):
+        why = "; ".join(parts) or "neither the probe nor the benchmark left results"
+        return TargetRow(target, None, why, NO_FIGURE)
+    return TargetRow(target, float(wrong), "; ".join(parts), _judge(target, float(wrong)))
+
+
+def target_rows(bench: dict[str, Any] | None,
+                concurrency: dict[str, Any] | None) -> list[TargetRow]:
+    """Every issue-50 target with its figure from benchmarks/gpu.py's JSON (`bench`) and the
+    `concurrency` probe's, or "no figure" and why."""
+    rows = []
+    for target in ISSUE50_TARGETS:
+        if target.key == "loop-lag":
+            rows.append(_lag_row(target, bench))
+        elif target.key == "wrong-outputs":
+            rows.append(_wrong_row(target, bench, concurrency))
+        else:
+            rows.append(_ratio_row(target, bench))
+    return rows
+
+
+def targets_table(rows: Sequence[TargetRow]) -> str:
+    out = ["| target | model | figure | bound | verdict |", "|---|---|---|---|---|"]
+    for r in rows:
+        t = r.target
+        bound = f"{t.op} {t.bound:g}{' ' + t.unit if t.unit == 'ms' else t.unit}"
+        out.append(f"| {_cell(t.what)} | {t.model or 'all'} | {_cell(r.figure)} | {bound} "
+                   f"| {r.verdict} |")
+    return "\n".join(out)
 
 
 # == the report ===================================================================================
@@ -674,6 +880,10 @@ class Report:
     argv: list[str]
     revision: str
     name: str
+    bench_json: dict[str, Any] | None = None  # benchmarks/gpu.py --json
+
+    def targets(self) -> list[TargetRow]:
+        return target_rows(self.bench_json, self.probes.get("concurrency"))
 
 
 def _cell(text: Any) -> str:
@@ -717,7 +927,8 @@ def phase_figures(report: Report, phase: PhaseResult) -> str:
                           capture_failure_figures(p.get("capture_failure")),
                           concurrency_figures(p.get("concurrency"))]) + extra
     if phase.name == "bench":
-        return bench_figures(report.bench) + extra
+        return bench_figures(report.bench, report.bench_json,
+                             report.probes.get("concurrency")) + extra
     if phase.name == "example":
         return example_figures(report.example) + extra
     return extra.strip()
@@ -926,7 +1137,10 @@ def render(report: Report, *, for_commit: bool) -> str:
            f"`{shlex.join(['python', 'scripts/gpu_report.py', *report.argv])}` on "
            f"{report.revision}, Python {info.get('python')}; started {report.started} UTC, "
            f"took {report.took_s:.0f} s of a {report.budget_s:.0f} s budget.", "",
-           "## Summary", "", summary_table(report), ""]
+           "## Summary", "", summary_table(report), "",
+           "### Issue-50 targets", "",
+           "From the bench phase's JSON (benchmarks/gpu.py) and the concurrency probe; \"no "
+           "figure\" where a case could not run.", "", targets_table(report.targets()), ""]
     for run in report.runs:
         if run.poison is not None:
             out += [f"**Warning:** {run.title}: a failure that may poison the CUDA context "
@@ -1074,8 +1288,11 @@ def build_phases(python: str, out_dir: Path, modules: Sequence[str], *, per_test
                                         probe_step("capture_failure", 60),
                                         probe_step("concurrency", 75)],
                         "host wait latency; a forced capture failure; 64 frames at once"),
-        "bench": Phase("bench", 120, [Step("bench", [python, "-m", "benchmarks.gpu", *bench_args],
-                                           "bench.log", 120)], "benchmarks/gpu.py"),
+        "bench": Phase("bench", BENCH_CAP_S, [Step(
+            "bench", [python, "-m", "benchmarks.gpu", *bench_args, "--json",
+                      str(out_dir / BENCH_JSON)], "bench.log", BENCH_CAP_S)],
+            "benchmarks/gpu.py: one caller, 64 callers (unbatched, batched, to_thread(eager), "
+            "per-thread CUDA graphs of eager), streams; the issue-50 targets"),
         "example": Phase("example", 90, [Step("example", [python, "examples/gpu_check.py",
                                                           "--skip-tests"], "example.log", 90)],
                          "examples/gpu_check.py (its tests are the tests phase's)"),
@@ -1144,6 +1361,7 @@ def make_report(out_dir: Path, info: dict[str, Any], phases: list[PhaseResult],
         probes={p: read_json(out_dir / f"{p}.json")
                 for p in ("wait", "capture_failure", "concurrency")},
         bench=read_log(out_dir / "bench.log"), example=read_log(out_dir / "example.log"),
+        bench_json=read_json(out_dir / BENCH_JSON),
         commands=commands, started=f"{started:%Y-%m-%d %H:%M}", took_s=took_s,
         budget_s=budget_s, argv=argv, revision=git_revision(), name=name,
     )
@@ -1234,12 +1452,16 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "summary.json").write_text(json.dumps({
         "info": info, "took_s": round(took, 1), "budget_s": args.budget_s,
         "phases": [dataclasses.asdict(p) for p in results],
+        "targets": [{"key": r.target.key, "what": r.target.what, "model": r.target.model,
+                     "bound": f"{r.target.op} {r.target.bound:g}", "value": r.value,
+                     "figure": r.figure, "verdict": r.verdict} for r in report.targets()],
         "tests": {r.key: {"counts": r.counts, "source": r.source,
                           "poisoned_after": r.poison[0].nodeid if r.poison else None,
                           "killed_while": r.running,
                           "failures": [c.nodeid for c in r.failures]} for r in report.runs},
     }, indent=1, default=str))
     print("\n" + summary_table(report) + "\n")
+    print("Issue-50 targets:\n" + targets_table(report.targets()) + "\n")
     print(f"report: {out_dir / 'README.md'}")
     if args.commit_copy:
         target = unique_path(ROOT / "benchmarks" / "results" / "gpu" / commit_md.name)

@@ -92,7 +92,8 @@ class CudaBackend:
         """The device plans of a program with CUDA nodes; `driver`, a `Backend` replacing
         torch.cuda (tests' simulated GPU), or None for torch.cuda."""
         stream_plan = stream_plan_for(
-            graph, plan, config.cuda.streams, costs=[float(k.cost) for k in kernels]
+            graph, plan, config.cuda.streams, costs=[float(k.cost) for k in kernels],
+            captured=config.cuda.graphs,  # inside graphs, smaller branches overlap
         )
         runtime = CudaRuntime(
             stream_plan, plan.outputs,

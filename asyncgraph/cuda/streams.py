@@ -35,6 +35,24 @@ Rules, in topological order:
 - record_stream: a CUDA node that reads a tensor made on another stream records its own
   stream on it, so the caching allocator does not hand the memory to the producer's stream
   while this node may still read it.
+
+How many streams (`choose_streams`, `CudaConfig.streams=None`, the default): one, unless the
+plan has independent branches whose estimated work is worth a stream of their own; then as
+many as run such work at once, up to `AUTO_MAX_STREAMS`. An explicit `CudaConfig.streams` is
+used as given. Why not always several: a second stream pays only while the GPU, not the host,
+is what the execution waits for. Uncaptured, the host enqueues one node in about 10-12 us
+(issue 50's encoder), and a kernel of a few million multiply-adds is done long before the next
+is enqueued, whatever stream it is on; the extra streams only add events and waits. On an
+H200 (benchmarks/results/gpu/2026-11-28-nvidia-h200-torch2.11.0-cu130.md) the wide MLP (8
+branches of 4 Linear(512), batch 64: 16.8M multiply-adds each) ran uncaptured 0.89x as fast on
+4 streams as on 1, and examples/gpu_check.py's 8 x 6 Linear(256) (4.2M) 0.90x. Inside a CUDA
+graph the host launches nothing and the GPU runs one kernel after another: the same MLP ran
+2.09x as fast on 4 streams, gpu_check's 2.65x. So a branch is worth a stream when it holds a
+node of at least `UNCAPTURED_OVERLAP_WORK` multiply-adds (roughly the GPU time of the host's
+10 us per node: an estimate above the measured points, not itself measured), or
+`CAPTURED_OVERLAP_WORK` when executions are captured as CUDA graphs. Fewer streams also leave
+more of torch's 32 capture streams per device to graph instances (cuda/instances.py: 32 / the
+plan's streams).
 """
 
 from __future__ import annotations
@@ -64,6 +82,24 @@ class Role(enum.Enum):
 StreamKey = tuple[int, int]
 """(device index, stream index within that device's set)."""
 
+AUTO_MAX_STREAMS = 4
+"""The most streams per device `choose_streams` gives one execution: beyond 4 the measured
+branches gained nothing, and each stream of a captured plan costs a capture stream per graph
+instance (32 per device)."""
+
+UNCAPTURED_OVERLAP_WORK = 1 << 27
+"""Multiply-adds (kernels/cost.py's estimate) of a node that makes its branch worth a stream
+of its own when executions are not captured: 134M, 268 MFLOP, 4 us of an H200's fp32 peak and
+some 5-10 us at the efficiency GEMMs of that size reach: about as long as the host takes to
+enqueue one node (10-12 us, issue 50). An estimate: the measured point below it is the wide
+MLP, whose 16.8M-multiply-add linears ran 0.89x as fast on 4 streams as on 1 (module
+docstring); none above it has been measured."""
+
+CAPTURED_OVERLAP_WORK = 1 << 20
+"""The same inside a CUDA graph, where the host launches nothing: 1M multiply-adds, well under
+the 4.2M linears that ran 2.65x as fast on 4 streams (examples/gpu_check.py), above elementwise
+kernels of a few thousand elements that end before another could start."""
+
 
 @dataclass(frozen=True, slots=True)
 class StreamPlan:
@@ -91,6 +127,8 @@ class StreamPlan:
         output_waits: the CUDA nodes whose events the host awaits before reading the graph's
             outputs (the cuda layer awaits the end of every stream instead, which covers them).
         streams_used: the (device, stream) pairs that run at least one node, sorted.
+        stream_choice: how `streams_per_device` was chosen: "CudaConfig.streams=N", or
+            "auto: ..." with the reason (`choose_streams`).
     """
 
     streams_per_device: int
@@ -104,6 +142,7 @@ class StreamPlan:
     host_waits: tuple[tuple[int, ...], ...]
     output_waits: tuple[int, ...]
     streams_used: tuple[StreamKey, ...]
+    stream_choice: str = ""
 
     @property
     def num_nodes(self) -> int:
@@ -159,7 +198,7 @@ class StreamPlan:
 
     def describe(self) -> str:
         """One line per node that touches the GPU: for logs and failing tests."""
-        lines = []
+        lines = [f"streams: {self.stream_choice}"] if self.stream_choice else []
         for i, role in enumerate(self.roles):
             if role is Role.CUDA:
                 extra = f" waits={list(self.waits[i])}" if self.waits[i] else ""
@@ -184,6 +223,7 @@ def plan_streams(
     devices: Mapping[int, int] | None = None,
     outputs: Iterable[int] = (),
     costs: Sequence[float] | None = None,
+    stream_choice: str = "",
 ) -> StreamPlan:
     """Plan streams and events for a graph given as a DAG of nodes.
 
@@ -195,6 +235,7 @@ def plan_streams(
         devices: the device index of each CUDA node; missing entries mean device 0.
         outputs: the nodes whose values are graph outputs (of any kind).
         costs: estimated cost of each node, to balance branches over streams; default 1 each.
+        stream_choice: how `streams_per_device` was chosen, kept in the plan for describe().
     """
     n = len(roles)
     if len(producers) != n:
@@ -314,7 +355,68 @@ def plan_streams(
         host_waits=tuple(host_waits),
         output_waits=output_waits,
         streams_used=tuple(used),
+        stream_choice=stream_choice,
     )
+
+
+def choose_streams(
+    producers: Sequence[Sequence[int]],
+    roles: Sequence[Role],
+    *,
+    devices: Mapping[int, int] | None = None,
+    costs: Sequence[float] | None = None,
+    captured: bool = False,
+) -> tuple[int, str]:
+    """Streams per device for `CudaConfig.streams=None` (module docstring), and why.
+
+    The measure is the plan's own: each node starts once its producers have finished and lasts
+    its estimated cost (at least 1), as on a GPU with a stream per branch; the count is the
+    most nodes of at least the overlap work (`CAPTURED_OVERLAP_WORK` when `captured`, else
+    `UNCAPTURED_OVERLAP_WORK`) running at once on one device, between 1 and
+    `AUTO_MAX_STREAMS`. A chain never overlaps itself, and light branches (or light roots
+    beside a heavy chain) are not worth a stream: both get 1. Arguments as `plan_streams`'.
+    """
+    threshold = CAPTURED_OVERLAP_WORK if captured else UNCAPTURED_OVERLAP_WORK
+    where = "captured" if captured else "uncaptured"
+    if costs is None:
+        return 1, "auto: 1 stream (no cost estimates)"
+    width = _overlapping_heavy_nodes(producers, roles, costs, devices or {}, threshold)
+    count = max(1, min(width, AUTO_MAX_STREAMS))
+    if count == 1:
+        return 1, (f"auto: 1 stream ({where}: no independent branches with a node of at "
+                   f"least {threshold:,} multiply-adds)")
+    return count, (f"auto: {count} streams ({where}: {width} independent branches with a "
+                   f"node of at least {threshold:,} multiply-adds at once)")
+
+
+def _overlapping_heavy_nodes(
+    producers: Sequence[Sequence[int]],
+    roles: Sequence[Role],
+    costs: Sequence[float],
+    devices: Mapping[int, int],
+    threshold: float,
+) -> int:
+    """The most CUDA nodes of at least `threshold` cost that overlap in time on one device,
+    each node starting when its producers end (as soon as possible) and lasting its cost.
+    Producer indices out of order are left to `plan_streams` to reject."""
+    finish = [0.0] * len(roles)
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for i, role in enumerate(roles):
+        start = max((finish[p] for p in producers[i] if 0 <= p < i), default=0.0)
+        cost = float(costs[i]) if i < len(costs) else 1.0
+        finish[i] = start + max(cost, 1.0)
+        if role is Role.CUDA and cost >= threshold:
+            spans.setdefault(devices.get(i, 0), []).append((start, finish[i]))
+    widest = 0
+    for device_spans in spans.values():
+        # an end sorts before a start at the same time: back-to-back nodes do not overlap
+        edges = sorted([(end, -1) for _, end in device_spans]
+                       + [(start, 1) for start, _ in device_spans])
+        running = 0
+        for _, step in edges:
+            running += step
+            widest = max(widest, running)
+    return widest
 
 
 def _bits(mask: int) -> list[int]:
@@ -380,14 +482,19 @@ def node_role(graph: Graph, plan: ExecutionPlan, index: int) -> Role:
 def stream_plan_for(
     graph: Graph,
     plan: ExecutionPlan,
-    streams_per_device: int,
+    streams_per_device: int | None,
     *,
     costs: Sequence[float] | None = None,
     default_device: int = 0,
+    captured: bool = False,
 ) -> StreamPlan:
     """The StreamPlan of an Executor's graph: roles from the plan's placement (DEVICE nodes
     are CUDA nodes), devices from the nodes' output specs (`cuda` without an index means
-    `default_device`), every kind of graph output counted as an output."""
+    `default_device`), every kind of graph output counted as an output.
+
+    `streams_per_device` is `CudaConfig.streams`: a count, used as given, or None, chosen
+    by `choose_streams` from the costs; `captured` says the executions are captured as CUDA
+    graphs (`CudaConfig.graphs`), where smaller branches are worth a stream."""
     producers: list[list[int]] = []
     for node in graph.nodes:
         ps = [graph.values[v].producer for v in node.inputs()]
@@ -405,7 +512,12 @@ def stream_plan_for(
             producer = graph.values[ref.id].producer
             if producer is not None:
                 outputs.add(producer)
+    if streams_per_device is None:
+        streams_per_device, choice = choose_streams(
+            producers, roles, devices=devices, costs=costs, captured=captured)
+    else:
+        choice = f"CudaConfig.streams={streams_per_device}"
     return plan_streams(
         producers, roles, streams_per_device, devices=devices, outputs=sorted(outputs),
-        costs=costs,
+        costs=costs, stream_choice=choice,
     )

@@ -155,7 +155,7 @@ class BatchingConfig:
 
 #: CudaConfig's checks, in the order they run.
 CUDA_RULES: tuple[Rule, ...] = (
-    Range("streams", ">=", 1, why="CUDA streams per device for one execution"),
+    Range("streams", ">=", 1, or_none=True, why="CUDA streams per device for one execution"),
     Range("graph_warmup", ">=", 0, why="executions of a signature before its capture"),
 )
 
@@ -168,8 +168,15 @@ class CudaConfig:
     Attributes:
         streams: CUDA streams per device that one execution spreads its CUDA nodes over
             (docs/gpu.md): independent branches on different streams can overlap on the GPU;
-            1 runs every CUDA node of an execution in order on one stream. Concurrent
-            executions get stream sets of their own, up to `max_concurrent_executions` sets.
+            1 runs every CUDA node of an execution in order on one stream. None (the
+            default) lets the stream plan choose (cuda/streams.py's `choose_streams`): 1,
+            unless independent branches carry work worth a stream of their own, then up to
+            4. Why not always 4: uncaptured, the host enqueues a node in about 10 us, so small
+            kernels cannot overlap, and on an H200 the wide MLP ran 0.89x as fast on 4
+            streams as on 1; inside CUDA graphs the same MLP ran 2.09x as fast on 4, so
+            captured plans count smaller branches. `Executor.stream_plan.stream_choice` says
+            what was chosen and why. Concurrent executions get stream sets of their own, up
+            to `max_concurrent_executions` sets.
         graphs: capture whole executions of a GPU program as CUDA graphs and replay them
             (docs/gpu.md, asyncgraph/cuda/graphs.py): acts only on programs whose nodes can
             all be captured (CUDA aten ops without host syncs; `Executor.cuda_graph_plan` says
@@ -183,7 +190,7 @@ class CudaConfig:
             before the next one is captured (lazy initialisation, cuBLAS workspaces).
     """
 
-    streams: int = 4
+    streams: int | None = None
     graphs: bool = False
     graph_warmup: int = 2
 
@@ -500,7 +507,7 @@ class ExecutorConfig:
         check(self, EXECUTOR_RULES)
 
     @property
-    def cuda_streams(self) -> int:
+    def cuda_streams(self) -> int | None:
         """Deprecated: read `cuda.streams`."""
         return self.cuda.streams
 

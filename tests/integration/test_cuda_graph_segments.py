@@ -206,8 +206,8 @@ def test_both_runs_around_a_host_read_are_captured_and_equal_the_uncaptured_path
         gpu = CaptureGpu(seed=1)
         cuda = CaptureBackend(gpu)
         w = torch.tensor([2.0, -1.0, 0.5, 3.0])
-        ex = make_executor(two_runs_program(w), gpu, cuda, graph_warmup=2)
-        plain = make_executor(two_runs_program(w), gpu, graphs=False)
+        ex = make_executor(two_runs_program(w), gpu, cuda, graph_warmup=2, streams=4)
+        plain = make_executor(two_runs_program(w), gpu, graphs=False, streams=4)
         async with running(ex, gpu), running(plain, gpu):
             seen = []
             for k in range(5):
@@ -454,7 +454,7 @@ def test_a_cuda_node_after_a_segment_on_a_side_stream_runs_after_the_replay(
 
         monkeypatch.setattr(cuda_capture, "clone", tracked_clone)
         graph = fork_then_nonzero_graph()
-        ex = make_executor(graph, gpu, graph_warmup=0)
+        ex = make_executor(graph, gpu, graph_warmup=0, streams=4)
         assert ex.stream_plan is not None and ex.cuda_segment_plan is not None
         (segment,) = ex.cuda_segment_plan.segments
         assert names(graph, segment.nodes) == ["gpu_a", "gpu_b", "gpu_c"]

@@ -655,7 +655,7 @@ def test_a_capture_failing_on_a_forked_stream_joins_it_so_the_capture_can_end() 
     async def body() -> None:
         gpu = CaptureGpu(seed=8)
         cuda = CaptureBackend(gpu)
-        ex = make_executor(program, gpu, cuda, graph_warmup=0)
+        ex = make_executor(program, gpu, cuda, graph_warmup=0, streams=4)
         assert ex.stream_plan is not None and len(ex.stream_plan.streams_used) == 2
         async with running(ex, gpu):
             for k in range(2):

@@ -191,10 +191,10 @@ def fail(x: int) -> int:
 # Results and ordering
 # =============================================================================================
 
-CONFIGS = {
-    "default": {"adaptive_placement": True, "profile_executions": 1},
-    "unfused": {"max_fused_nodes": 1},
-    "shuffled": {"ready_order_seed": 3},
+CONFIGS = {  # several streams given: auto (the default) puts these light branches on one
+    "default": {"adaptive_placement": True, "profile_executions": 1, "streams": 4},
+    "unfused": {"max_fused_nodes": 1, "streams": 4},
+    "shuffled": {"ready_order_seed": 3, "streams": 4},
     "one-stream": {"streams": 1},
 }
 
@@ -356,7 +356,7 @@ async def test_a_fused_cuda_run_waits_records_and_protects_in_the_middle() -> No
         sim = Sim(gpu)
         backend = FakeBackend(gpu)
         graph = diamond(sim)
-        async with gpu_running(gpu), gpu_executor(graph, gpu, backend=backend) as ex:
+        async with gpu_running(gpu), gpu_executor(graph, gpu, backend=backend, streams=4) as ex:
             right, join = index(graph, "gpu_right"), index(graph, "gpu_join")
             assert (right, join) in cuda_units(ex)
             out = await ex.execute(sim.upload(seed))

@@ -1,4 +1,5 @@
-"""scripts/gpu_report.py, the command that turns a GPU run into a report (issue 36, section 3).
+"""scripts/gpu_report.py, the command that turns a GPU run into a report (issue 36, section 3;
+issue 50, item 6: the summary's table of issue-50 targets, read from the bench's JSON).
 
 Without CUDA it runs nothing and writes nothing, and says what it would have run: the phases
 and the GPU tests (a subprocess, as `make gpu-report` starts it). Its pure parts run here too:
@@ -57,6 +58,7 @@ def test_without_cuda_it_names_the_phases_and_the_gpu_tests_writes_nothing_and_e
                    "tests/integration/test_streams.py", "tests/integration/test_trio_gpu.py"):
         assert module in text, module
     assert "-m benchmarks.gpu --quick" in text and "examples/gpu_check.py" in text
+    assert f"--json {out / gr.BENCH_JSON}" in text  # the figures the targets table reads
     # the real-GPU tests, collected with the report's plugin selecting them
     assert "test_gpu_exported_model_matches_eager[asyncio-1]" in text
     assert "test_gpu_captured_exported_model_matches_eager" in text
@@ -271,3 +273,126 @@ def test_the_test_modules_and_the_report_name(tmp_path: Path) -> None:
     when = datetime.datetime(2026, 11, 26, 21, 23, tzinfo=datetime.UTC)
     name = gr.report_name({"device": "NVIDIA H200", "torch": "2.11.0+cu130"}, when)
     assert name == "2026-11-26-nvidia-h200-torch2.11.0-cu130"
+
+
+# -- issue 50's targets, from the bench's JSON ---------------------------------------------------
+
+
+def _many(model: str, peer: str, calls_per_s: float, **extra: object) -> dict[str, object]:
+    return {"section": "many-callers", "model": model, "peer": peer, "callers": 64, "rounds": 50,
+            "calls_per_s": calls_per_s, "lag_p99_ms": 1.0, "settled": True, "warm_rounds": 3,
+            "wrong_outputs": 0, "checked_outputs": 64, **extra}
+
+
+def _replaying(executions: int, replays: int, fallbacks: int = 0) -> dict[str, object]:
+    return {"graphs": {"capturable": True, "reason": None, "replays": 9999},
+            "graphs_timed": {"replays": replays, "fallbacks": fallbacks},
+            "executions": executions, "all_replaying": replays == executions and not fallbacks}
+
+
+BENCH = {
+    "complete": False, "args": {"models": ["encoder", "cnn", "wide-mlp"]},
+    "cases": [
+        _many("encoder", "to-thread-eager", 1000.0),
+        _many("encoder", "asyncgraph", 2500.0, lag_p99_ms=2.5, **_replaying(3200, 3200)),
+        _many("encoder", "asyncgraph-batched", 4000.0, lag_p99_ms=0.8, **_replaying(50, 50)),
+        _many("cnn", "to-thread-eager", 1000.0),
+        # fast enough, but a tenth fell back to the stream path: not "all replaying"
+        _many("cnn", "asyncgraph", 6000.0, wrong_outputs=1, **_replaying(3200, 2880, 320)),
+        {"section": "one-caller", "model": "encoder", "peer": "asyncgraph-captured", "ms": 0.46,
+         "graphs": {"replays": 52}},
+        {"section": "one-caller", "model": "encoder", "peer": "graph-of-eager", "ms": 0.42},
+        {"section": "one-caller", "model": "cnn", "peer": "asyncgraph-captured", "ms": 0.2,
+         "graphs": {"replays": 52}},
+        {"section": "one-caller", "model": "cnn", "peer": "graph-of-eager", "ms": 0.1},
+    ],
+    "errors": [{"section": "many-callers", "model": "cnn", "peer": "asyncgraph-batched",
+                "error": "BatchingError: no dynamic dim 0"}],
+}
+CONCURRENCY = {"callers": 64, "graphs": {"calls": 1280, "bad": 0}, "no_graphs": {"bad": 0}}
+
+
+def test_each_issue_50_target_gets_its_ratio_and_verdict_or_no_figure() -> None:
+    rows = {(r.target.key, r.target.model): r for r in gr.target_rows(BENCH, CONCURRENCY)}
+    assert len(rows) == len(gr.ISSUE50_TARGETS) == 13
+
+    def row(key: str, model: str | None) -> tuple[float | None, str, str]:
+        r = rows[key, model]
+        return r.value, r.verdict, r.figure
+
+    value, verdict, figure = row("unbatched", "encoder")
+    assert (value, verdict) == (2.5, "met") and figure.startswith("x2.50 (2,500/s / 1,000/s)")
+    value, verdict, figure = row("unbatched", "cnn")
+    assert (value, verdict) == (6.0, "NOT MET")
+    assert "NOT all replaying: 2880 replays of 3200 executions, 320 fallbacks" in figure
+    value, verdict, figure = row("unbatched", "wide-mlp")
+    assert (value, verdict) == (None, "no figure")
+    assert figure == "asyncgraph was not measured (the run was cut short)"
+    assert row("batched", "encoder")[:2] == (4.0, "met")
+    short = {**BENCH, "cases": [{**c, "rounds": 5} for c in BENCH["cases"]]}
+    (encoder,) = [r for r in gr.target_rows(short, None)
+                  if (r.target.key, r.target.model) == ("unbatched", "encoder")]
+    assert encoder.verdict == "NOT MET" and "5 timed rounds, fewer than 50" in encoder.figure
+    value, verdict, figure = row("batched", "cnn")
+    assert verdict == "no figure" and "raised BatchingError: no dynamic dim 0" in figure
+    value, verdict, figure = row("one-caller", "encoder")
+    assert verdict == "met" and figure.startswith("x1.10 (0.460 ms / 0.420 ms)")
+    assert row("one-caller", "cnn")[:2] == (2.0, "NOT MET")
+    assert row("one-caller", "wide-mlp")[1] == "no figure"
+    value, verdict, figure = row("loop-lag", "encoder")
+    assert (value, verdict) == (2.5, "NOT MET")
+    assert "asyncgraph 2.50" in figure and "asyncgraph-batched 0.80" in figure
+    assert row("loop-lag", "cnn")[:2] == (1.0, "met")
+    value, verdict, figure = row("wrong-outputs", None)
+    assert (value, verdict) == (1.0, "NOT MET")
+    assert "probe: 0 of 1280" in figure and "benchmark: 1 of 192 checked" in figure
+
+
+def test_without_the_bench_or_the_probe_every_target_says_no_figure() -> None:
+    rows = gr.target_rows(None, None)
+    assert [r.verdict for r in rows] == ["no figure"] * len(gr.ISSUE50_TARGETS)
+    assert all(r.value is None for r in rows)
+    assert rows[0].figure == "the benchmark left no results"
+    # the probe alone still answers the wrong-outputs target
+    (wrong,) = [r for r in gr.target_rows(None, CONCURRENCY) if r.target.key == "wrong-outputs"]
+    assert (wrong.value, wrong.verdict) == (0.0, "met")
+
+
+def test_the_summary_shows_every_target_with_its_figure_or_no_figure(tmp_path: Path) -> None:
+    phases = [gr.PhaseResult("bench", "ok", 90.0, 240.0)]
+    for bench in (BENCH, None):
+        report = _report([], tmp_path, phases)
+        report.bench_json = bench
+        report.probes = {"concurrency": CONCURRENCY}
+        for for_commit in (False, True):
+            md = gr.render(report, for_commit=for_commit)
+            summary = md[md.index("## Summary"):md.index("## Failures and errors")]
+            assert "### Issue-50 targets" in summary
+            table = summary[summary.index("| target | model |"):]
+            for target in gr.ISSUE50_TARGETS:
+                assert f"| {target.what} | {target.model or 'all'} |" in table, target
+            assert table.count("| no figure |") == (5 if bench else 12)
+        cell = gr.phase_figures(report, phases[0])
+        if bench:
+            assert cell.startswith("issue-50 targets: 4 met, 4 not met, 5 no figure")
+            assert "64 callers unbatched / to_thread(eager): encoder x2.50, cnn x6.00" in cell
+            assert "1 cases raised: cnn/asyncgraph-batched" in cell
+
+
+def test_the_bench_phase_writes_its_json_into_the_report_directory(tmp_path: Path) -> None:
+    (bench_phase,) = gr.build_phases("python", tmp_path, [], per_test_s=60, has_timeout=True,
+                                     bench_args=["--quick"], wanted=["bench"])
+    (step,) = bench_phase.steps
+    assert step.argv == ["python", "-m", "benchmarks.gpu", "--quick", "--json",
+                         str(tmp_path / gr.BENCH_JSON)]
+    assert bench_phase.cap_s == step.cap_s == gr.BENCH_CAP_S >= 200
+    (tmp_path / gr.BENCH_JSON).write_text(json.dumps(BENCH))
+    report = gr.make_report(tmp_path, {"device": "d", "torch": "t"}, [], {}, _started(), 1.0,
+                            480.0, [], "name")
+    assert report.bench_json == BENCH
+
+
+def _started() -> object:
+    import datetime
+
+    return datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)

@@ -96,7 +96,7 @@ def test_rules_run_in_table_order() -> None:
         ),
         (
             {"streams": 0},
-            "streams must be >= 1 (CUDA streams per device for one execution), got 0",
+            "streams must be >= 1 or None (CUDA streams per device for one execution), got 0",
         ),
         (
             {"graph_warmup": -1},

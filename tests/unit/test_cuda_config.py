@@ -25,15 +25,15 @@ from asyncgraph.runtime.plan import Placement, build_plan
 
 def test_cuda_config_defaults() -> None:
     cuda = CudaConfig()
-    assert (cuda.streams, cuda.graphs, cuda.graph_warmup) == (4, False, 2)
+    assert (cuda.streams, cuda.graphs, cuda.graph_warmup) == (None, False, 2)  # None: auto
     assert ExecutorConfig().cuda == cuda
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"streams": 0}, "streams must be >= 1 (CUDA streams per device for one execution), "
-                         "got 0"),
+        ({"streams": 0}, "streams must be >= 1 or None (CUDA streams per device for one "
+                         "execution), got 0"),
         ({"graph_warmup": -1}, "graph_warmup must be >= 0 (executions of a signature before "
                                "its capture), got -1"),
     ],
