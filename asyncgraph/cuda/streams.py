@@ -40,14 +40,13 @@ How many streams (`choose_streams`, `CudaConfig.streams=None`, the default): one
 plan has independent branches whose estimated work is worth a stream of their own; then as
 many as run such work at once, up to `AUTO_MAX_STREAMS`. An explicit `CudaConfig.streams` is
 used as given. Why not always several: a second stream pays only while the GPU, not the host,
-is what the execution waits for. Uncaptured, the host enqueues one node in about 10-12 us
-(issue 50's encoder), and a kernel of a few million multiply-adds is done long before the next
-is enqueued, whatever stream it is on; the extra streams only add events and waits. On an
-H200 (benchmarks/results/gpu/2026-11-28-nvidia-h200-torch2.11.0-cu130.md) the wide MLP (8
-branches of 4 Linear(512), batch 64: 16.8M multiply-adds each) ran uncaptured 0.89x as fast on
-4 streams as on 1, and examples/gpu_check.py's 8 x 6 Linear(256) (4.2M) 0.90x. Inside a CUDA
-graph the host launches nothing and the GPU runs one kernel after another: the same MLP ran
-2.09x as fast on 4 streams, gpu_check's 2.65x. So a branch is worth a stream when it holds a
+is what the execution waits for. Uncaptured, the host enqueues one node in about 10-12 us,
+and a kernel of a few million multiply-adds is done long before the next is enqueued,
+whatever stream it is on; the extra streams only add events and waits: on an H200 a wide MLP
+ran uncaptured slower on 4 streams than on 1. Inside a CUDA graph the host launches nothing
+and the GPU runs one kernel after another: the same MLP ran about twice as fast on 4 streams
+(the figures: benchmarks/results/cpu/design_measurements.md#streams-when-uncaptured). So a
+branch is worth a stream when it holds a
 node of at least `UNCAPTURED_OVERLAP_WORK` multiply-adds (roughly the GPU time of the host's
 10 us per node: an estimate above the measured points, not itself measured), or
 `CAPTURED_OVERLAP_WORK` when executions are captured as CUDA graphs. Fewer streams also leave
@@ -91,14 +90,14 @@ UNCAPTURED_OVERLAP_WORK = 1 << 27
 """Multiply-adds (kernels/cost.py's estimate) of a node that makes its branch worth a stream
 of its own when executions are not captured: 134M, 268 MFLOP, 4 us of an H200's fp32 peak and
 some 5-10 us at the efficiency GEMMs of that size reach: about as long as the host takes to
-enqueue one node (10-12 us, issue 50). An estimate: the measured point below it is the wide
-MLP, whose 16.8M-multiply-add linears ran 0.89x as fast on 4 streams as on 1 (module
-docstring); none above it has been measured."""
+enqueue one node (10-12 us). An estimate: the measured point below it is the wide MLP, whose
+16.8M-multiply-add linears ran slower on 4 streams than on 1 (design_measurements.md,
+"Streams when uncaptured"); none above it has been measured."""
 
 CAPTURED_OVERLAP_WORK = 1 << 20
 """The same inside a CUDA graph, where the host launches nothing: 1M multiply-adds, well under
-the 4.2M linears that ran 2.65x as fast on 4 streams (examples/gpu_check.py), above elementwise
-kernels of a few thousand elements that end before another could start."""
+the 4.2M linears of examples/gpu_check.py that ran faster on 4 streams (the same section),
+above elementwise kernels of a few thousand elements that end before another could start."""
 
 
 @dataclass(frozen=True, slots=True)
