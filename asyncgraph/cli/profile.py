@@ -105,24 +105,48 @@ def profile(
 ) -> None:
     """Per-node time, percent, totals per op type and the placement chosen, for a .pt2."""
     from asyncgraph.cli.inputs import chosen_inputs
-    from asyncgraph.tools.profile import collect
+    from asyncgraph.tools.profile import collect, fast_form_verdict
 
     options: dict[str, Any] = {
         "trace": True, "segments": chosen_segments(segments, script_segments)}
     if max_parallel_ops is not None:
         options["max_parallel_ops"] = max_parallel_ops
     ex = load_executor(model, executor_config(threads, **options), trust_compiled)
+    untraced = {**options, "trace": False}
+    plain = not executor_config(threads, **untraced).fast_paths or untraced["segments"]
 
-    async def main() -> ProfileMetrics:
+    async def main() -> tuple[ProfileMetrics, dict[str, Any] | None]:
         try:
-            return await collect(ex, chosen_inputs(ex, inputs, random, seed), runs, warmup)
+            chosen = chosen_inputs(ex, inputs, random, seed)
+            metrics = await collect(ex, chosen, runs, warmup)
         finally:
             await ex.aclose()
+        if plain:  # no fast form to ask about
+            return metrics, None
+        default = load_executor(model, executor_config(threads, **untraced), trust_compiled)
+        try:
+            return metrics, await fast_form_verdict(default, chosen)
+        finally:
+            await default.aclose()
 
     console = Console(stderr=json_out)
     with console.status(f"profiling {model.name}..."):
-        metrics = asyncio.run(main())
+        metrics, forms = asyncio.run(main())
     if json_out:
-        print(json.dumps(metrics.as_dict(), indent=2))
+        print(json.dumps({**metrics.as_dict(), "forms": forms}, indent=2, default=str))
     else:
         render(metrics, console, top)
+        for line in form_lines(forms):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def form_lines(forms: dict[str, Any] | None) -> list[str]:
+    """What serves these inputs on the default path (`statistics().forms`), and why."""
+    if forms is None:
+        return []
+    lines = [f"default path: {forms['form'] or 'the plain graph'} "
+             f"(fast form {forms['state']}, built in {forms['build_s']} s)"]
+    lines += [f"  {name} stays plain: {why}" for name, why in forms["passed"].items()]
+    lines += [f"  serves these inputs: {v['form']}: {v['why']}"
+              for v in forms["signatures"].values()]
+    return lines

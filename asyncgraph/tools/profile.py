@@ -23,6 +23,7 @@ node's call and one clock read of the loop's (time.thread_time_ns, under a micro
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import statistics
 import time
@@ -131,6 +132,27 @@ async def collect(
         executions.append(_Execution(wall, recorder.spans[first:]))
     recorder.clear()
     return _metrics(ex, executions)
+
+
+async def fast_form_verdict(
+    ex: Executor, inputs: Sequence[Any], limit_s: float = 60.0
+) -> dict[str, Any] | None:
+    """What the default path does with `inputs`: runs `ex` (an untraced Executor with
+    `fast_paths`) until its fast form has a verdict for their signature or `limit_s` passed,
+    and returns `statistics().forms` (None when no fast form applies). Profiling itself
+    traces node by node, which fast forms never do: this says what serves without it."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        await ex.execute_flat(inputs)
+        forms = ex.statistics().forms
+        if forms is None:
+            return None
+        decided = forms["signatures"] and all(
+            v["form"] != "measuring" for v in forms["signatures"].values())
+        if decided or (forms["state"] == "none" and forms["builds"]) or (
+                time.monotonic() > deadline):
+            return forms
+        await asyncio.sleep(0.002)  # the build thread's turn
 
 
 @dataclass(frozen=True)

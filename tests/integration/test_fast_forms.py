@@ -169,3 +169,32 @@ def test_the_fast_form_serves_on_trio_and_asyncio(backend: str) -> None:
         assert ex.statistics().closed
 
     run(body, backend)
+
+
+def test_asyncgraph_profile_says_what_serves_on_the_default_path(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`asyncgraph profile` traces node by node, which the fast form never serves: it also
+    runs the default path until its verdict and says which form serves these inputs, why."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from asyncgraph.cli.main import app
+
+    monkeypatch.setenv("ASYNCGRAPH_FAST_PATHS", "1")
+    model, x = MLP().eval(), torch.randn(1, 32)
+    path = tmp_path / "mlp.pt2"
+    torch.export.save(export_model(model, x), path)
+    runner = CliRunner()
+    shown = runner.invoke(app, ["profile", str(path), "--runs", "2", "--warmup", "0"])
+    assert shown.exit_code == 0, shown.output
+    assert "default path: " in shown.output and "serves these inputs: " in shown.output
+    printed = runner.invoke(app, ["profile", str(path), "--runs", "2", "--json"])
+    assert printed.exit_code == 0, printed.output
+    forms = json.loads(printed.stdout)["forms"]
+    (verdict,) = forms["signatures"].values()
+    assert verdict["form"] in ("onnx", "plain") and verdict["why"].startswith("measured: ")
+    monkeypatch.setenv("ASYNCGRAPH_FAST_PATHS", "0")
+    off = runner.invoke(app, ["profile", str(path), "--runs", "1", "--json"])
+    assert json.loads(off.stdout)["forms"] is None
