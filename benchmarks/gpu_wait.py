@@ -25,7 +25,7 @@ Per loop, GPU time and policy: the median and p99 of the added latency (the time
 returned minus the time the event completed, in us), and how many waits went to the thread.
 The row "300 us behind 2 ms" starts a 2 ms wait, then (10 us later) a 300 us one on another
 stream, and times the second: it is queued behind the first on the waiter thread, so it shows
-what head-of-line costs (the queued wait polls its own event meanwhile).
+what head-of-line costs (the waiter's poll thread polls the queued wait's event meanwhile).
 
 Simulated events (the default): an event completes at a given `time.perf_counter()`; `query()`
 compares, `synchronize()` sleeps until then on its thread with a 1 ns timer slack

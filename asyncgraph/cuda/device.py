@@ -30,13 +30,20 @@ What it does, and why:
   timer starts that, well before the end), so that it sees the end without waiting for the
   thread's wake. No timer decides when a wait returns: asyncio's selector loop and trio round
   any timeout above zero up to 1 ms, which the sleeping poll of before paid on every wait
-  (issue 36, item 1). Before a wait returns, every event has been `synchronize()`d by the
-  thread that saw it complete (the loop's, or the waiter's), which tells tools such as
-  TORCH_CUDA_SANITIZER that the host is ordered after the event.
+  (issue 36, item 1). The loop polls only while no other wait is outstanding: with another
+  one in flight a wait hands off after its first query, so many concurrent waits cost the loop
+  one query each and a share of one wake per drain of the waiter's completions (issue 50,
+  item 4). Before a wait returns, every event has been `synchronize()`d by the thread that saw
+  it complete (the loop's, or the waiter's), which tells tools such as TORCH_CUDA_SANITIZER
+  that the host is ordered after the event.
 - `finish` awaits the end of every stream the execution used, absorbing cancellation the way
   the scheduler waits for its threads, and only then returns the stream set: a frame is never
   reused while its GPU work is in flight. On trio, which cancels every later checkpoint of a
   cancelled scope, the rest of that wait is shielded.
+- The per-execution fixed work is charged to the loop's LoopBudget (`LoopCharges`): `begin`
+  takes the iteration's slice, and after `finish` the execution goes on only with room left
+  in it, else in a later iteration, so executions whose GPU work ends together resume about
+  a slice of work per iteration.
 
 torch.cuda is imported lazily (only `TorchCudaBackend` touches it), so this module imports and
 type-checks on machines without CUDA. The backend is injectable, which is how the tests drive
@@ -48,19 +55,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import sys
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import anyio.lowlevel
 
 from asyncgraph.cuda.host_wait import HostWaiter, shared_waiter
 from asyncgraph.cuda.streams import StreamKey, StreamPlan
+from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.device import Calls, UnitSchedule
 from asyncgraph.runtime.device import move_inputs_to_device as move_inputs_to_device
+from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
 from asyncgraph.runtime.plan import Placement
 
 logger = logging.getLogger("asyncgraph.cuda.graphs")  # capture.py logs captures there too
@@ -399,7 +412,12 @@ class PollPolicy:
       loop polls again (zero-timeout checkpoints) from `spin_max_s` before the end they are
       expected to have, for at most 2 x `spin_max_s` (a loop timer starts it, up to 1 ms late
       on asyncio's selector loop and trio): the end is caught on the loop, without the
-      thread's wake, at the cost of about `spin_max_s` of the loop's time per wait.
+      thread's wake, at the cost of about `spin_max_s` of the loop's time per wait;
+    - all of that only while no other wait is outstanding (`HostWaiter.outstanding`): with
+      another one in flight the loop's time is every other request's, so a wait goes to the
+      thread after its first query, a spinning one once another begins, and a handed one is
+      not polled near its end. `max_delay_s` is then the longest interval of the waiter's
+      poll thread between two polls of a wait queued behind another.
 
     `thread=False` (a backend whose events cannot be synchronized off the loop; also the wait
     of before issue 36, kept for comparison): no thread and no site; after `spin_s` the loop
@@ -463,9 +481,12 @@ async def wait_events(
     Polls with zero-timeout checkpoints (for `policy.spin_s`, or what `site` has measured:
     see PollPolicy), then hands the events still pending to `waiter` (the process's shared one
     by default), whose thread blocks in their `synchronize()`; an error a `synchronize` or
-    `query` raises is raised here. Cancellable at every checkpoint and while the thread waits
-    (its entry is dropped). Every event is synchronized by the thread that saw it complete
-    (the loop: it returns at once; or the waiter thread), which records the host-side
+    `query` raises is raised here. The loop spins only while no other wait is outstanding
+    (`HostWaiter.outstanding`): with another one in flight, the spin would be loop time taken
+    from every other request, so the wait hands off after its first query, and one spinning
+    alone hands off once another begins. Cancellable at every checkpoint and while the thread
+    waits (its entry is dropped). Every event is synchronized by the thread that saw it
+    complete (the loop: it returns at once; or the waiter's), which records the host-side
     happens-before for the CUDA sanitizer. How long the GPU took goes to `site`.
     """
     pending = [e for e in events if not e.query()]
@@ -473,24 +494,19 @@ async def wait_events(
     if pending:
         start = time.perf_counter()
         if not policy.thread:
+            completed = await _poll_sleeping(pending, policy, start)
             site = None
-        spin = policy.spin_s if site is None else site.spin_s(policy)
-        while True:
-            elapsed = time.perf_counter() - start
-            if elapsed >= spin and policy.thread:
+        else:
+            waiter = waiter or shared_waiter()
+            spin = policy.spin_s if site is None else site.spin_s(policy)
+            pending, completed = await _spin(pending, spin, waiter, start)
+            if pending:
                 handed = pending
                 resume = None if site is None else site.resume_s(policy)
-                completed = await (waiter or shared_waiter()).wait(
+                completed = await waiter.wait(
                     pending, policy.max_delay_s,
                     None if resume is None else start + resume, 2 * policy.spin_max_s,
                 )
-                break
-            delay = 0.0 if elapsed < spin else min(policy.max_delay_s, elapsed / 8)
-            await anyio.sleep(delay)
-            pending = [e for e in pending if not e.query()]
-            if not pending:
-                completed = time.perf_counter()
-                break
         if site is not None:
             site.record(completed - start)  # what the GPU took, not what waking took
     elif site is not None:
@@ -498,6 +514,122 @@ async def wait_events(
     for e in events:
         if not any(e is h for h in handed):
             e.synchronize()
+
+
+async def _spin(
+    pending: list[CudaEvent], spin_s: float, waiter: HostWaiter, start: float
+) -> tuple[list[CudaEvent], float]:
+    """Poll `pending` between zero-timeout checkpoints for `spin_s` from `start`, while no
+    other wait is outstanding; the events still pending (for the waiter), and when the last
+    poll ran (when the loop saw them all complete, if none is)."""
+    if spin_s <= 0.0 or waiter.outstanding:
+        return pending, start  # another wait is in flight (or no spin): hand off at once
+    waiter.count_spinning(1)
+    try:
+        while True:
+            await anyio.lowlevel.checkpoint()
+            pending = [e for e in pending if not e.query()]
+            now = time.perf_counter()
+            if not pending or now - start >= spin_s or waiter.outstanding > 1:
+                return pending, now
+    finally:
+        waiter.count_spinning(-1)
+
+
+async def _poll_sleeping(pending: list[CudaEvent], policy: PollPolicy, start: float) -> float:
+    """The wait of before issue 36 (`PollPolicy.thread=False`): poll for `spin_s`, then with
+    sleeps of elapsed/8 capped at `max_delay_s`; when the loop saw the events complete."""
+    while True:
+        elapsed = time.perf_counter() - start
+        await anyio.sleep(0.0 if elapsed < policy.spin_s else min(policy.max_delay_s, elapsed / 8))
+        pending = [e for e in pending if not e.query()]
+        if not pending:
+            return time.perf_counter()
+
+
+# -- the loop's budget ------------------------------------------------------------------------
+
+FIXED_WORK_S = 20e-6
+"""What an execution's host work after its GPU end is charged to the loop's slice (the
+LoopBudget's `start`): the stream set, instance and frame given back, the outputs, the
+caller's return."""
+
+
+def _running_native() -> Any | None:
+    """The running loop's `native` (what per-loop state is keyed by), or None outside one."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        trio = sys.modules.get("trio")
+        if trio is not None and trio.lowlevel.in_trio_run():
+            return current_loop().native
+        return None
+
+
+def _resolve(future: Any) -> None:
+    if not future.done():  # done: cancelled with its task
+        future.set_result(None)
+
+
+class LoopCharges:
+    """Charges the GPU path's per-execution fixed work to the running loop's LoopBudget
+    (asyncgraph/runtime/loop_budget.py: the slice inline work on one loop shares, held per
+    loop), as the scheduler charges inline kernels.
+
+    - `open()` (FrameStreams.begin): the execution's host work from here (begin, a replay's
+      launch, inline enqueues) takes this iteration's slice, opening one if none is open, so
+      other inline work of the iteration sees it spent sooner.
+    - `turn()` (at the end of FrameStreams.finish): the execution continues only with room
+      for `FIXED_WORK_S` left in the slice, else in a later iteration, in the budget's order.
+      Executions whose GPU work ended together (one drain of the waiter's completions wakes
+      them all) resume about a slice of work per iteration, instead of all in the iteration
+      after the wake, and timers and I/O get their turn in between. The first work of an
+      iteration (no slice open) always runs, so nothing waits for ever.
+
+    Loop thread only; without a running loop (a test driving a frame by hand) nothing is
+    charged. The budget is the loop's own, whichever slice its Executors asked for
+    (`loop_budget(loop, inf)` never changes it); it holds the loop weakly, as the cache here
+    does.
+    """
+
+    __slots__ = ("_budget", "_loop", "deferred")
+
+    def __init__(self) -> None:
+        self._loop: weakref.ref[Any] | None = None
+        self._budget: LoopBudget | None = None
+        self.deferred = 0  # turns that waited for a later iteration
+
+    def budget(self) -> LoopBudget | None:
+        """The running loop's budget; None without a running loop."""
+        native = _running_native()
+        if native is None:
+            return None
+        if self._loop is not None and self._loop() is native:
+            return self._budget
+        budget = self._budget = loop_budget(native, math.inf)
+        self._loop = weakref.ref(native)
+        return budget
+
+    def open(self) -> LoopBudget | None:
+        """Take this iteration's slice for an execution's host work (opening one if none
+        is open); the budget, for its `turn`, or None without a running loop."""
+        budget = self.budget()
+        if budget is not None and not budget.is_open:
+            budget.deadline()
+        return budget
+
+    async def turn(self, budget: LoopBudget) -> None:
+        """Return when `budget`'s slice has room for FIXED_WORK_S (or this is the first
+        work of an iteration), waiting for later iterations in the budget's order."""
+        loop = None
+        while budget.is_open and budget.start(FIXED_WORK_S) is None:
+            loop = loop or current_loop()
+            self.deferred += 1
+            future = loop.create_future()
+            budget.defer(_resolve, future)
+            await future
+        if not budget.is_open:  # the first work of this iteration: it runs, and it counts
+            budget.deadline()
 
 
 # -- stream sets ----------------------------------------------------------------------------------
@@ -603,6 +735,7 @@ class CudaRuntime:
         self.finish_site = WaitSite()
         self.outputs_site = WaitSite()
         self.needs_host_wait: tuple[bool, ...] = tuple(bool(w) for w in plan.host_waits)
+        self.charges = LoopCharges()  # its executions' fixed work, charged to the loop's slice
 
     def close(self) -> None:
         """The Executor is closed (its frames idle): let the waiter thread end as soon as no
@@ -632,8 +765,8 @@ class FrameStreams:
     """
 
     __slots__ = (
-        "_backend", "_begin_events", "_begun", "_end_events", "_events", "_host", "_host_waits",
-        "_outputs", "_set", "_tables", "_waits", "calls", "runtime", "segments",
+        "_backend", "_begin_events", "_begun", "_budget", "_end_events", "_events", "_host",
+        "_host_waits", "_outputs", "_set", "_tables", "_waits", "calls", "runtime", "segments",
         "weights_version",
     )
 
@@ -653,6 +786,7 @@ class FrameStreams:
         self._end_events = {key: backend.new_event() for key in plan.streams_used}
         self._set: StreamSet | None = None
         self._begun: tuple[tuple[StreamKey, CudaStream], ...] = ()  # what `finish` awaits
+        self._budget: LoopBudget | None = None  # the loop's, that `begin` charged
         self._host: dict[int, tuple[Any, ...]] = {}  # per device: the caller's streams
         self.segments: SegmentCalls | None = None
         self.weights_version = 0  # the loaded execution's (ExecutionFrame.load): its segments'
@@ -721,10 +855,14 @@ class FrameStreams:
         `only`: the one stream this execution enqueues on (a replay of a whole capture uses
         the origin alone); the others are neither ordered nor awaited by `finish`, which
         saves an event record, wait and poll per idle stream.
+
+        The execution's host work from here is charged to the loop's slice
+        (`LoopCharges.open`).
         """
         if self._set is not None:
             raise RuntimeError("begin() called twice without finish()")
         runtime = self.runtime
+        self._budget = runtime.charges.open()  # from here its host work takes the loop's slice
         stream_set = runtime.pool.acquire()
         begun = stream_set.items if only is None else ((only, stream_set.streams[only]),)
         try:
@@ -870,7 +1008,9 @@ class FrameStreams:
         cancel scopes on asyncio catch only their own (a fresh one escaped the caller's
         scope and cancelled its task group), and trio's Cancelled cannot be made at all. On
         trio, which cancels every later checkpoint of a cancelled scope, the rest of the wait
-        is shielded. A no-op without `begin()`.
+        is shielded. Then, the stream set back, the execution goes on only with room left in
+        the loop's slice (`LoopCharges.turn`; not after an absorbed cancellation). A no-op
+        without `begin()`.
         """
         stream_set = self._set
         if stream_set is None:
@@ -898,6 +1038,9 @@ class FrameStreams:
             runtime.pool.release(stream_set)
         if absorbed is not None:
             raise absorbed
+        budget, self._budget = self._budget, None
+        if budget is not None:
+            await runtime.charges.turn(budget)  # the rest of the execution, in the loop's slice
 
     def protect_outputs(self, outputs: Sequence[Any]) -> None:
         """Record the caller's current stream on output tensors made on our streams.

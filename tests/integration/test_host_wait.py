@@ -12,9 +12,10 @@ What a wait does is asserted, never how long it takes (benchmarks/gpu_wait.py ti
 - a site (`WaitSite`) of short waits is polled to completion, one of long waits goes to the
   thread early and is polled again near its expected end, where the loop sees the end
   without the thread's wake; a site learns when the GPU finished, not when the loop woke;
-- a cancelled wait leaves no entry and no thread beyond the waiter's one; an abandoned event
-  that never completes does not hold up later waits; a wait queued behind a longer one
-  returns once its own event completed;
+- a cancelled wait leaves no entry and no blocking thread beyond the waiter's one; an
+  abandoned event that never completes does not hold up later waits; a wait queued behind a
+  longer one returns once its own event completed, found by the waiter's poll thread, not by
+  the loop (tests/integration/test_gpu_waits.py: what the loop does with many waits);
 - the thread ends when idle, and when the runtime is closed;
 - on asyncio and trio, an execution's host waits go through the thread and give the right
   results, and an error `synchronize` raises on the thread fails the node that waited.
@@ -315,7 +316,8 @@ async def test_a_cancelled_wait_leaves_no_entry_and_no_extra_thread(where: str) 
     with pytest.raises(asyncio.CancelledError):
         await cancelled
     assert waiter.pending == (1 if where == "queued" else 0)
-    assert len(waiter.threads) == 1
+    # no second blocking thread; a wait queued behind the first had the poll thread started
+    assert (waiter.started, waiter.pollers_started) == (1, int(where == "queued"))
     gpu.step_stream(s1)  # the thread's synchronize returns: it wakes the head, if it waits
     gpu.step_stream(s2)
     if where == "queued":
@@ -350,7 +352,8 @@ async def test_a_wait_does_not_queue_behind_an_abandoned_event() -> None:
 
 async def test_a_wait_queued_behind_a_longer_one_returns_when_its_own_event_completes() -> None:
     """Head-of-line: the thread blocks on the first wait's event; the second, queued behind
-    it, polls its own event meanwhile and takes its entry back once it completed."""
+    it, is polled meanwhile by the waiter's poll thread (not by the loop: another wait is
+    outstanding), which takes its entry back once it completed."""
     gpu = FakeGpu()
     long, s1 = pending_event(gpu, "s1")
     short, s2 = pending_event(gpu, "s2")
@@ -359,10 +362,11 @@ async def test_a_wait_queued_behind_a_longer_one_returns_when_its_own_event_comp
     await turns(lambda: gpu.sync_waits == 1)
     second = asyncio.create_task(wait_events([short], AT_ONCE, waiter))
     await turns(lambda: waiter.pending == 2)
+    polled = gpu.loop_queries
     gpu.step_stream(s2)
     await second
-    loop_thread = threading.current_thread().name
-    assert short.threads == [loop_thread] and waiter.taken_back == 1
+    assert short.threads == [f"{THREAD_NAME}-poll"] and waiter.taken_back == 1
+    assert gpu.loop_queries == polled  # the loop did not poll it
     assert not first.done() and waiter.pending == 1
     gpu.step_stream(s1)
     await first

@@ -8,6 +8,7 @@
   has run the event's record, as cudaEventSynchronize does (the host-wait thread of
   asyncgraph/cuda/host_wait.py blocks there; `gpu.sync_waits` counts such waits); on the event
   loop's thread, which drives the simulation, a pending event is an error instead.
+  `gpu.loop_queries` counts the queries made on an event loop's thread: the loop's polls.
 - `ThreadGpu`: the fake GPU with a current stream per thread, as torch.cuda's.
 - `Sim` makes node callables for builder graphs on a ThreadGpu (`FakeCudaTensor` values: the
   data, computed at once, and the kernel that writes it); `CudaNodes` marks the `gpu*` nodes
@@ -17,7 +18,8 @@
   two-device machine.
 
 Used by tests/integration/test_streams.py, test_gpu_executor.py, test_trio_gpu.py,
-test_cuda_graphs.py, test_host_wait.py and support/cuda_graph_fake.py (which adds capture).
+test_cuda_graphs.py, test_host_wait.py, test_gpu_waits.py and support/cuda_graph_fake.py
+(which adds capture).
 
 Not modelled: the wall time of GPU work and of the loop's timers (asyncio's selector loop and
 trio round a timeout above zero up to 1 ms); tests assert what a wait does (which thread
@@ -68,6 +70,8 @@ class FakeEvent:
         self.token = token
 
     def query(self) -> bool:
+        if on_event_loop():
+            self.gpu.loop_queries += 1  # the loop's polls (cuda/device.py's wait_events)
         # a broken (deadlocked) simulation completes everything, so the test ends and reports
         return self.token is None or self.token in self.gpu.done_tokens or self.gpu.broken
 
@@ -77,7 +81,7 @@ class FakeEvent:
         drives the simulated GPU; on the loop's thread a pending event is an error (it would
         block the host forever). Raises what `query` raises (FaultyEvent's CUDA error)."""
         if not self.query():
-            assert not _on_event_loop(), "synchronize() on a pending event would block the loop"
+            assert not on_event_loop(), "synchronize() on a pending event would block the loop"
             self.gpu.wait_until(self.query)
         self.synchronized += 1
 
@@ -106,7 +110,7 @@ RECHECK_S = 0.005
 """How often a thread blocked in FakeEvent.synchronize looks again without being woken."""
 
 
-def _on_event_loop() -> bool:
+def on_event_loop() -> bool:
     """Whether the calling thread runs an event loop (asyncio, uvloop or trio)."""
     try:
         asyncio.get_running_loop()
@@ -114,6 +118,9 @@ def _on_event_loop() -> bool:
     except RuntimeError:
         trio = sys.modules.get("trio")
         return trio is not None and bool(trio.lowlevel.in_trio_run())
+
+
+_on_event_loop = on_event_loop  # the name support/cuda_graph_fake.py imports
 
 
 DEADLOCK_AFTER_S = 5.0
@@ -141,6 +148,7 @@ class FakeGpu:
         self._sleepers = 0
         self._generation = 0
         self.sync_waits = 0  # synchronize() calls that blocked (the waiter thread's)
+        self.loop_queries = 0  # event queries made on an event loop's thread: the loop's polls
 
     def stream(self, name: str) -> FakeStream:
         s = FakeStream(self, name)
