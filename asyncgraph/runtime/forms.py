@@ -10,10 +10,14 @@ form (runtime/delegates.py: `SegmentBackend.fast_form`; "onnx" when onnxruntime 
 an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast_paths`):
 
 1. **builds it off the loop**: on the Executor's first execution, a thread builds each
-   registered fast form in turn (the export takes seconds the first time; exports are cached
-   on disk, compiled/export_cache.py, so a restart builds in a tenth of a second), at a nice
-   value 10 above the loop's, so serving goes on meanwhile on the plain graph. A backend that
-   plans no delegate node (no run long enough) or fails is passed over, with the reason;
+   registered fast form in turn, at a nice value 10 above the loop's, so serving goes on
+   meanwhile on the plain graph. What would still hold the loop is kept from it: a first
+   export runs in a child process (`building_off_loop`, compiled/export_worker.py; exports
+   are then cached on disk, compiled/export_cache.py, so a restart builds in a tenth of a
+   second), the backend's modules are imported when the Executor is made, and the
+   interpreter switches threads every 0.5 ms while a build runs (`_QuickSwitches`). A
+   backend that plans no delegate node (no run long enough) or fails is passed over, with
+   the reason; a build whose Executor closes is stopped (`build_cancelled`);
 2. **chooses per input signature, by measurement**: once a form is built, a signature's next
    executions first warm it (`WARM` runs, and until its delegates' builders are idle: ONNX
    sessions, the first-call checks against the plain nodes), then alternate between the
