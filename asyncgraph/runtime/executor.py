@@ -60,7 +60,7 @@ from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
-from asyncgraph.runtime.forms import FastForms
+from asyncgraph.runtime.forms import MIN_FORM_NODES, FastForms
 from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.modes import Mode, ModeChooser
@@ -722,26 +722,26 @@ class Executor:
         config = self.config
         if not (config.fast_paths and not config.segments and default_kernels
                 and self._device is None and self.recorder is None
-                and config.ready_order_seed is None and len(self.graph.nodes) >= 8):
+                and config.ready_order_seed is None
+                and len(self.graph.nodes) >= MIN_FORM_NODES):
             return None
         backends = fast_form_backends()
-        for backend in backends:  # its imports here, at start-up, not on the build thread
-            segment_backend(backend).load()  # while the loop serves (extensions hold the GIL)
         if not backends:
             return None
+        for backend in backends:  # its imports here, at start-up, not on the build thread
+            segment_backend(backend).load()  # while the loop serves (extensions hold the GIL)
         return FastForms(backends, self._build_form, self._execute,
                          lambda: self._weights.version)
 
     def _build_form(self, backend: str) -> Executor:
         """The program with `backend`'s segments, on the current weights (build thread)."""
-        program = self.program
-        form = Executor(
+        program = self.program  # weights read after FastForms noted their version: a swap
+        return Executor(  # in between gives a form labelled older than it is, never served
             Program(program.graph, dict(self._weights.tensors), f"{program.name} [{backend}]",
                     program.reference, program.exported),
             dataclasses.replace(self.config, segments=(backend,), fast_paths=False,
                                 batching=None),
         )
-        return form
 
     @property
     def has_delegates(self) -> bool:

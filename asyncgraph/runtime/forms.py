@@ -57,6 +57,7 @@ WARM = 8  # untimed runs of a signature on a new form: sessions made, first call
 SAMPLES = 16  # timed runs of each form per signature before the choice
 NICE = 10  # the build thread's nice value above the loop's: serving comes first
 PLAIN = "plain"
+MIN_FORM_NODES = 8  # a graph shorter than a segment (compiled/onnx_segments.py) has no form
 
 
 class Form(Protocol):
