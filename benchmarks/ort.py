@@ -521,10 +521,10 @@ async def _concurrent_case(
         built.notes, "default path, batched", ExecutorConfig(batching=batching))
     executors += [default, default_batched]
     peers = [
+        asyncgraph_peer(PLAIN, executors[0], [x], "each request its own execution"),
         asyncgraph_peer(DEFAULT, default, [x], "Executor(ep): no flags, verdict reached"),
         asyncgraph_peer(DEFAULT_BATCHED, default_batched, [x],
                         f"Executor(ep, batching up to {MAX_BATCH} rows): no other flag"),
-        asyncgraph_peer(PLAIN, executors[0], [x], "each request its own execution"),
         asyncgraph_peer(SCRIPTED, executors[1], [x], "segments=('script',), unbatched"),
         asyncgraph_peer(BATCHED, executors[2], [x], f"dynamic batching, up to {MAX_BATCH} rows"),
         asyncgraph_peer(SCRIPTED_BATCHED, executors[3], [x],

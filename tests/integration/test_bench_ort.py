@@ -126,17 +126,21 @@ async def test_quick_scenario_runs_every_peer_and_matches(
         if case["columns"] == "time":
             onnx_segments = {ort.onnx_segments_name(t) for t in ort.ORT_THREADS}
             assert ort.ONNX_SEGMENTS in onnx_segments and len(onnx_segments) == 2
-            assert set(names) == {ort.PLAIN, ort.SCRIPTED, "eager model(x)"} | ort_latency \
-                | onnx_segments
+            assert set(names) == {ort.PLAIN, ort.SCRIPTED, ort.DEFAULT, "eager model(x)"} \
+                | ort_latency | onnx_segments
             assert case["params"]["onnxruntime_reference"] in ort_latency
-            assert len(case["targets"]) == 4  # plain, scripted, ONNX segments of 1 and 2 threads
+            # issue 40's: plain, scripted, ONNX segments of 1 and 2 threads; 54's: default path
+            assert len(case["targets"]) == 5
         else:
             assert set(names) == {ort.PLAIN, ort.SCRIPTED, ort.BATCHED, ort.SCRIPTED_BATCHED,
-                                  ort.ONNX_SEGMENTS, ort.ONNX_BATCHED,
-                                  ort.ONNX_BATCHED_SMALL} | ort_concurrent
+                                  ort.ONNX_SEGMENTS, ort.ONNX_BATCHED, ort.ONNX_BATCHED_SMALL,
+                                  ort.DEFAULT, ort.DEFAULT_BATCHED} | ort_concurrent
             assert case["params"]["callers"] == 64
             assert 1 <= case["params"]["mean_batch_rows"] <= ort.MAX_BATCH
-            assert len(case["targets"]) == 11  # 3 unbatched, 4 batched vs to_thread, 4 vs batcher
+            # issue 40's: 3 unbatched, 4 batched vs to_thread, 4 vs the batcher; 54's: the
+            # default path unbatched, batched vs to_thread and vs the batcher
+            assert len(case["targets"]) == 14
+            assert "default path, unbatched verdicts" in case["params"]
         for peer in case["peers"]:
             where = f"{case['case']} / {peer['name']}"
             assert peer["matched"] is True, f"{where}: {peer['error']}"
@@ -147,7 +151,8 @@ async def test_quick_scenario_runs_every_peer_and_matches(
             else:
                 assert peer["extra"]["throughput"] > 0, where
         for target in case["targets"]:
-            assert target["number"] == ort.ISSUE
+            issue = ort.DEFAULT_ISSUE if "default path" in target["name"] else ort.ISSUE
+            assert target["number"] == issue, target["name"]
             assert target["value"] is not None and target["value"] > 0, target["name"]
             assert target["rounds"] is not None, target["name"]
     assert _exports(export_cache) == 2 * len(ort.GRAPHS)  # static and dynamic batch
