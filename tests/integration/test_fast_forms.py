@@ -138,7 +138,7 @@ async def test_closing_during_a_first_export_stops_it_quietly(
     caplog.set_level(logging.WARNING, logger="asyncgraph")
     ex = Executor(export_model(model, x), FAST)
     torch.testing.assert_close(await ex.execute(x), model(x), rtol=1e-4, atol=1e-5)
-    for _ in range(200):  # until the build thread has started its child
+    for _ in range(3000):  # until the build thread has started its child (30 s at most)
         if started:
             break
         await asyncio.sleep(0.01)
