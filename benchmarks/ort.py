@@ -585,19 +585,23 @@ async def _concurrent_case(
     batcher_best = _best(case, list(batchers), higher=True)
     case.params["onnxruntime_references"] = [to_thread, batcher_best]
     names = {p.name for p in case.peers}
+
+    def throughput_target(issue: int, peer: str, base: str | None, limit: float) -> None:
+        if base is None or peer not in names:
+            return
+        mine, theirs = results[peer].extra.get("throughput"), results[base].extra.get("throughput")
+        case.targets.append(Target(
+            issue, f"{work.key}, {callers} callers: throughput, {peer} / {base}",
+            mine / theirs if mine and theirs else None, ">=", limit,
+            rounds=case.round_spread(peer, base)))
+
     # issue 54's targets for the path a user gets without flags
     unbatched_limit = 1.5 if work.key == "mlp" else 1.0
     batched_limit, batcher_limit = (4.0, 1.0) if work.key == "mlp" else (2.0, 1.3)
     for peer, base, limit in ((DEFAULT, to_thread, unbatched_limit),
                               (DEFAULT_BATCHED, to_thread, batched_limit),
                               (DEFAULT_BATCHED, batcher_best, batcher_limit)):
-        if base is None or peer not in names:
-            continue
-        mine, theirs = results[peer].extra.get("throughput"), results[base].extra.get("throughput")
-        case.targets.append(Target(
-            DEFAULT_ISSUE, f"{work.key}, {callers} callers: throughput, {peer} / {base}",
-            mine / theirs if mine and theirs else None, ">=", limit,
-            rounds=case.round_spread(peer, base)))
+        throughput_target(DEFAULT_ISSUE, peer, base, limit)
     for peer, base, limit in ((PLAIN, to_thread, 1.0), (SCRIPTED, to_thread, 1.0),
                               (COMPILED, to_thread, 1.0), (AUTOTUNED, to_thread, 1.0),
                               (BATCHED, to_thread, 2.0),
@@ -611,13 +615,7 @@ async def _concurrent_case(
                               (AUTOTUNED_BATCHED, batcher_best, 1.0),
                               (ONNX_BATCHED, batcher_best, 1.0),
                               (ONNX_BATCHED_SMALL, batcher_best, 1.0)):
-        if base is None or peer not in names:
-            continue
-        mine, theirs = results[peer].extra.get("throughput"), results[base].extra.get("throughput")
-        case.targets.append(Target(
-            ISSUE, f"{work.key}, {callers} callers: throughput, {peer} / {base}",
-            mine / theirs if mine and theirs else None, ">=", limit,
-            rounds=case.round_spread(peer, base)))
+        throughput_target(ISSUE, peer, base, limit)
     return case
 
 

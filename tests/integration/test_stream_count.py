@@ -42,13 +42,17 @@ MEDIUM = CAPTURED_OVERLAP_WORK  # worth one only inside a CUDA graph
 
 
 class CostedCudaNodes(CudaNodes):
-    """CudaNodes whose `gpu_heavy*` nodes are estimated at HEAVY multiply-adds (an encoder's
-    linear layer), the other `gpu*` nodes at CudaNodes' 1000."""
+    """CudaNodes whose `gpu_heavy*` nodes are estimated at `heavy` multiply-adds (HEAVY: an
+    encoder's linear layer), the other `gpu*` nodes at CudaNodes' 1000."""
+
+    def __init__(self, heavy: int = HEAVY) -> None:
+        super().__init__()
+        self.heavy = heavy
 
     def kernel_for(self, node: Node, graph: Graph) -> OpKernel | None:
         kernel = super().kernel_for(node, graph)
         if kernel is not None and node.name.startswith("gpu_heavy"):
-            return OpKernel(kernel.fn, kernel.kind, kernel.name, cost=HEAVY,
+            return OpKernel(kernel.fn, kernel.kind, kernel.name, cost=self.heavy,
                             device_type=kernel.device_type)
         return kernel
 
@@ -238,18 +242,6 @@ def test_without_cuda_nodes_or_costs_auto_is_one_stream() -> None:
     assert choose_streams(producers, roles)[0] == 1  # no costs: each node 1, light
 
 
-class MediumCudaNodes(CudaNodes):
-    """CudaNodes whose `gpu_heavy*` nodes are estimated at MEDIUM: worth a stream of their
-    own only inside a CUDA graph."""
-
-    def kernel_for(self, node: Node, graph: Graph) -> OpKernel | None:
-        kernel = super().kernel_for(node, graph)
-        if kernel is not None and node.name.startswith("gpu_heavy"):
-            return OpKernel(kernel.fn, kernel.kind, kernel.name, cost=MEDIUM,
-                            device_type=kernel.device_type)
-        return kernel
-
-
 @pytest.mark.parametrize(("graphs", "expected"), [(False, 1), (True, 4)])
 async def test_the_executor_plans_streams_for_capture_when_graphs_are_on(
     graphs: bool, expected: int
@@ -259,7 +251,8 @@ async def test_the_executor_plans_streams_for_capture_when_graphs_are_on(
     gpu = ThreadGpu(5)
     sim = Sim(gpu)
     ex = Executor(heavy_branches(sim, width=4), gpu_config(CudaConfig(graphs=graphs)),
-                  kernel_factory=MediumCudaNodes(), _cuda_backend=FakeBackend(gpu))
+                  kernel_factory=CostedCudaNodes(MEDIUM),
+                  _cuda_backend=FakeBackend(gpu))
     try:
         sp = ex.stream_plan
         assert sp is not None and sp.streams_per_device == expected, sp.stream_choice
