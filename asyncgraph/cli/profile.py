@@ -147,6 +147,7 @@ def form_lines(forms: dict[str, Any] | None) -> list[str]:
     lines = [f"default path: {forms['form'] or 'the plain graph'} "
              f"(fast form {forms['state']}, built in {forms['build_s']} s)"]
     lines += [f"  {name} stays plain: {why}" for name, why in forms["passed"].items()]
-    lines += [f"  serves these inputs: {v['form']}: {v['why']}"
-              for v in forms["signatures"].values()]
+    lines += [f"  serves these inputs {how}: {v[regime]['form']}: {v[regime]['why']}"
+              for v in forms["signatures"].values()
+              for regime, how in (("alone", "alone"), ("loaded", "under load"))]
     return lines

@@ -13,47 +13,34 @@ and the machine's CPU (ONNX Runtime's optimiser and the exporter's choices diffe
 them). Weights are not in the key: an exported segment holds none (onnx_export.py bakes them
 into each session).
 
-Root: `$ASYNCGRAPH_CACHE_DIR`, else `$XDG_CACHE_HOME/asyncgraph`, else `~/.cache/asyncgraph`.
-`ASYNCGRAPH_CACHE_DIR=` (empty) turns the cache off. Writes go to a temporary file renamed into
-place, so a reader never sees half a file and two processes writing one key both leave a whole
-one. A file that cannot be read back (truncated, another format) is a miss, never an error: the
-segment is exported again and the file rewritten. Unwritable roots only log (the export is
+Root and writes: runtime/disk_cache.py's (`$ASYNCGRAPH_CACHE_DIR`, empty turns it off; a
+temporary file renamed into place, so a reader never sees half a file). A file that cannot
+be read back (truncated, another format) is a miss, never an error: the segment is exported
+again and the file rewritten. Unwritable roots only log (the export is
 still used, from memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import platform
-import tempfile
 from functools import cache
-from pathlib import Path
 from typing import Any
 
+from asyncgraph.runtime.disk_cache import ENV, cache_root, cpu_model, digest, write_atomically
+
 LOG = logging.getLogger("asyncgraph.cache")
-ENV = "ASYNCGRAPH_CACHE_DIR"
-
-
-def cache_root() -> Path | None:
-    """Where cached exports live; None when `ASYNCGRAPH_CACHE_DIR` is set empty (off)."""
-    configured = os.environ.get(ENV)
-    if configured is not None:
-        return Path(configured).expanduser() if configured else None
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "asyncgraph"
+__all__ = ["ENV", "cache_root", "environment", "key_of", "load", "store"]
 
 
 @cache
 def environment() -> str:
     """The versions and the CPU an export depends on, as one string."""
     parts = [f"python={platform.python_version()}", f"machine={platform.machine()}",
-             f"cpu={_cpu_model()}"]
+             f"cpu={cpu_model()}"]
     for package in ("asyncgraph", "torch", "onnx", "onnxscript", "onnxruntime"):
         try:
             parts.append(f"{package}={importlib.metadata.version(package)}")
@@ -62,24 +49,9 @@ def environment() -> str:
     return ";".join(parts)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def key_of(kind: str, *parts: Any) -> str:
     """The cache key of an artefact of `kind` made from `parts` (their reprs) here."""
-    digest = hashlib.sha256(f"{kind}\n{environment()}".encode())
-    for part in parts:
-        digest.update(b"\n")
-        digest.update(repr(part).encode())
-    return digest.hexdigest()
+    return digest(kind, environment(), *parts)
 
 
 def load(kind: str, key: str, fields: type[Any]) -> Any | None:
@@ -113,18 +85,9 @@ def store(kind: str, key: str, value: Any) -> None:
     meta["size"] = len(value.model)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _write(folder / f"{key}.onnx", value.model)  # the model first: the .json says it is whole
-        _write(folder / f"{key}.json", json.dumps(meta).encode())
+        # the model first: the .json says it is whole
+        write_atomically(folder / f"{key}.onnx", value.model)
+        write_atomically(folder / f"{key}.json", json.dumps(meta).encode())
     except OSError as exc:
         LOG.warning("could not cache an export in %s: %s", folder, exc)
 
-
-def _write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

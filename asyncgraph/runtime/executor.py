@@ -60,6 +60,7 @@ from asyncgraph.runtime.build import build
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
+from asyncgraph.runtime.form_verdicts import FormVerdicts
 from asyncgraph.runtime.forms import MIN_FORM_NODES, FastForms
 from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument, make_tracer
@@ -731,7 +732,8 @@ class Executor:
         for backend in backends:  # its imports here, at start-up, not on the build thread
             segment_backend(backend).load()  # while the loop serves (extensions hold the GIL)
         return FastForms(backends, self._build_form, self._execute,
-                         lambda: self._weights.version)
+                         lambda: self._weights.version,
+                         verdicts=FormVerdicts(self.graph.format(), backends))
 
     def _build_form(self, backend: str) -> Executor:
         """The program with `backend`'s segments, on the current weights (build thread)."""
@@ -742,6 +744,11 @@ class Executor:
             dataclasses.replace(self.config, segments=(backend,), fast_paths=False,
                                 batching=None),
         )
+
+    def prepare_sessions(self) -> None:
+        """Start each delegate's work for the current weights now (ONNX sessions): a fast
+        form just built is about to serve, so its first calls should not wait for them."""
+        _prepare_delegates(self._delegates, self._weights.tensors)
 
     @property
     def has_delegates(self) -> bool:

@@ -9,32 +9,52 @@ What: a *form* is the same program built again with a segment backend registered
 form (runtime/delegates.py: `SegmentBackend.fast_form`; "onnx" when onnxruntime imports), as
 an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast_paths`):
 
-1. **builds it off the loop**: on the Executor's first execution, a thread builds each
-   registered fast form in turn, at a nice value 10 above the loop's, so serving goes on
-   meanwhile on the plain graph. What would still hold the loop is kept from it: a first
-   export runs in a child process (`building_off_loop`, compiled/export_worker.py; exports
-   are then cached on disk, compiled/export_cache.py, so a restart builds in a tenth of a
-   second), the backend's modules are imported when the Executor is made, and the
-   interpreter switches threads every 0.5 ms while a build runs (`_QuickSwitches`). A
-   backend that plans no delegate node (no run long enough) or fails is passed over, with
-   the reason; a build whose Executor closes is stopped (`build_cancelled`);
-2. **chooses per input signature, by measurement**: once a form is built, a signature's next
-   executions first warm it (`WARM` runs, and until its delegates' builders are idle: ONNX
-   sessions, the first-call checks against the plain nodes), then alternate between the
-   plain graph and the form, `SAMPLES` timed runs each; the faster median serves that
-   signature from then on. Timed under the load of the moment, so the verdict is what this
-   machine does now, batch size included (each batch size is a signature of its own);
+1. **builds it off the loop**: on the Executor's first execution (at construction when a
+   verdict kept on disk chose a form), a thread builds each registered fast form in turn, at
+   a nice value 10 above the loop's, so serving goes on meanwhile on the plain graph. What
+   would still hold the loop is kept from it: a first export runs in a child process
+   (`building_off_loop`, compiled/export_worker.py; exports are then cached on disk,
+   compiled/export_cache.py, so a restart builds in a tenth of a second), the backend's
+   modules are imported when the Executor is made, and the interpreter switches threads
+   every 0.5 ms while a build runs (`_QuickSwitches`). A backend that plans no delegate node
+   (no run long enough) or fails is passed over, with the reason; a build whose Executor
+   closes is stopped (`build_cancelled`). A built form starts its sessions at once;
+2. **chooses per input signature and load, by measurement**. Which form is faster depends on
+   the load: alone, an execution's latency is what counts (a thread hop costs a tiny model
+   more than the form saves); under many callers, throughput is (the plain graph holds the
+   GIL on the loop's thread; a form running in C++ releases it and uses every core). So an
+   execution is *loaded* when another is in flight, or another task's execution ended
+   within `BURST_GAP_S` (a burst of callers whose executions run inline one after another),
+   else *alone*, and each (signature, regime) gets its own verdict. A signature's first
+   executions on a new form warm it (`WARM` runs, and until its delegates' builders are
+   idle: ONNX sessions, the first-call checks against the plain nodes). Then, alone, the
+   plain graph and the form alternate, `SAMPLES` timed runs each, and the lower median
+   wins. Loaded, latency would mislead (an inline plain run never waits in a queue, a form's
+   run waits behind the others'), so the two take turns in windows: a window opens once
+   nothing of the other form runs, times `WINDOW` executions and closes when they have
+   ended (later executions meanwhile run on the same form, untimed), and its cost per
+   execution is `max(loop thread CPU, process CPU / usable CPUs)`: the loop's thread is one
+   serial resource, the cores are the other, and the busier of the two bounds throughput.
+   After `WINDOWS` windows each, the lower median wins. The verdict is kept on
+   disk (runtime/form_verdicts.py), so a restart adopts it at once;
 3. **never serves other weights**: a form is built from the weights the Executor has when the
    build starts and serves only while the Executor's weights version is that one. A swap
    retires the form (closed with the Executor) and builds it again on the new weights.
 
-`statistics()` says, per backend and signature, which form serves and why (the medians
-measured, or what stopped the form). `ExecutorConfig(fast_paths=False)` (or the environment's
-`ASYNCGRAPH_FAST_PATHS=0`) keeps only the plain graph.
+A restart with a kept verdict that chose a form starts the build at construction, and the
+executions of that signature wait for the build (off the loop) rather than run the plain
+graph: the form serves from the first request.
+
+`statistics()` says, per backend, signature and regime, which form serves and why (the
+medians measured, kept from an earlier run, or what stopped the form).
+`ExecutorConfig(fast_paths=False)` (or the environment's `ASYNCGRAPH_FAST_PATHS=0`) keeps only
+the plain graph.
 
 Not yet: thread counts chosen by measurement (a form's sessions run one intra-op thread, as
 `segments=("onnx",)` does by default), AOTInductor packages as a form (a compile takes
-18-33 s per program on 2 cores), and measuring a decided signature again later.
+18-33 s per program on 2 cores), a choice per segment rather than per program, and
+measuring a decided signature again later. On trio an execution's caller is not known, so a
+burst of inline executions counts as alone unless they overlap.
 """
 
 from __future__ import annotations
@@ -45,18 +65,24 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from asyncgraph.runtime.backend import current_loop
+from asyncgraph.runtime.form_verdicts import FormVerdicts, usable_cpus
 from asyncgraph.runtime.threads import raise_nice, start_thread
 from asyncgraph.runtime.validation import Signature, signature_of
 
 LOG = logging.getLogger("asyncgraph.forms")
 
 WARM = 8  # untimed runs of a signature on a new form: sessions made, first calls checked
-SAMPLES = 16  # timed runs of each form per signature before the choice
+SAMPLES = 16  # timed runs of each form per signature alone, before the choice
+WINDOW = 16  # loaded executions per window of one form
+WINDOWS = 4  # windows of each form under load, before the choice
+BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a burst
 NICE = 10  # the build thread's nice value above the loop's: serving comes first
 PLAIN = "plain"
+ALONE, LOADED = "alone", "loaded"
 MIN_FORM_NODES = 8  # a graph shorter than a segment (compiled/onnx_segments.py) has no form
 
 
@@ -70,6 +96,8 @@ class Form(Protocol):
 
     async def aclose(self, *, cancel: bool = False) -> None: ...
 
+    def prepare_sessions(self) -> None: ...
+
     @property
     def delegates_idle(self) -> bool: ...
 
@@ -80,18 +108,41 @@ class Form(Protocol):
 Run = Callable[[list[Any], "list[Any] | None", Any, "Signature | None"], Awaitable[list[Any]]]
 # builds the form of one backend (on the Executor's current weights)
 Build = Callable[[str], Form]
+# (the loop thread's CPU seconds, the process's CPU seconds), read on the loop's thread
+CpuClock = Callable[[], tuple[float, float]]
+# told when a measured execution ends: whether it ran on the form, and its seconds
+Timed = Callable[[bool, float], None]
+
+
+def _cpu_now() -> tuple[float, float]:
+    return time.thread_time(), time.process_time()
+
+
+@dataclass
+class _Verdict:
+    """One (signature, regime)'s verdict: the form serving it, and the samples that decided
+    (alone: seconds per run; loaded: seconds of the busier resource per execution)."""
+
+    form: str | None = None  # None: still measuring
+    plain_s: list[float] = field(default_factory=list)
+    fast_s: list[float] = field(default_factory=list)
+    turn: int = 0  # alone: runs so far (odd on the form)
+    why: str = ""
+    # loaded: the form of the window (open or next), the CPU clocks at its opening (None:
+    # not open), its executions started and ended
+    window_fast: bool = True
+    window_at: tuple[float, float] | None = None
+    window_starts: int = 0
+    window_ends: int = 0
 
 
 @dataclass
 class _Choice:
-    """One signature's verdict: the form serving it, and the runs that decided."""
+    """One signature's verdicts, one per regime, and its warm runs on the form."""
 
-    form: str | None = None  # None: still warming or measuring
+    alone: _Verdict
+    loaded: _Verdict
     warm: int = 0
-    plain_s: list[float] | None = None
-    fast_s: list[float] | None = None
-    turn: int = 0
-    why: str = ""
 
 
 _BUILDING = threading.local()
@@ -150,9 +201,13 @@ class FastForms:
 
     def __init__(self, backends: Sequence[str], build: Build, plain: Run,
                  version: Callable[[], int],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 verdicts: FormVerdicts | None = None,
+                 cpu: CpuClock = _cpu_now, cpus: int | None = None) -> None:
         self.backends = tuple(backends)
         self._clock = clock
+        self._cpu = cpu
+        self._cpus = cpus or usable_cpus()
         self._build = build
         self._plain = plain
         self._version = version  # the Executor's current weights version
@@ -165,43 +220,89 @@ class FastForms:
         self._retired: list[Form] = []
         self._choices: dict[Signature, _Choice] = {}
         self._passed: dict[str, str] = {}  # backend -> why it serves nothing
+        self._verdicts = verdicts
+        self._kept = verdicts.load() if verdicts is not None else {}
+        self._build_lock = threading.Lock()  # the build's end against a waiter's arrival
+        self._build_waiters: list[tuple[Any, Any]] = []  # (loop, future) woken at its end
+        self._in_flight = 0
+        self._running = [0, 0]  # executions in flight on the plain graph, on the form
+        self._last_caller = 0  # the id of the task whose execution ended last (not the
+        # task itself: a finished task holds its loop)
+        self._last_end = float("-inf")
         self.builds = 0
         self.build_s = 0.0
         self.fast_runs = 0
+        self.build_waits = 0  # executions that waited for a build a kept verdict promised
         self._closed = False
+        if any(form in self.backends for form, _ in self._kept.values()):
+            self._start(version())  # a restart: the form a previous run chose, built now
 
     # -- routing (on the loop) ----------------------------------------------------------------
 
     async def run(self, flat: list[Any], caller_inputs: list[Any] | None = None,
                   caller: Any = None, signature: Signature | None = None) -> list[Any]:
-        """One execution on the form that serves its signature (the plain graph until a
-        form is built and measured faster)."""
-        form = self._current()
+        """One execution on the form that serves its signature and load (the plain graph
+        until a form is built and measured faster)."""
         key = signature if signature is not None else signature_of(flat)
-        if form is None or key is None:
+        form = self._current()
+        if key is None:
             return await self._plain(flat, caller_inputs, caller, signature)
-        choice = self._choices.get(key)
-        if choice is None:
-            choice = self._choices[key] = _Choice()
-        if choice.form == PLAIN:
-            return await self._plain(flat, caller_inputs, caller, signature)
-        if choice.form is not None:
-            self.fast_runs += 1
-            return await form._execute(flat, caller_inputs, caller, signature)
-        if choice.warm < WARM or not form.delegates_idle:
-            choice.warm += 1
-            self.fast_runs += 1
-            return await form._execute(flat, caller_inputs, caller, signature)
-        choice.turn += 1
-        fast = choice.turn % 2 == 1
+        choice = self._choices.get(key) or self._new_choice(key)
+        if form is None and self._building is not None and _promised(choice):
+            form = await self._built()  # a kept verdict chose the form: it is nearly there
+        regime = self._regime(caller)
+        fast, timed = self._route(form, choice, regime, key)
+        self._in_flight += 1
+        self._running[fast] += 1
         start = self._clock()
-        if fast:
-            self.fast_runs += 1
-            outputs = await form._execute(flat, caller_inputs, caller, signature)
-        else:
-            outputs = await self._plain(flat, caller_inputs, caller, signature)
-        self._timed(choice, fast, self._clock() - start)
-        return outputs
+        try:
+            if fast:
+                assert form is not None
+                self.fast_runs += 1
+                return await form._execute(flat, caller_inputs, caller, signature)
+            return await self._plain(flat, caller_inputs, caller, signature)
+        finally:
+            self._in_flight -= 1
+            self._running[fast] -= 1
+            end = self._clock()
+            self._last_caller, self._last_end = id(caller), end
+            if timed is not None:
+                timed(fast, end - start)
+
+    def _route(self, form: Form | None, choice: _Choice, regime: str,
+               key: Signature) -> tuple[bool, Timed | None]:
+        """Whether this execution runs on the form, and what to tell when it ends (its
+        measurement, while its verdict is being reached)."""
+        verdict = choice.loaded if regime is LOADED else choice.alone
+        if form is None or verdict.form == PLAIN:
+            return False, None
+        if verdict.form is not None:
+            return True, None
+        if choice.warm < WARM or not form.delegates_idle:
+            choice.warm += 1  # sessions made, first calls checked, before any timing
+            return True, None
+        if regime is ALONE:
+            verdict.turn += 1
+            return verdict.turn % 2 == 1, lambda fast, seconds: self._alone(verdict, key, fast,
+                                                                            seconds)
+        return self._windowed(verdict, key)
+
+    def _regime(self, caller: Any) -> str:
+        """LOADED while another execution is in flight or another task's just ended."""
+        if self._in_flight or (id(caller) != self._last_caller
+                               and self._clock() - self._last_end < BURST_GAP_S):
+            return LOADED
+        return ALONE
+
+    def _new_choice(self, key: Signature) -> _Choice:
+        """A signature seen for the first time: its verdicts kept on disk, if any."""
+        choice = self._choices[key] = _Choice(_Verdict(), _Verdict())
+        for regime in (ALONE, LOADED):
+            kept = self._kept.get(f"{regime} {key}")
+            if kept is not None and kept[0] in (PLAIN, *self.backends):
+                verdict = getattr(choice, regime)
+                verdict.form, verdict.why = kept[0], f"kept from an earlier run here: {kept[1]}"
+        return choice
 
     def _current(self) -> Form | None:
         """The built form for the current weights, starting a build when none is (or was)."""
@@ -220,24 +321,62 @@ class FastForms:
             self._start(version)
         return None
 
-    def _timed(self, choice: _Choice, fast: bool, seconds: float) -> None:
-        samples = choice.fast_s if fast else choice.plain_s
-        if samples is None:
-            samples = []
-            if fast:
-                choice.fast_s = samples
-            else:
-                choice.plain_s = samples
-        samples.append(seconds)
-        if choice.form is not None or choice.plain_s is None or choice.fast_s is None:
+    async def _built(self) -> Form | None:
+        """Wait, off the loop, for the build underway; the form it made (None: none)."""
+        loop = current_loop()
+        future = loop.create_future()
+        with self._build_lock:
+            if self._building is None:
+                return self._current()
+            self._build_waiters.append((loop, future))
+        self.build_waits += 1
+        await future
+        return self._current()
+
+    def _alone(self, verdict: _Verdict, key: Signature, fast: bool, seconds: float) -> None:
+        """Alone: the form and the plain graph in turn, each run's latency kept."""
+        (verdict.fast_s if fast else verdict.plain_s).append(seconds)
+        if verdict.form is None and min(len(verdict.plain_s), len(verdict.fast_s)) >= SAMPLES:
+            self._decide(verdict, ALONE, key, "us", f"medians of {SAMPLES} alternating runs alone")
+
+    def _windowed(self, verdict: _Verdict, key: Signature) -> tuple[bool, Timed | None]:
+        """Loaded: which form this execution runs on, and whether it is one of a window's.
+
+        A window opens once nothing of the other form runs (its CPU is this form's alone),
+        routes WINDOW executions, and closes when they have all ended; meanwhile later
+        executions run on the same form untimed. Then the other form takes the new
+        executions, and its window opens once this one's have drained."""
+        fast = verdict.window_fast
+        if verdict.window_at is None and not self._running[not fast]:
+            verdict.window_at, verdict.window_starts, verdict.window_ends = self._cpu(), 0, 0
+        if verdict.window_at is None or verdict.window_starts == WINDOW:
+            return fast, None
+        verdict.window_starts += 1
+        return fast, lambda fast, seconds: self._window_end(verdict, key)
+
+    def _window_end(self, verdict: _Verdict, key: Signature) -> None:
+        verdict.window_ends += 1
+        if verdict.window_ends < WINDOW or verdict.window_at is None:
             return
-        if min(len(choice.plain_s), len(choice.fast_s)) < SAMPLES:
-            return
-        plain_us = stats.median(choice.plain_s) * 1e6
-        fast_us = stats.median(choice.fast_s) * 1e6
-        choice.form = self._form_backend if fast_us < plain_us else PLAIN
-        choice.why = (f"measured: {self._form_backend} {fast_us:.0f} us, plain {plain_us:.0f} us "
-                      f"(medians of {SAMPLES} alternating runs)")
+        loop_s, process_s = (now - then for now, then in zip(self._cpu(), verdict.window_at,
+                                                             strict=True))
+        cost = max(loop_s, process_s / self._cpus) / WINDOW
+        (verdict.fast_s if verdict.window_fast else verdict.plain_s).append(cost)
+        verdict.window_fast, verdict.window_at = not verdict.window_fast, None
+        if verdict.form is None and min(len(verdict.plain_s), len(verdict.fast_s)) >= WINDOWS:
+            self._decide(verdict, LOADED, key, "us CPU",
+                         f"medians of {WINDOWS} windows of {WINDOW} executions under load, "
+                         f"the busier of the loop's thread and {self._cpus} CPUs")
+
+    def _decide(self, verdict: _Verdict, regime: str, key: Signature, unit: str,
+                how: str) -> None:
+        plain = stats.median(verdict.plain_s) * 1e6
+        fast = stats.median(verdict.fast_s) * 1e6
+        verdict.form = self._form_backend if fast < plain else PLAIN
+        verdict.why = (f"measured: {self._form_backend} {fast:.0f} {unit}, plain {plain:.0f} "
+                       f"{unit} ({how})")
+        if self._verdicts is not None:
+            self._verdicts.store(f"{regime} {key}", verdict.form, verdict.why)
 
     # -- the build thread ---------------------------------------------------------------------
 
@@ -268,6 +407,7 @@ class FastForms:
                     self._retired.append(built)  # closed with the Executor
                     self._passed[backend] = "no run of the graph became a segment"
                     continue
+                built.prepare_sessions()  # its sessions start now, not on its first call
                 self._form_backend, self._form_version = backend, version
                 self._form = built  # one assignment: the loop sees the form whole
                 return
@@ -276,7 +416,11 @@ class FastForms:
             _QUICK_SWITCHES.exit()
             self.builds += 1
             self.build_s += time.perf_counter() - started
-            self._building = None
+            with self._build_lock:
+                self._building = None
+                waiters, self._build_waiters = self._build_waiters, []
+            for loop, future in waiters:
+                loop.call_soon_threadsafe(_wake, future)
 
     # -- the Executor's side ------------------------------------------------------------------
 
@@ -294,13 +438,29 @@ class FastForms:
             await form.aclose(cancel=cancel)
 
     def statistics(self) -> dict[str, Any]:
-        """Which form serves each signature and why; what each backend did."""
-        signatures = {str(key): {"form": c.form or "measuring",
-                                 "why": c.why or f"warming and measuring ({c.warm} warm runs)"}
+        """Which form serves each signature under each load and why; what each backend did."""
+        signatures = {str(key): {regime: _said(getattr(c, regime), c.warm)
+                                 for regime in (ALONE, LOADED)}
                       for key, c in self._choices.items()}
         state = ("building" if self._building is not None
                  else "ready" if self._form is not None else "none")
         return {"state": state, "form": self._form_backend if self._form else None,
                 "passed": dict(self._passed), "builds": self.builds,
                 "build_s": round(self.build_s, 3), "fast_runs": self.fast_runs,
-                "signatures": signatures}
+                "build_waits": self.build_waits,
+                "kept": len(self._kept), "signatures": signatures}
+
+
+def _promised(choice: _Choice) -> bool:
+    """Whether a verdict kept from an earlier run chose a form for this signature."""
+    return any(v.form not in (None, PLAIN) for v in (choice.alone, choice.loaded))
+
+
+def _said(verdict: _Verdict, warm: int) -> dict[str, str]:
+    return {"form": verdict.form or "measuring",
+            "why": verdict.why or f"warming and measuring ({warm} warm runs)"}
+
+
+def _wake(future: Any) -> None:
+    if not future.done():  # its waiter may have been cancelled meanwhile
+        future.set_result(None)

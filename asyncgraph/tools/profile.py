@@ -140,7 +140,9 @@ async def fast_form_verdict(
     """What the default path does with `inputs`: runs `ex` (an untraced Executor with
     `fast_paths`) until its fast form has a verdict for their signature or `limit_s` passed,
     and returns `statistics().forms` (None when no fast form applies). Profiling itself
-    traces node by node, which fast forms never do: this says what serves without it."""
+    traces node by node, which fast forms never do: this says what serves without it. The
+    runs are one at a time, so the verdict reached is the one for a caller alone; the one
+    under load is reached by load (runtime/forms.py)."""
     deadline = time.monotonic() + limit_s
     while True:
         await ex.execute_flat(inputs)
@@ -148,7 +150,7 @@ async def fast_form_verdict(
         if forms is None:
             return None
         decided = forms["signatures"] and all(
-            v["form"] != "measuring" for v in forms["signatures"].values())
+            v["alone"]["form"] != "measuring" for v in forms["signatures"].values())
         if decided or (forms["state"] == "none" and forms["builds"]) or (
                 time.monotonic() > deadline):
             return forms

@@ -6,18 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
 from typing import Any
 
 import pytest
 import torch
 
 from asyncgraph import Executor, ExecutorConfig
+from asyncgraph.runtime.disk_cache import cache_root
 from tests.support.models import export_model
 
 pytest.importorskip("onnxruntime", reason="the fast form needs the asyncgraph[onnxruntime] extra")
 pytest.importorskip("onnxscript", reason="the fast form needs the asyncgraph[onnxruntime] extra")
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_verdicts() -> None:
+    """Each test measures its own verdicts: none kept from an earlier test of the process
+    (the exports stay cached: they only save time)."""
+    root = cache_root()
+    if root is not None:
+        shutil.rmtree(root / "forms", ignore_errors=True)
 
 FAST = ExecutorConfig(fast_paths=True)
 
@@ -45,7 +56,8 @@ async def _until_decided(ex: Executor, model: torch.nn.Module, x: torch.Tensor,
             torch.testing.assert_close(await ex.execute(x), expected, rtol=1e-4, atol=1e-5)
             forms = ex.statistics().forms
             assert forms is not None
-            verdict = forms["signatures"].get(next(iter(forms["signatures"]), None), {})
+            verdicts = forms["signatures"].get(next(iter(forms["signatures"]), None), {})
+            verdict = verdicts.get("alone", {})
             if verdict.get("form") in ("onnx", "plain"):
                 return forms
             if n % 16 == 0:
@@ -58,7 +70,8 @@ async def test_the_onnx_form_is_built_off_the_loop_and_chosen_by_measurement() -
     async with Executor(export_model(model, x), FAST) as ex:
         forms = await _until_decided(ex, model, x)
         assert forms["form"] == "onnx" and forms["builds"] == 1 and forms["passed"] == {}
-        (verdict,) = forms["signatures"].values()
+        (verdicts,) = forms["signatures"].values()
+        verdict = verdicts["alone"]
         assert verdict["why"].startswith("measured: onnx ")
         served = forms["fast_runs"]
         for _ in range(8):
@@ -189,12 +202,53 @@ def test_asyncgraph_profile_says_what_serves_on_the_default_path(
     runner = CliRunner()
     shown = runner.invoke(app, ["profile", str(path), "--runs", "2", "--warmup", "0"])
     assert shown.exit_code == 0, shown.output
-    assert "default path: " in shown.output and "serves these inputs: " in shown.output
+    assert "default path: " in shown.output and "serves these inputs alone: " in shown.output
     printed = runner.invoke(app, ["profile", str(path), "--runs", "2", "--json"])
     assert printed.exit_code == 0, printed.output
     forms = json.loads(printed.stdout)["forms"]
-    (verdict,) = forms["signatures"].values()
-    assert verdict["form"] in ("onnx", "plain") and verdict["why"].startswith("measured: ")
+    (verdicts,) = forms["signatures"].values()
+    verdict = verdicts["alone"]  # profile runs one execution at a time
+    assert verdict["form"] in ("onnx", "plain")
+    assert verdict["why"].startswith("kept from an earlier run here: measured: ")  # the first
+    assert verdicts["loaded"]["form"] == "measuring"
     monkeypatch.setenv("ASYNCGRAPH_FAST_PATHS", "0")
     off = runner.invoke(app, ["profile", str(path), "--runs", "1", "--json"])
     assert json.loads(off.stdout)["forms"] is None
+
+
+async def test_a_restart_serves_the_kept_form_from_its_first_request() -> None:
+    model, x = MLP().eval(), torch.randn(1, 32)
+    ep = export_model(model, x)
+    async with Executor(ep, FAST) as first:
+        forms = await _until_decided(first, model, x)
+    chosen = next(iter(forms["signatures"].values()))["alone"]["form"]
+    async with Executor(ep, FAST) as restarted:
+        started = restarted.statistics().forms
+        assert started is not None and started["kept"] >= 1
+        assert started["state"] == ("building" if chosen == "onnx" else "none") or (
+            chosen == "onnx" and started["state"] == "ready")
+        torch.testing.assert_close(await restarted.execute(x), model(x), rtol=1e-4, atol=1e-5)
+        after = restarted.statistics().forms
+        assert after is not None
+        assert after["fast_runs"] == (1 if chosen == "onnx" else 0)  # the very first request
+        verdict = next(iter(after["signatures"].values()))["alone"]
+        assert verdict["form"] == chosen and verdict["why"].startswith("kept from an earlier")
+
+
+async def test_many_callers_reach_a_verdict_under_load() -> None:
+    model, x = MLP().eval(), torch.randn(1, 32)
+    xs = [torch.randn(1, 32) for _ in range(64)]
+    expected = [model(v) for v in xs]
+    async with Executor(export_model(model, x), FAST) as ex:
+        for _ in range(400):
+            outs = await asyncio.gather(*(ex.execute(v) for v in xs))
+            for out, want in zip(outs, expected, strict=True):
+                torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+            forms = ex.statistics().forms
+            assert forms is not None
+            loaded = next(iter(forms["signatures"].values()), {}).get("loaded", {})
+            if loaded.get("form") in ("onnx", "plain"):
+                break
+            await asyncio.sleep(0.005)
+        assert loaded.get("form") in ("onnx", "plain"), forms
+        assert "under load" in loaded["why"]

@@ -3,13 +3,17 @@ clock: which form serves a signature, when, and never on other weights."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncgraph.runtime import forms
+from asyncgraph.runtime.form_verdicts import FormVerdicts
 from asyncgraph.runtime.forms import FastForms
 
 pytestmark = pytest.mark.timeout(30)
@@ -28,10 +32,14 @@ class Clock:
 
 
 class FakeForm:
-    def __init__(self, clock: Clock, cost: float, name: str = "fast") -> None:
+    def __init__(self, clock: Clock, cost: float, name: str = "fast",
+                 cpu: list[float] | None = None, cpu_cost: tuple[float, float] = (0.0, 0.0),
+                 yields: bool = False) -> None:
         self.clock, self.cost, self.name = clock, cost, name
+        self.cpu, self.cpu_cost, self.yields = cpu, cpu_cost, yields
         self.runs = 0
         self.bound = 0
+        self.prepared = 0
         self.closed = False
         self.idle = True
         self.has_delegates = True
@@ -40,10 +48,18 @@ class FakeForm:
                        signature: Any) -> list[Any]:
         self.runs += 1
         self.clock.now += self.cost
+        if self.cpu is not None:  # (the loop thread's CPU, the process's CPU) it takes
+            self.cpu[0] += self.cpu_cost[0]
+            self.cpu[1] += self.cpu_cost[1]
+        if self.yields:  # a form whose run waits for a worker: others start meanwhile
+            await asyncio.sleep(0)
         return [self.name]
 
     def _bind_loop(self) -> None:
         self.bound += 1
+
+    def prepare_sessions(self) -> None:
+        self.prepared += 1
 
     async def aclose(self, *, cancel: bool = False) -> None:
         self.closed = True
@@ -55,18 +71,28 @@ class FakeForm:
 
 class Setup:
     def __init__(self, fast_cost: float = 1.0, plain_cost: float = 2.0,
-                 build: Any = None) -> None:
+                 build: Any = None, verdicts: FormVerdicts | None = None,
+                 fast_cpu: tuple[float, float] = (0.0, 0.0),
+                 plain_cpu: tuple[float, float] = (0.0, 0.0),
+                 gate: threading.Event | None = None) -> None:
+        self.gate = gate  # builds wait for it (a slow build)
         self.clock = Clock()
+        self.cpu = [0.0, 0.0]
+        self.fast_cpu, self.plain_cpu = fast_cpu, plain_cpu
         self.version = 0
         self.plain_runs = 0
         self.plain_cost = plain_cost
         self.built: list[FakeForm] = []
         self.fast_cost = fast_cost
         self.forms = FastForms(("fast",), build or self.build, self.plain, lambda: self.version,
-                               self.clock)
+                               self.clock, verdicts, cpu=lambda: (self.cpu[0], self.cpu[1]),
+                               cpus=2)
 
     def build(self, backend: str) -> FakeForm:
-        form = FakeForm(self.clock, self.fast_cost)
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        form = FakeForm(self.clock, self.fast_cost, cpu=self.cpu, cpu_cost=self.fast_cpu,
+                        yields=True)
         self.built.append(form)
         return form
 
@@ -74,6 +100,8 @@ class Setup:
                     signature: Any) -> list[Any]:
         self.plain_runs += 1
         self.clock.now += self.plain_cost
+        self.cpu[0] += self.plain_cpu[0]
+        self.cpu[1] += self.plain_cpu[1]
         return ["plain"]
 
     async def run(self) -> str:
@@ -100,7 +128,7 @@ async def test_the_plain_graph_serves_until_the_form_is_built_then_the_faster_wi
     assert served[:forms.WARM] == ["fast"] * forms.WARM
     assert served[forms.WARM:].count("fast") == served[forms.WARM:].count("plain")
     assert [await setup.run() for _ in range(5)] == ["fast"] * 5
-    verdict = setup.forms.statistics()["signatures"][str(SIG)]
+    verdict = setup.forms.statistics()["signatures"][str(SIG)]["alone"]
     assert verdict["form"] == "fast" and "fast 1000000 us, plain 2000000 us" in verdict["why"]
     assert setup.built[0].bound == 1
     await setup.forms.aclose()
@@ -115,7 +143,7 @@ async def test_a_form_measured_slower_leaves_the_signature_on_the_plain_graph() 
     before = setup.built[0].runs
     assert [await setup.run() for _ in range(5)] == ["plain"] * 5
     assert setup.built[0].runs == before
-    assert setup.forms.statistics()["signatures"][str(SIG)]["form"] == "plain"
+    assert setup.forms.statistics()["signatures"][str(SIG)]["alone"]["form"] == "plain"
     await setup.forms.aclose()
 
 
@@ -126,7 +154,7 @@ async def test_no_timing_while_the_forms_delegates_still_build() -> None:
     setup.built[0].idle = False
     assert [await setup.run() for _ in range(3 * forms.WARM)] == ["fast"] * (3 * forms.WARM)
     assert setup.plain_runs == 1  # only the run before the build
-    assert setup.forms.statistics()["signatures"][str(SIG)]["form"] == "measuring"
+    assert setup.forms.statistics()["signatures"][str(SIG)]["alone"]["form"] == "measuring"
     await setup.forms.aclose()
 
 
@@ -193,3 +221,125 @@ async def test_aclose_waits_for_a_build_in_progress() -> None:
     await setup.forms.aclose()
     assert not any(t.name == "asyncgraph-fast-form" for t in threading.enumerate())
     assert setup.built and setup.built[0].closed
+
+
+async def _burst(setup: Setup, callers: int) -> list[str]:
+    """`callers` executions at once, each from a task of its own."""
+    tasks = [object() for _ in range(callers)]  # alive together: ids of their own
+    outs = await asyncio.gather(*(setup.forms.run([], None, task, SIG) for task in tasks))
+    return [o[0] for o in outs]
+
+
+async def test_under_load_the_form_using_less_of_the_busier_resource_wins() -> None:
+    # alone the plain graph is faster (latency 2 against 3), but it holds the loop's thread
+    # for all of its CPU, while the form's runs take 0.2 of the loop and 1.0 of the process
+    setup = Setup(fast_cost=3.0, plain_cost=2.0, fast_cpu=(0.2, 1.0), plain_cpu=(1.5, 1.5))
+    await setup.run()
+    setup.wait_built()
+    await _decide(setup)
+    assert setup.forms.statistics()["signatures"][str(SIG)]["alone"]["form"] == "plain"
+    rounds = 0
+    while setup.forms.statistics()["signatures"][str(SIG)]["loaded"]["form"] == "measuring":
+        await _burst(setup, 32)
+        rounds += 1
+        assert rounds < 50, setup.forms.statistics()
+    loaded = setup.forms.statistics()["signatures"][str(SIG)]["loaded"]
+    # the busier resource per execution: form max(0.2, 1.0 / 2) = 0.5 s, plain 1.5 s
+    assert loaded["form"] == "fast" and "fast 500000 us CPU, plain 1500000 us CPU" in \
+        loaded["why"], loaded
+    setup.clock.now += 1.0  # a pause before the next burst
+    served = await _burst(setup, 8)
+    assert served[0] == "plain" and served[1:] == ["fast"] * 7  # the first starts alone
+    setup.clock.now += 1.0
+    assert [await setup.run() for _ in range(3)] == ["plain"] * 3  # one caller: alone
+    await setup.forms.aclose()
+
+
+async def test_inline_runs_of_other_tasks_close_together_count_as_load() -> None:
+    setup = Setup()
+    forms = setup.forms
+    assert forms._regime(None) == "alone"
+    last, other = object(), object()
+    forms._last_caller, forms._last_end = id(last), setup.clock.now  # another task, just now
+    assert forms._regime(other) == "loaded"
+    assert forms._regime(last) == "alone"  # the same task, one execution after another
+    setup.clock.now += 1.0  # long after: a new request, not a burst
+    assert forms._regime(object()) == "alone"
+    await forms.aclose()
+
+
+def _kept_verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FormVerdicts:
+    monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))
+    return FormVerdicts("the graph's text", ("fast",))
+
+
+async def test_a_restart_serves_the_kept_form_from_its_first_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = Setup(verdicts=_kept_verdicts(tmp_path, monkeypatch))
+    await first.run()
+    first.wait_built()
+    await _decide(first)
+    await first.forms.aclose()
+    assert first.forms.statistics()["signatures"][str(SIG)]["alone"]["form"] == "fast"
+    kept = json.loads(next((tmp_path / "forms").glob("*.json")).read_text())
+    assert kept[f"alone {SIG}"]["form"] == "fast"
+
+    release = threading.Event()
+    restarted = Setup(verdicts=_kept_verdicts(tmp_path, monkeypatch), gate=release)
+    threading.Timer(0.05, release.set).start()
+    assert restarted.forms.statistics()["state"] == "building"  # before any request
+    assert await restarted.run() == "fast"  # waited for the build, off the loop
+    stats = restarted.forms.statistics()
+    assert stats["build_waits"] == 1 and restarted.plain_runs == 0
+    assert stats["signatures"][str(SIG)]["alone"]["why"].startswith("kept from an earlier run")
+    assert restarted.built[0].prepared == 1  # its sessions started when it was built
+    await restarted.forms.aclose()
+
+
+async def test_kept_verdicts_start_the_build_at_construction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    verdicts = _kept_verdicts(tmp_path, monkeypatch)
+    verdicts.store(f"loaded {SIG}", "fast", "measured")
+    setup = Setup(verdicts=_kept_verdicts(tmp_path, monkeypatch))
+    assert setup.forms.statistics()["state"] in ("building", "ready")  # no request yet
+    assert await setup.run() == "fast"
+    await setup.forms.aclose()
+
+
+async def test_unreadable_kept_verdicts_are_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    verdicts = _kept_verdicts(tmp_path, monkeypatch)
+    assert verdicts.path is not None
+    verdicts.path.parent.mkdir(parents=True)
+    verdicts.path.write_text("{not json")
+    assert verdicts.load() == {}
+    assert "ignoring the kept verdicts" in caplog.text
+    setup = Setup(verdicts=verdicts)
+    assert setup.forms.statistics()["state"] == "none" and await setup.run() == "plain"
+    setup.wait_built()
+    await setup.forms.aclose()
+    monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", "")  # the cache off: nothing kept, no error
+    off = FormVerdicts("the graph's text", ("fast",))
+    off.store("alone x", "fast", "why")
+    assert off.path is None and off.load() == {}
+
+
+async def test_a_request_cancelled_while_it_waits_for_the_build_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    verdicts = _kept_verdicts(tmp_path, monkeypatch)
+    verdicts.store(f"alone {SIG}", "fast", "measured")
+    release = threading.Event()
+    setup = Setup(verdicts=_kept_verdicts(tmp_path, monkeypatch), gate=release)
+    task = asyncio.ensure_future(setup.run())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    setup.wait_built()
+    assert await setup.run() == "fast"
+    await setup.forms.aclose()
