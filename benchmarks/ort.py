@@ -75,7 +75,6 @@ from asyncgraph.bench.harness import (
 from asyncgraph.bench.models import call_nodes, exported_encoder
 from asyncgraph.bench.peers import asyncgraph_peer, in_inference
 from asyncgraph.compiled.onnx_export import quiet_exporter
-from asyncgraph.runtime.batching import default_buckets
 from benchmarks.nativert_compare import (
     Built,
     TinyBert,
@@ -213,6 +212,13 @@ def workloads(settings: Settings, names: Sequence[str] = GRAPHS) -> list[Workloa
 
 
 # -- ONNX Runtime -----------------------------------------------------------------------------
+
+
+def powers_of_two(max_rows: int) -> tuple[int, ...]:
+    """The buckets the ONNX Runtime segments' batches are padded to: powers of two below
+    `max_rows`, then `max_rows` (a few checked signatures serve every batch size)."""
+    sizes = [1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows]
+    return (*sizes, max_rows)
 
 
 def onnx_model(work: Workload, dynamic: bool, cache: Path, notes: dict[str, Any]) -> bytes:
@@ -445,35 +451,43 @@ async def _latency_case(ctx: Context, work: Workload, static: bytes, built: Buil
 
 async def _default_path(
     ep: ExportedProgram, xs: Sequence[Any], notes: dict[str, Any], what: str,
-    config: ExecutorConfig | None = None,
+    config: ExecutorConfig | None = None, callers: int = 1,
 ) -> Executor:
     """`Executor(ep)` as a user gets it (fast_paths on, whatever the environment says), called
-    until each input in `xs` has its verdict; the verdicts, and how long they took from the
-    first call (export and build, or the disk cache, then the measurement), go in `notes`."""
+    as it will be measured, until its verdicts for that load are reached: one call at a time
+    (each input in `xs` in turn: the verdict for a caller alone), or `callers` calls at once
+    (the verdict under load, runtime/forms.py; with batching, every batch size seen). The
+    verdicts, and how long they took from the first call (export and build, or the disk
+    cache, then the measurement), go in `notes`."""
     ex = Executor(ep, dataclasses.replace(config or ExecutorConfig(), fast_paths=True))
+    regime = "alone" if callers == 1 else "loaded"
     start = time.perf_counter()
-    for n in range(DECIDE_LIMIT):
-        for x in xs:
-            await ex.execute(x)
+    for n in range(0, DECIDE_LIMIT, max(callers, len(xs))):
+        if callers == 1:
+            for x in xs:
+                await ex.execute(x)
+        else:
+            await asyncio.gather(*(ex.execute(xs[i % len(xs)]) for i in range(callers)))
         forms = ex.statistics().forms
         if forms is None:  # no fast form applies to this program
             break
-        pending = len(forms["signatures"]) < len(xs) or any(
-            v["form"] == "measuring" for v in forms["signatures"].values())
+        seen = forms["signatures"].values()
+        pending = (callers == 1 and len(seen) < len(xs)) or not seen or any(
+            v[regime]["form"] == "measuring" for v in seen)
         if not pending:
             break
-        if n % 32 == 31:
-            await asyncio.sleep(0.01)  # the build thread's turn
+        if n % 32 == 31 or callers > 1:
+            await asyncio.sleep(0.01 if callers == 1 else 0.002)  # the build thread's turn
     forms = ex.statistics().forms
     if forms is None:
         notes[f"{what} verdicts"] = "no fast form applies"
     else:
-        verdicts = [v["form"] + ": " + v["why"] for v in forms["signatures"].values()]
-        served = [v["form"] for v in forms["signatures"].values()]
-        notes[f"{what} verdicts"] = {
+        decided = [v[regime] for v in forms["signatures"].values()]
+        served = [v["form"] for v in decided]
+        notes[f"{what} verdicts ({regime})"] = {
             "form": forms["form"], "passed": forms["passed"],
-            "signatures": verdicts if len(verdicts) <= 2 else
-            {form: served.count(form) for form in sorted(set(served))}}
+            "signatures": [f"{v['form']}: {v['why']}" for v in decided] if len(decided) <= 2
+            else {form: served.count(form) for form in sorted(set(served))}}
     notes[f"{what} to verdicts (s)"] = round(time.perf_counter() - start, 3)
     return ex
 
@@ -514,11 +528,13 @@ async def _concurrent_case(
         Executor(dynamic_ep, ExecutorConfig(batching=batching, fast_paths=False)),
         Executor(dynamic_ep, ExecutorConfig(segments=("script",), batching=batching)),
     ]
-    default = await _default_path(work.ep, [x], built.notes, "default path, unbatched")
-    # batched: a batch's rows are a signature each, so every size up to MAX_BATCH is decided
+    # verdicts reached under the load measured: callers at once (with batching, a batch's
+    # rows are a signature each: every batch size the load makes is decided)
+    default = await _default_path(work.ep, [x], built.notes, "default path, unbatched",
+                                  callers=callers)
     default_batched = await _default_path(
-        dynamic_ep, [x.expand(rows, *x.shape[1:]).contiguous() for rows in range(1, MAX_BATCH + 1)],
-        built.notes, "default path, batched", ExecutorConfig(batching=batching))
+        dynamic_ep, [x], built.notes, "default path, batched", ExecutorConfig(batching=batching),
+        callers=callers)
     executors += [default, default_batched]
     peers = [
         asyncgraph_peer(PLAIN, executors[0], [x], "each request its own execution"),
@@ -546,7 +562,7 @@ async def _concurrent_case(
     small = BatchingConfig(max_batch_size=SMALL_BATCH, max_concurrent_batches=SMALL_IN_FLIGHT)
     onnx_peers = [(ONNX_SEGMENTS, delegated, "segments=('onnx',), unbatched")]
     for name, policy in ((ONNX_BATCHED, batching), (ONNX_BATCHED_SMALL, small)):
-        buckets = default_buckets(policy.max_batch_size)  # a signature each, checked first
+        buckets = powers_of_two(policy.max_batch_size)  # a signature each, checked first
         executor = await _with_onnx_segments(
             dynamic_ep, [x.expand(rows, *x.shape[1:]).contiguous() for rows in buckets],
             ExecutorConfig(batching=dataclasses.replace(policy, buckets=buckets)))

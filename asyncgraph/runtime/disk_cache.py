@@ -57,10 +57,12 @@ def write_atomically(path: Path, data: bytes) -> None:
     """Write `data` to a temporary file beside `path`, then rename it into place: a reader
     sees the old file or the new one, never half, and two writers both leave a whole one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    placed = False
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(data)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        placed = True
+    finally:
+        if not placed:
+            Path(tmp).unlink(missing_ok=True)

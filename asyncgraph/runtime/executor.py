@@ -735,14 +735,15 @@ class Executor:
                          lambda: self._weights.version,
                          verdicts=FormVerdicts(self.graph.format(), backends))
 
-    def _build_form(self, backend: str) -> Executor:
-        """The program with `backend`'s segments, on the current weights (build thread)."""
+    def _build_form(self, backend: str, threads: int) -> Executor:
+        """The program with `backend`'s segments, their sessions on `threads` intra-op
+        threads, on the current weights (build thread)."""
         program = self.program  # weights read after FastForms noted their version: a swap
         return Executor(  # in between gives a form labelled older than it is, never served
             Program(program.graph, dict(self._weights.tensors), f"{program.name} [{backend}]",
                     program.reference, program.exported),
             dataclasses.replace(self.config, segments=(backend,), fast_paths=False,
-                                batching=None),
+                                batching=None, intra_op_threads=threads),
         )
 
     def prepare_sessions(self) -> None:

@@ -18,7 +18,10 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    modules are imported when the Executor is made, and the interpreter switches threads
    every 0.5 ms while a build runs (`_QuickSwitches`). A backend that plans no delegate node
    (no run long enough) or fails is passed over, with the reason; a build whose Executor
-   closes is stopped (`build_cancelled`). A built form starts its sessions at once;
+   closes is stopped (`build_cancelled`). A backend's form is built once per intra-op
+   thread count in `THREAD_COUNTS` that the process has the CPUs for ("onnx", "onnx, 2
+   threads"): which count is faster depends on the load, so it is a form of its own, chosen
+   by measurement. A built form starts its sessions at once;
 2. **chooses per input signature and load, by measurement**. Which form is faster depends on
    the load: alone, an execution's latency is what counts (a thread hop costs a tiny model
    more than the form saves); under many callers, throughput is (the plain graph holds the
@@ -28,14 +31,15 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    else *alone*, and each (signature, regime) gets its own verdict. A signature's first
    executions on a new form warm it (`WARM` runs, and until its delegates' builders are
    idle: ONNX sessions, the first-call checks against the plain nodes). Then, alone, the
-   plain graph and the form alternate, `SAMPLES` timed runs each, and the lower median
+   forms and the plain graph take turns, `SAMPLES` timed runs each, and the lowest median
    wins. Loaded, latency would mislead (an inline plain run never waits in a queue, a form's
-   run waits behind the others'), so the two take turns in windows: a window opens once
-   nothing of the other form runs, times `WINDOW` executions and closes when they have
-   ended (later executions meanwhile run on the same form, untimed), and its cost per
-   execution is `max(loop thread CPU, process CPU / usable CPUs)`: the loop's thread is one
-   serial resource, the cores are the other, and the busier of the two bounds throughput.
-   After `WINDOWS` windows each, the lower median wins. The verdict is kept on
+   run waits behind the others'), so the candidates take turns in windows: a window opens
+   once nothing of another form runs (a burst's first execution, alone, not counted), times
+   `WINDOW` executions and closes when they have ended (later executions meanwhile run on
+   the same form, untimed), and its cost per execution is `max(loop thread CPU, process CPU
+   / usable CPUs)`: the loop's thread is one serial resource, the cores are the other, and
+   the busier of the two bounds throughput. After `WINDOWS` windows each, the lowest median
+   wins. The verdict is kept on
    disk (runtime/form_verdicts.py), so a restart adopts it at once;
 3. **never serves other weights**: a form is built from the weights the Executor has when the
    build starts and serves only while the Executor's weights version is that one. A swap
@@ -50,11 +54,10 @@ medians measured, kept from an earlier run, or what stopped the form).
 `ExecutorConfig(fast_paths=False)` (or the environment's `ASYNCGRAPH_FAST_PATHS=0`) keeps only
 the plain graph.
 
-Not yet: thread counts chosen by measurement (a form's sessions run one intra-op thread, as
-`segments=("onnx",)` does by default), AOTInductor packages as a form (a compile takes
-18-33 s per program on 2 cores), a choice per segment rather than per program, and
-measuring a decided signature again later. On trio an execution's caller is not known, so a
-burst of inline executions counts as alone unless they overlap.
+Not yet: AOTInductor packages as a form (a compile takes 18-33 s per program on 2 cores), a
+choice per segment rather than per program, and measuring a decided signature again later; a
+form no verdict chose keeps its sessions until a swap or close. On trio an execution's caller
+is not known, so a burst of inline executions counts as alone unless they overlap.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a bur
 NICE = 10  # the build thread's nice value above the loop's: serving comes first
 PLAIN = "plain"
 ALONE, LOADED = "alone", "loaded"
+THREAD_COUNTS = (1, 2)  # intra-op threads a form's sessions are built with, each a form
 MIN_FORM_NODES = 8  # a graph shorter than a segment (compiled/onnx_segments.py) has no form
 
 
@@ -106,12 +110,12 @@ class Form(Protocol):
 
 
 Run = Callable[[list[Any], "list[Any] | None", Any, "Signature | None"], Awaitable[list[Any]]]
-# builds the form of one backend (on the Executor's current weights)
-Build = Callable[[str], Form]
+# builds the form of one backend at an intra-op thread count (on the current weights)
+Build = Callable[[str, int], Form]
 # (the loop thread's CPU seconds, the process's CPU seconds), read on the loop's thread
 CpuClock = Callable[[], tuple[float, float]]
-# told when a measured execution ends: whether it ran on the form, and its seconds
-Timed = Callable[[bool, float], None]
+# told when a measured execution ends: the form it ran on, and its seconds
+Timed = Callable[[str, float], None]
 
 
 def _cpu_now() -> tuple[float, float]:
@@ -120,17 +124,16 @@ def _cpu_now() -> tuple[float, float]:
 
 @dataclass
 class _Verdict:
-    """One (signature, regime)'s verdict: the form serving it, and the samples that decided
-    (alone: seconds per run; loaded: seconds of the busier resource per execution)."""
+    """One (signature, regime)'s verdict: the form serving it, and the samples that decided,
+    per form (alone: seconds per run; loaded: seconds of the busier resource per execution)."""
 
     form: str | None = None  # None: still measuring
-    plain_s: list[float] = field(default_factory=list)
-    fast_s: list[float] = field(default_factory=list)
-    turn: int = 0  # alone: runs so far (odd on the form)
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    turn: int = 0  # alone: runs so far, the forms in turn
     why: str = ""
-    # loaded: the form of the window (open or next), the CPU clocks at its opening (None:
-    # not open), its executions started and ended
-    window_fast: bool = True
+    # loaded: the window's turn (which form), the CPU clocks at its opening (None: not open),
+    # its executions started and ended
+    window_turn: int = 0
     window_at: tuple[float, float] | None = None
     window_starts: int = 0
     window_ends: int = 0
@@ -208,13 +211,14 @@ class FastForms:
         self._clock = clock
         self._cpu = cpu
         self._cpus = cpus or usable_cpus()
+        self._threads = tuple(t for t in THREAD_COUNTS if t <= self._cpus)
         self._build = build
         self._plain = plain
         self._version = version  # the Executor's current weights version
-        self._form: Form | None = None
+        self._forms: dict[str, Form] = {}  # name -> form, built on `_form_version`'s weights
         self._form_backend = ""
         self._form_version = -1
-        self._bound = False  # the form bound to the Executor's loop
+        self._bound = False  # the forms bound to the Executor's loop
         self._building: threading.Thread | None = None
         self._built_for = -1  # the weights version the last build started on
         self._retired: list[Form] = []
@@ -225,7 +229,9 @@ class FastForms:
         self._build_lock = threading.Lock()  # the build's end against a waiter's arrival
         self._build_waiters: list[tuple[Any, Any]] = []  # (loop, future) woken at its end
         self._in_flight = 0
-        self._running = [0, 0]  # executions in flight on the plain graph, on the form
+        # loaded executions in flight, per form (a burst's first execution counts as
+        # alone and is left out: under bursts it would hold every window of another form)
+        self._running: dict[str, int] = {PLAIN: 0}
         self._last_caller = 0  # the id of the task whose execution ended last (not the
         # task itself: a finished task holds its loop)
         self._last_end = float("-inf")
@@ -234,7 +240,7 @@ class FastForms:
         self.fast_runs = 0
         self.build_waits = 0  # executions that waited for a build a kept verdict promised
         self._closed = False
-        if any(form in self.backends for form, _ in self._kept.values()):
+        if any(self._known(form) and form != PLAIN for form, _ in self._kept.values()):
             self._start(version())  # a restart: the form a previous run chose, built now
 
     # -- routing (on the loop) ----------------------------------------------------------------
@@ -244,48 +250,53 @@ class FastForms:
         """One execution on the form that serves its signature and load (the plain graph
         until a form is built and measured faster)."""
         key = signature if signature is not None else signature_of(flat)
-        form = self._current()
+        forms = self._current()
         if key is None:
             return await self._plain(flat, caller_inputs, caller, signature)
         choice = self._choices.get(key) or self._new_choice(key)
-        if form is None and self._building is not None and _promised(choice):
-            form = await self._built()  # a kept verdict chose the form: it is nearly there
+        if forms is None and self._building is not None and _promised(choice):
+            forms = await self._built()  # a kept verdict chose a form: it is nearly there
         regime = self._regime(caller)
-        fast, timed = self._route(form, choice, regime, key)
+        route, timed = self._route(forms, choice, regime, key)
+        form = forms.get(route) if forms is not None else None
+        counted = regime is LOADED  # in `_running`, which the windows read
         self._in_flight += 1
-        self._running[fast] += 1
+        if counted:
+            self._running[route] = self._running.get(route, 0) + 1
         start = self._clock()
         try:
-            if fast:
-                assert form is not None
+            if form is not None:
                 self.fast_runs += 1
                 return await form._execute(flat, caller_inputs, caller, signature)
             return await self._plain(flat, caller_inputs, caller, signature)
         finally:
             self._in_flight -= 1
-            self._running[fast] -= 1
+            if counted:
+                self._running[route] -= 1
             end = self._clock()
             self._last_caller, self._last_end = id(caller), end
             if timed is not None:
-                timed(fast, end - start)
+                timed(route, end - start)
 
-    def _route(self, form: Form | None, choice: _Choice, regime: str,
-               key: Signature) -> tuple[bool, Timed | None]:
-        """Whether this execution runs on the form, and what to tell when it ends (its
-        measurement, while its verdict is being reached)."""
+    def _route(self, forms: dict[str, Form] | None, choice: _Choice, regime: str,
+               key: Signature) -> tuple[str, Timed | None]:
+        """The form this execution runs on (a name, or PLAIN), and what to tell when it ends
+        (its measurement, while its verdict is being reached)."""
         verdict = choice.loaded if regime is LOADED else choice.alone
-        if form is None or verdict.form == PLAIN:
-            return False, None
+        if forms is None or verdict.form == PLAIN:
+            return PLAIN, None
         if verdict.form is not None:
-            return True, None
-        if choice.warm < WARM or not form.delegates_idle:
+            return (verdict.form if verdict.form in forms else PLAIN), None
+        names = list(forms)
+        if choice.warm < WARM * len(names) or not all(f.delegates_idle for f in forms.values()):
             choice.warm += 1  # sessions made, first calls checked, before any timing
-            return True, None
+            return names[choice.warm % len(names)], None
+        candidates = [*names, PLAIN]
         if regime is ALONE:
             verdict.turn += 1
-            return verdict.turn % 2 == 1, lambda fast, seconds: self._alone(verdict, key, fast,
-                                                                            seconds)
-        return self._windowed(verdict, key)
+            return candidates[verdict.turn % len(candidates)], (
+                lambda route, seconds: self._alone(verdict, key, candidates, route, seconds))
+        return self._windowed(verdict, key, candidates)
 
     def _regime(self, caller: Any) -> str:
         """LOADED while another execution is in flight or another task's just ended."""
@@ -294,35 +305,40 @@ class FastForms:
             return LOADED
         return ALONE
 
+    def _known(self, form: str) -> bool:
+        """Whether `form` names the plain graph or a form this Executor may build."""
+        return form == PLAIN or form.split(",")[0] in self.backends
+
     def _new_choice(self, key: Signature) -> _Choice:
         """A signature seen for the first time: its verdicts kept on disk, if any."""
         choice = self._choices[key] = _Choice(_Verdict(), _Verdict())
         for regime in (ALONE, LOADED):
             kept = self._kept.get(f"{regime} {key}")
-            if kept is not None and kept[0] in (PLAIN, *self.backends):
+            if kept is not None and self._known(kept[0]):
                 verdict = getattr(choice, regime)
                 verdict.form, verdict.why = kept[0], f"kept from an earlier run here: {kept[1]}"
         return choice
 
-    def _current(self) -> Form | None:
-        """The built form for the current weights, starting a build when none is (or was)."""
+    def _current(self) -> dict[str, Form] | None:
+        """The forms built for the current weights, starting a build when none are (or were)."""
         version = self._version()
-        form = self._form
-        if form is not None and self._form_version == version:
+        forms = self._forms
+        if forms and self._form_version == version:
             if not self._bound:
-                form._bind_loop()  # on the Executor's loop, as the Executor is
+                for form in forms.values():
+                    form._bind_loop()  # on the Executor's loop, as the Executor is
                 self._bound = True
-            return form
-        if self._form is not None:  # built on other weights: never served again
-            self._retired.append(self._form)
-            self._form, self._bound = None, False
+            return forms
+        if forms:  # built on other weights: never served again
+            self._retired.extend(forms.values())
+            self._forms, self._bound = {}, False
             self._choices.clear()
         if self._building is None and self._built_for != version and not self._closed:
             self._start(version)
         return None
 
-    async def _built(self) -> Form | None:
-        """Wait, off the loop, for the build underway; the form it made (None: none)."""
+    async def _built(self) -> dict[str, Form] | None:
+        """Wait, off the loop, for the build underway; the forms it made (None: none)."""
         loop = current_loop()
         future = loop.create_future()
         with self._build_lock:
@@ -333,48 +349,54 @@ class FastForms:
         await future
         return self._current()
 
-    def _alone(self, verdict: _Verdict, key: Signature, fast: bool, seconds: float) -> None:
-        """Alone: the form and the plain graph in turn, each run's latency kept."""
-        (verdict.fast_s if fast else verdict.plain_s).append(seconds)
-        if verdict.form is None and min(len(verdict.plain_s), len(verdict.fast_s)) >= SAMPLES:
-            self._decide(verdict, ALONE, key, "us", f"medians of {SAMPLES} alternating runs alone")
+    def _alone(self, verdict: _Verdict, key: Signature, candidates: list[str], route: str,
+               seconds: float) -> None:
+        """Alone: the forms and the plain graph in turn, each run's latency kept."""
+        verdict.samples.setdefault(route, []).append(seconds)
+        if verdict.form is None and all(len(verdict.samples.get(c, ())) >= SAMPLES
+                                        for c in candidates):
+            self._decide(verdict, ALONE, key, candidates, "us",
+                         f"medians of {SAMPLES} runs each, in turn, alone")
 
-    def _windowed(self, verdict: _Verdict, key: Signature) -> tuple[bool, Timed | None]:
+    def _windowed(self, verdict: _Verdict, key: Signature,
+                  candidates: list[str]) -> tuple[str, Timed | None]:
         """Loaded: which form this execution runs on, and whether it is one of a window's.
 
-        A window opens once nothing of the other form runs (its CPU is this form's alone),
+        A window opens once nothing of the other forms runs (its CPU is this form's alone),
         routes WINDOW executions, and closes when they have all ended; meanwhile later
-        executions run on the same form untimed. Then the other form takes the new
+        executions run on the same form untimed. Then the next form takes the new
         executions, and its window opens once this one's have drained."""
-        fast = verdict.window_fast
-        if verdict.window_at is None and not self._running[not fast]:
+        route = candidates[verdict.window_turn % len(candidates)]
+        if verdict.window_at is None and not any(
+                self._running.get(c, 0) for c in candidates if c != route):
             verdict.window_at, verdict.window_starts, verdict.window_ends = self._cpu(), 0, 0
         if verdict.window_at is None or verdict.window_starts == WINDOW:
-            return fast, None
+            return route, None
         verdict.window_starts += 1
-        return fast, lambda fast, seconds: self._window_end(verdict, key)
+        return route, lambda route, seconds: self._window_end(verdict, key, candidates, route)
 
-    def _window_end(self, verdict: _Verdict, key: Signature) -> None:
+    def _window_end(self, verdict: _Verdict, key: Signature, candidates: list[str],
+                    route: str) -> None:
         verdict.window_ends += 1
         if verdict.window_ends < WINDOW or verdict.window_at is None:
             return
         loop_s, process_s = (now - then for now, then in zip(self._cpu(), verdict.window_at,
                                                              strict=True))
         cost = max(loop_s, process_s / self._cpus) / WINDOW
-        (verdict.fast_s if verdict.window_fast else verdict.plain_s).append(cost)
-        verdict.window_fast, verdict.window_at = not verdict.window_fast, None
-        if verdict.form is None and min(len(verdict.plain_s), len(verdict.fast_s)) >= WINDOWS:
-            self._decide(verdict, LOADED, key, "us CPU",
-                         f"medians of {WINDOWS} windows of {WINDOW} executions under load, "
-                         f"the busier of the loop's thread and {self._cpus} CPUs")
+        verdict.samples.setdefault(route, []).append(cost)
+        verdict.window_turn, verdict.window_at = verdict.window_turn + 1, None
+        if verdict.form is None and all(len(verdict.samples.get(c, ())) >= WINDOWS
+                                        for c in candidates):
+            self._decide(verdict, LOADED, key, candidates, "us CPU",
+                         f"medians of {WINDOWS} windows of {WINDOW} executions each under "
+                         f"load, the busier of the loop's thread and {self._cpus} CPUs")
 
-    def _decide(self, verdict: _Verdict, regime: str, key: Signature, unit: str,
-                how: str) -> None:
-        plain = stats.median(verdict.plain_s) * 1e6
-        fast = stats.median(verdict.fast_s) * 1e6
-        verdict.form = self._form_backend if fast < plain else PLAIN
-        verdict.why = (f"measured: {self._form_backend} {fast:.0f} {unit}, plain {plain:.0f} "
-                       f"{unit} ({how})")
+    def _decide(self, verdict: _Verdict, regime: str, key: Signature, candidates: list[str],
+                unit: str, how: str) -> None:
+        medians = {name: stats.median(verdict.samples[name]) * 1e6 for name in candidates}
+        verdict.form = min(medians, key=medians.__getitem__)
+        verdict.why = "measured: " + ", ".join(
+            f"{name} {us:.0f} {unit}" for name, us in medians.items()) + f" ({how})"
         if self._verdicts is not None:
             self._verdicts.store(f"{regime} {key}", verdict.form, verdict.why)
 
@@ -388,29 +410,21 @@ class FastForms:
         start_thread(thread)
 
     def _build_forms(self, version: int) -> None:
-        """The build thread: the first registered backend whose form plans delegates."""
+        """The build thread: the first registered backend whose form plans delegates, at
+        each intra-op thread count in THREAD_COUNTS that this process has the CPUs for."""
         raise_nice(NICE if sys.platform == "linux" else 0)
         started = time.perf_counter()
         _QUICK_SWITCHES.enter()
         _BUILDING.owner = self
         try:
             for backend in self.backends:
-                if self._closed:
+                built = self._build_backend(backend)
+                if built:
+                    for form in built.values():
+                        form.prepare_sessions()  # its sessions start now, not on first calls
+                    self._form_backend, self._form_version = backend, version
+                    self._forms = built  # one assignment: the loop sees the forms whole
                     return
-                try:
-                    built = self._build(backend)
-                except Exception as exc:  # a form that cannot be built: the plain graph serves
-                    self._passed[backend] = f"not built: {type(exc).__name__}: {exc}"
-                    LOG.warning("fast form %r %s", backend, self._passed[backend])
-                    continue
-                if not built.has_delegates:
-                    self._retired.append(built)  # closed with the Executor
-                    self._passed[backend] = "no run of the graph became a segment"
-                    continue
-                built.prepare_sessions()  # its sessions start now, not on its first call
-                self._form_backend, self._form_version = backend, version
-                self._form = built  # one assignment: the loop sees the form whole
-                return
         finally:
             _BUILDING.owner = None
             _QUICK_SWITCHES.exit()
@@ -422,6 +436,28 @@ class FastForms:
             for loop, future in waiters:
                 loop.call_soon_threadsafe(_wake, future)
 
+    def _build_backend(self, backend: str) -> dict[str, Form]:
+        """`backend`'s forms, one per thread count; none when it plans no delegate or fails."""
+        built: dict[str, Form] = {}
+        for threads in self._threads:
+            name = backend if threads == 1 else f"{backend}, {threads} threads"
+            if self._closed:
+                break
+            try:
+                form = self._build(backend, threads)
+            except Exception as exc:  # a form that cannot be built: the others serve
+                self._passed[name] = f"not built: {type(exc).__name__}: {exc}"
+                LOG.warning("fast form %r %s", name, self._passed[name])
+                if not built:
+                    break
+                continue
+            if not form.has_delegates:
+                self._retired.append(form)  # closed with the Executor
+                self._passed[name] = "no run of the graph became a segment"
+                break
+            built[name] = form
+        return built
+
     # -- the Executor's side ------------------------------------------------------------------
 
     async def aclose(self, *, cancel: bool = False) -> None:
@@ -432,8 +468,8 @@ class FastForms:
             import anyio.to_thread
 
             await anyio.to_thread.run_sync(thread.join)
-        forms = [*self._retired, *([self._form] if self._form is not None else [])]
-        self._retired, self._form = [], None
+        forms = [*self._retired, *self._forms.values()]
+        self._retired, self._forms = [], {}
         for form in forms:
             await form.aclose(cancel=cancel)
 
@@ -443,11 +479,11 @@ class FastForms:
                                  for regime in (ALONE, LOADED)}
                       for key, c in self._choices.items()}
         state = ("building" if self._building is not None
-                 else "ready" if self._form is not None else "none")
-        return {"state": state, "form": self._form_backend if self._form else None,
-                "passed": dict(self._passed), "builds": self.builds,
-                "build_s": round(self.build_s, 3), "fast_runs": self.fast_runs,
-                "build_waits": self.build_waits,
+                 else "ready" if self._forms else "none")
+        return {"state": state, "form": self._form_backend if self._forms else None,
+                "forms": list(self._forms), "passed": dict(self._passed),
+                "builds": self.builds, "build_s": round(self.build_s, 3),
+                "fast_runs": self.fast_runs, "build_waits": self.build_waits,
                 "kept": len(self._kept), "signatures": signatures}
 
 

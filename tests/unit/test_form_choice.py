@@ -74,7 +74,11 @@ class Setup:
                  build: Any = None, verdicts: FormVerdicts | None = None,
                  fast_cpu: tuple[float, float] = (0.0, 0.0),
                  plain_cpu: tuple[float, float] = (0.0, 0.0),
-                 gate: threading.Event | None = None) -> None:
+                 gate: threading.Event | None = None, cpus: int = 1,
+                 two_threads: tuple[float, tuple[float, float]] | None = None) -> None:
+        # cpus=1: one form (one intra-op thread); 2: a second form on 2 threads, whose
+        # (latency, CPU) are `two_threads` (the first form's when None)
+        self.two_threads = two_threads
         self.gate = gate  # builds wait for it (a slow build)
         self.clock = Clock()
         self.cpu = [0.0, 0.0]
@@ -86,13 +90,15 @@ class Setup:
         self.fast_cost = fast_cost
         self.forms = FastForms(("fast",), build or self.build, self.plain, lambda: self.version,
                                self.clock, verdicts, cpu=lambda: (self.cpu[0], self.cpu[1]),
-                               cpus=2)
+                               cpus=cpus)
 
-    def build(self, backend: str) -> FakeForm:
+    def build(self, backend: str, threads: int = 1) -> FakeForm:
         if self.gate is not None:
             assert self.gate.wait(10)
-        form = FakeForm(self.clock, self.fast_cost, cpu=self.cpu, cpu_cost=self.fast_cpu,
-                        yields=True)
+        cost, cpu = ((self.fast_cost, self.fast_cpu) if threads == 1 or not self.two_threads
+                     else self.two_threads)
+        form = FakeForm(self.clock, cost, "fast" if threads == 1 else "fast2", cpu=self.cpu,
+                        cpu_cost=cpu, yields=True)
         self.built.append(form)
         return form
 
@@ -116,8 +122,13 @@ class Setup:
 
 
 async def _decide(setup: Setup) -> list[str]:
-    """Runs until the signature's verdict: the warm runs, then the alternating timed ones."""
-    return [await setup.run() for _ in range(forms.WARM + 2 * forms.SAMPLES)]
+    """Runs until the signature's verdict alone: the warm runs, then the timed ones in turn."""
+    served = []
+    for _ in range(forms.WARM * 2 + 3 * forms.SAMPLES):
+        served.append(await setup.run())
+        if setup.forms.statistics()["signatures"][str(SIG)]["alone"]["form"] != "measuring":
+            return served
+    raise AssertionError(f"no verdict: {setup.forms.statistics()}")
 
 
 async def test_the_plain_graph_serves_until_the_form_is_built_then_the_faster_wins() -> None:
@@ -176,7 +187,7 @@ async def test_a_form_built_on_other_weights_is_never_served() -> None:
 
 
 async def test_a_build_that_fails_is_reported_and_not_tried_again() -> None:
-    def fails(backend: str) -> Any:
+    def fails(backend: str, threads: int) -> Any:
         raise RuntimeError("the exporter refused")
 
     setup = Setup(build=fails)
@@ -192,8 +203,8 @@ async def test_a_build_that_fails_is_reported_and_not_tried_again() -> None:
 async def test_a_form_without_segments_is_passed_over_and_closed() -> None:
     setup = Setup()
 
-    def empty(backend: str) -> FakeForm:
-        form = setup.build(backend)
+    def empty(backend: str, threads: int) -> FakeForm:
+        form = setup.build(backend, threads)
         form.has_delegates = False
         return form
 
@@ -210,9 +221,9 @@ async def test_aclose_waits_for_a_build_in_progress() -> None:
     release = threading.Event()
     setup = Setup()
 
-    def slow(backend: str) -> FakeForm:
+    def slow(backend: str, threads: int) -> FakeForm:
         release.wait(10)
-        return setup.build(backend)
+        return setup.build(backend, threads)
 
     setup.forms._build = slow
     await setup.run()
@@ -233,7 +244,8 @@ async def _burst(setup: Setup, callers: int) -> list[str]:
 async def test_under_load_the_form_using_less_of_the_busier_resource_wins() -> None:
     # alone the plain graph is faster (latency 2 against 3), but it holds the loop's thread
     # for all of its CPU, while the form's runs take 0.2 of the loop and 1.0 of the process
-    setup = Setup(fast_cost=3.0, plain_cost=2.0, fast_cpu=(0.2, 1.0), plain_cpu=(1.5, 1.5))
+    setup = Setup(fast_cost=3.0, plain_cost=2.0, fast_cpu=(0.2, 1.0), plain_cpu=(1.5, 1.5),
+                  cpus=2, two_threads=(2.5, (0.2, 1.6)))
     await setup.run()
     setup.wait_built()
     await _decide(setup)
@@ -244,9 +256,12 @@ async def test_under_load_the_form_using_less_of_the_busier_resource_wins() -> N
         rounds += 1
         assert rounds < 50, setup.forms.statistics()
     loaded = setup.forms.statistics()["signatures"][str(SIG)]["loaded"]
-    # the busier resource per execution: form max(0.2, 1.0 / 2) = 0.5 s, plain 1.5 s
-    assert loaded["form"] == "fast" and "fast 500000 us CPU, plain 1500000 us CPU" in \
-        loaded["why"], loaded
+    # the busier resource per execution: the form max(0.2, 1.0 / 2) = 0.5 s, the plain graph
+    # 1.5 s, the form on 2 threads max(0.2, 1.6 / 2) = 0.8 s (and more: CPU of the
+    # window's untimed executions of the same form counts too)
+    assert loaded["form"] == "fast", loaded
+    assert "fast 500000 us CPU" in loaded["why"] and "plain 1500000 us CPU" in loaded["why"]
+    assert "fast, 2 threads " in loaded["why"]
     setup.clock.now += 1.0  # a pause before the next burst
     served = await _burst(setup, 8)
     assert served[0] == "plain" and served[1:] == ["fast"] * 7  # the first starts alone
@@ -342,4 +357,38 @@ async def test_a_request_cancelled_while_it_waits_for_the_build_leaves_nothing(
     release.set()
     setup.wait_built()
     assert await setup.run() == "fast"
+    await setup.forms.aclose()
+
+
+async def test_the_thread_count_is_a_form_of_its_own_chosen_by_measurement() -> None:
+    # alone, the sessions on 2 intra-op threads are the fastest (0.5 against 1.0 and 2.0)
+    setup = Setup(fast_cost=1.0, plain_cost=2.0, cpus=2, two_threads=(0.5, (0.0, 0.0)))
+    await setup.run()
+    setup.wait_built()
+    assert setup.forms.statistics()["forms"] == ["fast", "fast, 2 threads"]
+    served = await _decide(setup)
+    assert {"fast", "fast2", "plain"} <= set(served)  # each measured in turn
+    verdict = setup.forms.statistics()["signatures"][str(SIG)]["alone"]
+    assert verdict["form"] == "fast, 2 threads", verdict
+    assert [await setup.run() for _ in range(3)] == ["fast2"] * 3
+    await setup.forms.aclose()
+    assert all(form.closed for form in setup.built)
+
+
+async def test_a_thread_count_that_fails_to_build_leaves_the_others() -> None:
+    setup = Setup(cpus=2)
+
+    def two_fails(backend: str, threads: int) -> FakeForm:
+        if threads == 2:
+            raise RuntimeError("no second session")
+        return setup.build(backend, threads)
+
+    setup.forms._build = two_fails
+    await setup.run()
+    setup.wait_built()
+    stats = setup.forms.statistics()
+    assert stats["forms"] == ["fast"]
+    assert stats["passed"] == {"fast, 2 threads": "not built: RuntimeError: no second session"}
+    await _decide(setup)
+    assert setup.forms.statistics()["signatures"][str(SIG)]["alone"]["form"] == "fast"
     await setup.forms.aclose()
