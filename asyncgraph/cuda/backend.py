@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from asyncgraph.cuda.capturable import CapturePlan, plan_capture
-from asyncgraph.cuda.capture import CudaGraphs, CudaGraphStatistics
+from asyncgraph.cuda.capture import CudaGraphs, CudaGraphStatistics, SignatureCapture
 from asyncgraph.cuda.device import Backend, CudaRuntime, FrameStreams
-from asyncgraph.cuda.graphs import FrameGraphs, frame_captures
+from asyncgraph.cuda.graphs import FrameGraphs, frame_captures, warm_up
 from asyncgraph.cuda.segments import SegmentPlan, segment_plan_for
 from asyncgraph.cuda.streams import StreamPlan, stream_plan_for
 from asyncgraph.graph.ir import Graph, ValueSpec
@@ -67,6 +67,20 @@ class CudaPlans:
     def move_inputs(self, flat: Sequence[Any], specs: Sequence[ValueSpec | None]) -> list[Any]:
         """Copies to a GPU enqueue on the caller's stream; FrameStreams.begin orders after."""
         return move_inputs_to_device(flat, specs)
+
+    async def warm_up(
+        self, examples: Sequence[tuple[list[Any], Any]], template: list[Any], version: int
+    ) -> list[SignatureCapture]:
+        """Capture each example's signature's graph instances ahead, on a thread, and return
+        where each stands (graphs.py's `warm_up`); [] when executions are not captured whole
+        (segments are captured inside executions, per frame)."""
+        if not self.captures_whole:
+            return []
+        return await warm_up(self.graphs, examples, template, version)
+
+    async def stop(self) -> None:
+        """Stop the captures ahead and wait for the running one (before `close`)."""
+        await self.graphs.stop()
 
     def close(self) -> None:
         """Free every frame's graphs and pools; the host-wait thread ends once nothing waits."""

@@ -6,6 +6,15 @@ A node is capturable when it is a CUDA aten op that neither syncs the host nor h
 data-dependent output shape, draws no random numbers and mutates no argument (`DENIED` lists
 the ops refused by name, and why); a host node is never in a capture, and one that reads a
 GPU value is named as such.
+
+Size arithmetic is the exception, for whole executions: a SCALAR node (`mul` of a
+`sym_size`, a `floordiv`, a `sym_max`) whose every input is a function of the input
+signature alone (sizes read by META nodes, plain scalar inputs, constants, other such
+nodes: `signature_scalars`) computes the same value in every execution of a signature, and
+executions are captured per signature. The capture runs it on the host, as the stream path
+does, and the kernels it sizes are recorded with its value: a dynamic-batch export
+(`reshape(x, [b * 2, -1])`) is captured whole, once per batch size (bucket). A scalar read
+from GPU data (`.item()`, an unbacked size) still blocks the capture.
 """
 
 from __future__ import annotations
@@ -217,7 +226,10 @@ def _blocker(
                 f"input {spec.target!r} is a {vspec.device.type} tensor: a graph would keep "
                 "the value it had when captured"
             )
+    computed_per_signature = signature_scalars(graph, stream_plan.roles)
     for node, role, kernel in zip(graph.nodes, stream_plan.roles, kernels, strict=True):
+        if node.index in computed_per_signature:
+            continue  # size arithmetic: the same in every execution of the signature
         reason = node_blocker(graph, node.index, role, kernel, stream_plan)
         if reason is not None:
             return f"node {node.name!r} ({node.target_name()}) {reason}"
@@ -225,6 +237,45 @@ def _blocker(
     if len(devices) > 1:
         return f"CUDA nodes on devices {list(devices)}: one graph captures one device"
     return None
+
+
+def signature_scalars(graph: Graph, roles: Sequence[Role]) -> frozenset[int]:
+    """The SCALAR nodes whose value is a function of the input signature alone: each input
+    is a constant, a plain scalar user input (its value is part of the signature), a size
+    read by a META node, or the value of another such node (through ALIAS nodes too).
+
+    Why they may be captured: a whole execution is captured per input signature
+    (validation's `Signature`: shapes, dtypes, devices, scalar values), so such a node
+    computes the same value at capture and in every execution that replays it; it runs on
+    the host while the capture records, and the kernels it sizes are recorded with that
+    value. A node reading anything else (a GPU value, a tensor on the host, a DENIED op such
+    as `_local_scalar_dense`: a data-dependent size) is not one of them, nor is what it
+    feeds. One pass in topological order."""
+    user_scalars = {
+        spec.value for spec in graph.signature.user_inputs
+        if not isinstance(graph.values[spec.value].spec, TensorSpec)
+    }
+    of_signature: set[int] = set()  # values that are functions of the signature
+    scalars: set[int] = set()
+    for node, role in zip(graph.nodes, roles, strict=True):
+        if role is Role.META:
+            of_signature.add(node.output)
+            continue
+        if role not in (Role.SCALAR, Role.ALIAS) or _denied(node.target):
+            continue
+        if all(v in of_signature or v in user_scalars for v in node.inputs()):
+            of_signature.add(node.output)
+            if role is Role.SCALAR:
+                scalars.add(node.index)
+    return frozenset(scalars)
+
+
+def _denied(target: object) -> bool:
+    names = aten_names(target)
+    if names is None:
+        return False
+    overload = getattr(target, "_overloadname", "default")
+    return f"{names[0]}.{overload}" in DENIED or names[0] in DENIED
 
 
 def _output_values(graph: Graph) -> set[int]:

@@ -27,7 +27,7 @@ from asyncgraph.cuda.device import CudaGraph, CudaRuntime
 from asyncgraph.cuda.instances import CAPTURE_STREAMS as CAPTURE_STREAMS
 from asyncgraph.cuda.instances import CaptureStreamLeases as CaptureStreamLeases
 from asyncgraph.cuda.instances import FrameLease as FrameLease
-from asyncgraph.cuda.instances import GraphInstances
+from asyncgraph.cuda.instances import GraphInstances, SignatureInstances
 from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.config import ExecutorConfig
@@ -63,6 +63,14 @@ class FrameCaptures(Protocol):
     def close(self) -> None: ...
 
 
+class AheadCaptures(Protocol):
+    """The Executor's captures ahead (graphs.py's CaptureAhead), as the owner sees them."""
+
+    closed: bool
+
+    async def stop(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class CudaGraphStatistics:
     """What CUDA-graph capture did for one Executor.
@@ -78,6 +86,13 @@ class CudaGraphStatistics:
     captured graph now; `instance_waits`: executions that waited for another execution to
     give an instance of their signature back; `lease_failures`: capture-stream leases for a
     new instance that found none free (each remembered until some holder releases streams).
+
+    Captures ahead (graphs.py's CaptureAhead: `Executor.warm_up`, `CudaConfig.capture_ahead`):
+    `captured_ahead` of the `captures` were made on the capture-ahead thread, off every
+    execution (`captures - captured_ahead` were paid for by an execution); `before_ready`:
+    executions that ran on the stream path because their signature's capture ahead was not
+    done yet (they never wait for one); `signatures`: per signature kept, and per signature
+    whose capture failed, its `SignatureCapture` (pending, capturing, ready, failed, with why).
 
     Segments (programs that are not wholly captured, asyncgraph/cuda/segments.py):
     `segments` planned; `segment_captures`, `segment_replays`, `segment_warmups` (segment
@@ -106,6 +121,42 @@ class CudaGraphStatistics:
     instances: int = 0
     instance_waits: int = 0
     lease_failures: int = 0
+    captured_ahead: int = 0
+    before_ready: int = 0
+    signatures: tuple[SignatureCapture, ...] = ()
+
+
+PENDING, CAPTURING, READY, FAILED, UNCAPTURED = (
+    "pending", "capturing", "ready", "failed", "uncaptured")
+
+
+@dataclass(frozen=True, slots=True)
+class SignatureCapture:
+    """Where one input signature's whole-execution graphs stand (`CudaGraphStatistics
+    .signatures`): `state` is READY once one of its instances holds a graph (`instances`
+    of them do), else CAPTURING while a capture ahead records it on the thread, PENDING
+    while one is queued, FAILED once a capture raised (`reason`: the error; it runs on the
+    stream path from then on), else UNCAPTURED (`reason`: warming up on the stream path, or
+    why its last capture ahead captured nothing, such as no free capture stream)."""
+
+    signature: str  # its inputs, e.g. "(float32[8, 4] cuda:0, 3)"
+    state: str
+    instances: int = 0
+    reason: str | None = None
+
+
+def describe_signature(key: Signature) -> str:
+    """An input signature (validation's `Signature`) as one line: tensors as dtype[shape]
+    and device, plain scalars as their value."""
+    parts = []
+    for part in key:
+        if len(part) == 4 and isinstance(part[2], torch.dtype):
+            _, shape, dtype, device = part
+            dims = ", ".join(str(d) for d in shape)
+            parts.append(f"{str(dtype).removeprefix('torch.')}[{dims}] {device}")
+        else:
+            parts.append(repr(part[-1]))
+    return f"({', '.join(parts)})"
 
 
 class CudaGraphs:
@@ -135,6 +186,11 @@ class CudaGraphs:
         self.segment_warmups = self.segment_fallbacks = 0
         self.recaptures = self.evictions = self.failures = 0
         self.instances = GraphInstances(runtime, config.max_concurrent_executions, MAX_CAPTURES)
+        # captures ahead (graphs.py's CaptureAhead): on the first request of a signature too,
+        # or only those Executor.warm_up asks for
+        self.capture_ahead = config.cuda.capture_ahead
+        self.captured_ahead = self.before_ready = 0
+        self.ahead: AheadCaptures | None = None  # made on first use (graphs.capture_ahead)
 
     def add_frame(self, state: FrameCaptures) -> None:
         """Keep a frame's capture state, to count its graphs and free them on close."""
@@ -166,6 +222,12 @@ class CudaGraphs:
             index, key, reason,
         )
 
+    async def stop(self) -> None:
+        """Stop the captures ahead and wait for the running one (the Executor is closing:
+        before `close`, which frees what they captured)."""
+        if self.ahead is not None:
+            await self.ahead.stop()
+
     def close(self) -> None:
         """Free every instance and every frame's segment graphs and pools, and release their
         capture streams (the Executor is closing; frames, so instances, are idle)."""
@@ -194,7 +256,46 @@ class CudaGraphs:
             instances=self.instances.live,
             instance_waits=self.instances.waits,
             lease_failures=self.instances.lease_failures,
+            captured_ahead=self.captured_ahead,
+            before_ready=self.before_ready,
+            signatures=self.signature_captures(),
         )
+
+    def signature_captures(self) -> tuple[SignatureCapture, ...]:
+        """Each signature kept (least recently used first), then each whose capture failed."""
+        kept = [self._capture_of(state) for state in self.instances.signatures()]
+        failed = [SignatureCapture(describe_signature(key), FAILED, 0, reason)
+                  for key, reason in list(self.failed.items())]
+        return (*kept, *failed)
+
+    def signature_capture(self, key: Signature) -> SignatureCapture:
+        """Where `key`'s graphs stand now (see SignatureCapture)."""
+        reason = self.failed.get(key)
+        if reason is not None:
+            return SignatureCapture(describe_signature(key), FAILED, 0, reason)
+        state = self.instances.find(key)
+        if state is None:
+            closed = self.ahead is not None and self.ahead.closed
+            return SignatureCapture(
+                describe_signature(key), UNCAPTURED, 0,
+                "the executor closed" if closed
+                else f"not kept: evicted by other signatures (MAX_CAPTURES={MAX_CAPTURES})",
+            )
+        return self._capture_of(state)
+
+    def _capture_of(self, state: SignatureInstances) -> SignatureCapture:
+        text = describe_signature(state.key)
+        ready = self.instances.captured(state)
+        if ready:
+            return SignatureCapture(text, READY, ready)
+        if state.capturing:
+            return SignatureCapture(text, CAPTURING)
+        if state.jobs:
+            return SignatureCapture(text, PENDING)
+        reason = state.reason
+        if reason is None and state.runs < self.warmup:
+            reason = f"warming up on the stream path ({state.runs} of {self.warmup} executions)"
+        return SignatureCapture(text, UNCAPTURED, 0, reason)
 
 
 class Capture:

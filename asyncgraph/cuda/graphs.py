@@ -57,6 +57,16 @@ back once its GPU work is done:
   path, the signature's other instances are freed and its waiters take the stream path. A
   signature's first instance is captured alone, so such a capture is tried once.
 
+Capture ahead (`CaptureAhead`, below): the captures above are paid for by the execution that
+makes them, after `graph_warmup` others ran uncaptured. `Executor.warm_up(example)` captures a
+signature's instances (one signature per batch bucket when batching pads) before serving needs
+them, and `CudaConfig.capture_ahead` does so for the first request of every signature (and
+for a busy one that may grow, and for recaptures after a weights swap): one task on the loop
+runs the captures in order, each on a worker thread with the signature's warm-up executions
+before it, while executions of the signature run on the stream path (`before_ready`) without
+waiting, and replay once an instance is ready. `CudaGraphStatistics.signatures` says where
+each signature stands; `Executor.aclose` stops the captures ahead before freeing instances.
+
 `torch.cuda.graph(...)` is not used: its `__enter__` calls `torch.cuda.synchronize()` (the
 whole device: the loop thread would block on every other execution's GPU work) and empties the
 allocator's cache. The backend calls `CUDAGraph.capture_begin/capture_end` on the origin
@@ -67,8 +77,12 @@ executions' work while one thread captures.
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import anyio.to_thread
 import torch
 
@@ -76,14 +90,17 @@ from asyncgraph.cuda.capture import (
     CAPTURE_LOCK,
     CAPTURE_WAIT_S,
     CudaGraphs,
+    SignatureCapture,
     clone_outputs,
     copy_inputs,
     empty_like,
     failure_text,
+    logger,
 )
-from asyncgraph.cuda.device import FrameStreams, StreamSet
-from asyncgraph.cuda.instances import GraphInstance
+from asyncgraph.cuda.device import CudaGraph, FrameStreams, StreamSet
+from asyncgraph.cuda.instances import GraphInstance, SignatureInstances
 from asyncgraph.cuda.segment_graphs import FrameSegments
+from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.units import Line, in_order, run_units
 from asyncgraph.runtime.validation import Signature, signature_of
 
@@ -137,15 +154,23 @@ class FrameGraphs:
             owner.count("fallbacks")  # under its lock: captures count from threads
             return False
         state = owner.instances.signature(key)
+        ahead = owner.capture_ahead or state.jobs > 0  # captured off the serving path
         # profiled by adaptive placement (timed node by node), or warming up: stream path
-        if frame.times is not None or state.runs < owner.warmup:
+        if frame.times is not None or (
+            state.runs < owner.warmup and not ahead and not state.proven
+        ):
             state.runs += 1
             owner.warmups += 1
             return False
-        instance = await self._lease(key)
-        if instance is None:  # none, and none can be made: no thread hop, no allocation
-            owner.count("fallbacks")
-            return False
+        if ahead:
+            instance = await self._lease_ahead(key, frame, flat, version)
+            if instance is None:  # counted: before_ready or a fallback
+                return False
+        else:
+            instance = await self._lease(key)
+            if instance is None:  # none, and none can be made: no thread hop, no allocation
+                owner.count("fallbacks")
+                return False
         try:
             return await self._run_on(instance, frame, flat, key, version)
         finally:  # its GPU work is done (`finish` absorbs a cancellation until then)
@@ -173,6 +198,57 @@ class FrameGraphs:
                 return instance
             if key in owner.failed:  # woken to look again: the signature failed meanwhile
                 return None
+
+    async def _lease_ahead(
+        self, key: Signature, frame: ExecutionFrame, flat: list[Any], version: int
+    ) -> GraphInstance | None:
+        """`_lease` where captures happen ahead (CaptureAhead): an idle instance captured for
+        this execution's weights; else, while instances of the signature are replaying, one
+        given back, first come first served; else None, and the execution runs on the stream
+        path at once (counted `before_ready` while a capture ahead is queued or running,
+        else a fallback), never waiting for a capture.
+
+        With `CudaConfig.capture_ahead`, an execution that finds no idle instance while its
+        signature may have one more queues its capture (one at a time per signature), and
+        an instance captured for other weights is freed and queued for recapture."""
+        owner = self._owner
+        instances = owner.instances
+        waited = False
+        while True:
+            state = instances.signature(key)
+            instance = state.idle.pop() if state.idle else None
+            if instance is not None and self._stale(instance, frame, flat, version):
+                continue  # queued for recapture: look again
+            if instance is not None:
+                return instance
+            if owner.capture_ahead and not state.jobs and instances.can_grow(state):
+                capture_ahead(owner).request(state, frame.values, flat, version)
+            if not state.replaying:  # nothing to wait for but captures
+                owner.count("before_ready" if state.jobs else "fallbacks")
+                return None
+            if not waited:
+                waited = True
+                instances.waits += 1
+            instance = await instances.wait(state)
+            if instance is not None and not self._stale(instance, frame, flat, version):
+                return instance
+            if key in owner.failed:  # woken to look again: the signature failed meanwhile
+                owner.count("fallbacks")
+                return None
+
+    def _stale(
+        self, instance: GraphInstance, frame: ExecutionFrame, flat: list[Any], version: int
+    ) -> bool:
+        """Whether `instance` (leased) holds a graph of other weights that a capture ahead now
+        recaptures (`CudaConfig.capture_ahead`); without it the execution recaptures it
+        itself (`_run_on`)."""
+        owner = self._owner
+        if instance.graph is None or instance.version == version or not owner.capture_ahead:
+            return False
+        instance.free_graph()  # leased, its earlier GPU work finished
+        owner.recaptures += 1
+        capture_ahead(owner).request(instance.signature, frame.values, flat, version, instance)
+        return True
 
     async def _run_on(
         self, instance: GraphInstance, frame: ExecutionFrame, flat: list[Any], key: Signature,
@@ -236,28 +312,12 @@ class FrameGraphs:
                 backend.leave_stream(token)
             for slot, buffer, x in zip(owner.input_slots, static, flat, strict=True):
                 values[slot] = buffer if buffer is not None else x
-            capture_set = instance.capture_set
-            if instance.pool is None:
-                instance.pool = backend.graph_pool()
-            graph = backend.new_graph()
-            origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
-            try:  # recorded on the instance's capture streams: no one else enqueues there
-                self._warm(values, capture_set, origin)
-                with self._gpu.recording_on(capture_set), backend.capture(
-                    graph, instance.pool, backend.stream_handle(origin)
-                ):
-                    self._record(values)
-            except Exception as exc:
+            graph = self.record_graph(values, key, instance)
+            if graph is None:
                 values[:] = loaded
-                with contextlib.suppress(Exception):  # an invalidated capture has little to free
-                    graph.reset()
-                owner.mark_failed(key, failure_text(exc))
                 return False
         finally:
             CAPTURE_LOCK.release()
-        # The warm-up's kernels ran on the capture streams and read the static inputs; the
-        # origin `finish` awaits (and the next replay's input copy) must come after them.
-        self._leased_origin().wait_stream(origin)
         for slot, x in zip(owner.input_slots, flat, strict=True):
             values[slot] = x  # an input returned as an output is the caller's, not static
         outputs = {slot: values[slot] for slot in owner.capture_plan.produced_outputs}
@@ -270,6 +330,42 @@ class FrameGraphs:
         finally:
             backend.leave_stream(token)
         return True
+
+    def record_graph(
+        self, values: list[Any], key: Signature, instance: GraphInstance
+    ) -> CudaGraph | None:
+        """Capture the loaded `values` (static inputs in the input slots) into a new graph on
+        `instance`'s capture streams, after one uncaptured run there (CAPTURE_LOCK held);
+        None when the capture raised: the signature is marked failed. The frame's leased
+        origin then waits for the capture origin: the warm-up's kernels ran there and read
+        the static inputs, and `finish` (and the next replay's input copy) must come after."""
+        owner = self._owner
+        backend = owner.runtime.backend
+        capture_set = instance.capture_set
+        if instance.pool is None:
+            instance.pool = backend.graph_pool()
+        graph = backend.new_graph()
+        origin = capture_set.streams[owner.capture_plan.origin]  # type: ignore[index]
+        try:  # recorded on the instance's capture streams: no one else enqueues there
+            self._warm(values, capture_set, origin)
+            with self._gpu.recording_on(capture_set), backend.capture(
+                graph, instance.pool, backend.stream_handle(origin)
+            ):
+                self._record(values)
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # an invalidated capture has little to free
+                graph.reset()
+            owner.mark_failed(key, failure_text(exc))
+            return None
+        self._leased_origin().wait_stream(origin)
+        return graph
+
+    def warm_on(self, values: list[Any], instance: GraphInstance) -> None:
+        """One uncaptured run of `values` on `instance`'s capture streams (a warm-up
+        execution of a capture ahead, on its thread)."""
+        capture_set = instance.capture_set
+        origin = capture_set.streams[self._owner.capture_plan.origin]  # type: ignore[index]
+        self._warm(values, capture_set, origin)
 
     def _warm(self, values: list[Any], capture_set: StreamSet, origin: Any) -> None:
         """Run the execution once on the capture streams, uncaptured, on this thread, before
@@ -365,6 +461,275 @@ class FrameGraphs:
 
     def _origin_handle(self) -> Any:
         return self._owner.runtime.backend.stream_handle(self._leased_origin())
+
+
+# -- capture ahead (issue #50, item 2) ------------------------------------------------------------
+
+
+_LOCK_POLL_S = 0.05  # how often a capture ahead waiting for CAPTURE_LOCK looks for a stop
+
+
+class AheadJob:
+    """One queued capture ahead: the signature, the values it runs on (the weights template
+    with its own copies of the inputs, `static`, in the input slots), the Weights version
+    they are, the instance it recaptures (None: a new one, leased when it starts), and
+    `done`, set once it has ended whichever way."""
+
+    __slots__ = ("done", "instance", "state", "static", "values", "version")
+
+    def __init__(
+        self, state: SignatureInstances, values: list[Any], static: list[Any], version: int,
+        instance: GraphInstance | None,
+    ) -> None:
+        self.state = state
+        self.values = values
+        self.static = static
+        self.version = version
+        self.instance = instance
+        self.done = anyio.Event()
+
+
+async def warm_up(
+    owner: CudaGraphs, examples: Sequence[tuple[list[Any], Signature | None]],
+    template: list[Any], version: int,
+) -> list[SignatureCapture]:
+    """Capture ahead the instances of each example's input signature (`Executor.warm_up`):
+    as many as a signature may have (`GraphInstances.per_signature`) and the capture streams
+    allow, one per signature first, then a second for each, and so on, so that every
+    signature (batch bucket) gets one before any gets many. `examples`: flat inputs, moved
+    and validated, with their signature (None: computed here); `template`: the weights of
+    Weights `version` in their slots. Returns once every capture asked for has ended, each
+    signature's SignatureCapture in the order given; a signature whose capture fails is
+    FAILED (with the error) and runs on the stream path, as ever. A cancelled caller stops
+    waiting, not the captures (the Executor's; its close stops them)."""
+    instances = owner.instances
+    signatures: dict[Signature, list[Any]] = {}
+    for flat, signature in examples:
+        key = signature if signature is not None else signature_of(flat)
+        if key is None:
+            kinds = ", ".join(type(x).__name__ for x in flat)
+            raise ValueError(
+                f"warm_up needs inputs that are tensors or plain scalars, got ({kinds}): "
+                "graphs are captured per input signature"
+            )
+        signatures.setdefault(key, flat)
+    if len(signatures) > instances.max_signatures:
+        raise ValueError(
+            f"warm_up was asked for {len(signatures)} input signatures, but an Executor keeps "
+            f"the graphs of {instances.max_signatures} (MAX_CAPTURES): the first would be "
+            "evicted by the last; ask for fewer (fewer batch buckets)"
+        )
+    ahead = capture_ahead(owner)
+    wanted = {}
+    for key in signatures:  # what it may have, less what it has or has queued
+        state = instances.signature(key)
+        wanted[key] = max(0, instances.per_signature - state.count - state.jobs)
+    jobs: list[AheadJob] = []
+    for round_ in range(max(wanted.values(), default=0)):
+        for key, flat in signatures.items():
+            if round_ >= wanted[key] or key in owner.failed:
+                continue
+            values = list(template)
+            for slot, x in zip(owner.input_slots, flat, strict=True):
+                values[slot] = x
+            job = ahead.request(instances.signature(key), values, flat, version)
+            if job is not None:
+                jobs.append(job)
+    for job in jobs:
+        await job.done.wait()
+    return [owner.signature_capture(key) for key in signatures]
+
+
+def capture_ahead(owner: CudaGraphs) -> CaptureAhead:
+    """The Executor's CaptureAhead, made on first use (no task, thread or event before)."""
+    ahead = owner.ahead
+    if ahead is None:
+        ahead = owner.ahead = CaptureAhead(owner)
+    assert isinstance(ahead, CaptureAhead)
+    return ahead
+
+
+class CaptureAhead:
+    """Captures of graph instances made before executions need them, off the serving path.
+
+    Why: an execution that captures (the inline path, `FrameGraphs._capture`) waits for the
+    capture (milliseconds: a warm run, the recording, a replay), and the `graph_warmup`
+    executions before it run uncaptured; a service wants its first requests to replay and
+    none to wait for a capture. So the Executor's instances of a signature can be captured
+    ahead: all it may have, at `Executor.warm_up` (at load, as vLLM captures its batch sizes
+    at start-up; one signature per batch bucket when batching pads), or one at a time as
+    executions find none idle (`CudaConfig.capture_ahead`).
+
+    How: jobs queue here (loop thread), and one task on the loop runs them in order, one
+    capture at a time, each on a worker thread (anyio's), never on the loop. A job leases
+    its instance's capture streams when it starts (nothing is allocated before: a failed
+    lease leaves the signature's status saying so), orders a stream set of its own after the
+    loop's streams (`begin`: its inputs were copied there), runs the signature's warm-up
+    executions uncaptured on the instance's capture streams (`graph_warmup` of them for a
+    signature's first instance, one for the others: cuBLAS's per-stream workspace), captures
+    under CAPTURE_LOCK, and awaits the GPU (`finish`) before the instance is given back:
+    to the oldest execution waiting for one, else idle. Meanwhile executions of the
+    signature run on the stream path (`before_ready`), never waiting for it.
+
+    Weights: a job captures the version it was queued with; an execution that leases an
+    instance of another version never replays it (graphs.py: recaptured ahead with
+    `capture_ahead`, else by that execution). Close (`stop`): queued jobs are dropped, the
+    running one stops before its capture (or ends it: milliseconds), its GPU work is
+    awaited, and its instance freed; then `CudaGraphs.close` frees the rest.
+    """
+
+    def __init__(self, owner: CudaGraphs) -> None:
+        self._owner = owner
+        self._gpu = owner.runtime.frame_state(owner.raw_calls)  # a frame's GPU state, its own
+        self._graphs = FrameGraphs(owner, self._gpu)  # the capture code a frame runs
+        self._queue: deque[AheadJob] = deque()
+        self._worker: Any = None  # the loop task running the queue, while there is one
+        self._finished: anyio.Event | None = None  # set when that task ends
+        self._stopping = threading.Event()  # read by the capturing thread
+        self.closed = False
+
+    def request(
+        self, state: SignatureInstances, values: list[Any], flat: list[Any], version: int,
+        instance: GraphInstance | None = None,
+    ) -> AheadJob | None:
+        """Queue a capture of `state`'s signature on `values` (a loaded frame's: the weights
+        template and `flat` in the input slots) and Weights `version`; `instance`, leased and
+        its graph freed, to recapture (else a new one). The inputs are copied now, on the
+        loop's current stream: the copies are the instance's static inputs, and the caller
+        may reuse its tensors once its call returns. None once stopped (`instance` given
+        back, so freed)."""
+        owner = self._owner
+        if self.closed:
+            if instance is not None:
+                owner.instances.give_back(instance)
+            return None
+        static = [empty_like(x) for x in flat]
+        copy_inputs(static, flat)
+        loaded = list(values)
+        for slot, buffer in zip(owner.input_slots, static, strict=True):
+            if buffer is not None:
+                loaded[slot] = buffer
+        job = AheadJob(state, loaded, static, version, instance)
+        state.jobs += 1
+        if instance is not None:
+            state.held += 1
+        self._queue.append(job)
+        if self._worker is None:
+            self._finished = anyio.Event()
+            self._worker = current_loop().create_task(self._work())
+        return job
+
+    async def stop(self) -> None:
+        """Drop the queued jobs, stop the running one and wait for it (its thread and GPU
+        work done, its instance given back or freed): the Executor is closing."""
+        self.closed = True
+        self._stopping.set()
+        while self._queue:
+            self._drop(self._queue.popleft(), "the executor closed before its capture")
+        if self._worker is not None and self._finished is not None:
+            await self._finished.wait()
+
+    async def _work(self) -> None:
+        """Run the queued jobs in order, one at a time, until none is left (the loop's task)."""
+        try:
+            while self._queue and not self.closed:
+                job = self._queue.popleft()
+                try:
+                    await self._run(job)
+                except Exception as exc:  # a bug of its own: its signature's status says so
+                    job.state.reason = failure_text(exc)
+                    logger.exception("capture ahead of %s failed", job.state.key)
+                finally:
+                    job.state.jobs -= 1
+                    job.done.set()
+        finally:
+            self._worker = None
+            if self._finished is not None:
+                self._finished.set()
+
+    def _drop(self, job: AheadJob, reason: str) -> None:
+        """A queued job that will not run: its instance given back (freed: it holds no
+        graph), its signature told why."""
+        state = job.state
+        state.jobs -= 1
+        state.reason = reason
+        if job.instance is not None:
+            state.held -= 1
+            self._owner.instances.give_back(job.instance)
+        job.done.set()
+
+    async def _run(self, job: AheadJob) -> None:
+        """One job: lease its instance, capture on a thread, await the GPU, give it back."""
+        owner = self._owner
+        instances = owner.instances
+        state = job.state
+        instance = job.instance
+        if state.evicted or state.key in owner.failed:
+            if instance is not None:  # its signature is gone: freed as it comes back
+                state.held -= 1
+                instances.give_back(instance)
+            return
+        if instance is None:
+            instance = instances.new_ahead(state)
+            if instance is None:
+                state.reason = (
+                    f"no capture stream free for another instance ({state.count} held; "
+                    "tried again once one is released)"
+                    if state.count < instances.per_signature
+                    else f"it has its most instances ({instances.per_signature})"
+                )
+                return
+            state.held += 1
+        state.capturing, state.reason = True, None
+        gpu = self._gpu
+        graph = None
+        try:
+            gpu.begin(only=owner.capture_plan.origin)  # after the inputs' copies
+            try:
+                graph = await anyio.to_thread.run_sync(self._capture, job, instance)
+            finally:
+                await gpu.finish()  # absorbs a cancellation until the GPU is done
+            if graph is not None:  # its warm-up's GPU work done: replays may overwrite inputs
+                outputs = {slot: job.values[slot] for slot in owner.capture_plan.produced_outputs}
+                instance.captured(graph, job.static, outputs, job.version)
+                owner.count("captures")
+                owner.count("captured_ahead")
+        finally:
+            if graph is not None and instance.graph is not graph:
+                graph.reset()  # captured, never handed over (the wait above raised)
+            state.capturing = False
+            state.held -= 1
+            if instance.graph is None and state.key in owner.failed and not state.evicted:
+                instances.forget(state.key)  # its waiters take the stream path
+            instances.give_back(instance)
+
+    def _capture(self, job: AheadJob, instance: GraphInstance) -> CudaGraph | None:
+        """The job's warm-up executions and capture, on this (worker) thread: the graph,
+        which the loop hands to `instance` once the GPU work is done; None when the capture
+        failed, or, capturing nothing, once `stop` was asked."""
+        owner = self._owner
+        stopping = self._stopping
+        key = job.state.key
+        values = job.values
+        graphs = self._graphs
+        warm_runs = 1 if job.state.proven else max(1, owner.warmup)
+        try:
+            for _ in range(warm_runs - 1):  # the signature's warm-up, before the lock
+                if stopping.is_set():
+                    return None
+                graphs.warm_on(values, instance)
+        except Exception as exc:  # the program fails on these inputs: uncaptured from now
+            owner.mark_failed(key, failure_text(exc))
+            return None
+        while not CAPTURE_LOCK.acquire(timeout=_LOCK_POLL_S):  # another capture records
+            if stopping.is_set():
+                return None
+        try:
+            if stopping.is_set():
+                return None
+            return graphs.record_graph(values, key, instance)
+        finally:
+            CAPTURE_LOCK.release()
 
 
 # -- segments (issue #15) -------------------------------------------------------------------------

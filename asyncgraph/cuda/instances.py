@@ -42,6 +42,10 @@ Memory: each instance has a pool of its own (replays of two instances run at onc
 captures hold is at most (capture streams per device / the plan's streams) x the largest
 signature's intermediates, what the frames that could capture held before.
 
+Captures ahead (graphs.py's CaptureAhead: `Executor.warm_up`, `CudaConfig.capture_ahead`)
+lease instances here too, under the same bounds (`new_ahead`), and hold them until captured;
+executions never wait for an instance a capture holds (`SignatureInstances.replaying`).
+
 The capture streams' leases (`CaptureStreamLeases`, `FrameLease`) live here too: segments
 (segment_graphs.py), captured inside an execution, still lease theirs per frame.
 """
@@ -220,9 +224,18 @@ class GraphInstance:
 
 
 class SignatureInstances:
-    """One input signature's instances and what waits for them (loop thread only)."""
+    """One input signature's instances and what waits for them (loop thread only).
 
-    __slots__ = ("count", "evicted", "idle", "key", "proven", "runs", "waiters")
+    Captures ahead (graphs.py's CaptureAhead) count here too: `jobs` queued or running for
+    the signature, `held` the instances they hold (a recapture's from the moment it is
+    queued, a new one's from its lease), `capturing` while one records on the thread, and
+    `reason` why the last one captured nothing (no capture stream free, the Executor closed).
+    """
+
+    __slots__ = (
+        "capturing", "count", "evicted", "held", "idle", "jobs", "key", "proven", "reason",
+        "runs", "waiters",
+    )
 
     def __init__(self, key: Signature) -> None:
         self.key = key
@@ -234,6 +247,17 @@ class SignatureInstances:
         # a capture of it succeeded: until then one instance at a time is captured, so that a
         # signature whose capture fails costs one attempt, not one per execution arriving
         self.proven = False
+        self.jobs = 0  # captures ahead queued or running for it
+        self.held = 0  # instances those jobs hold (neither idle nor replaying)
+        self.capturing = False  # one of them records now, on its thread
+        self.reason: str | None = None  # why the last capture ahead captured nothing
+
+    @property
+    def replaying(self) -> int:
+        """Instances leased by executions (replaying, or capturing inline): what a waiter
+        can expect back soon. Those held by captures ahead are not counted: nobody waits
+        for a capture."""
+        return self.count - len(self.idle) - self.held
 
 
 class GraphInstances:
@@ -288,6 +312,40 @@ class GraphInstances:
             self._evict(old, counted=True)
         state = self._signatures[key] = SignatureInstances(key)
         return state
+
+    def captured(self, state: SignatureInstances) -> int:
+        """Instances of `state` holding a captured graph (idle, replaying or stale)."""
+        return sum(1 for i in self._all if i.signature is state and i.graph is not None)
+
+    def find(self, key: Signature) -> SignatureInstances | None:
+        """The instances of `key` if it is kept (not made, not moved in the LRU order)."""
+        return self._signatures.get(key)
+
+    def signatures(self) -> list[SignatureInstances]:
+        """The signatures kept, least recently used first."""
+        return list(self._signatures.values())
+
+    @property
+    def max_signatures(self) -> int:
+        """Signatures kept at once (capture.py's MAX_CAPTURES)."""
+        return self._max_signatures
+
+    def can_grow(self, state: SignatureInstances) -> bool:
+        """Whether `state` may have one more instance: under its bound, and no capture-stream
+        lease has failed since the last release (one that has would fail again)."""
+        return (state.count < self.per_signature
+                and self._failed_at != CAPTURE_STREAMS.generation)
+
+    def new_ahead(self, state: SignatureInstances) -> GraphInstance | None:
+        """A new instance of `state` for a capture ahead (its capture streams leased, nothing
+        allocated), under the signature's bound; a signature with none may reclaim another's
+        idle second (as `take`). None when none can be had."""
+        if state.count >= self.per_signature:
+            return None
+        instance = self._new(state)
+        if instance is None and not state.count and self._reclaim(state):
+            instance = self._new(state)
+        return instance
 
     def take(self, state: SignatureInstances) -> GraphInstance | None:
         """An idle instance of `state`, else a new one (its capture streams leased, nothing

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp
 
 from asyncgraph.ray.metrics import RayMetricsBridge
 from asyncgraph.ray.source import ModelSource
-from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.config import ExecutorConfig, requested_batching
 from asyncgraph.runtime.executor import Executor
 from asyncgraph.serve.admission import capacity_for
 from asyncgraph.serve.app import create_app
@@ -154,7 +154,8 @@ def build_app(
         for name, src in models.items()
     }
     if max_ongoing_requests is None:
-        max_ongoing_requests = ONGOING_PER_CAPACITY * capacity_for(config) * len(sources)
+        capacity = capacity_for(config, requested_batching(config))
+        max_ongoing_requests = ONGOING_PER_CAPACITY * capacity * len(sources)
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
         "max_ongoing_requests": max_ongoing_requests,

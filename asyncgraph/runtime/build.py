@@ -38,7 +38,7 @@ from asyncgraph.passes.identity import drop_identities
 from asyncgraph.passes.linear import lower_linear
 from asyncgraph.passes.qkv import split_packed_qkv
 from asyncgraph.passes.recompose import recompose_attention
-from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.config import ExecutorConfig, requested_batching
 from asyncgraph.runtime.delegates import Delegate, segment_backend
 from asyncgraph.runtime.device import DevicePlan, device_backend
 from asyncgraph.runtime.placement import AdaptivePlacement, batch_bucket_key
@@ -166,7 +166,7 @@ def build(
             loaded_heavy_node_us=config.loaded_heavy_node_us,
             loop_slice_us=config.loop_slice_s * 1e6,
             worker_execution_node_us=config.worker_execution_node_us,
-            key=batch_bucket_key if config.batching is not None else None,
+            key=batch_bucket_key if requested_batching(config) is not None else None,
         )
         if config.adaptive_placement
         else None

@@ -107,6 +107,7 @@ def _buckets_increasing_within_max(config: BatchingConfig) -> None:
 #: BatchingConfig's checks, in the order they run.
 BATCHING_RULES: tuple[Rule, ...] = (
     Range("max_batch_size", ">=", 1),
+    Range("max_batch_bytes", ">=", 1, or_none=True, why="bytes of a batch's batched inputs"),
     Range("max_delay_s", ">=", 0),
     Range("max_concurrent_batches", ">=", 1),
     Range("max_queued_requests", ">=", 1),
@@ -120,6 +121,11 @@ class BatchingConfig:
 
     Attributes:
         max_batch_size: rows per execution; a request with more rows runs alone.
+        max_batch_bytes: bytes of the batched inputs per execution (the requests' rows, the
+            padding to a bucket left out), None for no limit: a batch stops growing before
+            it passes this or max_batch_size, whichever comes first; a request larger than
+            this alone runs alone. For models whose requests differ in size (long and short
+            sequences) a row count bounds memory badly.
         max_delay_s: how long a batch that is not full may wait for more requests; a batch
             that fills meanwhile leaves at once. 0 takes what has queued by the end of the
             loop iteration: no added latency when idle.
@@ -137,9 +143,20 @@ class BatchingConfig:
             memory. Raise it for bursts larger than that.
         buckets: batch sizes a batch is padded up to (the next one at or above its rows;
             past the largest, no padding), as GPU serving engines do, so a few CUDA graphs
-            serve every size instead of one capture per exact size. None: powers of two up
-            to max_batch_size when the Executor captures CUDA graphs, no padding otherwise
-            (on a CPU padding only adds work); (): never pad.
+            serve every size instead of one capture per exact size. None: vLLM's list when
+            the Executor captures CUDA graphs (1, 2, 4, then multiples of 8 up to
+            max_batch_size, thinned to at most `batching.MAX_DEFAULT_BUCKETS` sizes so that
+            every bucket keeps its captures: `default_buckets`), no padding otherwise (on a
+            CPU padding only adds work); (): never pad. A padded batch's rows are copied
+            into a bucket-sized input kept per bucket and batch key (no concatenation, no
+            thread).
+        only_captured: batch only where it pays without being asked: on an Executor that
+            replays whole executions as CUDA graphs (`CudaConfig(graphs=True)`, a program
+            whose nodes can all be captured) of a program with a dynamic batch dimension 0
+            (`batch_layout` accepts it); anywhere else (a CPU program, an uncaptured GPU one,
+            no batch dimension) every request runs alone, silently, where a plain
+            BatchingConfig would raise BatchingError. The form a default that batches CUDA
+            graphs can take without touching CPU programs; rows must still be independent.
     """
 
     max_batch_size: int = 32
@@ -148,9 +165,23 @@ class BatchingConfig:
     retry_alone: bool = True
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     buckets: tuple[int, ...] | None = None
+    max_batch_bytes: int | None = None
+    only_captured: bool = False
 
     def __post_init__(self) -> None:
         check(self, BATCHING_RULES)
+
+
+#: ExecutorConfig's default batching: on only where whole executions replay as CUDA graphs.
+CAPTURED_BATCHING = BatchingConfig(only_captured=True)
+
+
+def requested_batching(config: ExecutorConfig) -> BatchingConfig | None:
+    """The batching `config` asks for whatever the program, before an Executor is made: its
+    BatchingConfig, unless that only applies to captured CUDA graphs (then the Executor
+    decides: `Executor.batching`)."""
+    batching = config.batching
+    return None if batching is None or batching.only_captured else batching
 
 
 #: CudaConfig's checks, in the order they run.
@@ -187,12 +218,28 @@ class CudaConfig:
             path (docs/gpu.md: what has run on which GPU); the CUDA graphs of segments
             (cuda/segments.py) follow the same switch.
         graph_warmup: executions of an input signature, on the stream path,
-            before the next one is captured (lazy initialisation, cuBLAS workspaces).
+            before the next one is captured (lazy initialisation, cuBLAS workspaces). A
+            capture ahead runs its warm-up executions itself, on its thread.
+        capture_ahead: capture off the serving path (cuda/graphs.py's CaptureAhead). The
+            first execution of a signature, and one that finds every instance of it busy
+            while it may have more, queue the capture of an instance on the Executor's
+            capture-ahead thread (its `graph_warmup` executions first, there) and run on the
+            stream path; executions replay once it is ready, never waiting for a capture.
+            A weights swap recaptures there too. `Executor.warm_up(example)` captures a
+            signature's instances ahead whatever this says, and is what a service with
+            known shapes wants at start-up (as vLLM captures its batch sizes): its first
+            requests then replay. Off by default: without it a capture is the execution
+            that needs it (on a worker thread, never on the loop), which returns that
+            execution's result from the capture's first replay and runs no execution more
+            than serving does; with it, a signature costs up to `graph_warmup` + 1 extra
+            uncaptured runs on the thread, and its early executions run uncaptured. Turn it
+            on where shapes arrive unannounced and a request must never wait for a capture.
     """
 
     streams: int | None = None
     graphs: bool = False
     graph_warmup: int = 2
+    capture_ahead: bool = False
 
     def __post_init__(self) -> None:
         check(self, CUDA_RULES)
@@ -458,7 +505,11 @@ class ExecutorConfig:
             copy per call hides a caller's mistake that costs time on every execution.
         batching: run concurrent requests in batches along dim 0 (BatchingConfig); needs a
             program whose inputs and outputs share a dynamic batch dimension 0 and whose rows
-            are independent. None (the default) runs every request as its own execution.
+            are independent. The default, `CAPTURED_BATCHING`, batches only an Executor that
+            replays whole executions as CUDA graphs of a program with a dynamic batch
+            dimension (`BatchingConfig.only_captured`, into vLLM's bucket sizes): there one
+            graph replay serves a whole batch; elsewhere every request runs as its own
+            execution. None never batches. `Executor.batching` says what an Executor does.
         trace: record a span per node (thread, start, end) for traces and tests.
         ready_order_seed: when set, ready nodes are taken in a seeded random order instead of
             graph order; differential tests use it to shake out ordering bugs.
@@ -497,7 +548,7 @@ class ExecutorConfig:
     max_fused_nodes: int = 32
     cuda: CudaConfig = CudaConfig()
     move_inputs_to_device: bool = False
-    batching: BatchingConfig | None = None
+    batching: BatchingConfig | None = CAPTURED_BATCHING
     trace: bool = False
     ready_order_seed: int | None = None
 

@@ -152,6 +152,21 @@ class DevicePlan(Protocol):
         """The inputs moved to the devices their specs name (`move_inputs_to_device=True`)."""
         ...
 
+    async def warm_up(
+        self, examples: Sequence[tuple[list[Any], Any]], template: list[Any], version: int
+    ) -> list[Any]:
+        """Capture ahead, off the loop, what executions of each example will replay
+        (`Executor.warm_up`): `examples` are flat inputs with their signature (None when
+        validation made none), `template` the weights of `version` in their slots. Returns
+        once the captures end, where each signature stands (cuda/: SignatureCapture); []
+        when the device captures nothing ahead."""
+        ...
+
+    async def stop(self) -> None:
+        """The Executor is closing, every frame idle: stop the device's own background work
+        (captures ahead) and wait for it, before `close`."""
+        ...
+
     def close(self) -> None:
         """The Executor is closed and every frame idle: free what the plan holds."""
         ...

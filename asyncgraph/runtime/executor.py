@@ -55,9 +55,9 @@ from asyncgraph.runtime.backend import (
     runs_here,
     task_of,
 )
-from asyncgraph.runtime.batching import Batcher, BatcherStatistics, batch_layout
+from asyncgraph.runtime.batching import BatcherStatistics, make_batcher
 from asyncgraph.runtime.build import build
-from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
 from asyncgraph.runtime.form_verdicts import FormVerdicts
@@ -219,12 +219,12 @@ class Executor:
         # `_execute` itself when there are none
         self._forms = self._fast_forms(kernel_factory is None)
         self._run = self._forms.run if self._forms is not None else self._execute
-        captured = self.config.cuda.graphs and device is not None
-        self._batcher = (
-            Batcher(batch_layout(self.graph, self.config.batching, captured=captured),
-                    self.config.batching, self._run)
-            if self.config.batching is not None
-            else None
+        # batching.py's make_batcher: None when off, or when an only_captured config finds
+        # no whole-execution CUDA graphs or no batch dimension
+        self._batcher = make_batcher(
+            self.graph, self.config.batching, self._run,
+            captured=self.config.cuda.graphs and device is not None,
+            captures_whole=device is not None and device.captures_whole,
         )
         self._ids = itertools.count(1)
         # Straight-line executions run without a frame where a frame would do nothing more:
@@ -284,6 +284,58 @@ class Executor:
         if self._batcher is not None:
             return await self._batcher.submit(accepted, signature)
         return await self._run(accepted, flat, caller, signature)
+
+    async def warm_up(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """Capture ahead the CUDA graphs that executions like `execute(*args, **kwargs)` will
+        replay, and return once they are captured: the first such execution replays, none
+        pays for a capture or runs its warm-up (docs/gpu.md, "Capture ahead").
+
+        Why: a service knows its shapes at start-up, and wants its first requests to replay
+        rather than run `graph_warmup` executions uncaptured and wait for a capture (vLLM
+        and TensorRT-LLM capture their batch sizes at start-up the same way). The captures
+        run on a thread, never on the loop, and executions go on meanwhile on the stream
+        path (`before_ready`), never waiting for them.
+
+        What is captured: per input signature, as many graph instances as one may have
+        (`max_concurrent_executions`, at most 8) and torch's capture streams allow (32 per
+        device / the plan's streams, shared by every Executor of the process). With batching
+        padding to buckets (`BatchingConfig.buckets`), every batch runs at a bucket's size,
+        so one signature per bucket is captured, its inputs made from the example's by
+        repeating its rows (an instance for each bucket before a second for any). The
+        example's values do not matter, only their shapes, dtypes and devices. At most
+        `MAX_CAPTURES` (8) signatures (ValueError past it: the first would be evicted).
+
+        Returns, per signature, where its graphs stand (cuda/capture.py's SignatureCapture:
+        "ready" with its instances, or "failed" with the capture's error, after which that
+        signature runs on the stream path, or "uncaptured" with why, such as no capture
+        stream free); `device_statistics().signatures` says the same at any time. [] when
+        the Executor captures no whole executions (no CUDA nodes, `cuda.graphs` off, or a
+        program that is not wholly capturable: `cuda_graph_plan.reason`). A weights swap
+        later recaptures them (ahead with `CudaConfig.capture_ahead`, else by the first
+        execution on the new weights); a cancelled call stops waiting, not the captures;
+        `aclose` stops them. Raises what `execute` raises for inputs it refuses.
+        """
+        self._check_open()
+        inputs, signature = self._accept(self._validator.flatten(args, kwargs))
+        device = self._device
+        if device is None or not device.captures_whole:
+            return []
+        examples: list[tuple[list[Any], Signature | None]] = [(inputs, signature)]
+        layout = self._batcher.layout if self._batcher is not None else None
+        if layout is not None and layout.buckets:  # every batch runs at a bucket's size
+            examples = []
+            for size in layout.buckets:
+                bucket = [
+                    x.index_select(0, torch.arange(size, device=x.device) % x.shape[0])
+                    if batched and isinstance(x, torch.Tensor) and x.dim() and x.shape[0]
+                    else x
+                    for x, batched in zip(inputs, layout.batched, strict=True)
+                ]
+                checked = self._validator.check(bucket) if self._validate else None
+                examples.append((bucket, checked))
+        weights = self._weights
+        template = weights.template(self.plan.weight_slots, self.plan.num_values)
+        return await device.warm_up(examples, template, weights.version)
 
     def _calling_task(self) -> asyncio.Task[Any] | None:
         """The calling asyncio task; None without an asyncio loop (trio, backend.py)."""
@@ -635,6 +687,7 @@ class Executor:
             await self._forms.aclose(cancel=cancel)
         await self._pool.wait_idle()
         if self._device is not None:  # every frame is idle: free their graphs and pools; the
+            await self._device.stop()  # captures ahead (warm_up) end first
             self._device.close()  # host-wait thread ends once nothing waits
         self._pool.close()
         for delegate in self._delegates:  # their threads (tracers, builders) end
@@ -684,6 +737,13 @@ class Executor:
             validated_signatures=self._validator.passed_signatures,
             forms=self._forms.statistics() if self._forms is not None else None,
         )
+
+    @property
+    def batching(self) -> BatchingConfig | None:
+        """The batching this Executor does (None: every request its own execution): the
+        config's, unless that only applies where whole executions replay as CUDA graphs and
+        they do not here (`BatchingConfig.only_captured`, the default)."""
+        return self._batcher.config if self._batcher is not None else None
 
     def batching_statistics(self) -> BatcherStatistics | None:
         """Requests and batches so far (None when batching is off)."""

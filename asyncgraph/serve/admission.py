@@ -75,7 +75,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from asyncgraph.runtime.config import ExecutorConfig
+from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
 from asyncgraph.runtime.gate import HandOffQueue
 from asyncgraph.serve.errors import ProtocolError
 from asyncgraph.serve.wait_model import SERVICE_EWMA_WEIGHT, Calibration, WaitModel
@@ -102,11 +102,11 @@ MAX_QUEUE_BYTES = "max_queue_bytes"
 REASONS = (DEADLINE, MAX_QUEUE, MAX_QUEUE_BYTES)
 
 
-def capacity_for(config: ExecutorConfig) -> int:
+def capacity_for(config: ExecutorConfig, batching: BatchingConfig | None) -> int:
     """Requests the gate lets into an executor at once: one per frame, or with batching
-    enough to fill a batch per frame (see the module docstring)."""
+    (`Executor.batching`, or before the Executor exists `requested_batching(config)`) enough
+    to fill a batch per frame (see the module docstring)."""
     frames = config.max_concurrent_executions
-    batching = config.batching
     return frames if batching is None else frames * batching.max_batch_size
 
 

@@ -205,7 +205,8 @@ class InferenceServer:
                 ex,
                 ModelInterface(name, ex.graph),
                 Admission(
-                    name, capacity_for(ex.config), self.max_queue, self.max_queue_bytes,
+                    name, capacity_for(ex.config, ex.batching), self.max_queue,
+                    self.max_queue_bytes,
                     first_burst=ex.config.max_concurrent_executions,
                 ),
             )

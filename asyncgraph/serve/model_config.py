@@ -55,7 +55,7 @@ def model_config(server: InferenceServer, name: str, version: str | None = None)
     """Model `name`'s configuration (at `version`; None: its default), in Triton's JSON form;
     refused (400, 404) and counted as any lookup is."""
     served = server.lookup("config", name, version)
-    batching = served.executor.config.batching
+    batching = served.executor.batching
     max_batch_size = batching.max_batch_size if batching is not None else 0
     config: dict[str, Any] = {
         "name": name,

@@ -458,7 +458,8 @@ class ModelControl:
             executor,
             interface,
             Admission(
-                name, capacity_for(executor.config), server.max_queue, server.max_queue_bytes,
+                name, capacity_for(executor.config, executor.batching), server.max_queue,
+                server.max_queue_bytes,
                 first_burst=executor.config.max_concurrent_executions,
             ),
             str(number),

@@ -564,7 +564,7 @@ def _check_after(
 def _check_faults(executor: Executor, injected: int, retried: int, tally: _Tally) -> None:
     """Each fault a caller saw and each retried batch came from an injected fault of its own
     execution (a batch's members are retried one by one, each an execution of its own)."""
-    batching = executor.config.batching
+    batching = executor.batching
     if batching is not None and not batching.retry_alone:
         return  # one fault in a batch reaches every member
     if injected < tally.faulted + retried:

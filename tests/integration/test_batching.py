@@ -497,12 +497,19 @@ async def _never_run(flat: list[Any]) -> list[Any]:
 # -- padding to batch-size buckets ---------------------------------------------------------
 
 
-def test_default_buckets_are_powers_of_two_up_to_the_largest_batch() -> None:
-    from asyncgraph.runtime.batching import default_buckets
+def test_default_buckets_are_vllms_sizes_up_to_the_largest_batch() -> None:
+    """1, 2, 4, then multiples of 8 (vLLM's capture sizes), thinned to MAX_DEFAULT_BUCKETS."""
+    from asyncgraph.runtime.batching import MAX_DEFAULT_BUCKETS, default_buckets
 
-    assert default_buckets(32) == (1, 2, 4, 8, 16, 32)
+    assert default_buckets(32) == (1, 2, 4, 8, 16, 24, 32)
     assert default_buckets(24) == (1, 2, 4, 8, 16, 24)
+    assert default_buckets(12) == (1, 2, 4, 8, 12)
+    assert default_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
     assert default_buckets(1) == (1,)
+    for largest in range(1, 600):
+        buckets = default_buckets(largest)
+        assert len(buckets) <= MAX_DEFAULT_BUCKETS and buckets[-1] == largest, largest
+        assert list(buckets) == sorted(set(buckets)), largest
     layout = BatchLayout((True,), sympy.Symbol("s0"), 24, default_buckets(24))
     assert [layout.padding(r) for r in (0, 1, 3, 5, 16, 17, 24, 30)] == [0, 0, 1, 3, 0, 7, 0, 0]
 

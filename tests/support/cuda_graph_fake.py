@@ -377,6 +377,37 @@ class CaptureBackend(FakeBackend):
         ]
 
 
+class GatedCaptureBackend(CaptureBackend):
+    """CaptureBackend whose captures are slow at will: each capture, on its thread, sets
+    `entered` and then waits for `gate` before it records anything (tests/integration/
+    test_capture_ahead.py: what serving does while a capture ahead takes its time). The gate
+    starts open; `hold()` closes it, `release()` opens it. A capture that waits longer than
+    `timeout_s` raises, so a test that forgets to release cannot hang."""
+
+    def __init__(self, gpu: CaptureGpu, capture_streams_per_device: int = 32,
+                 timeout_s: float = 30.0) -> None:
+        super().__init__(gpu, capture_streams_per_device)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.timeout_s = timeout_s
+
+    def hold(self) -> None:
+        self.entered.clear()
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
+
+    @contextlib.contextmanager
+    def capture(self, graph: FakeGraph, pool: FakePool, handle: FakeStream) -> Iterator[None]:
+        self.entered.set()
+        if not self.gate.wait(self.timeout_s):
+            raise RuntimeError(f"the capture waited {self.timeout_s} s for its gate")
+        with super().capture(graph, pool, handle):
+            yield
+
+
 def fake_kernel(
     gpu: CaptureGpu, fn: Callable[..., Any], name: str, syncs: bool = False
 ) -> Callable[..., Any]:
