@@ -61,7 +61,7 @@ from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
 from asyncgraph.runtime.form_verdicts import FormVerdicts
-from asyncgraph.runtime.forms import MIN_FORM_NODES, FastForms
+from asyncgraph.runtime.forms import MIN_FORM_NODES, THREAD_COUNTS, FastForms
 from asyncgraph.runtime.frame import ExecutionFrame
 from asyncgraph.runtime.instrument import Instrument, make_tracer
 from asyncgraph.runtime.modes import Mode, ModeChooser
@@ -793,7 +793,7 @@ class Executor:
             segment_backend(backend).load()  # while the loop serves (extensions hold the GIL)
         return FastForms(backends, self._build_form, self._execute,
                          lambda: self._weights.version,
-                         verdicts=FormVerdicts(self.graph.format(), backends))
+                         verdicts=FormVerdicts(self.graph.format(), backends, THREAD_COUNTS))
 
     def _build_form(self, backend: str, threads: int) -> Executor:
         """The program with `backend`'s segments, their sessions on `threads` intra-op

@@ -10,9 +10,10 @@ start that finds a form chosen builds it at once, and its first requests wait fo
 
 What: one JSON file per program, `<root>/forms/<key>.json` (runtime/disk_cache.py's root),
 mapping "<regime> <signature>" to the form chosen and why. The key hashes the program's
-graph text, the backends tried, and what timings depend on: the versions of Python,
-asyncgraph, torch and ONNX Runtime, the CPU model and the CPUs this process may use. A file
-that cannot be read is no verdicts (logged); a write that fails only logs.
+graph text, the forms tried (backends and thread counts), and what timings depend on: the
+versions of Python, asyncgraph, torch and ONNX Runtime, the CPU model and the CPUs this
+process may use. A file that cannot be read is no verdicts (logged); a write that fails only
+logs.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ def _environment() -> str:
 class FormVerdicts:
     """One program's verdicts on disk (`load` at start, `store` as each is reached)."""
 
-    def __init__(self, graph_text: str, backends: Sequence[str]) -> None:
+    def __init__(self, graph_text: str, backends: Sequence[str],
+                 thread_counts: Sequence[int]) -> None:
         root = cache_root()
-        key = digest(KIND, _environment(), graph_text, tuple(backends))
+        key = digest(KIND, _environment(), graph_text, tuple(backends), tuple(thread_counts))
         self.path = root / KIND / f"{key}.json" if root is not None else None
         self.loaded = 0
         self.stored = 0

@@ -285,7 +285,7 @@ async def test_inline_runs_of_other_tasks_close_together_count_as_load() -> None
 
 def _kept_verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FormVerdicts:
     monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))
-    return FormVerdicts("the graph's text", ("fast",))
+    return FormVerdicts("the graph's text", ("fast",), (1, 2))
 
 
 async def test_a_restart_serves_the_kept_form_from_its_first_request(
@@ -337,7 +337,7 @@ async def test_unreadable_kept_verdicts_are_none(
     setup.wait_built()
     await setup.forms.aclose()
     monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", "")  # the cache off: nothing kept, no error
-    off = FormVerdicts("the graph's text", ("fast",))
+    off = FormVerdicts("the graph's text", ("fast",), (1, 2))
     off.store("alone x", "fast", "why")
     assert off.path is None and off.load() == {}
 
