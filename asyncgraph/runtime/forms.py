@@ -20,8 +20,10 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    (no run long enough) or fails is passed over, with the reason; a build whose Executor
    closes is stopped (`build_cancelled`). A backend's form is built once per intra-op
    thread count in `THREAD_COUNTS` that the process has the CPUs for ("onnx", "onnx, 2
-   threads"): which count is faster depends on the load, so it is a form of its own, chosen
-   by measurement. A built form starts its sessions at once;
+   threads"): which count is faster alone depends on the model and the machine, so it is a
+   form of its own, chosen by measurement (under load only one-thread forms are candidates:
+   the executions in flight already fill the cores). A built form starts its sessions at
+   once;
 2. **chooses per input signature and load, by measurement**. Which form is faster depends on
    the load: alone, an execution's latency is what counts (a thread hop costs a tiny model
    more than the form saves); under many callers, throughput is (the plain graph holds the
@@ -216,6 +218,7 @@ class FastForms:
         self._plain = plain
         self._version = version  # the Executor's current weights version
         self._forms: dict[str, Form] = {}  # name -> form, built on `_form_version`'s weights
+        self._form_threads: dict[str, int] = {}  # name -> its sessions' intra-op threads
         self._form_backend = ""
         self._form_version = -1
         self._bound = False  # the forms bound to the Executor's loop
@@ -291,11 +294,14 @@ class FastForms:
         if choice.warm < WARM * len(names) or not all(f.delegates_idle for f in forms.values()):
             choice.warm += 1  # sessions made, first calls checked, before any timing
             return names[choice.warm % len(names)], None
-        candidates = [*names, PLAIN]
         if regime is ALONE:
+            candidates = [*names, PLAIN]
             verdict.turn += 1
             return candidates[verdict.turn % len(candidates)], (
                 lambda route, seconds: self._alone(verdict, key, candidates, route, seconds))
+        # under load each execution gets one core: the executions in flight already fill
+        # them, and a session's second thread only takes a core from another's
+        candidates = [*(n for n in names if self._form_threads[n] == 1), PLAIN]
         return self._windowed(verdict, key, candidates)
 
     def _regime(self, caller: Any) -> str:
@@ -456,6 +462,7 @@ class FastForms:
                 self._passed[name] = "no run of the graph became a segment"
                 break
             built[name] = form
+            self._form_threads[name] = threads
         return built
 
     # -- the Executor's side ------------------------------------------------------------------
