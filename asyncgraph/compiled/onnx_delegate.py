@@ -459,6 +459,9 @@ def _make_session(
     for dim, size in (dimensions or {}).items():
         options.add_free_dimension_override_by_name(dim, size)
     options.intra_op_num_threads = threads
+    if threads > 1:  # its pool's threads sleep between runs: spinning, they took the cores
+        # from other executions (benchmarks/results/cpu/design_measurements.md#no-spinning)
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -57,7 +57,7 @@ from asyncgraph.runtime.backend import (
 )
 from asyncgraph.runtime.batching import BatcherStatistics, make_batcher
 from asyncgraph.runtime.build import build
-from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig
+from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig, requested_batching
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
 from asyncgraph.runtime.form_verdicts import FormVerdicts
@@ -793,7 +793,8 @@ class Executor:
             segment_backend(backend).load()  # while the loop serves (extensions hold the GIL)
         return FastForms(backends, self._build_form, self._execute,
                          lambda: self._weights.version,
-                         verdicts=FormVerdicts(self.graph.format(), backends, THREAD_COUNTS))
+                         verdicts=FormVerdicts(self.graph.format(), backends, THREAD_COUNTS),
+                         batched=requested_batching(config) is not None)
 
     def _build_form(self, backend: str, threads: int) -> Executor:
         """The program with `backend`'s segments, their sessions on `threads` intra-op

@@ -41,7 +41,8 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    the same form, untimed), and its cost per execution is `max(loop thread CPU, process CPU
    / usable CPUs)`: the loop's thread is one serial resource, the cores are the other, and
    the busier of the two bounds throughput. After `WINDOWS` windows each, the lowest median
-   wins. The verdict is kept on
+   wins. Batches (an Executor with batching) share a verdict per batch size rounded up to a
+   power of two, as adaptive placement does. The verdict is kept on
    disk (runtime/form_verdicts.py), so a restart adopts it at once;
 3. **never serves other weights**: a form is built from the weights the Executor has when the
    build starts and serves only while the Executor's weights version is that one. A swap
@@ -69,12 +70,13 @@ import statistics as stats
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.form_verdicts import FormVerdicts, usable_cpus
+from asyncgraph.runtime.placement import batch_bucket_key
 from asyncgraph.runtime.threads import raise_nice, start_thread
 from asyncgraph.runtime.validation import Signature, signature_of
 
@@ -208,8 +210,12 @@ class FastForms:
                  version: Callable[[], int],
                  clock: Callable[[], float] = time.perf_counter,
                  verdicts: FormVerdicts | None = None,
-                 cpu: CpuClock = _cpu_now, cpus: int | None = None) -> None:
+                 cpu: CpuClock = _cpu_now, cpus: int | None = None,
+                 batched: bool = False) -> None:
         self.backends = tuple(backends)
+        # batches: a verdict per batch size rounded up to a power of two, not per size (the
+        # sizes vary with load, and each would need its own hundreds of measured runs)
+        self._batched = batched
         self._clock = clock
         self._cpu = cpu
         self._cpus = cpus or usable_cpus()
@@ -225,7 +231,7 @@ class FastForms:
         self._building: threading.Thread | None = None
         self._built_for = -1  # the weights version the last build started on
         self._retired: list[Form] = []
-        self._choices: dict[Signature, _Choice] = {}
+        self._choices: dict[Hashable, _Choice] = {}
         self._passed: dict[str, str] = {}  # backend -> why it serves nothing
         self._verdicts = verdicts
         self._kept = verdicts.load() if verdicts is not None else {}
@@ -252,7 +258,8 @@ class FastForms:
                   caller: Any = None, signature: Signature | None = None) -> list[Any]:
         """One execution on the form that serves its signature and load (the plain graph
         until a form is built and measured faster)."""
-        key = signature if signature is not None else signature_of(flat)
+        key: Hashable | None = (batch_bucket_key(flat) if self._batched
+                                else signature if signature is not None else signature_of(flat))
         forms = self._current()
         if key is None:
             return await self._plain(flat, caller_inputs, caller, signature)
@@ -282,7 +289,7 @@ class FastForms:
                 timed(route, end - start)
 
     def _route(self, forms: dict[str, Form] | None, choice: _Choice, regime: str,
-               key: Signature) -> tuple[str, Timed | None]:
+               key: Hashable) -> tuple[str, Timed | None]:
         """The form this execution runs on (a name, or PLAIN), and what to tell when it ends
         (its measurement, while its verdict is being reached)."""
         verdict = choice.loaded if regime is LOADED else choice.alone
@@ -315,7 +322,7 @@ class FastForms:
         """Whether `form` names the plain graph or a form this Executor may build."""
         return form == PLAIN or form.split(",")[0] in self.backends
 
-    def _new_choice(self, key: Signature) -> _Choice:
+    def _new_choice(self, key: Hashable) -> _Choice:
         """A signature seen for the first time: its verdicts kept on disk, if any."""
         choice = self._choices[key] = _Choice(_Verdict(), _Verdict())
         for regime in (ALONE, LOADED):
@@ -355,7 +362,7 @@ class FastForms:
         await future
         return self._current()
 
-    def _alone(self, verdict: _Verdict, key: Signature, candidates: list[str], route: str,
+    def _alone(self, verdict: _Verdict, key: Hashable, candidates: list[str], route: str,
                seconds: float) -> None:
         """Alone: the forms and the plain graph in turn, each run's latency kept."""
         verdict.samples.setdefault(route, []).append(seconds)
@@ -364,7 +371,7 @@ class FastForms:
             self._decide(verdict, ALONE, key, candidates, "us",
                          f"medians of {SAMPLES} runs each, in turn, alone")
 
-    def _windowed(self, verdict: _Verdict, key: Signature,
+    def _windowed(self, verdict: _Verdict, key: Hashable,
                   candidates: list[str]) -> tuple[str, Timed | None]:
         """Loaded: which form this execution runs on, and whether it is one of a window's.
 
@@ -381,7 +388,7 @@ class FastForms:
         verdict.window_starts += 1
         return route, lambda route, seconds: self._window_end(verdict, key, candidates, route)
 
-    def _window_end(self, verdict: _Verdict, key: Signature, candidates: list[str],
+    def _window_end(self, verdict: _Verdict, key: Hashable, candidates: list[str],
                     route: str) -> None:
         verdict.window_ends += 1
         if verdict.window_ends < WINDOW or verdict.window_at is None:
@@ -397,7 +404,7 @@ class FastForms:
                          f"medians of {WINDOWS} windows of {WINDOW} executions each under "
                          f"load, the busier of the loop's thread and {self._cpus} CPUs")
 
-    def _decide(self, verdict: _Verdict, regime: str, key: Signature, candidates: list[str],
+    def _decide(self, verdict: _Verdict, regime: str, key: Hashable, candidates: list[str],
                 unit: str, how: str) -> None:
         medians = {name: stats.median(verdict.samples[name]) * 1e6 for name in candidates}
         verdict.form = min(medians, key=medians.__getitem__)

@@ -391,3 +391,16 @@ async def test_a_thread_count_that_fails_to_build_leaves_the_others() -> None:
     await _decide(setup)
     assert setup.forms.statistics()["signatures"][str(SIG)]["alone"]["form"] == "fast"
     await setup.forms.aclose()
+
+
+async def test_batches_share_a_verdict_per_power_of_two_of_rows() -> None:
+    import torch
+
+    setup = Setup()
+    setup.forms._batched = True  # as an Executor with batching makes it
+    for rows in (17, 20, 32, 3):
+        await setup.forms.run([torch.zeros(rows, 4)], None, None, None)
+    keys = list(setup.forms.statistics()["signatures"])
+    assert len(keys) == 2 and "32" in keys[0] and "4" in keys[1], keys  # 17-32 -> 32; 3 -> 4
+    setup.wait_built()
+    await setup.forms.aclose()
