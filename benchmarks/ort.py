@@ -483,7 +483,7 @@ async def _default_path(
             await asyncio.sleep(0.01 if callers == 1 else 0.002)  # the build thread's turn
     forms = ex.statistics().forms
     if forms is None:
-        notes[f"{what} verdicts"] = "no fast form applies"
+        notes[f"{what} verdicts ({regime})"] = "no fast form applies"
     else:
         decided = [v[regime] for v in forms["signatures"].values()]
         served = [v["form"] for v in decided]
