@@ -64,6 +64,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -666,7 +667,7 @@ class Batcher:
         tensors = self._batched_tensors(head)
         if any(x.requires_grad for x in tensors):
             return None
-        if not self.layout.captured and all(x.device.type == "cpu" for x in tensors):
+        if not self.layout.captured and self._on_cpu(head):
             return None
         return self.bucket_inputs.take((rows, head.key), head.flat, rows)
 
@@ -676,14 +677,10 @@ class Batcher:
         """The batch's inputs, copied into `inputs` (BucketInputs.fill) or stacked (`_join`):
         inline, or on a thread for large CPU batches (OFFLOAD_BYTES; never for tensors on a
         GPU, whose copies are only enqueued)."""
-        offload = self._on_cpu(batch[0]) and self._stacked_bytes(batch) > OFFLOAD_BYTES
-        if inputs is not None:
-            if offload:
-                return await anyio.to_thread.run_sync(self.bucket_inputs.fill, inputs, batch, pad)
-            return self.bucket_inputs.fill(inputs, batch, pad)
-        if offload:
-            return await anyio.to_thread.run_sync(self._join, batch, pad)
-        return self._join(batch, pad)
+        join = self._join if inputs is None else partial(self.bucket_inputs.fill, inputs)
+        if self._on_cpu(batch[0]) and self._stacked_bytes(batch) > OFFLOAD_BYTES:
+            return await anyio.to_thread.run_sync(join, batch, pad)
+        return join(batch, pad)
 
     def _on_cpu(self, request: _Request) -> bool:
         """Whether the request's batched tensors are on the CPU (batch-mates share devices:

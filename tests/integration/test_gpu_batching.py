@@ -25,7 +25,7 @@ import sympy
 import torch
 from torch.export import Dim
 
-from asyncgraph import BatchingConfig, Executor, ExecutorConfig, GraphBuilder
+from asyncgraph import BatchingConfig, Executor, ExecutorConfig
 from asyncgraph.cuda.capturable import signature_scalars
 from asyncgraph.cuda.capture import MAX_CAPTURES
 from asyncgraph.graph.importers import Program, from_exported_program
@@ -43,6 +43,7 @@ from tests.support.backends import run, settle
 from tests.support.cuda_graph_fake import (
     CaptureBackend,
     CaptureGpu,
+    diamond_graph,
     fake_kernel,
     make_executor,
     running,
@@ -72,14 +73,9 @@ def _on_cuda(graph: Graph) -> Graph:
 
 
 def diamond_rows() -> Program:
-    """x * w, relu and sigmoid on two streams, joined; x and the output are [batch, 4]."""
-    b = GraphBuilder()
-    x, w = b.input("x"), b.input("w")
-    scaled = b.call(aten.mul.Tensor, x, w, name="gpu_scale")
-    left = b.call(aten.relu.default, scaled, name="gpu_left")
-    right = b.call(aten.sigmoid.default, scaled, name="gpu_right")
-    b.output(b.call(aten.add.Tensor, left, right, name="gpu_join"))
-    graph = b.build()
+    """cuda_graph_fake's diamond (x * w, relu and sigmoid on two streams, joined) with x and
+    the output [batch, 4]."""
+    graph = diamond_graph()
     s0 = sympy.Symbol("s0", positive=True, integer=True)
     rows = TensorSpec(torch.float32, torch.device("cuda"), (s0, 4), (4, 1))
     values = [dataclasses.replace(v, spec=rows) if v.name in ("x", "gpu_join") else v
