@@ -50,9 +50,13 @@ def _onnx_planner() -> SegmentPlanner:
     if absent:
         raise ImportError(_onnx_needs(absent), name=absent[0])
     try:
+        from asyncgraph.compiled.export_cache import environment
+        from asyncgraph.compiled.onnx_delegate import start_runtime
         from asyncgraph.compiled.onnx_segments import onnx_segments  # onnxruntime on demand
     except ImportError as exc:
         raise ImportError(_onnx_needs([exc.name or str(exc)]), name=exc.name) from exc
+    start_runtime()  # once per process: its first session holds the GIL for tens of ms
+    environment()  # the export cache's versions, read once (importlib.metadata: ms of Python)
     # one thread unless the user sets a count: each session's pool is its own, and spins
     return lambda graph, config: onnx_segments(
         graph, intra_op_threads=config.intra_op_threads or 1)

@@ -293,6 +293,7 @@ def serve(
             max_response_bytes=max_response_bytes,
             body_timeout_s=body_timeout_s,
             close_executors=True,
+            freeze_heap=True,  # the process is the server's: its full collections stay short
         )
         title = f"asyncgraph serve on {url_of(sock)}"
         if grpc_port is not None:

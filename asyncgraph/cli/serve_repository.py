@@ -83,7 +83,7 @@ def serve_repository(
         return load_executor(path, dataclasses.replace(config, **options), trust_compiled)
 
     models: dict[str, Any] = {}
-    app = create_app(models, close_executors=False, **app_options)
+    app = create_app(models, close_executors=False, freeze_heap=True, **app_options)
     control = add_model_control(app, repository, load, explicit=explicit)
     with console.status(f"loading {', '.join(names) or 'no model'} from {root} ..."):
         try:

@@ -118,6 +118,7 @@ class Built:
     """What all executions of one Executor share, as the pipeline made it."""
 
     graph: Graph  # the executed graph: after the passes, folding and the segment backends
+    passed: Graph  # the graph after the passes only: what a fast form builds on (forms.py)
     kernels: list[OpKernel]
     plan: ExecutionPlan
     schedules: ScheduleCache
@@ -147,9 +148,14 @@ def build(
     config: ExecutorConfig,
     factory: KernelFactory,
     cuda_backend: object | None = None,
+    passed: tuple[Graph, PassCounts] | None = None,
 ) -> Built:
-    """Run the whole pipeline on an imported program's graph (the module docstring's steps)."""
-    graph, counts = run_passes(graph, config)
+    """Run the whole pipeline on an imported program's graph (the module docstring's steps).
+    `passed`: step 1's result for this graph, already run by another Executor (a fast form
+    is built on its Executor's: the passes were a third to two thirds of a form's build,
+    Python that held the GIL while the loop served)."""
+    graph, counts = passed if passed is not None else run_passes(graph, config)
+    passed_graph = graph
     kernels = factory.create(graph)
     folder: ConstantFolder | None = None
     if config.fold_constants:  # the executed graph: without what reads only weights
@@ -187,8 +193,8 @@ def build(
     prebuild_schedules(schedules, adaptive.base if adaptive is not None else plan.placement,
                        config, profiled=adaptive is not None)
     return Built(
-        graph, kernels, plan, schedules, folder, segments, delegates_of(kernels), counts, device,
-        adaptive,
+        graph, passed_graph, kernels, plan, schedules, folder, segments, delegates_of(kernels),
+        counts, device, adaptive,
     )
 
 

@@ -56,7 +56,7 @@ from asyncgraph.runtime.backend import (
     task_of,
 )
 from asyncgraph.runtime.batching import BatcherStatistics, make_batcher
-from asyncgraph.runtime.build import build
+from asyncgraph.runtime.build import PassCounts, build
 from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig, requested_batching
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
@@ -125,7 +125,9 @@ class Executor:
 
     `_cuda_backend` replaces torch.cuda for the GPU layer (asyncgraph.cuda.device.Backend,
     handed to the "cuda" device backend):
-    tests run programs with CUDA nodes on a simulated GPU with it. Not part of the public API.
+    tests run programs with CUDA nodes on a simulated GPU with it. `_passed`: the program's
+    graph after the graph passes, and their counts, from the Executor a fast form is built
+    for (runtime/build.py). Neither is part of the public API.
     """
 
     def __init__(
@@ -135,13 +137,16 @@ class Executor:
         *,
         kernel_factory: KernelFactory | None = None,
         _cuda_backend: object | None = None,
+        _passed: tuple[Graph, PassCounts] | None = None,
     ) -> None:
         self.config = config if config is not None else ExecutorConfig()
         self.program: Program = to_program(program)
         built = build(
             self.program.graph, self.config,
             kernel_factory or KernelFactory(self.config, subgraph_executor), _cuda_backend,
+            _passed,
         )
+        self._passed = (built.passed, built.counts)  # what a fast form builds on
         self.graph: Graph = built.graph  # the executed graph (the program's keeps its own)
         self.kernels: list[OpKernel] = built.kernels
         self.plan: ExecutionPlan = built.plan
@@ -805,6 +810,7 @@ class Executor:
                     program.reference, program.exported),
             dataclasses.replace(self.config, segments=(backend,), fast_paths=False,
                                 batching=None, intra_op_threads=threads),
+            _passed=self._passed,  # the passes do not depend on the fields changed here
         )
 
     def prepare_sessions(self) -> None:

@@ -15,7 +15,9 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    would still hold the loop is kept from it: a first export runs in a child process
    (`building_off_loop`, compiled/export_worker.py; exports are then cached on disk,
    compiled/export_cache.py, so a restart builds in a tenth of a second), the backend's
-   modules are imported when the Executor is made, and the interpreter switches threads
+   modules are imported and its runtime started when the Executor is made, the form starts
+   from the Executor's graph passes rather than running them again, the build's Python
+   pauses while the loop serves (runtime/courtesy.py), and the interpreter switches threads
    every 0.5 ms while a build runs (`_QuickSwitches`). A backend that plans no delegate node
    (no run long enough) or fails is passed over, with the reason; a build whose Executor
    closes is stopped (`build_cancelled`). A backend's form is built once per intra-op
@@ -75,6 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncgraph.runtime.backend import current_loop
+from asyncgraph.runtime.courtesy import GilCourtesy
 from asyncgraph.runtime.form_verdicts import FormVerdicts, usable_cpus
 from asyncgraph.runtime.placement import batch_bucket_key
 from asyncgraph.runtime.threads import raise_nice, start_thread
@@ -88,6 +91,7 @@ WINDOW = 16  # loaded executions per window of one form
 WINDOWS = 4  # windows of each form under load, before the choice
 BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a burst
 NICE = 10  # the build thread's nice value above the loop's: serving comes first
+QUIET_S = 0.002  # no execution ended this long ago, none in flight: the loop is not serving
 PLAIN = "plain"
 ALONE, LOADED = "alone", "loaded"
 THREAD_COUNTS = (1, 2)  # intra-op threads a form's sessions are built with, each a form
@@ -168,6 +172,8 @@ def build_cancelled() -> bool:
     return owner is not None and owner._closed
 
 
+
+
 class _QuickSwitches:
     """The interpreter's switch interval, lowered while any build thread runs.
 
@@ -244,11 +250,13 @@ class FastForms:
         self._last_caller = 0  # the id of the task whose execution ended last (not the
         # task itself: a finished task holds its loop)
         self._last_end = float("-inf")
+        self._last_start = float("-inf")
         self.builds = 0
         self.build_s = 0.0
         self.fast_runs = 0
         self.build_waits = 0  # executions that waited for a build a kept verdict promised
         self._closed = False
+        self._courtesy = GilCourtesy(self._serving)  # the build thread's, for the loop's sake
         if any(self._known(form) and form != PLAIN for form, _ in self._kept.values()):
             self._start(version())  # a restart: the form a previous run chose, built now
 
@@ -260,29 +268,33 @@ class FastForms:
         until a form is built and measured faster)."""
         key: Hashable | None = (batch_bucket_key(flat) if self._batched
                                 else signature if signature is not None else signature_of(flat))
-        forms = self._current()
-        if key is None:
-            return await self._plain(flat, caller_inputs, caller, signature)
-        choice = self._choices.get(key) or self._new_choice(key)
-        if forms is None and self._building is not None and _promised(choice):
-            forms = await self._built()  # a kept verdict chose a form: it is nearly there
         regime = self._regime(caller)
-        route, timed = self._route(forms, choice, regime, key)
-        form = forms.get(route) if forms is not None else None
-        counted = regime is LOADED  # in `_running`, which the windows read
         self._in_flight += 1
-        if counted:
-            self._running[route] = self._running.get(route, 0) + 1
-        start = self._clock()
+        self._last_start = self._clock()  # before a build starts: it sees the loop serving
+        counted: str | None = None  # the route counted in `_running`
+        timed: Timed | None = None
+        route, start = PLAIN, 0.0
         try:
+            forms = self._current()
+            if key is None:
+                return await self._plain(flat, caller_inputs, caller, signature)
+            choice = self._choices.get(key) or self._new_choice(key)
+            if forms is None and self._building is not None and _promised(choice):
+                forms = await self._built()  # a kept verdict chose a form: nearly there
+            route, timed = self._route(forms, choice, regime, key)
+            form = forms.get(route) if forms is not None else None
+            if regime is LOADED:  # in `_running`, which the windows read
+                counted = route
+                self._running[route] = self._running.get(route, 0) + 1
+            start = self._clock()
             if form is not None:
                 self.fast_runs += 1
                 return await form._execute(flat, caller_inputs, caller, signature)
             return await self._plain(flat, caller_inputs, caller, signature)
         finally:
             self._in_flight -= 1
-            if counted:
-                self._running[route] -= 1
+            if counted is not None:
+                self._running[counted] -= 1
             end = self._clock()
             self._last_caller, self._last_end = id(caller), end
             if timed is not None:
@@ -430,14 +442,8 @@ class FastForms:
         _QUICK_SWITCHES.enter()
         _BUILDING.owner = self
         try:
-            for backend in self.backends:
-                built = self._build_backend(backend)
-                if built:
-                    for form in built.values():
-                        form.prepare_sessions()  # its sessions start now, not on first calls
-                    self._form_backend, self._form_version = backend, version
-                    self._forms = built  # one assignment: the loop sees the forms whole
-                    return
+            with self._courtesy:  # its Python pauses while the loop serves
+                self._build_first_backend(version)
         finally:
             _BUILDING.owner = None
             _QUICK_SWITCHES.exit()
@@ -448,6 +454,23 @@ class FastForms:
                 waiters, self._build_waiters = self._build_waiters, []
             for loop, future in waiters:
                 loop.call_soon_threadsafe(_wake, future)
+
+    def _build_first_backend(self, version: int) -> None:
+        for backend in self.backends:
+            built = self._build_backend(backend)
+            if built:
+                for form in built.values():
+                    form.prepare_sessions()  # its sessions start now, not on first calls
+                self._form_backend, self._form_version = backend, version
+                self._forms = built  # one assignment: the loop sees the forms whole
+                return
+
+    def _serving(self) -> bool:
+        """Whether the loop serves: an execution started or ended within QUIET_S (the build
+        thread reads it: a stale answer costs one pause or one slice). Not merely one in
+        flight: a loop blocked on a lock the build thread holds starts and ends nothing, and
+        the build must then go on, not pause, or the loop waits for its pauses."""
+        return self._clock() - max(self._last_start, self._last_end) < QUIET_S
 
     def _build_backend(self, backend: str) -> dict[str, Form]:
         """`backend`'s forms, one per thread count; none when it plans no delegate or fails."""

@@ -131,9 +131,11 @@ class ScheduleStatistics:
     fused_nodes: int  # nodes in those units
 
 
-# Graphs up to this many nodes build their schedules on the loop: at about 12 us per node
-# (a 1,000-node chain fused: 12.5 ms), 64 nodes take under a millisecond, one loop slice.
-INLINE_BUILD_NODES = 64
+# Graphs up to this many nodes build their schedules on the loop, in well under a loop slice.
+# A fused build took 25-30 us per node on the 2-vCPU machine (tiny BERT's 43 nodes: 1.16 ms;
+# an 8-node MLP: 0.25 ms), and 2-3 ms on the loop in a first burst, while other threads
+# wanted the GIL: past this size a miss is built on a thread.
+INLINE_BUILD_NODES = 24
 
 
 class ScheduleCache:

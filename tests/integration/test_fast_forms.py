@@ -253,3 +253,42 @@ async def test_many_callers_reach_a_verdict_under_load() -> None:
             await asyncio.sleep(0.005)
         assert loaded.get("form", "measuring") != "measuring", forms
         assert "under load" in loaded["why"]
+
+
+async def test_a_form_is_built_on_its_executors_passes_not_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph passes run once, for the Executor; its forms start from their result (the
+    passes were most of a form's Python on the build thread, which the loop waited for)."""
+    from asyncgraph.runtime import build
+
+    runs = []
+    run_passes = build.run_passes
+    monkeypatch.setattr(build, "run_passes", lambda *a: runs.append(1) or run_passes(*a))
+    model = MLP().eval()
+    async with Executor(export_model(model, torch.randn(1, 32)), FAST) as ex:
+        form = ex._build_form("onnx", 1)
+        try:
+            assert len(runs) == 1  # the Executor's own
+            assert form.has_delegates
+            assert form.lowered_linears == ex.lowered_linears > 0
+            x = torch.randn(1, 32)
+            torch.testing.assert_close(await form.execute(x), model(x), rtol=1e-4, atol=1e-5)
+        finally:
+            await form.aclose()
+
+
+def test_the_onnx_runtime_starts_once_per_process() -> None:
+    """start_runtime makes ONNX Runtime's first session (the one that holds the GIL for tens
+    of milliseconds) when an Executor that may build an ONNX form is made, not later."""
+    from asyncgraph.compiled import onnx_delegate
+
+    onnx_delegate.start_runtime()
+    assert onnx_delegate._started
+    made = []
+    real = onnx_delegate.ort.InferenceSession
+    try:
+        onnx_delegate.ort.InferenceSession = lambda *a, **k: made.append(1) or real(*a, **k)
+        onnx_delegate.start_runtime()
+    finally:
+        onnx_delegate.ort.InferenceSession = real
+    assert made == []  # once per process

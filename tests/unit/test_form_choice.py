@@ -404,3 +404,25 @@ async def test_batches_share_a_verdict_per_power_of_two_of_rows() -> None:
     assert len(keys) == 2 and "32" in keys[0] and "4" in keys[1], keys  # 17-32 -> 32; 3 -> 4
     setup.wait_built()
     await setup.forms.aclose()
+
+
+async def test_the_build_pauses_only_while_executions_start_or_end() -> None:
+    """The build thread's courtesy (runtime/courtesy.py) asks whether the loop serves: yes
+    right after an execution starts or ends; no once nothing has for QUIET_S, even with one
+    in flight (a loop blocked on a lock the build holds must not wait for its pauses)."""
+    setup = Setup(gate=threading.Event())
+    assert not setup.forms._serving()
+    task = asyncio.ensure_future(setup.run())
+    await asyncio.sleep(0)
+    assert setup.forms._serving()
+    await task
+    setup.clock.now += forms.QUIET_S / 2
+    assert setup.forms._serving()
+    setup.clock.now += forms.QUIET_S
+    assert not setup.forms._serving()
+    setup.forms._in_flight += 1  # one in flight, nothing started or ended since
+    assert not setup.forms._serving()
+    setup.forms._in_flight -= 1
+    assert setup.gate is not None
+    setup.gate.set()
+    await setup.forms.aclose()
