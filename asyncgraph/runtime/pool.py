@@ -93,6 +93,11 @@ class FramePool:
                 return self._take(self._factory(self._created))
         return None
 
+    def widen(self, max_frames: int) -> None:
+        """Raise the bound to `max_frames` (never lowers it); the new frames are made on
+        demand, as the first ones were."""
+        self._max = max(self._max, max_frames)
+
     def has_free(self) -> bool:
         """Whether `try_acquire` would give a frame now: one is idle or may be made, and
         nobody waits. An execution that runs without a frame (straight.py: run_alone) runs

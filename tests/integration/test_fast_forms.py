@@ -292,3 +292,21 @@ def test_the_onnx_runtime_starts_once_per_process() -> None:
     finally:
         onnx_delegate.ort.InferenceSession = real
     assert made == []  # once per process
+
+
+async def test_a_one_call_form_takes_more_frames() -> None:
+    """A form that is one ONNX call holds only an execution's inputs and outputs in a frame,
+    so it takes ONE_CALL_FRAMES times the Executor's bound; a graph of many nodes (the plain
+    one here) is no such call, and keeps the bound, since its frames hold intermediates."""
+    from asyncgraph.runtime.executor import ONE_CALL_FRAMES
+
+    model = MLP().eval()
+    config = ExecutorConfig(fast_paths=True, max_concurrent_executions=3)
+    async with Executor(export_model(model, torch.randn(1, 32)), config) as ex:
+        form = ex._build_form("onnx", 1)
+        try:
+            assert form._one_delegate_call()
+            assert form.statistics().frames.max_frames == 3 * ONE_CALL_FRAMES
+        finally:
+            await form.aclose()
+    assert not ex._one_delegate_call()  # the plain graph: many nodes, no delegate
