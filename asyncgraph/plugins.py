@@ -97,5 +97,8 @@ register_device(DeviceKind(
     "cuda", _cuda_backend,
     dispatch_keys=("CUDA", "SparseCUDA", "SparseCsrCUDA", "QuantizedCUDA", "NestedTensorCUDA"),
 ))
-register_backend(SegmentBackend("script", _script_planner))
+# Fast forms are tried in registration order, the first that builds serving (runtime/forms.py):
+# ONNX Runtime's first (the fastest measured on every model), then the scripted segments, which
+# need nothing installed: a program that ONNX cannot export still gets a form to measure.
 register_backend(SegmentBackend("onnx", _onnx_planner, fast_form=True, missing=_onnx_missing))
+register_backend(SegmentBackend("script", _script_planner, fast_form=True))

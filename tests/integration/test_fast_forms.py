@@ -310,3 +310,27 @@ async def test_a_one_call_form_takes_more_frames() -> None:
         finally:
             await form.aclose()
     assert not ex._one_delegate_call()  # the plain graph: many nodes, no delegate
+
+
+async def test_a_program_onnx_cannot_take_gets_the_scripted_form(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast forms are tried in order, and the first that builds serves: where the ONNX
+    backend fails (an export it cannot do), the scripted segments are the form measured
+    against the plain graph, with ONNX's reason in statistics()."""
+    from asyncgraph.runtime import delegates
+
+    def refuses(graph: Any, config: Any) -> Any:
+        raise RuntimeError("torch.onnx cannot export aten.fancy_op")
+
+    onnx = delegates._BACKENDS["onnx"]
+    monkeypatch.setitem(delegates._BACKENDS, "onnx", delegates.SegmentBackend(
+        "onnx", lambda: refuses, fast_form=True, missing=onnx.missing))
+    model = MLP().eval()
+    x = torch.randn(1, 32)
+    async with Executor(export_model(model, x), FAST) as ex:
+        await _until_decided(ex, model, x)
+        forms = ex.statistics().forms
+        assert forms is not None
+        assert forms["form"] == "script"
+        assert "torch.onnx cannot export aten.fancy_op" in forms["passed"]["onnx"]
+        assert ex.segments == {}  # the Executor itself stays the plain graph
