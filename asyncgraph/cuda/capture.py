@@ -30,6 +30,7 @@ from asyncgraph.cuda.instances import FrameLease as FrameLease
 from asyncgraph.cuda.instances import GraphInstances, SignatureInstances
 from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.graph.ir import Graph
+from asyncgraph.runtime.batching import default_buckets
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.plan import ExecutionPlan
 from asyncgraph.runtime.validation import Signature
@@ -53,6 +54,21 @@ recording before it runs the execution uncaptured (segments, captured inside an 
 never wait)."""
 
 _MAX_FAILED = 256  # uncapturable signatures remembered per Executor
+
+
+def captured_signatures(config: ExecutorConfig) -> int:
+    """The signatures whose whole-execution graphs an Executor keeps: CudaConfig's
+    max_captured_signatures, or by default MAX_CAPTURES, or with batching into buckets two
+    batch keys' worth of buckets (CudaConfig's docstring says why)."""
+    chosen = config.cuda.max_captured_signatures
+    batching = config.batching
+    if chosen is not None:
+        return chosen
+    if batching is None:
+        return MAX_CAPTURES
+    buckets = (batching.buckets if batching.buckets is not None
+               else default_buckets(batching.max_batch_size))
+    return max(MAX_CAPTURES, 2 * len(buckets))
 
 
 class FrameCaptures(Protocol):
@@ -185,7 +201,8 @@ class CudaGraphs:
         self.segment_captures = self.segment_replays = 0
         self.segment_warmups = self.segment_fallbacks = 0
         self.recaptures = self.evictions = self.failures = 0
-        self.instances = GraphInstances(runtime, config.max_concurrent_executions, MAX_CAPTURES)
+        self.instances = GraphInstances(runtime, config.max_concurrent_executions,
+                                        captured_signatures(config))
         # captures ahead (graphs.py's CaptureAhead): on the first request of a signature too,
         # or only those Executor.warm_up asks for
         self.capture_ahead = config.cuda.capture_ahead
@@ -279,7 +296,8 @@ class CudaGraphs:
             return SignatureCapture(
                 describe_signature(key), UNCAPTURED, 0,
                 "the executor closed" if closed
-                else f"not kept: evicted by other signatures (MAX_CAPTURES={MAX_CAPTURES})",
+                else "not kept: evicted by other signatures (CudaConfig."
+                     f"max_captured_signatures={self.instances.max_signatures})",
             )
         return self._capture_of(state)
 

@@ -516,8 +516,9 @@ async def warm_up(
     if len(signatures) > instances.max_signatures:
         raise ValueError(
             f"warm_up was asked for {len(signatures)} input signatures, but an Executor keeps "
-            f"the graphs of {instances.max_signatures} (MAX_CAPTURES): the first would be "
-            "evicted by the last; ask for fewer (fewer batch buckets)"
+            f"the graphs of {instances.max_signatures} (CudaConfig.max_captured_signatures): "
+            "the first would be evicted by the last; ask for fewer (fewer batch buckets), or "
+            "keep more"
         )
     ahead = capture_ahead(owner)
     wanted = {}

@@ -47,9 +47,9 @@ next bucket, and the padding's output rows are dropped. CUDA graphs are captured
 signature, so without it every batch size would be a capture of its own; with buckets, a few
 captures serve all sizes. The default with CUDA graphs is vLLM's list (1, 2, 4, then
 multiples of 8 up to max_batch_size; TensorRT-LLM pads the same way), thinned to at most
-`MAX_DEFAULT_BUCKETS` sizes so that every bucket's graph instances stay among the signatures
-an Executor keeps captured (cuda/capture.py's MAX_CAPTURES). A padded batch that fails is
-retried request by request, unpadded.
+`MAX_DEFAULT_BUCKETS` sizes; an Executor keeps twice its buckets' signatures captured
+(cuda/capture.py's `captured_signatures`), so two batch keys' buckets stay captured. A padded
+batch that fails is retried request by request, unpadded.
 
 On by default where it pays (`BatchingConfig(only_captured=True)`, `make_batcher`): on an
 Executor that replays whole executions as CUDA graphs of a program `batch_layout` accepts;

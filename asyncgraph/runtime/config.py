@@ -188,6 +188,8 @@ def requested_batching(config: ExecutorConfig) -> BatchingConfig | None:
 CUDA_RULES: tuple[Rule, ...] = (
     Range("streams", ">=", 1, or_none=True, why="CUDA streams per device for one execution"),
     Range("graph_warmup", ">=", 0, why="executions of a signature before its capture"),
+    Range("max_captured_signatures", ">=", 1, or_none=True,
+          why="input signatures whose whole-execution graphs an Executor keeps"),
 )
 
 
@@ -234,12 +236,20 @@ class CudaConfig:
             than serving does; with it, a signature costs up to `graph_warmup` + 1 extra
             uncaptured runs on the thread, and its early executions run uncaptured. Turn it
             on where shapes arrive unannounced and a request must never wait for a capture.
+        max_captured_signatures: input signatures whose whole-execution graphs an Executor
+            keeps, the least recently used evicted past it (its graphs freed, recaptured if
+            it comes back). None (the default): `MAX_CAPTURES` (8), or, with batching into
+            buckets, two batch keys' worth of them (`2 x` the buckets): batches of two input
+            shapes past dim 0 (two sequence lengths, say) padded to 7 buckets are 14
+            signatures, which 8 would evict in turn under load. Each kept signature holds its
+            graph instances and their memory pools on the GPU.
     """
 
     streams: int | None = None
     graphs: bool = False
     graph_warmup: int = 2
     capture_ahead: bool = False
+    max_captured_signatures: int | None = None
 
     def __post_init__(self) -> None:
         check(self, CUDA_RULES)

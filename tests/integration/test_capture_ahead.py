@@ -466,12 +466,61 @@ def test_warm_up_refuses_more_signatures_than_an_executor_keeps(backend: str) ->
         program = with_parameters(_with_specs(diamond_graph(), {"x": rows, "gpu_join": rows}),
                                   {"w": W})
         ex = make_executor(program, gpu, validate_inputs=False,
-                           batching=BatchingConfig(max_batch_size=many[-1], buckets=many))
+                           batching=BatchingConfig(max_batch_size=many[-1], buckets=many),
+                           max_captured_signatures=cuda_capture.MAX_CAPTURES)
         async with gpu_running(gpu):
             with pytest.raises(ValueError, match=r"asked for 9 input signatures.*keeps the "
-                                                 r"graphs of 8 \(MAX_CAPTURES\)"):
+                                                 r"graphs of 8 \(CudaConfig.max_captured"):
                 await ex.warm_up(inputs(0).reshape(1, 4))
             await ex.aclose()
         assert stats(ex).captures == 0
 
     run(body, backend)
+
+
+@pytest.mark.timeout(60)
+def test_by_default_an_executor_keeps_two_batch_keys_worth_of_buckets(backend: str) -> None:
+    """CudaConfig.max_captured_signatures=None: with batching into 9 buckets an Executor
+    keeps 18 signatures, so warm_up captures every bucket and evicts none."""
+    async def body() -> None:
+        gpu = CaptureGpu(seed=11)
+        many = tuple(range(1, cuda_capture.MAX_CAPTURES + 2))
+        batch = sympy.Symbol("s0", positive=True, integer=True)
+        rows = TensorSpec(torch.float32, torch.device("cuda"), (batch, 4), (4, 1))
+        program = with_parameters(_with_specs(diamond_graph(), {"x": rows, "gpu_join": rows}),
+                                  {"w": W})
+        ex = make_executor(program, gpu, validate_inputs=False,
+                           batching=BatchingConfig(max_batch_size=many[-1], buckets=many))
+        async with gpu_running(gpu):
+            try:
+                captured = await ex.warm_up(inputs(0).reshape(1, 4))
+                assert len(captured) == len(many)
+                assert all(c.state == "ready" for c in captured), captured
+                assert stats(ex).evictions == 0
+            finally:
+                await ex.aclose()
+        assert gpu.errors == []
+
+    run(body, backend)
+
+
+def test_the_signatures_kept_follow_the_buckets() -> None:
+    from asyncgraph.runtime.batching import default_buckets
+    from asyncgraph.runtime.config import CudaConfig, ExecutorConfig
+
+    unbatched = ExecutorConfig(batching=None)
+    assert cuda_capture.captured_signatures(unbatched) == cuda_capture.MAX_CAPTURES
+    default = ExecutorConfig().batching  # batching where graphs are captured, by default
+    assert default is not None
+    assert cuda_capture.captured_signatures(ExecutorConfig()) == 2 * len(
+        default_buckets(default.max_batch_size))
+    batching = BatchingConfig(max_batch_size=32)
+    assert len(default_buckets(32)) == 7
+    assert cuda_capture.captured_signatures(ExecutorConfig(batching=batching)) == 14
+    small = BatchingConfig(max_batch_size=2)
+    assert cuda_capture.captured_signatures(
+        ExecutorConfig(batching=small)) == cuda_capture.MAX_CAPTURES
+    chosen = ExecutorConfig(batching=batching, cuda=CudaConfig(max_captured_signatures=3))
+    assert cuda_capture.captured_signatures(chosen) == 3
+    with pytest.raises(ValueError, match="max_captured_signatures"):
+        CudaConfig(max_captured_signatures=0)

@@ -721,7 +721,8 @@ def test_the_least_recently_used_signature_is_evicted_past_the_cap(backend: str)
     async def body() -> None:
         gpu = CaptureGpu(seed=8)
         cuda = CaptureBackend(gpu)
-        ex = make_executor(diamond_program(torch.tensor(2.0)), gpu, cuda, graph_warmup=0)
+        ex = make_executor(diamond_program(torch.tensor(2.0)), gpu, cuda, graph_warmup=0,
+                           max_captured_signatures=cuda_capture.MAX_CAPTURES)
         async with running(ex, gpu):
             for n in range(1, cuda_capture.MAX_CAPTURES + 2):
                 await ex.execute(inputs(0, n))

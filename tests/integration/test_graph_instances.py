@@ -600,7 +600,8 @@ def test_evicting_a_signature_frees_its_instances_and_their_capture_streams(back
         gpu = CaptureGpu(seed=19)
         cuda = CaptureBackend(gpu)
         ex = make_executor(wide_program(torch.tensor(0.5)), gpu, cuda, graph_warmup=0,
-                           streams=PLAN_STREAMS)
+                           streams=PLAN_STREAMS,
+                           max_captured_signatures=cuda_capture.MAX_CAPTURES)
         held_before = cuda_capture.CAPTURE_STREAMS.held
         async with running(ex, gpu):
             for n in range(1, cuda_capture.MAX_CAPTURES + 2):
