@@ -426,3 +426,18 @@ async def test_the_build_pauses_only_while_executions_start_or_end() -> None:
     assert setup.gate is not None
     setup.gate.set()
     await setup.forms.aclose()
+
+
+async def test_a_form_within_the_margin_of_the_plain_graph_leaves_it_plain() -> None:
+    """Alone, a form 3% faster than the plain graph is within MARGIN (5%): the plain graph
+    keeps the signature, and the verdict says why."""
+    assert forms.MARGIN == 0.05
+    setup = Setup(fast_cost=1.94, plain_cost=2.0)
+    assert await setup.run() == "plain"
+    setup.wait_built()
+    await _decide(setup)
+    verdict = setup.forms.statistics()["signatures"][str(SIG)]["alone"]
+    assert verdict["form"] == "plain"
+    assert "fast within 5% of the plain graph: the plain graph" in verdict["why"]
+    assert [await setup.run() for _ in range(3)] == ["plain"] * 3
+    await setup.forms.aclose()
