@@ -495,9 +495,9 @@ def start_runtime() -> None:
     pools), once per process, by making a session of an Identity model.
 
     Why: the first InferenceSession of a process takes 50-60 ms, most of it holding the
-    GIL; made on a fast form's build thread while the loop served 64 callers, it stalled
-    the loop for 25-34 ms (later sessions: 9-12 ms, under 2 ms of stall). An Executor that
-    may build an ONNX form calls this when it is made, before it serves (plugins.py)."""
+    GIL; made on a fast form's build thread while the loop served 64 callers, tiny BERT's
+    stalled the loop for 25-34 ms, and 4-6 ms once this had run. An Executor that may build
+    an ONNX form calls this when it is made, before it serves (plugins.py)."""
     global _started
     if not _started:
         options = ort.SessionOptions()

@@ -61,9 +61,9 @@ def captured_signatures(config: ExecutorConfig) -> int:
     max_captured_signatures, or by default MAX_CAPTURES, or with batching into buckets two
     batch keys' worth of buckets (CudaConfig's docstring says why)."""
     chosen = config.cuda.max_captured_signatures
-    batching = config.batching
     if chosen is not None:
         return chosen
+    batching = config.batching
     if batching is None:
         return MAX_CAPTURES
     buckets = (batching.buckets if batching.buckets is not None

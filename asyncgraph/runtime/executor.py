@@ -810,8 +810,8 @@ class Executor:
         A form that is one delegate call takes ONE_CALL_FRAMES times the frames: its
         executions run whole on the workers, and one that waits in the workers' queue holds
         only its inputs, while one that waits for a frame costs the loop a task wake more
-        (tiny BERT, 64 callers: 80 us of loop CPU per execution with 8 frames, 57 with 64;
-        throughput 0.92x ONNX Runtime via to_thread against 1.08x)."""
+        (tiny BERT, 64 callers: 80 us of loop CPU per execution with 8 frames, 51-64 with
+        64; throughput 0.91-0.93x ONNX Runtime via to_thread against 1.03-1.11x)."""
         program = self.program  # weights read after FastForms noted their version: a swap
         form = Executor(  # in between gives a form labelled older than it is, never served
             Program(program.graph, dict(self._weights.tensors), f"{program.name} [{backend}]",

@@ -43,9 +43,10 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    the same form, untimed), and its cost per execution is `max(loop thread CPU, process CPU
    / usable CPUs)`: the loop's thread is one serial resource, the cores are the other, and
    the busier of the two bounds throughput. After `WINDOWS` windows each, the lowest median
-   wins (in either regime a form must beat the plain graph by `MARGIN`). Batches (an Executor with batching) share a verdict per batch size rounded up to a
-   power of two, as adaptive placement does. The verdict is kept on
-   disk (runtime/form_verdicts.py), so a restart adopts it at once;
+   wins (in either regime a form must beat the plain graph by `MARGIN`). Batches (an
+   Executor with batching) share a verdict per batch size rounded up to a power of two, as
+   adaptive placement does. The verdict is kept on disk (runtime/form_verdicts.py), so a
+   restart adopts it at once;
 3. **never serves other weights**: a form is built from the weights the Executor has when the
    build starts and serves only while the Executor's weights version is that one. A swap
    retires the form (closed with the Executor) and builds it again on the new weights.
@@ -96,7 +97,7 @@ BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a bur
 # plain graph holds no second copy of the weights.
 MARGIN = 0.05
 NICE = 10  # the build thread's nice value above the loop's: serving comes first
-QUIET_S = 0.002  # no execution ended this long ago, none in flight: the loop is not serving
+QUIET_S = 0.002  # no execution started or ended this long ago: the loop is not serving
 PLAIN = "plain"
 ALONE, LOADED = "alone", "loaded"
 THREAD_COUNTS = (1, 2)  # intra-op threads a form's sessions are built with, each a form
@@ -175,8 +176,6 @@ def build_cancelled() -> bool:
     is closing): a child process working for it is stopped."""
     owner = getattr(_BUILDING, "owner", None)
     return owner is not None and owner._closed
-
-
 
 
 class _QuickSwitches:
@@ -466,6 +465,7 @@ class FastForms:
                 loop.call_soon_threadsafe(_wake, future)
 
     def _build_first_backend(self, version: int) -> None:
+        """The forms of the first backend in `backends` that builds any, published whole."""
         for backend in self.backends:
             built = self._build_backend(backend)
             if built:
