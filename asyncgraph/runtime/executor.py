@@ -396,6 +396,7 @@ class Executor:
             frame = self._take_free_frame(caller) or await self._take_frame(caller)
         self._started += 1
         ended = _FAILED
+        times: NodeTimes | None = None
         try:  # from here on a frame taken goes back to the pool on every path
             placement, times, schedule = self._choose(flat, signature)
             if schedule is None:  # compiled on a thread (milliseconds on large graphs)
@@ -426,6 +427,8 @@ class Executor:
             raise
         finally:
             self._ended[ended] += 1
+            if times is not None and ended != _COMPLETED and self._adaptive is not None:
+                self._adaptive.abandoned(times)  # its place among the profiled ones freed
             if frame is not None:
                 self._callers.discard(caller)  # type: ignore[arg-type]
                 self._pool.release(frame)  # the scheduler returns only once the frame is idle

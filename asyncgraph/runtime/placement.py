@@ -4,8 +4,9 @@ The plan's first placement comes from estimated cost (kernels/cost.py). Estimate
 "large" matmul may take 20 us, a "small" op may be slow. As TensorFlow's executor marks kernels
 expensive by measured time, and torch.jit's profiling executor specialises after profiled runs,
 after one warm-up execution, the next `profile_executions` executions for each input-shape
-signature time every node (thread CPU time). Then a node goes to a worker thread when a hop
-buys something:
+signature time every node (thread CPU time); no more than that many run profiled at once, so
+a burst's other executions run the base placement on its fused schedule meanwhile. Then a
+node goes to a worker thread when a hop buys something:
 
 - it is heavy (best time >= `heavy_node_us`) and another heavy node is independent of it
   (neither its ancestor nor its descendant), so the two can overlap on two cores; or
@@ -116,13 +117,14 @@ class Decision:
 
 
 class _Entry:
-    __slots__ = ("calls", "loaded", "placement", "recheck_in", "rechecks", "times")
+    __slots__ = ("calls", "loaded", "placement", "profiling", "recheck_in", "rechecks", "times")
 
     def __init__(self, num_nodes: int, key: ShapeKey) -> None:
         self.times = NodeTimes(num_nodes, key)
         self.placement: tuple[Placement, ...] | None = None  # for a quiet loop
         self.loaded: tuple[Placement, ...] | None = None  # while executions overlap
         self.calls = 0
+        self.profiling = 0  # profiled executions in flight (at most profile_executions)
         # once decided: executions left before the next recheck round; 0 while it runs; -1
         # once the last has run
         self.recheck_in = 0
@@ -213,13 +215,31 @@ class AdaptivePlacement:
                 if entry.recheck_in > 0:
                     entry.recheck_in -= 1
                 return chosen, None
-            self._profiling_runs += 1  # the recheck round, with the decided placement
-            return chosen, entry.times
+            return chosen, self._profiled(entry)  # the recheck round, decided placement
         entry.calls += 1
         if entry.calls == 1:
             return self.base, None  # a warm-up: first calls pay one-off costs per op and thread
+        return self.base, self._profiled(entry)
+
+    def _profiled(self, entry: _Entry) -> NodeTimes | None:
+        """The entry's times for an execution to record, or None (it runs unprofiled, on
+        the fused schedule) while `profile_executions` profiled ones are in flight already.
+
+        Why: a burst of 64 callers on a new signature made every one of them a profiled run
+        (node by node, on the dataflow), though only the first few are needed: the loop's
+        first round ran 64 executions' per-node Python, beside workers running theirs."""
+        if entry.profiling >= self.profile_executions:
+            return None
+        entry.profiling += 1
         self._profiling_runs += 1
-        return self.base, entry.times
+        return entry.times
+
+    def abandoned(self, times: NodeTimes) -> None:
+        """A profiled execution that failed or was cancelled: its place among the profiled
+        ones in flight is free again; nothing it recorded decides anything yet."""
+        entry = self._entries.get(times.key)
+        if entry is not None and entry.times is times and entry.profiling:
+            entry.profiling -= 1
 
     def _entry(self, key: ShapeKey) -> _Entry:
         """The entry of a shape key, made on first sight (the oldest evicted past
@@ -248,6 +268,8 @@ class AdaptivePlacement:
         entry = self._entries.get(times.key)
         if entry is None or entry.times is not times:
             return
+        if entry.profiling:
+            entry.profiling -= 1
         if entry.placement is None:
             if times.runs >= self.profile_executions:
                 self._decide(entry)

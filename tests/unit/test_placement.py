@@ -399,3 +399,26 @@ def test_a_signature_gives_the_key_its_inputs_give(inputs: tuple[Any, ...]) -> N
     assert signature is not None
     assert signature_shape_key(signature) == shape_key(inputs)
     assert signature_bucket_key(signature) == batch_bucket_key(inputs)
+
+
+def test_a_burst_profiles_only_as_many_executions_as_it_needs_at_once() -> None:
+    """While a signature is undecided, at most profile_executions executions run profiled at
+    once; the others run the base placement unprofiled (its fused schedule). A profiled one
+    that fails or is cancelled frees its place; a finished one counts toward the decision."""
+    ep = torch.export.export(Mixed(), (torch.randn(8, 8), torch.randn(4)))
+    ex = asyncgraph.Executor(ep)
+    adaptive = AdaptivePlacement(ex.graph, ex.plan, ex.kernels, profile_executions=3)
+    x = [torch.randn(8, 8), torch.randn(4)]
+    assert adaptive.choose(x)[1] is None  # the warm-up
+    burst = [adaptive.choose(x) for _ in range(64)]  # 64 callers at once
+    profiled = [times for _, times in burst if times is not None]
+    assert len(profiled) == 3
+    assert all(placement == adaptive.base for placement, _ in burst)
+    adaptive.abandoned(profiled[0])  # cancelled: another execution may take its place
+    _, again = adaptive.choose(x)
+    assert again is profiled[1]  # the entry's times
+    assert adaptive.choose(x)[1] is None  # three in flight again
+    for times in (again, profiled[1], profiled[2]):
+        adaptive.finished(times)
+    assert adaptive.statistics().decided == 1
+    assert adaptive.statistics().profiling_runs == 4
