@@ -456,18 +456,26 @@ def test_a_capture_ahead_that_fails_says_why_and_serving_goes_on(backend: str) -
     run(body, backend)
 
 
+NINE_BUCKETS = tuple(range(1, cuda_capture.MAX_CAPTURES + 2))  # one more than 8 signatures
+
+
+def _nine_bucket_executor(gpu: CaptureGpu, **config: Any) -> Executor:
+    """The diamond on CUDA rows batched into NINE_BUCKETS, with `config` besides."""
+    batch = sympy.Symbol("s0", positive=True, integer=True)
+    rows = TensorSpec(torch.float32, torch.device("cuda"), (batch, 4), (4, 1))
+    program = with_parameters(_with_specs(diamond_graph(), {"x": rows, "gpu_join": rows}),
+                              {"w": W})
+    return make_executor(
+        program, gpu, validate_inputs=False,
+        batching=BatchingConfig(max_batch_size=NINE_BUCKETS[-1], buckets=NINE_BUCKETS),
+        **config)
+
+
 @pytest.mark.timeout(60)
 def test_warm_up_refuses_more_signatures_than_an_executor_keeps(backend: str) -> None:
     async def body() -> None:
         gpu = CaptureGpu(seed=10)
-        many = tuple(range(1, cuda_capture.MAX_CAPTURES + 2))
-        batch = sympy.Symbol("s0", positive=True, integer=True)
-        rows = TensorSpec(torch.float32, torch.device("cuda"), (batch, 4), (4, 1))
-        program = with_parameters(_with_specs(diamond_graph(), {"x": rows, "gpu_join": rows}),
-                                  {"w": W})
-        ex = make_executor(program, gpu, validate_inputs=False,
-                           batching=BatchingConfig(max_batch_size=many[-1], buckets=many),
-                           max_captured_signatures=cuda_capture.MAX_CAPTURES)
+        ex = _nine_bucket_executor(gpu, max_captured_signatures=cuda_capture.MAX_CAPTURES)
         async with gpu_running(gpu):
             with pytest.raises(ValueError, match=r"asked for 9 input signatures.*keeps the "
                                                  r"graphs of 8 \(CudaConfig.max_captured"):
@@ -484,17 +492,11 @@ def test_by_default_an_executor_keeps_two_batch_keys_worth_of_buckets(backend: s
     keeps 18 signatures, so warm_up captures every bucket and evicts none."""
     async def body() -> None:
         gpu = CaptureGpu(seed=11)
-        many = tuple(range(1, cuda_capture.MAX_CAPTURES + 2))
-        batch = sympy.Symbol("s0", positive=True, integer=True)
-        rows = TensorSpec(torch.float32, torch.device("cuda"), (batch, 4), (4, 1))
-        program = with_parameters(_with_specs(diamond_graph(), {"x": rows, "gpu_join": rows}),
-                                  {"w": W})
-        ex = make_executor(program, gpu, validate_inputs=False,
-                           batching=BatchingConfig(max_batch_size=many[-1], buckets=many))
+        ex = _nine_bucket_executor(gpu)
         async with gpu_running(gpu):
             try:
                 captured = await ex.warm_up(inputs(0).reshape(1, 4))
-                assert len(captured) == len(many)
+                assert len(captured) == len(NINE_BUCKETS)
                 assert all(c.state == "ready" for c in captured), captured
                 assert stats(ex).evictions == 0
             finally:
