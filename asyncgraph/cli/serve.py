@@ -126,12 +126,17 @@ def serve(
         bool, typer.Option(help="Pin each worker thread to a CPU of its own (Linux; for a "
                            "machine the service has to itself).")
     ] = False,
+    worker_idle: Annotated[
+        bool, typer.Option(help="Run the worker threads under SCHED_IDLE, so the event loop's "
+                           "thread takes a core from them the moment it wakes (Linux). "
+                           "--no-worker-idle for a machine shared with other CPU-bound "
+                           "services: the workers then run --worker-nice levels below.")
+    ] = True,  # ExecutorConfig's default (tests/integration/test_cli.py checks they agree)
     worker_nice: Annotated[
-        int, typer.Option(min=0, max=19, help="Nice levels the worker threads run below the "
-                          "event loop's thread, so the loop is never kept waiting for a core "
-                          "(Linux; 0 runs them as equals, for a machine shared with other "
-                          "services).")
-    ] = 5,  # ExecutorConfig's default (tests/integration/test_cli.py checks they agree)
+        int, typer.Option(min=0, max=19, help="With --no-worker-idle, nice levels the worker "
+                          "threads run below the event loop's thread (Linux; 0 runs them as "
+                          "equals).")
+    ] = 5,  # ExecutorConfig's default
     max_batch_size: Annotated[
         int, typer.Option(min=0, help="Dynamic batching: stack concurrent requests into "
                           "executions of up to this many rows (0: off). Needs a program "
@@ -225,6 +230,7 @@ def serve(
         config["max_parallel_ops"] = max_parallel_ops
     if pin_workers:
         config["pin_workers"] = True
+    config["worker_idle"] = worker_idle
     config["worker_nice"] = worker_nice
     chosen = chosen_segments(segments, script_segments)
     if chosen:

@@ -32,9 +32,9 @@ from asyncgraph.compiled.onnx_export import ExportFailed
 
 def main() -> int:
     from asyncgraph.compiled import onnx_export
-    from asyncgraph.runtime.threads import raise_nice
+    from asyncgraph.runtime.threads import step_back
 
-    raise_nice(19 if sys.platform == "linux" else 0)
+    step_back(19, idle=True)
     torch.set_num_threads(1)
     module, specs = pickle.loads(sys.stdin.buffer.read())
     answer: tuple[Any, ...]

@@ -181,7 +181,7 @@ class Executor:
             self.config.max_parallel_ops, inference_mode=self.config.inference_mode,
             pin=self.config.pin_workers,
             intra_op_threads=self.config.intra_op_threads_or_default,
-            nice=self.config.worker_nice,
+            nice=self.config.worker_nice, idle=self.config.worker_idle,
         )
         self._scheduler = Scheduler(
             self.graph, self.plan, self.config, self._workers, self.recorder

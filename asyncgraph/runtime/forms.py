@@ -10,9 +10,10 @@ form (runtime/delegates.py: `SegmentBackend.fast_form`; "onnx" when onnxruntime 
 an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast_paths`):
 
 1. **builds it off the loop**: on the Executor's first execution (at construction when a
-   verdict kept on disk chose a form), a thread builds each registered fast form in turn, at
-   a nice value 10 above the loop's, so serving goes on meanwhile on the plain graph. What
-   would still hold the loop is kept from it: a first export runs in a child process
+   verdict kept on disk chose a form), a thread builds each registered fast form in turn,
+   under SCHED_IDLE (or, where Linux refuses it, at a nice value 10 above the loop's), so
+   serving goes on meanwhile on the plain graph. What would still hold the loop is kept from
+   it: a first export runs in a child process
    (`building_off_loop`, compiled/export_worker.py; exports are then cached on disk,
    compiled/export_cache.py, so a restart builds in a tenth of a second), the backend's
    modules are imported and its runtime started when the Executor is made, the form starts
@@ -81,7 +82,7 @@ from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.courtesy import GilCourtesy
 from asyncgraph.runtime.form_verdicts import FormVerdicts, usable_cpus
 from asyncgraph.runtime.placement import batch_bucket_key
-from asyncgraph.runtime.threads import raise_nice, start_thread
+from asyncgraph.runtime.threads import start_thread, step_back
 from asyncgraph.runtime.validation import Signature, signature_of
 
 LOG = logging.getLogger("asyncgraph.forms")
@@ -96,7 +97,7 @@ BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a bur
 # against the plain graph's 57, while the plain graph's throughput read 9% higher), and the
 # plain graph holds no second copy of the weights.
 MARGIN = 0.05
-NICE = 10  # the build thread's nice value above the loop's: serving comes first
+NICE = 10  # the build thread's nice value above the loop's where it cannot run idle
 QUIET_S = 0.002  # no execution started or ended this long ago: the loop is not serving
 PLAIN = "plain"
 ALONE, LOADED = "alone", "loaded"
@@ -446,7 +447,7 @@ class FastForms:
     def _build_forms(self, version: int) -> None:
         """The build thread: the first registered backend whose form plans delegates, at
         each intra-op thread count in THREAD_COUNTS that this process has the CPUs for."""
-        raise_nice(NICE if sys.platform == "linux" else 0)
+        step_back(NICE, idle=True)
         started = time.perf_counter()
         _QUICK_SWITCHES.enter()
         _BUILDING.owner = self

@@ -1,29 +1,31 @@
-"""Starting the library's helper threads at the loop's nice value, not a worker's.
+"""Starting the library's helper threads at the loop's priority, not a worker's.
 
-Why: on Linux a thread starts with the nice value of the thread that starts it, and an
-unprivileged thread cannot lower its own again (RLIMIT_NICE is 0 by default). Worker threads
-raise their own by `ExecutorConfig.worker_nice` (runtime/workers.py), so every thread started
-from one would run niced for its whole life: the scripted segments' tracer
+Why: on Linux a thread starts with the nice value and scheduling policy of the thread that
+starts it, and an unprivileged thread cannot lower its nice value again (RLIMIT_NICE is 0 by
+default) nor leave SCHED_IDLE. Worker threads step back from the loop (`step_back`: SCHED_IDLE
+by `ExecutorConfig.worker_idle`, else their nice value raised by `ExecutorConfig.worker_nice`,
+runtime/workers.py), so every thread started from one would run stepped back for its whole
+life: the scripted segments' tracer
 (compiled/scripted.py), the ONNX segments' builder (compiled/onnx_delegate.py) and the ONNX
 Runtime threads its sessions make, a pool started by an Executor run inside a kernel (its
 workers would step back twice), the host waiter (cuda/host_wait.py).
 
-How: while a niced WorkerPool is started, the process keeps one "launcher" thread
+How: while a stepped-back WorkerPool is started, the process keeps one "launcher" thread
 (`asyncgraph-launcher`), made by the thread that started the first such pool (the event
-loop's), so at its nice value. `start_thread(thread)` on a thread more niced than the launcher
-(a worker) hands `thread.start()` to the launcher and waits for it, re-raising what the start
-raised; anywhere else it starts the thread itself. The launcher ends with the last niced pool
-(`release_launcher`), so an idle process holds no thread of it; where none runs (no niced
-pool, not Linux, a forked child) every start is direct. A start is rare and costs a thread
-start anyway; `getpriority` to tell a niced caller is one system call more.
+loop's), so at its priority. `start_thread(thread)` on a thread stepped back further than the
+launcher (a worker) hands `thread.start()` to the launcher and waits for it, re-raising what
+the start raised; anywhere else it starts the thread itself. The launcher ends with the last
+such pool (`release_launcher`), so an idle process holds no thread of it; where none runs (no
+stepped-back pool, not Linux, a forked child) every start is direct. A start is rare and costs
+a thread start anyway; telling a stepped-back caller is two system calls more.
 
 What is not covered: a thread that user code starts inside a kernel on a worker (a
-`threading.Thread`, a pool of its own) inherits the worker's nice value, and so do the OpenMP
+`threading.Thread`, a pool of its own) inherits the worker's priority, and so do the OpenMP
 threads a worker's own intra-op parallelism makes (on purpose: they do the worker's work).
 torch's inter-op pool (`torch.jit.fork`, `at::launch`) is made, all its threads at once, by
-the first thread that launches work into it, and keeps that thread's nice value for the
+the first thread that launches work into it, and keeps that thread's priority for the
 process's life; asyncgraph launches nothing into it. A kernel on a worker that does would make
-the pool niced: launch something into it from the loop's thread first (a scripted
+the pool stepped back: launch something into it from the loop's thread first (a scripted
 `torch.jit.fork` before the first execution). asyncgraph does not make it eagerly, since a
 pool made makes a later `torch.set_num_interop_threads` raise.
 """
@@ -38,12 +40,20 @@ from collections import deque
 from dataclasses import dataclass, field
 
 LAUNCHER_NAME = "asyncgraph-launcher"
+# Linux's policy for threads that run only when no other thread wants the CPU (None elsewhere)
+SCHED_IDLE: int | None = getattr(os, "SCHED_IDLE", None) if sys.platform == "linux" else None
 
 
 def own_nice() -> int:
     """The calling thread's nice value (Linux: PRIO_PROCESS with a thread id names that
     thread alone)."""
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def own_idle() -> bool:
+    """Whether the calling thread runs under SCHED_IDLE (Linux: pid 0 names the calling
+    thread)."""
+    return SCHED_IDLE is not None and os.sched_getscheduler(0) == SCHED_IDLE
 
 
 @dataclass(eq=False)
@@ -56,11 +66,13 @@ class _Start:
 
 
 class _Launcher:
-    """The un-niced thread that starts threads for niced ones (see module doc)."""
+    """The thread, at the loop's priority, that starts threads for stepped-back ones (see
+    module doc)."""
 
     def __init__(self) -> None:
         self.nice = own_nice()
-        self.holders = 0  # niced pools started and not yet closed (guarded by _STATE)
+        self.idle = own_idle()
+        self.holders = 0  # stepped-back pools started and not yet closed (guarded by _STATE)
         # reentrant, as _STATE: a pool's finalizer (release_launcher) may run from a garbage
         # collection that an allocation under the lock set off, on the same thread
         self._lock = threading.RLock()
@@ -118,7 +130,7 @@ _launcher: _Launcher | None = None
 def hold_launcher() -> object:
     """Keep the launcher running (starting it from the calling thread when none runs) until
     `release_launcher` is given what this returned. WorkerPool calls it before starting
-    niced threads, on the thread that starts them."""
+    stepped-back threads, on the thread that starts them."""
     global _launcher
     if sys.platform != "linux":
         return None
@@ -154,11 +166,23 @@ def raise_nice(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
+def step_back(nice: int, idle: bool = False) -> None:
+    """Lower the calling thread's priority below the loop's: with `idle`, move it to
+    SCHED_IDLE (Linux), under which any other thread that wakes takes its core at once;
+    otherwise raise its nice value by `nice`. Where neither is allowed it runs as it is."""
+    if idle and SCHED_IDLE is not None:
+        with contextlib.suppress(OSError):  # a seccomp profile may refuse it: fall back
+            os.sched_setscheduler(0, SCHED_IDLE, os.sched_param(0))
+            return
+    raise_nice(nice)
+
+
 def start_thread(thread: threading.Thread) -> None:
-    """`thread.start()`, from a thread that is not niced (see module doc); raises what
-    `start` raises (RuntimeError when no thread can be had)."""
+    """`thread.start()`, from a thread that is not stepped back (see module doc); raises
+    what `start` raises (RuntimeError when no thread can be had)."""
     launcher = _launcher
-    if launcher is not None and own_nice() > launcher.nice and launcher.start(thread):
+    if launcher is not None and (own_nice() > launcher.nice or (own_idle() and not launcher.idle)
+                                 ) and launcher.start(thread):
         return
     thread.start()
 

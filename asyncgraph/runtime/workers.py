@@ -21,16 +21,20 @@ them four times over).
 With `pin`, each thread binds itself to one CPU, taken round-robin from the CPUs the process
 may use by a process-wide counter, so two pools do not stack their first threads on CPU 0.
 
-With `nice` (Linux), each thread raises its own nice value by that much, so that the event
-loop's thread, which turns finished work into the next, runs as soon as it wakes instead of
-waiting for a core that workers hold (ExecutorConfig.worker_nice has the measurements: with
-2 workers in ONNX Runtime on 2 cores, the loop woken by a finished batch sometimes ran 0.5-1.9
-ms later, while the workers drained their queue and stood idle). A thread inherits its
-starter's nice value and cannot lower it again, so the threads are started through
-runtime/threads.py's `start_thread` (a pool started from a niced worker steps back from the
-loop's value, not twice), and a niced pool holds that module's launcher while it runs, which
-starts the library's helper threads for niced workers; threads that user code starts in a
-kernel inherit the worker's value (the module's doc says what else).
+The threads step back from the event loop's thread, which turns finished work into the next,
+so that it runs as soon as it wakes instead of waiting for a core that workers hold. With
+`idle` (Linux, ExecutorConfig.worker_idle, the default) each thread moves itself to SCHED_IDLE:
+any other thread that wakes takes its core at once. With 2 workers in ONNX Runtime on 2 cores
+under 64 callers of tiny BERT, the loop's thread waited 3-6 ms per 11 ms burst for a core at
+nice 5, 10 or 19 (Linux 6.18's EEVDF lets the running thread finish its slice), and 0-0.7 ms
+with the workers idle; the loop's lag p99 per burst fell from 1.3-5.9 ms to 0.3-2.9 ms
+(ExecutorConfig.worker_idle has the measurements). Otherwise, with `nice`, each thread raises its
+own nice value by that much (ExecutorConfig.worker_nice). A thread inherits its starter's
+priority and cannot take it back, so the threads are started through runtime/threads.py's
+`start_thread` (a pool started from a stepped-back worker steps back from the loop's priority,
+not twice), and a stepped-back pool holds that module's launcher while it runs, which starts the
+library's helper threads for stepped-back workers; threads that user code starts in a kernel
+inherit the worker's priority (the module's doc says what else).
 """
 
 from __future__ import annotations
@@ -49,7 +53,13 @@ from typing import Any
 import anyio
 import torch
 
-from asyncgraph.runtime.threads import hold_launcher, raise_nice, release_launcher, start_thread
+from asyncgraph.runtime.threads import (
+    SCHED_IDLE,
+    hold_launcher,
+    release_launcher,
+    start_thread,
+    step_back,
+)
 
 WorkItem = tuple[Callable[[Any, int], None], Any, int]
 
@@ -62,6 +72,7 @@ class WorkerPoolStatistics:
     cpus: tuple[int, ...] = ()  # the CPU each thread is pinned to; empty when not pinned
     idle: int = 0  # threads parked, waiting for work
     nice: int = 0  # what each thread added to its nice value (0 where it cannot: not Linux)
+    sched_idle: bool = False  # the threads run under SCHED_IDLE (Linux: worker_idle)
 
 
 _NEXT_CPU = itertools.count()  # process-wide: pinned pools spread over the CPUs
@@ -145,11 +156,13 @@ class WorkerPool:
         pin: bool = False,
         intra_op_threads: int | None = None,
         nice: int = 0,
+        idle: bool = False,
     ):
         self.size = size
         self.intra_op_threads = intra_op_threads
         self.pin = pin
-        self.nice = nice if sys.platform == "linux" else 0  # per-thread nice: Linux's
+        self.idle = idle and SCHED_IDLE is not None  # Linux's, as per-thread nice is
+        self.nice = nice if sys.platform == "linux" and not self.idle else 0
         self._cpus: tuple[int, ...] = ()
         self._name = name
         self._inference_mode = inference_mode
@@ -158,7 +171,7 @@ class WorkerPool:
         self._items_run: list[int] = []  # one slot per thread: no shared counter to race on
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._launcher: object = None  # threads.hold_launcher's, while niced threads run
+        self._launcher: object = None  # threads.hold_launcher's, while stepped-back threads run
 
     def submit(
         self, fn: Callable[[Any, int], None], frame: Any, units: Sequence[tuple[float, int]]
@@ -176,8 +189,8 @@ class WorkerPool:
             self._items_run[:] = [0] * self.size
             intra_op = self.intra_op_threads or torch.get_num_threads()
             self._cpus = _cpus_to_pin(self.size) if self.pin else ()
-            # before the first thread is niced; released by aclose, or when the pool is collected
-            self._launcher = hold_launcher() if self.nice else None
+            # before the first thread steps back; released by aclose, or when the pool is collected
+            self._launcher = hold_launcher() if self.nice or self.idle else None
             self._finalizer = weakref.finalize(
                 self, _stop_threads, self._queue, self.size, self._launcher)
             for i in range(self.size):
@@ -185,11 +198,11 @@ class WorkerPool:
                 thread = threading.Thread(
                     target=_worker_main,
                     args=(self._queue, self._inference_mode, self._items_run, i, intra_op, cpu,
-                          self.nice),
+                          self.nice, self.idle),
                     name=f"{self._name}-{i}",
                     daemon=True,
                 )
-                start_thread(thread)  # not niced twice when started from a niced thread
+                start_thread(thread)  # not stepped back twice when started from a worker
                 self._threads.append(thread)
 
     async def aclose(self) -> None:
@@ -213,7 +226,7 @@ class WorkerPool:
         return WorkerPoolStatistics(
             len(self._threads), len(self._queue), sum(self._items_run),
             self._cpus if self._threads else (), self._queue.parked if self._threads else 0,
-            self.nice,
+            self.nice, self.idle,
         )
 
 
@@ -231,12 +244,13 @@ def _worker_main(
     intra_op_threads: int,
     cpu: int | None,
     nice: int = 0,
+    idle: bool = False,
 ) -> None:
     if cpu is not None:
         with contextlib.suppress(OSError):  # the CPU left the process's set: run unpinned
             os.sched_setaffinity(0, {cpu})  # 0: this thread
-    if nice:
-        raise_nice(nice)
+    if nice or idle:
+        step_back(nice, idle)
     torch.set_num_threads(intra_op_threads)
     parking = threading.Lock()
     parking.acquire()  # held: get() blocks on it until a submission releases it

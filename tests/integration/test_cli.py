@@ -204,27 +204,29 @@ def test_serve_loop_option_reaches_uvicorn(
     assert loops == []
 
 
-def test_serve_worker_nice_reaches_the_executors(
+def test_serve_worker_priority_reaches_the_executors(
     model_file: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--worker-nice` sets ExecutorConfig.worker_nice; left out, it is the config's default."""
+    """`--worker-nice` and `--no-worker-idle` set ExecutorConfig.worker_nice and worker_idle;
+    left out, they are the config's defaults."""
     import asyncgraph.serve
     from asyncgraph.cli import serve as serve_cli
 
     _, path = model_file
-    nices: list[int] = []
+    nices: list[tuple[bool, int]] = []
     load = serve_cli.load_executor
 
     def recording_load(model: Path, config: ExecutorConfig, trust_compiled: bool) -> Any:
-        nices.append(config.worker_nice)
+        nices.append((config.worker_idle, config.worker_nice))
         return load(model, config, trust_compiled)
 
     monkeypatch.setattr(serve_cli, "load_executor", recording_load)
     monkeypatch.setattr(asyncgraph.serve, "run", lambda *args, **options: None)
-    for flags in ([], ["--worker-nice", "0"]):
+    for flags in ([], ["--no-worker-idle", "--worker-nice", "0"]):
         result = invoke("serve", path, "--port", "0", *flags)
         assert result.exit_code == 0, result.output
-    assert nices == [ExecutorConfig().worker_nice, 0]
+    default = ExecutorConfig()
+    assert nices == [(default.worker_idle, default.worker_nice), (False, 0)]
     result = invoke("serve", path, "--port", "0", "--worker-nice", "-1")
     assert result.exit_code != 0
 

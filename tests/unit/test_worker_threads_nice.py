@@ -165,6 +165,28 @@ async def test_a_thread_started_through_start_thread_on_a_niced_worker_is_not_ni
     assert seen == [loop_nice, loop_nice]
 
 
+async def test_a_thread_started_through_start_thread_on_an_idle_worker_is_not_idle() -> None:
+    from asyncgraph.runtime.threads import SCHED_IDLE, start_thread
+
+    if SCHED_IDLE is None:
+        pytest.skip("no SCHED_IDLE on this platform")
+    loop_policy = os.sched_getscheduler(0)
+    seen: list[int] = []
+
+    def started_from_the_worker() -> tuple[int, int]:
+        thread = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+        start_thread(thread)
+        thread.join(10)
+        return os.sched_getscheduler(0), len(seen)
+
+    pool = WorkerPool(1, idle=True)
+    try:
+        assert _on_a_worker(pool, started_from_the_worker) == (SCHED_IDLE, 1)
+    finally:
+        await pool.aclose()
+    assert seen == [loop_policy] and loop_policy != SCHED_IDLE
+
+
 async def test_a_thread_that_cannot_start_raises_in_its_starter() -> None:
     from asyncgraph.runtime.threads import start_thread
 

@@ -202,14 +202,44 @@ async def test_workers_step_back_by_their_nice_and_the_loop_keeps_its_own() -> N
 
 
 @linux_only
-async def test_nice_zero_leaves_workers_as_they_are_and_executors_default_to_five() -> None:
+async def test_nice_zero_leaves_workers_as_they_are() -> None:
     pool = WorkerPool(2, nice=0)
     try:
         assert set(_run_one_item_per_thread(pool, _own_nice).values()) == {_own_nice()}
     finally:
         await pool.aclose()
+
+
+def _own_policy() -> int:
+    return os.sched_getscheduler(0)  # 0: the calling thread
+
+
+@linux_only
+async def test_idle_workers_run_under_sched_idle_and_the_loop_keeps_its_policy() -> None:
+    policy = _own_policy()
+    pool = WorkerPool(2, nice=3, idle=True)
+    try:
+        seen = _run_one_item_per_thread(pool, lambda: (_own_policy(), _own_nice()))
+        stats = pool.statistics()
+    finally:
+        await pool.aclose()
+    assert set(seen.values()) == {(os.SCHED_IDLE, _own_nice())}  # idle, and not niced too
+    assert (stats.sched_idle, stats.nice) == (True, 0)
+    assert _own_policy() == policy != os.SCHED_IDLE
+
+
+@linux_only
+async def test_executors_default_to_idle_workers_and_to_nice_five_without() -> None:
     b = GraphBuilder()
     b.output(b.call(lambda v: v + 1, b.input("x"), name="step", placement="worker"))
-    async with Executor(b.build()) as ex:
+    graph = b.build()
+    async with Executor(graph) as ex:
         assert await ex.execute(1) == 2
-        assert ex.statistics().workers.nice == ExecutorConfig().worker_nice == 5
+        workers = ex.statistics().workers
+        assert (workers.sched_idle, workers.nice) == (True, 0)
+    assert ExecutorConfig().worker_idle
+    async with Executor(graph, ExecutorConfig(worker_idle=False)) as ex:
+        assert await ex.execute(1) == 2
+        workers = ex.statistics().workers
+        assert not workers.sched_idle
+        assert workers.nice == ExecutorConfig().worker_nice == 5
