@@ -32,10 +32,14 @@ if _WORKER and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor-asyncgraph-tests-{_WORKER}")
 
-# Exported segments are cached on disk (asyncgraph/compiled/export_cache.py): each test process
-# uses a folder of its own, removed at exit, never the user's ~/.cache/asyncgraph.
+# Exported segments and fast-form verdicts are cached on disk (asyncgraph/runtime/disk_cache.py):
+# each test process uses a folder of its own, removed at exit, never the user's
+# ~/.cache/asyncgraph. xdist workers inherit the environment of the controller, which loads
+# this file too: a folder a test process set (marked by _ASYNCGRAPH_TEST_CACHE) is replaced,
+# else the workers shared one, and one worker's test adopted the verdict another's had kept.
 _EXPORT_CACHE = tempfile.TemporaryDirectory(prefix="asyncgraph-test-cache-")
-os.environ.setdefault("ASYNCGRAPH_CACHE_DIR", _EXPORT_CACHE.name)
+if os.environ.get("ASYNCGRAPH_CACHE_DIR") in (None, os.environ.get("_ASYNCGRAPH_TEST_CACHE")):
+    os.environ["ASYNCGRAPH_CACHE_DIR"] = os.environ["_ASYNCGRAPH_TEST_CACHE"] = _EXPORT_CACHE.name
 # Fast forms (asyncgraph/runtime/forms.py) are built on a thread and switched to by timing, so
 # a test's Executor would change forms at a moment that depends on the machine's speed. Tests
 # get the plain graph unless they ask (`ExecutorConfig(fast_paths=True)`:
