@@ -150,4 +150,7 @@ def form_lines(forms: dict[str, Any] | None) -> list[str]:
     lines += [f"  serves these inputs {how}: {v[regime]['form']}: {v[regime]['why']}"
               for v in forms["signatures"].values()
               for regime, how in (("alone", "alone"), ("loaded", "under load"))]
+    lines += [f"  form {form}, segment {node}, inputs {signature}: {said}"
+              for form, segments in forms.get("segments", {}).items()
+              for node, serves in segments.items() for signature, said in serves.items()]
     return lines

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import statistics as stats
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +54,14 @@ MAX_SIGNATURES = 256  # input signatures checked per segment; beyond, new ones s
 # against the plain nodes on the new weights.
 FIXED_SHAPE_SESSIONS = 8
 FIXED_SHAPE_MAX_WEIGHT_BYTES = 64 << 20
+
+# Per segment and signature, after the check: the session and the plain nodes each run the
+# check's inputs TIMED_RUNS times, alternating, on the builder thread; when the session's median
+# is over SLOWER_BY times the plain nodes' (a short segment, where ONNX Runtime's call costs more
+# than the nodes themselves), the signature stays plain. The margin favours the session: under
+# many callers it runs with the GIL released, while the plain nodes hold it between kernels.
+TIMED_RUNS = 16
+SLOWER_BY = 1.25
 
 # ONNX Runtime's graph optimisations that sessions run without. SkipLayerNormFusion: ONNX
 # Runtime 1.32's CPU SkipLayerNormalization ran several times slower than the Add and
@@ -132,6 +142,8 @@ class OnnxDelegate:
         self.fixed_calls = 0  # of onnx_calls, those a fixed-shape session ran
         self.fixed_sessions_built = 0  # fixed-shape sessions checked and kept, all versions
         self.unbuildable = ""  # why no session could be made (every call runs the fx module)
+        # signature -> medians of the session's and the plain nodes' seconds (`_timed`)
+        self.timed: dict[Signature, tuple[float, float]] = {}
 
     def __call__(self, *inputs: Any) -> list[Any]:
         session = self._latest
@@ -284,7 +296,8 @@ class OnnxDelegate:
                     continue
                 del self._pending_checks[signature]
             if session is not None:
-                status = self._compare(session.run, check)
+                status = self._compare(session.run, check) or self._timed(
+                    session.run, check, signature)
                 self._set(signature, status)
                 dimensions = self._fixed_dimensions(session, signature) if not status else {}
                 if dimensions:
@@ -406,6 +419,28 @@ class OnnxDelegate:
             return f"ONNX Runtime failed: {first_line(exc)}"
         return mismatch([torch.from_numpy(a) for a in arrays], check.expected)
 
+    def _timed(self, run: Callable[..., Any], check: _Check, signature: Signature) -> str:
+        """"" when the session runs the check's inputs about as fast as the plain nodes or
+        faster, else why the signature stays plain (TIMED_RUNS, SLOWER_BY); the medians are
+        kept for `statistics()`."""
+        feeds = self._careful_feeds(check.inputs)
+        clock = time.perf_counter
+        onnx_s, plain_s = [], []
+        with torch.inference_mode():  # as on the workers: the inputs may be inference tensors
+            for _ in range(TIMED_RUNS):
+                start = clock()
+                run(self._outputs, feeds, None)
+                middle = clock()
+                self._plain(check.inputs)
+                onnx_s.append(middle - start)
+                plain_s.append(clock() - middle)
+        onnx, plain = stats.median(onnx_s), stats.median(plain_s)
+        self.timed[signature] = (onnx, plain)
+        if onnx <= SLOWER_BY * plain:
+            return ""
+        return (f"the plain nodes ran faster: {plain * 1e6:.0f} us against ONNX Runtime's "
+                f"{onnx * 1e6:.0f} us (medians of {TIMED_RUNS} runs each, alternating)")
+
     def prepare_weights(self, tensors: Mapping[str, Any]) -> None:
         """A swap's new weights: start making their session now (the executor calls this
         before executions see them). Only when they are all named weights: folded values
@@ -442,7 +477,21 @@ class OnnxDelegate:
                 "pending": (len(self._pending_weights) + len(self._pending_checks)
                             + len(self._pending_fixed)),
                 "nodes": len(self.node_names), "decomposed": self.model.decomposed,
-                "intra_op_threads": self.intra_op_threads}
+                "intra_op_threads": self.intra_op_threads, "serves": self.serves()}
+
+    def serves(self) -> dict[str, str]:
+        """Per input signature checked: what runs it (ONNX Runtime or the plain nodes) and
+        why."""
+        if self.unbuildable:
+            return {"*": f"plain: ONNX Runtime cannot load it: {self.unbuildable}"}
+        said = {}
+        for signature, status in self._checked.items():
+            timed = self.timed.get(signature)
+            measured = (f": {timed[0] * 1e6:.0f} us against the plain nodes' "
+                        f"{timed[1] * 1e6:.0f} us" if timed else "")
+            said[str([list(s) for s in signature])] = (f"plain: {status}" if status
+                                                      else f"onnx{measured}")
+        return said
 
     def __repr__(self) -> str:
         return f"OnnxDelegate({self.__name__}, {len(self.node_names)} nodes)"

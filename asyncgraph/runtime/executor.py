@@ -673,6 +673,13 @@ class Executor:
         """The ONNX segments' delegate nodes: `segments["onnx"]`, or []."""
         return list(self._segments.get("onnx", ()))
 
+    def delegate_statistics(self) -> dict[str, dict[str, Any]]:
+        """Each delegate node's own statistics (runtime/delegates.py `Delegate.statistics`),
+        by node name: what its backend ran and, where it says, which signatures it serves
+        ("serves") and why."""
+        return {getattr(d, "__name__", f"delegate_{i}"): d.statistics()
+                for i, d in enumerate(self._delegates)}
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def aclose(self, *, cancel: bool = False) -> None:

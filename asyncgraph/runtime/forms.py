@@ -123,6 +123,8 @@ class Form(Protocol):
     @property
     def has_delegates(self) -> bool: ...
 
+    def delegate_statistics(self) -> dict[str, dict[str, Any]]: ...
+
 
 Run = Callable[[list[Any], "list[Any] | None", Any, "Signature | None"], Awaitable[list[Any]]]
 # builds the form of one backend at an intra-op thread count (on the current weights)
@@ -532,7 +534,11 @@ class FastForms:
                 "forms": list(self._forms), "passed": dict(self._passed),
                 "builds": self.builds, "build_s": round(self.build_s, 3),
                 "fast_runs": self.fast_runs, "build_waits": self.build_waits,
-                "kept": len(self._kept), "signatures": signatures}
+                "kept": len(self._kept), "signatures": signatures,
+                "segments": {name: {node: said["serves"]
+                                    for node, said in form.delegate_statistics().items()
+                                    if "serves" in said}
+                             for name, form in self._forms.items()}}
 
 
 def _promised(choice: _Choice) -> bool:

@@ -73,6 +73,13 @@ async def test_the_onnx_form_is_built_off_the_loop_and_chosen_by_measurement() -
         (verdicts,) = forms["signatures"].values()
         verdict = verdicts["alone"]
         assert verdict["why"].startswith("measured: onnx ")
+        # per form, per segment and signature, what serves it and the medians that decided
+        assert set(forms["segments"]) == set(forms["forms"])
+        for segments in forms["segments"].values():
+            ((signature, said),) = segments["onnx_segment_0"].items()
+            assert signature == "[[1, 32]]"
+            assert said.startswith(("onnx: ", "plain: the plain nodes ran faster: ")), said
+            assert " us against " in said
         served = forms["fast_runs"]
         for _ in range(8):
             torch.testing.assert_close(await ex.execute(x), model(x), rtol=1e-4, atol=1e-5)
@@ -203,6 +210,7 @@ def test_asyncgraph_profile_says_what_serves_on_the_default_path(
     shown = runner.invoke(app, ["profile", str(path), "--runs", "2", "--warmup", "0"])
     assert shown.exit_code == 0, shown.output
     assert "default path: " in shown.output and "serves these inputs alone: " in shown.output
+    assert "segment onnx_segment_0, inputs [[1, 32]]: " in shown.output
     printed = runner.invoke(app, ["profile", str(path), "--runs", "2", "--json"])
     assert printed.exit_code == 0, printed.output
     forms = json.loads(printed.stdout)["forms"]

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import sys
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -43,8 +44,11 @@ CONFIGS = {
 @pytest.fixture(autouse=True)
 def inline_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sessions and checks on the calling thread: a signature's second call runs ONNX Runtime
-    (tests of the builder thread turn this off)."""
+    (tests of the builder thread turn this off), whatever its speed against the plain nodes
+    (the per-segment choice has tests of its own, which set SLOWER_BY back)."""
     monkeypatch.setattr(onnx_delegate, "BUILD_INLINE", True)
+    monkeypatch.setattr(onnx_delegate, "TIMED_RUNS", 1)
+    monkeypatch.setattr(onnx_delegate, "SLOWER_BY", float("inf"))
 
 
 @pytest.fixture
@@ -278,6 +282,73 @@ async def test_outputs_that_differ_from_the_plain_nodes_keep_the_signature_plain
     assert stats["onnx_calls"] == 0 and stats["plain_calls"] == 3
     (reason,) = stats["refused"].values()
     assert reason.startswith("output 0 differs from the plain nodes' by up to")
+
+
+def _slowed_sessions(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Sessions whose every run first sleeps `seconds` (the GIL released, as in a run)."""
+    make = onnx_delegate._make_session
+
+    def slow(*args: Any) -> Any:
+        session = make(*args)
+        run = session.run
+
+        def slowed(*a: Any) -> Any:
+            time.sleep(seconds)
+            return run(*a)
+
+        session.run = slowed
+        return session
+
+    monkeypatch.setattr(onnx_delegate, "_make_session", slow)
+
+
+async def test_a_segment_that_onnx_runtime_runs_slower_stays_plain_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The choice per segment and signature: timed against the plain nodes after its check, a
+    session more than SLOWER_BY times slower leaves the signature plain; `statistics()` says
+    what serves it and the medians measured."""
+    monkeypatch.setattr(onnx_delegate, "SLOWER_BY", 1.25)
+    monkeypatch.setattr(onnx_delegate, "TIMED_RUNS", 3)
+    _slowed_sessions(monkeypatch, 0.05)  # Chain's plain nodes take well under a millisecond
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    async with Executor(export_model(model, x), ONNX) as ex:
+        for _ in range(3):
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
+        stats = _delegates(ex)[0].statistics()
+    assert stats["onnx_calls"] == 0 and stats["plain_calls"] == 3
+    (reason,) = stats["refused"].values()
+    assert reason.startswith("the plain nodes ran faster: ")
+    assert "(medians of 3 runs each, alternating)" in reason
+    (said,) = stats["serves"].values()
+    assert said == f"plain: {reason}"
+    ((onnx_s, plain_s),) = _delegates(ex)[0].timed.values()
+    assert onnx_s >= 0.05 > 1.25 * plain_s
+
+
+async def test_a_segment_that_onnx_runtime_runs_faster_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(onnx_delegate, "SLOWER_BY", 1.25)
+    monkeypatch.setattr(onnx_delegate, "TIMED_RUNS", 3)
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    async with Executor(export_model(model, x), ONNX) as ex:
+        (delegate,) = _delegates(ex)
+        module_forward = delegate.module.forward
+
+        def slow_plain(*inputs: Any) -> Any:  # the plain nodes, 50 ms slower
+            time.sleep(0.05)
+            return module_forward(*inputs)
+
+        monkeypatch.setattr(delegate.module, "forward", slow_plain)
+        for _ in range(3):
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
+        stats = delegate.statistics()
+    assert stats["onnx_calls"] == 2 and not stats["refused"]
+    (said,) = stats["serves"].values()
+    ((onnx_s, plain_s),) = delegate.timed.values()
+    assert plain_s >= 0.05 > onnx_s
+    assert said == f"onnx: {onnx_s * 1e6:.0f} us against the plain nodes' {plain_s * 1e6:.0f} us"
 
 
 async def _matches_eager_three_times(

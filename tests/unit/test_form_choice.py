@@ -58,6 +58,9 @@ class FakeForm:
     def _bind_loop(self) -> None:
         self.bound += 1
 
+    def delegate_statistics(self) -> dict[str, dict[str, Any]]:
+        return {f"{self.name}_segment": {"serves": {"*": self.name}}}
+
     def prepare_sessions(self) -> None:
         self.prepared += 1
 
@@ -141,6 +144,8 @@ async def test_the_plain_graph_serves_until_the_form_is_built_then_the_faster_wi
     assert [await setup.run() for _ in range(5)] == ["fast"] * 5
     verdict = setup.forms.statistics()["signatures"][str(SIG)]["alone"]
     assert verdict["form"] == "fast" and "fast 1000000 us, plain 2000000 us" in verdict["why"]
+    # and what serves each segment of each form built, as its delegates say
+    assert setup.forms.statistics()["segments"] == {"fast": {"fast_segment": {"*": "fast"}}}
     assert setup.built[0].bound == 1
     await setup.forms.aclose()
     assert setup.built[0].closed
