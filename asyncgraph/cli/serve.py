@@ -127,15 +127,16 @@ def serve(
                            "machine the service has to itself).")
     ] = False,
     worker_idle: Annotated[
-        bool, typer.Option(help="Run the worker threads under SCHED_IDLE, so the event loop's "
-                           "thread takes a core from them the moment it wakes (Linux). "
-                           "--no-worker-idle for a machine shared with other CPU-bound "
-                           "services: the workers then run --worker-nice levels below.")
-    ] = True,  # ExecutorConfig's default (tests/integration/test_cli.py checks they agree)
+        bool, typer.Option(help="Run the worker threads under SCHED_IDLE (Linux), for a machine "
+                           "the service has to itself: the event loop's thread takes a core "
+                           "from them the moment it wakes, but any busy thread of another "
+                           "process comes first.")
+    ] = False,  # ExecutorConfig's default (tests/integration/test_cli.py checks they agree)
     worker_nice: Annotated[
-        int, typer.Option(min=0, max=19, help="With --no-worker-idle, nice levels the worker "
-                          "threads run below the event loop's thread (Linux; 0 runs them as "
-                          "equals).")
+        int, typer.Option(min=0, max=19, help="Nice levels the worker threads run below the "
+                          "event loop's thread, so the loop is seldom kept waiting for a core "
+                          "(Linux; 0 runs them as equals, for a machine shared with other "
+                          "services).")
     ] = 5,  # ExecutorConfig's default
     max_batch_size: Annotated[
         int, typer.Option(min=0, help="Dynamic batching: stack concurrent requests into "

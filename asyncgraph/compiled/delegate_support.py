@@ -7,10 +7,12 @@ the run's fx module (its plain nodes, the ops the graph would have called) answe
 outputs are what the faster form is checked against. So each delegate has:
 
 - a `BuilderThread`: one helper thread at a time, started on demand through
-  runtime/threads.py's `start_thread` (a thread started from a niced worker would otherwise run
-  niced for its whole life), working through what the delegate queued under the helper's lock
-  and ending when nothing is left; `aclose` drops what is queued and waits, off the loop, for
-  what is running, so a closed Executor leaves no thread behind;
+  runtime/threads.py's `start_thread` (a thread started from a stepped-back worker would
+  otherwise run stepped back for its whole life), working through what the delegate queued
+  under the helper's lock and ending when nothing is left, its Python pausing while the loop
+  serves fast-path executions (runtime/courtesy.py's `loop_serving`); `aclose` drops
+  what is queued and waits, off the loop, for what is running, so a closed Executor leaves no
+  thread behind;
 - `run_plain`: the fx module on a call's inputs, and on failure the nodes one by one, so that
   the error names the aten node that failed, as the scheduler names a failing node;
 - `mismatch`: whether a faster form's outputs are the plain nodes' (to float rounding).
@@ -30,6 +32,7 @@ import anyio
 import torch
 import torch.fx
 
+from asyncgraph.runtime.courtesy import GilCourtesy, loop_serving
 from asyncgraph.runtime.threads import start_thread
 
 # how far a faster form's float results may be from the plain nodes': rtol, and atol relative
@@ -63,9 +66,9 @@ class BuilderThread:
         queued it has its answer already)."""
         if self.thread is not None:
             return True
-        thread = threading.Thread(target=self.run, args=(target,), name=name)
+        thread = threading.Thread(target=self._courteous, args=(target,), name=name)
         try:
-            start_thread(thread)  # at the loop's nice value, not a worker's
+            start_thread(thread)  # at the loop's priority, not a worker's
         except RuntimeError:
             return False
         self.thread = thread
@@ -80,6 +83,10 @@ class BuilderThread:
         """With `lock` held, from the target when nothing is left: the thread ends."""
         self.thread = None
         self._idle.notify_all()
+
+    def _courteous(self, target: Callable[[], None]) -> None:
+        with GilCourtesy(loop_serving):
+            self.run(target)
 
     def run(self, target: Callable[[], None]) -> None:
         """What the thread (or a `claim`ing caller) runs: `target`, and whatever it raised,

@@ -390,24 +390,26 @@ class ExecutorConfig:
             and leave them there for milliseconds (2 cores, 16 matmul chains: 1.82-1.89x over
             serial pinned against 1.66-1.89x not); with other busy processes a pinned thread
             cannot move away from them.
-        worker_idle: the worker threads run under Linux's SCHED_IDLE policy: whenever another
-            thread wakes (the event loop's first of all), it takes a worker's core at once.
-            The loop's thread turns finished work into the next and serves every other
-            request and timer; with workers on every core at the loop's priority or a few nice
-            levels below it, the loop woken by a finished execution waited for a core (Linux
-            6.18's EEVDF scheduler lets a running thread finish its slice). 64 callers of
-            tiny BERT in ONNX segments on 2 cores, bursts of 64: the loop's thread waited
-            3-6 ms per 11 ms burst for a core with workers at nice 5, 10 or 19 alike, and
-            0-0.7 ms with them idle; the loop's lag p99 per burst fell from 1.3-5.9 ms to
-            0.3-2.9 ms (benchmarks/results/cpu/design_measurements.md#worker-idle). Workers
-            still take every core that no other thread wants, but any busy thread of another
-            process comes first: set False (then `worker_nice` applies) on a machine shared
-            with other CPU-bound services. Threads the library starts from a worker (tracer,
-            ONNX builder, host waiter, a nested pool) start at the loop's priority
-            (runtime/threads.py); threads a kernel starts itself, and torch's inter-op pool if
-            a kernel on a worker makes it, keep the worker's.
-        worker_nice: with `worker_idle` False (or where SCHED_IDLE cannot be set), how much
-            each worker thread raises its own nice value (Linux; 0 leaves them as they are).
+        worker_idle: the worker threads run under Linux's SCHED_IDLE policy, for a machine
+            the service has to itself: whenever another thread wakes (the event loop's first
+            of all), it takes a worker's core at once. With workers on every core at the
+            loop's priority or a few nice levels below it, the loop woken by a finished
+            execution waits for a core (Linux 6.18's EEVDF scheduler lets a running thread
+            finish its slice). 64 callers of tiny BERT in ONNX segments on 2 cores, bursts of
+            64: the loop's thread waited 2-6 ms per 11 ms burst for a core with workers at
+            nice 5, 10 or 19 alike, and 0-0.7 ms with them idle; the loop's lag p99 per burst
+            fell from 1.3-5.9 ms to 0.3-2.9 ms. But idle workers get a core only when no
+            other thread of any process wants it: with two CPU-bound processes on the same 2
+            cores, a burst took 3.6-7.9 s against 27-51 ms at nice 5
+            (benchmarks/results/cpu/design_measurements.md#worker-idle). Hence off by
+            default. Threads the library starts from a worker (tracer, ONNX builder, host
+            waiter, a nested pool) start at the loop's priority (runtime/threads.py); threads
+            a kernel starts itself, and torch's inter-op pool if a kernel on a worker makes
+            it, keep the worker's.
+        worker_nice: unless `worker_idle` (or where SCHED_IDLE cannot be set), how much each
+            worker thread raises its own nice value (Linux; 0 leaves them as they are), so
+            that other processes at the default priority come first and the loop's thread gets
+            a larger share of a core than a worker.
             At 5, against 0, the loop woke sooner and batched callers ran slightly more
             requests/s; unbatched and plain-graph callers ran the same either way
             (benchmarks/results/cpu/design_measurements.md#worker-nice).
@@ -540,7 +542,7 @@ class ExecutorConfig:
     intra_op_threads: int | None = None
     loop_intra_op_threads: int | None = 1
     pin_workers: bool = False
-    worker_idle: bool = True
+    worker_idle: bool = False
     worker_nice: int = 5
     max_concurrent_executions: int = 8
     max_frame_waiters: int = DEFAULT_MAX_FRAME_WAITERS

@@ -10,23 +10,24 @@ form (runtime/delegates.py: `SegmentBackend.fast_form`; "onnx" when onnxruntime 
 an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast_paths`):
 
 1. **builds it off the loop**: on the Executor's first execution (at construction when a
-   verdict kept on disk chose a form), a thread builds each registered fast form in turn,
-   under SCHED_IDLE (or, where Linux refuses it, at a nice value 10 above the loop's), so
-   serving goes on meanwhile on the plain graph. What would still hold the loop is kept from
-   it: a first export runs in a child process
-   (`building_off_loop`, compiled/export_worker.py; exports are then cached on disk,
-   compiled/export_cache.py, so a restart builds in a tenth of a second), the backend's
-   modules are imported and its runtime started when the Executor is made, the form starts
-   from the Executor's graph passes rather than running them again, the build's Python
-   pauses while the loop serves (runtime/courtesy.py), and the interpreter switches threads
-   every 0.5 ms while a build runs (`_QuickSwitches`). A backend that plans no delegate node
-   (no run long enough) or fails is passed over, with the reason; a build whose Executor
-   closes is stopped (`build_cancelled`). A backend's form is built once per intra-op
-   thread count in `THREAD_COUNTS` that the process has the CPUs for ("onnx", "onnx, 2
-   threads"): which count is faster alone depends on the model and the machine, so it is a
-   form of its own, chosen by measurement (under load only one-thread forms are candidates:
-   the executions in flight already fill the cores). A built form starts its sessions at
-   once;
+   verdict kept on disk chose a form), a thread builds each registered fast form in turn, at
+   a nice value 10 above the loop's, so serving goes on meanwhile on the plain graph. A
+   build nothing waits for starts in a gap between bursts (no execution in flight, none
+   started or ended for QUIET_S), or after QUIET_START_S: the burst that started it runs on
+   the plain graph undisturbed. What would still hold the loop is kept from it: a first
+   export runs in a child process (`building_off_loop`, compiled/export_worker.py; exports
+   are then cached on disk, compiled/export_cache.py, so a restart builds in a tenth of a
+   second), the backend's modules are imported and its runtime started when the Executor is
+   made, the form starts from the Executor's graph passes rather than running them again,
+   the build's Python pauses while the loop serves and its long calls into C wait for a gap
+   (runtime/courtesy.py), and the interpreter switches threads every 0.5 ms while a build
+   runs (`_QuickSwitches`). A backend that plans no delegate node (no run long enough) or
+   fails is passed over, with the reason; a build whose Executor closes is stopped
+   (`build_cancelled`). A backend's form is built once per intra-op thread count in
+   `THREAD_COUNTS` that the process has the CPUs for ("onnx", "onnx, 2 threads"): which
+   count is faster alone depends on the model and the machine, so it is a form of its own,
+   chosen by measurement (under load only one-thread forms are candidates: the executions
+   in flight already fill the cores). A built form starts its sessions at once;
 2. **chooses per input signature and load, by measurement**. Which form is faster depends on
    the load: alone, an execution's latency is what counts (a thread hop costs a tiny model
    more than the form saves); under many callers, throughput is (the plain graph holds the
@@ -84,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncgraph.runtime.backend import current_loop
-from asyncgraph.runtime.courtesy import GilCourtesy
+from asyncgraph.runtime.courtesy import QUIET_S, GilCourtesy, note_serving
 from asyncgraph.runtime.form_verdicts import FormVerdicts, usable_cpus
 from asyncgraph.runtime.placement import batch_bucket_key
 from asyncgraph.runtime.threads import start_thread, step_back
@@ -102,8 +103,8 @@ BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a bur
 # against the plain graph's 57, while the plain graph's throughput read 9% higher), and the
 # plain graph holds no second copy of the weights.
 MARGIN = 0.05
-NICE = 10  # the build thread's nice value above the loop's where it cannot run idle
-QUIET_S = 0.002  # no execution started or ended this long ago: the loop is not serving
+NICE = 10  # the build thread's nice value above the loop's: serving comes first
+QUIET_START_S = 1.0  # how long a build nothing waits for waits for the loop to be quiet
 PLAIN = "plain"
 ALONE, LOADED = "alone", "loaded"
 THREAD_COUNTS = (1, 2)  # intra-op threads a form's sessions are built with, each a form
@@ -229,11 +230,12 @@ class FastForms:
                  clock: Callable[[], float] = time.perf_counter,
                  verdicts: FormVerdicts | None = None,
                  cpu: CpuClock = _cpu_now, cpus: int | None = None,
-                 batched: bool = False) -> None:
+                 batched: bool = False, quiet_start_s: float = QUIET_START_S) -> None:
         self.backends = tuple(backends)
         # batches: a verdict per batch size rounded up to a power of two, not per size (the
         # sizes vary with load, and each would need its own hundreds of measured runs)
         self._batched = batched
+        self._quiet_start_s = quiet_start_s  # QUIET_START_S (tests with a frozen clock: 0)
         self._clock = clock
         self._cpu = cpu
         self._cpus = cpus or usable_cpus()
@@ -270,7 +272,7 @@ class FastForms:
         self._closed = False
         self._courtesy = GilCourtesy(self._serving)  # the build thread's, for the loop's sake
         if any(self._known(form) and form != PLAIN for form, _ in self._kept.values()):
-            self._start(version())  # a restart: the form a previous run chose, built now
+            self._start(version(), promised=True)  # a restart: the form chosen before, now
 
     # -- routing (on the loop) ----------------------------------------------------------------
 
@@ -283,6 +285,7 @@ class FastForms:
         regime = self._regime(caller)
         self._in_flight += 1
         self._last_start = self._clock()  # before a build starts: it sees the loop serving
+        note_serving()
         counted: str | None = None  # the route counted in `_running`
         timed: Timed | None = None
         route, start = PLAIN, 0.0
@@ -309,6 +312,7 @@ class FastForms:
                 self._running[counted] -= 1
             end = self._clock()
             self._last_caller, self._last_end = id(caller), end
+            note_serving()
             if timed is not None:
                 timed(route, end - start)
 
@@ -444,22 +448,27 @@ class FastForms:
 
     # -- the build thread ---------------------------------------------------------------------
 
-    def _start(self, version: int) -> None:
+    def _start(self, version: int, promised: bool = False) -> None:
         self._built_for = version
-        thread = threading.Thread(target=self._build_forms, args=(version,),
+        thread = threading.Thread(target=self._build_forms, args=(version, promised),
                                   name="asyncgraph-fast-form", daemon=True)
         self._building = thread
         start_thread(thread)
 
-    def _build_forms(self, version: int) -> None:
+    def _build_forms(self, version: int, promised: bool) -> None:
         """The build thread: the first registered backend whose form plans delegates, at
-        each intra-op thread count in THREAD_COUNTS that this process has the CPUs for."""
-        step_back(NICE, idle=True)
+        each intra-op thread count in THREAD_COUNTS that this process has the CPUs for.
+        Unless executions wait for it (`promised`: a kept verdict chose a form), it starts in
+        a gap between bursts, or after QUIET_START_S: the burst that started it, a server's
+        first, runs on the plain graph undisturbed."""
+        step_back(NICE)
         started = time.perf_counter()
         _QUICK_SWITCHES.enter()
         _BUILDING.owner = self
         try:
             with self._courtesy:  # its Python pauses while the loop serves
+                if not promised:
+                    self._courtesy.wait_quiet(self._quiet_start_s, self._in_a_burst)
                 self._build_first_backend(version)
         finally:
             _BUILDING.owner = None
@@ -489,6 +498,13 @@ class FastForms:
         flight: a loop blocked on a lock the build thread holds starts and ends nothing, and
         the build must then go on, not pause, or the loop waits for its pauses."""
         return self._clock() - max(self._last_start, self._last_end) < QUIET_S
+
+    def _in_a_burst(self) -> bool:
+        """Whether executions are in flight, or one started or ended within QUIET_S: stricter
+        than `_serving` (a burst's executions that wait on schedules built on a thread start
+        and end nothing for milliseconds), for a build that has not started (holding no lock
+        the loop could wait on)."""
+        return not self._closed and (self._in_flight > 0 or self._serving())
 
     def _build_backend(self, backend: str) -> dict[str, Form]:
         """`backend`'s forms, one per thread count; none when it plans no delegate or fails."""

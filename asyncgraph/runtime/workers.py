@@ -22,19 +22,19 @@ With `pin`, each thread binds itself to one CPU, taken round-robin from the CPUs
 may use by a process-wide counter, so two pools do not stack their first threads on CPU 0.
 
 The threads step back from the event loop's thread, which turns finished work into the next,
-so that it runs as soon as it wakes instead of waiting for a core that workers hold. With
-`idle` (Linux, ExecutorConfig.worker_idle, the default) each thread moves itself to SCHED_IDLE:
-any other thread that wakes takes its core at once. With 2 workers in ONNX Runtime on 2 cores
-under 64 callers of tiny BERT, the loop's thread waited 3-6 ms per 11 ms burst for a core at
-nice 5, 10 or 19 (Linux 6.18's EEVDF lets the running thread finish its slice), and 0-0.7 ms
-with the workers idle; the loop's lag p99 per burst fell from 1.3-5.9 ms to 0.3-2.9 ms
-(ExecutorConfig.worker_idle has the measurements). Otherwise, with `nice`, each thread raises its
-own nice value by that much (ExecutorConfig.worker_nice). A thread inherits its starter's
-priority and cannot take it back, so the threads are started through runtime/threads.py's
-`start_thread` (a pool started from a stepped-back worker steps back from the loop's priority,
-not twice), and a stepped-back pool holds that module's launcher while it runs, which starts the
-library's helper threads for stepped-back workers; threads that user code starts in a kernel
-inherit the worker's priority (the module's doc says what else).
+so that it gets a core sooner when it wakes. With `nice` (Linux, ExecutorConfig.worker_nice,
+5 by default) each thread raises its own nice value by that much. With `idle`
+(ExecutorConfig.worker_idle, for a machine the service has to itself) each moves itself to
+SCHED_IDLE instead: any other thread that wakes takes its core at once (nice levels did not do
+that on Linux 6.18: the loop of 64 tiny BERT callers waited 2-6 ms per 11 ms burst for a core
+at nice 5, 10 or 19, and 0-0.7 ms with idle workers), but idle workers run only when no
+thread of any process wants the core (ExecutorConfig.worker_idle has the measurements). A
+thread inherits its starter's priority and cannot take it back, so the threads are started
+through runtime/threads.py's `start_thread` (a pool started from a stepped-back worker steps
+back from the loop's priority, not twice), and a stepped-back pool holds that module's
+launcher while it runs, which starts the library's helper threads for stepped-back workers;
+threads that user code starts in a kernel inherit the worker's priority (the module's doc says
+what else).
 """
 
 from __future__ import annotations

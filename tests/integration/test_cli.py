@@ -207,7 +207,7 @@ def test_serve_loop_option_reaches_uvicorn(
 def test_serve_worker_priority_reaches_the_executors(
     model_file: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--worker-nice` and `--no-worker-idle` set ExecutorConfig.worker_nice and worker_idle;
+    """`--worker-nice` and `--worker-idle` set ExecutorConfig.worker_nice and worker_idle;
     left out, they are the config's defaults."""
     import asyncgraph.serve
     from asyncgraph.cli import serve as serve_cli
@@ -222,11 +222,12 @@ def test_serve_worker_priority_reaches_the_executors(
 
     monkeypatch.setattr(serve_cli, "load_executor", recording_load)
     monkeypatch.setattr(asyncgraph.serve, "run", lambda *args, **options: None)
-    for flags in ([], ["--no-worker-idle", "--worker-nice", "0"]):
+    for flags in ([], ["--worker-idle"], ["--worker-nice", "0"]):
         result = invoke("serve", path, "--port", "0", *flags)
         assert result.exit_code == 0, result.output
     default = ExecutorConfig()
-    assert nices == [(default.worker_idle, default.worker_nice), (False, 0)]
+    assert nices == [(default.worker_idle, default.worker_nice), (True, default.worker_nice),
+                     (default.worker_idle, 0)]
     result = invoke("serve", path, "--port", "0", "--worker-nice", "-1")
     assert result.exit_code != 0
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from asyncgraph.runtime import forms
@@ -78,7 +79,8 @@ class Setup:
                  fast_cpu: tuple[float, float] = (0.0, 0.0),
                  plain_cpu: tuple[float, float] = (0.0, 0.0),
                  gate: threading.Event | None = None, cpus: int = 1,
-                 two_threads: tuple[float, tuple[float, float]] | None = None) -> None:
+                 two_threads: tuple[float, tuple[float, float]] | None = None,
+                 quiet_start_s: float = 0.0) -> None:
         # cpus=1: one form (one intra-op thread); 2: a second form on 2 threads, whose
         # (latency, CPU) are `two_threads` (the first form's when None)
         self.two_threads = two_threads
@@ -93,7 +95,7 @@ class Setup:
         self.fast_cost = fast_cost
         self.forms = FastForms(("fast",), build or self.build, self.plain, lambda: self.version,
                                self.clock, verdicts, cpu=lambda: (self.cpu[0], self.cpu[1]),
-                               cpus=cpus)
+                               cpus=cpus, quiet_start_s=quiet_start_s)
 
     def build(self, backend: str, threads: int = 1) -> FakeForm:
         if self.gate is not None:
@@ -237,6 +239,30 @@ async def test_aclose_waits_for_a_build_in_progress() -> None:
     await setup.forms.aclose()
     assert not any(t.name == "asyncgraph-fast-form" for t in threading.enumerate())
     assert setup.built and setup.built[0].closed
+
+
+async def test_a_first_build_starts_once_the_burst_that_asked_for_it_is_over() -> None:
+    """A build nothing waits for starts in a gap between bursts (none in flight, none started
+    or ended for QUIET_S), so the burst that started it runs on the plain graph undisturbed."""
+    setup = Setup(quiet_start_s=10.0)
+    release = asyncio.Event()
+    plain = setup.plain
+
+    async def held(*args: Any) -> list[Any]:
+        await release.wait()
+        return await plain(*args)
+
+    setup.forms._plain = held
+    running = asyncio.create_task(setup.run())  # in flight: the build starts, then waits
+    await asyncio.sleep(0)
+    await anyio.to_thread.run_sync(time.sleep, 0.05)
+    assert setup.forms.statistics()["state"] == "building" and setup.built == []
+    release.set()
+    assert await running == "plain"
+    setup.clock.now += 2 * forms.QUIET_S  # the gap
+    await anyio.to_thread.run_sync(setup.wait_built)
+    assert len(setup.built) == 1
+    await setup.forms.aclose()
 
 
 async def _burst(setup: Setup, callers: int) -> list[str]:

@@ -229,17 +229,16 @@ async def test_idle_workers_run_under_sched_idle_and_the_loop_keeps_its_policy()
 
 
 @linux_only
-async def test_executors_default_to_idle_workers_and_to_nice_five_without() -> None:
+async def test_executors_default_to_workers_at_nice_five_and_idle_on_request() -> None:
     b = GraphBuilder()
     b.output(b.call(lambda v: v + 1, b.input("x"), name="step", placement="worker"))
     graph = b.build()
     async with Executor(graph) as ex:
         assert await ex.execute(1) == 2
         workers = ex.statistics().workers
-        assert (workers.sched_idle, workers.nice) == (True, 0)
-    assert ExecutorConfig().worker_idle
-    async with Executor(graph, ExecutorConfig(worker_idle=False)) as ex:
+        assert not workers.sched_idle and not ExecutorConfig().worker_idle
+        assert workers.nice == ExecutorConfig().worker_nice == 5
+    async with Executor(graph, ExecutorConfig(worker_idle=True)) as ex:
         assert await ex.execute(1) == 2
         workers = ex.statistics().workers
-        assert not workers.sched_idle
-        assert workers.nice == ExecutorConfig().worker_nice == 5
+        assert (workers.sched_idle, workers.nice) == (True, 0)
