@@ -55,7 +55,6 @@ import torch
 import torch.fx
 
 from asyncgraph.compiled import export_cache
-from asyncgraph.runtime.courtesy import current
 from asyncgraph.runtime.forms import build_cancelled, building_off_loop
 
 ONNX_DTYPES = frozenset({
@@ -142,10 +141,7 @@ POLL_S = 0.1  # how often the parent checks whether the build was cancelled
 def export_elsewhere(module: torch.fx.GraphModule, specs: list[InputSpec]) -> OnnxModel:
     """`_export(module, specs)` run in a child process (export_worker.py says why); the
     same OnnxModel, or ExportFailed with the child's reason and op."""
-    courtesy = current()  # the fast-form build's (runtime/forms.py), if this is one
-    if courtesy is not None:
-        courtesy.wait_quiet()  # the pickle holds the GIL for ms (tiny BERT's segment: 4 ms)
-    try:
+    try:  # (a courteous build waits for a gap first: runtime/courtesy.py's LONG_CALLS)
         job: bytes | None = pickle.dumps((module, specs))
     except Exception as exc:  # a module that does not pickle: exported here instead
         LOG.debug("exporting in process: the segment does not pickle (%s)", exc)

@@ -31,6 +31,8 @@ about to make a long call into C that no pause can cut waits for a gap between b
 
 from __future__ import annotations
 
+import builtins
+import pickle
 import sys
 import threading
 import time
@@ -41,6 +43,12 @@ from typing import Any
 
 CHECK_EVERY = 64  # profile events between clock reads (a read is ~0.1 us, an event ~0.2 us)
 _CURRENT = threading.local()  # the courtesy the thread is in, if any
+# Calls into C that hold the GIL for milliseconds on a large program and that no pause can cut:
+# torch.fx compiles and runs each GraphModule's generated source (a segment of tiny BERT: 1-9
+# ms under load), and a segment is pickled for its export process (4 ms). Before one, a
+# courteous thread waits up to LONG_CALL_WAIT_S for a gap between bursts.
+LONG_CALLS = frozenset({builtins.compile, builtins.exec, pickle.dumps})
+LONG_CALL_WAIT_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +85,8 @@ class GilCourtesy:
         _CURRENT.courtesy = self._outer
 
     def _event(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "c_call" and arg in LONG_CALLS:
+            self.wait_quiet(LONG_CALL_WAIT_S)
         self._events += 1
         if self._events % CHECK_EVERY:
             return
@@ -117,16 +127,17 @@ QUIET_S = 0.002  # no execution started or ended this long ago: the loop is not 
 _last_served = float("-inf")  # when a fast-path execution last started or ended
 
 
-def note_serving() -> None:
-    """An execution starts or ends (runtime/forms.py's FastForms.run, for every Executor with
-    fast forms): what `loop_serving` reads, process-wide."""
+def note_serving(now: float | None = None) -> None:
+    """The loop serves at `now` (perf_counter; now if None): an execution on a fast path
+    starts or ends (runtime/forms.py's FastForms.run), or kernels ran inline on a loop
+    (runtime/loop_state.py's `account`). What `loop_serving` reads, process-wide."""
     global _last_served
-    _last_served = time.perf_counter()
+    _last_served = time.perf_counter() if now is None else now
 
 
 def loop_serving() -> bool:
-    """Whether an execution of an Executor with fast forms started or ended within QUIET_S:
-    the busy signal of the delegates' builder threads, which serve those forms."""
+    """Whether a loop served within QUIET_S (`note_serving`): the busy signal of the
+    delegates' builder threads, and with its own Executor's of the fast-form build."""
     return time.perf_counter() - _last_served < QUIET_S
 
 

@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncgraph.runtime.backend import current_loop
-from asyncgraph.runtime.courtesy import QUIET_S, GilCourtesy, note_serving
+from asyncgraph.runtime.courtesy import QUIET_S, GilCourtesy, loop_serving, note_serving
 from asyncgraph.runtime.form_verdicts import FormVerdicts, usable_cpus
 from asyncgraph.runtime.placement import batch_bucket_key
 from asyncgraph.runtime.threads import start_thread, step_back
@@ -493,11 +493,15 @@ class FastForms:
                 return
 
     def _serving(self) -> bool:
-        """Whether the loop serves: an execution started or ended within QUIET_S (the build
-        thread reads it: a stale answer costs one pause or one slice). Not merely one in
-        flight: a loop blocked on a lock the build thread holds starts and ends nothing, and
-        the build must then go on, not pause, or the loop waits for its pauses."""
-        return self._clock() - max(self._last_start, self._last_end) < QUIET_S
+        """Whether the loop serves: an execution started or ended within QUIET_S, or a loop
+        ran kernels inline (`loop_serving`: a plain execution's units run for milliseconds
+        between its start and end, and each kernel gives up the GIL that the build would
+        take). The build thread reads it: a stale answer costs one pause or one slice. Not
+        merely one in flight: a loop blocked on a lock the build thread holds starts, ends
+        and runs nothing, and the build must then go on, not pause, or the loop waits for
+        its pauses."""
+        return (self._clock() - max(self._last_start, self._last_end) < QUIET_S
+                or loop_serving())
 
     def _in_a_burst(self) -> bool:
         """Whether executions are in flight, or one started or ended within QUIET_S: stricter
