@@ -1,7 +1,7 @@
 """The event loop from the first request: a fresh `Executor(ep)` (the default path) under 64
 callers, the loop's lag measured round by round from the very first round.
 
-    python -m benchmarks.first_burst [--graph bert] [--rounds 20] [--json]
+    python -m benchmarks.first_burst [--graph bert] [--rounds 20] [--worker-idle] [--json]
 
 Why: a server's first burst after a start, a reload or a new signature is when an Executor
 builds schedules, profiles placement and builds its fast forms, and it is exactly when a
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -60,14 +61,15 @@ async def burst(ex: Executor, x: torch.Tensor, callers: int) -> dict[str, float]
 
 
 async def first_rounds(
-    ep: Any, x: torch.Tensor, rounds: int
+    ep: Any, x: torch.Tensor, rounds: int, config: ExecutorConfig | None = None,
 ) -> tuple[list[dict[str, float]], dict[str, Any]]:
     """`rounds` bursts on a new Executor, from its first request; then, unmeasured, bursts
     until its verdict under load is reached (the rest of the process's life, which a
     restart inherits through the verdicts kept on disk: runtime/form_verdicts.py); closed
     after. Returns the rounds, and what the form did from the start (kept verdicts adopted,
     executions that waited for the build) and decided by the end."""
-    async with Executor(ep, ExecutorConfig(fast_paths=True)) as ex:
+    config = dataclasses.replace(config or ExecutorConfig(), fast_paths=True)
+    async with Executor(ep, config) as ex:
         started = ex.statistics().forms or {}
         out = []
         with frozen_heap():  # as `asyncgraph serve` freezes it once its models are loaded
@@ -110,7 +112,8 @@ def case(graph: str, state: str, rounds: list[dict[str, float]],
     }
 
 
-async def run(graphs: Sequence[str], rounds: int) -> list[dict[str, Any]]:
+async def run(graphs: Sequence[str], rounds: int,
+              config: ExecutorConfig | None = None) -> list[dict[str, Any]]:
     from benchmarks import ort
 
     cases = []
@@ -125,7 +128,7 @@ async def run(graphs: Sequence[str], rounds: int) -> list[dict[str, Any]]:
                         from asyncgraph.compiled import onnx_export
 
                         onnx_export._CACHE.clear()  # nor in this process's memory
-                    rounds_run, forms = await first_rounds(work.ep, work.x, rounds)
+                    rounds_run, forms = await first_rounds(work.ep, work.x, rounds, config)
                     cases.append(case(work.key, state, rounds_run, forms))
         finally:
             if before is None:
@@ -140,9 +143,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--graph", action="append", choices=("mlp", "bert", "encoder"))
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker-idle", action="store_true",
+                        help="ExecutorConfig(worker_idle=True): workers under SCHED_IDLE, for a "
+                             "machine the service has to itself")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    cases = asyncio.run(run(args.graph or ["mlp", "bert", "encoder"], args.rounds))
+    config = ExecutorConfig(worker_idle=args.worker_idle)
+    cases = asyncio.run(run(args.graph or ["mlp", "bert", "encoder"], args.rounds, config))
+    for c in cases:
+        c["params"]["worker_idle"] = args.worker_idle
     if args.json:
         print(json.dumps({"cases": cases}, indent=1))
     else:
