@@ -9,10 +9,8 @@ outputs are what the faster form is checked against. So each delegate has:
 - a `BuilderThread`: one helper thread at a time, started on demand through
   runtime/threads.py's `start_thread` (a thread started from a stepped-back worker would
   otherwise run stepped back for its whole life), working through what the delegate queued
-  under the helper's lock and ending when nothing is left, its Python pausing while the loop
-  serves fast-path executions (runtime/courtesy.py's `loop_serving`); `aclose` drops
-  what is queued and waits, off the loop, for what is running, so a closed Executor leaves no
-  thread behind;
+  under the helper's lock and ending when nothing is left; `aclose` drops what is queued and
+  waits, off the loop, for what is running, so a closed Executor leaves no thread behind;
 - `run_plain`: the fx module on a call's inputs, and on failure the nodes one by one, so that
   the error names the aten node that failed, as the scheduler names a failing node;
 - `mismatch`: whether a faster form's outputs are the plain nodes' (to float rounding).
@@ -32,7 +30,6 @@ import anyio
 import torch
 import torch.fx
 
-from asyncgraph.runtime.courtesy import GilCourtesy, loop_serving
 from asyncgraph.runtime.threads import start_thread
 
 # how far a faster form's float results may be from the plain nodes': rtol, and atol relative
@@ -66,7 +63,7 @@ class BuilderThread:
         queued it has its answer already)."""
         if self.thread is not None:
             return True
-        thread = threading.Thread(target=self._courteous, args=(target,), name=name)
+        thread = threading.Thread(target=self.run, args=(target,), name=name)
         try:
             start_thread(thread)  # at the loop's priority, not a worker's
         except RuntimeError:
@@ -83,10 +80,6 @@ class BuilderThread:
         """With `lock` held, from the target when nothing is left: the thread ends."""
         self.thread = None
         self._idle.notify_all()
-
-    def _courteous(self, target: Callable[[], None]) -> None:
-        with GilCourtesy(loop_serving):
-            self.run(target)
 
     def run(self, target: Callable[[], None]) -> None:
         """What the thread (or a `claim`ing caller) runs: `target`, and whatever it raised,

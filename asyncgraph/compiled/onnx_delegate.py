@@ -40,7 +40,6 @@ from asyncgraph.compiled.delegate_support import (
 )
 from asyncgraph.compiled.onnx_export import OnnxModel
 from asyncgraph.kernels.base import KernelKind
-from asyncgraph.runtime.courtesy import current
 
 LOG = logging.getLogger("asyncgraph.onnx")
 MAX_SESSIONS = 2  # weights versions with a session: the one running and the next
@@ -307,9 +306,6 @@ class OnnxDelegate:
     def _build(self, weights: tuple[Any, ...]) -> _Session | None:
         """A session for `weights`, kept as the latest (the least recently made one dropped
         beyond MAX_SESSIONS); None, with `unbuildable` set, when ONNX Runtime refuses."""
-        courtesy = current()  # the builder thread's
-        if courtesy is not None:  # a session held the GIL for 4-6 ms (tiny BERT): between bursts
-            courtesy.wait_quiet()
         try:
             session = _make_session(self.model, self.model.inputs[self._split:], weights,
                                     self.intra_op_threads)
@@ -428,21 +424,16 @@ class OnnxDelegate:
         faster, else why the signature stays plain (TIMED_RUNS, SLOWER_BY); the medians are
         kept for `statistics()`."""
         feeds = self._careful_feeds(check.inputs)
-        courtesy = current()  # the builder's pauses for the loop are not the plain nodes' time
-
-        def paused() -> float:
-            return courtesy.paused_s if courtesy is not None else 0.0
-
         clock = time.perf_counter
         onnx_s, plain_s = [], []
         with torch.inference_mode():  # as on the workers: the inputs may be inference tensors
             for _ in range(TIMED_RUNS):
-                start, at_start = clock(), paused()
+                start = clock()
                 run(self._outputs, feeds, None)
-                middle, at_middle = clock(), paused()
+                middle = clock()
                 self._plain(check.inputs)
-                onnx_s.append(middle - start - (at_middle - at_start))
-                plain_s.append(clock() - middle - (paused() - at_middle))
+                onnx_s.append(middle - start)
+                plain_s.append(clock() - middle)
         onnx, plain = stats.median(onnx_s), stats.median(plain_s)
         self.timed[signature] = (onnx, plain)
         if onnx <= SLOWER_BY * plain:

@@ -141,7 +141,7 @@ POLL_S = 0.1  # how often the parent checks whether the build was cancelled
 def export_elsewhere(module: torch.fx.GraphModule, specs: list[InputSpec]) -> OnnxModel:
     """`_export(module, specs)` run in a child process (export_worker.py says why); the
     same OnnxModel, or ExportFailed with the child's reason and op."""
-    try:  # (a courteous build waits for a gap first: runtime/courtesy.py's LONG_CALLS)
+    try:
         job: bytes | None = pickle.dumps((module, specs))
     except Exception as exc:  # a module that does not pickle: exported here instead
         LOG.debug("exporting in process: the segment does not pickle (%s)", exc)

@@ -15,26 +15,11 @@ pause and `busy()` says the loop serves, it sleeps `pause_s`, which releases the
 the loop serves, the thread holds the GIL for at most about a slice in every slice + pause,
 and when the loop is quiet it runs at full speed. A long call into C that holds the GIL (an
 ONNX Runtime session made, a compile) is one event and is not cut.
-
-Who enters it: the fast-form build thread (busy while its Executor's executions start or
-end), the delegates' builder threads (sessions made, first calls checked and timed against the
-plain nodes: compiled/delegate_support.py; busy while any fast-path execution starts or ends,
-`loop_serving`), and schedule builds for a new placement (runtime/schedule.py), which run only
-because an execution waits for them (`background()`, always busy). Without it each of them,
-on the loop's first bursts, took the GIL every time a kernel on the loop released it, and the
-loop waited a switch interval (5 ms by default) to get it back: a 32-node unit of tiny BERT's
-plain graph, inline, stalled 5-17 ms while a 1.5 ms schedule build ran beside it. A thread
-that times work while it is courteous subtracts its pauses (`current().paused_s`), and one
-about to make a long call into C that no pause can cut waits for a gap between bursts first
-(`wait_quiet`).
 """
 
 from __future__ import annotations
 
-import builtins
-import pickle
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,13 +27,6 @@ from types import FrameType
 from typing import Any
 
 CHECK_EVERY = 64  # profile events between clock reads (a read is ~0.1 us, an event ~0.2 us)
-_CURRENT = threading.local()  # the courtesy the thread is in, if any
-# Calls into C that hold the GIL for milliseconds on a large program and that no pause can cut:
-# torch.fx compiles and runs each GraphModule's generated source (a segment of tiny BERT: 1-9
-# ms under load), and a segment is pickled for its export process (4 ms). Before one, a
-# courteous thread waits up to LONG_CALL_WAIT_S for a gap between bursts.
-LONG_CALLS = frozenset({builtins.compile, builtins.exec, pickle.dumps})
-LONG_CALL_WAIT_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,25 +46,19 @@ class GilCourtesy:
         self._events = 0
         self._since = 0.0
         self._previous: Any = None
-        self._outer: GilCourtesy | None = None
         self.pauses = 0
         self.paused_s = 0.0
 
     def __enter__(self) -> GilCourtesy:
         self._since = time.perf_counter()
         self._previous = sys.getprofile()
-        self._outer = getattr(_CURRENT, "courtesy", None)
-        _CURRENT.courtesy = self
         sys.setprofile(self._event)
         return self
 
     def __exit__(self, *exc: object) -> None:
         sys.setprofile(self._previous)
-        _CURRENT.courtesy = self._outer
 
     def _event(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event == "c_call" and arg in LONG_CALLS:
-            self.wait_quiet(LONG_CALL_WAIT_S)
         self._events += 1
         if self._events % CHECK_EVERY:
             return
@@ -101,13 +73,10 @@ class GilCourtesy:
             now = after
         self._since = now
 
-    def wait_quiet(self, max_s: float = 0.25, busy: Callable[[], bool] | None = None) -> None:
-        """Before a long call into C that holds the GIL, which no pause can cut: wait, up to
-        `max_s`, for a moment when `busy()` (or the one given) says the loop is not serving
-        (a gap between bursts; under steady load none comes, and the call goes ahead after
-        `max_s`)."""
-        if self._busy is _always:  # background work: the loop is always serving
-            return
+    def wait_quiet(self, max_s: float, busy: Callable[[], bool] | None = None) -> None:
+        """Wait, up to `max_s`, for a moment when `busy()` (or the one given) says the loop
+        is not serving: a gap between bursts (under steady load none comes, and the caller
+        goes ahead after `max_s`). The pauses count in the statistics."""
         busy = busy or self._busy
         deadline = time.perf_counter() + max_s
         while busy() and time.perf_counter() < deadline:
@@ -117,36 +86,3 @@ class GilCourtesy:
 
     def statistics(self) -> CourtesyStatistics:
         return CourtesyStatistics(self.pauses, self.paused_s)
-
-
-def _always() -> bool:
-    return True
-
-
-QUIET_S = 0.002  # no execution started or ended this long ago: the loop is not serving
-_last_served = float("-inf")  # when a fast-path execution last started or ended
-
-
-def note_serving(now: float | None = None) -> None:
-    """The loop serves at `now` (perf_counter; now if None): an execution on a fast path
-    starts or ends (runtime/forms.py's FastForms.run), or kernels ran inline on a loop
-    (runtime/loop_state.py's `account`). What `loop_serving` reads, process-wide."""
-    global _last_served
-    _last_served = time.perf_counter() if now is None else now
-
-
-def loop_serving() -> bool:
-    """Whether a loop served within QUIET_S (`note_serving`): the busy signal of the
-    delegates' builder threads, and with its own Executor's of the fast-form build."""
-    return time.perf_counter() - _last_served < QUIET_S
-
-
-def background() -> GilCourtesy:
-    """A courtesy for background Python that serving itself asked for (module doc): it
-    pauses whatever the loop does, since it runs only while the loop serves."""
-    return GilCourtesy(_always)
-
-
-def current() -> GilCourtesy | None:
-    """The courtesy the calling thread is in, if any (its `paused_s` grows while it pauses)."""
-    return getattr(_CURRENT, "courtesy", None)

@@ -19,15 +19,15 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    are then cached on disk, compiled/export_cache.py, so a restart builds in a tenth of a
    second), the backend's modules are imported and its runtime started when the Executor is
    made, the form starts from the Executor's graph passes rather than running them again,
-   the build's Python pauses while the loop serves and its long calls into C wait for a gap
-   (runtime/courtesy.py), and the interpreter switches threads every 0.5 ms while a build
-   runs (`_QuickSwitches`). A backend that plans no delegate node (no run long enough) or
-   fails is passed over, with the reason; a build whose Executor closes is stopped
-   (`build_cancelled`). A backend's form is built once per intra-op thread count in
-   `THREAD_COUNTS` that the process has the CPUs for ("onnx", "onnx, 2 threads"): which
-   count is faster alone depends on the model and the machine, so it is a form of its own,
-   chosen by measurement (under load only one-thread forms are candidates: the executions
-   in flight already fill the cores). A built form starts its sessions at once;
+   the build's Python pauses while the loop serves (runtime/courtesy.py), and the
+   interpreter switches threads every 0.5 ms while a build runs (`_QuickSwitches`). A
+   backend that plans no delegate node (no run long enough) or fails is passed over, with
+   the reason; a build whose Executor closes is stopped (`build_cancelled`). A backend's
+   form is built once per intra-op thread count in `THREAD_COUNTS` that the process has the
+   CPUs for ("onnx", "onnx, 2 threads"): which count is faster alone depends on the model
+   and the machine, so it is a form of its own, chosen by measurement (under load only
+   one-thread forms are candidates: the executions in flight already fill the cores). A
+   built form starts its sessions at once;
 2. **chooses per input signature and load, by measurement**. Which form is faster depends on
    the load: alone, an execution's latency is what counts (a thread hop costs a tiny model
    more than the form saves); under many callers, throughput is (the plain graph holds the
@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncgraph.runtime.backend import current_loop
-from asyncgraph.runtime.courtesy import QUIET_S, GilCourtesy, loop_serving, note_serving
+from asyncgraph.runtime.courtesy import GilCourtesy
 from asyncgraph.runtime.form_verdicts import FormVerdicts, usable_cpus
 from asyncgraph.runtime.placement import batch_bucket_key
 from asyncgraph.runtime.threads import start_thread, step_back
@@ -104,6 +104,7 @@ BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a bur
 # plain graph holds no second copy of the weights.
 MARGIN = 0.05
 NICE = 10  # the build thread's nice value above the loop's: serving comes first
+QUIET_S = 0.002  # no execution started or ended this long ago: the loop is not serving
 QUIET_START_S = 1.0  # how long a build nothing waits for waits for the loop to be quiet
 PLAIN = "plain"
 ALONE, LOADED = "alone", "loaded"
@@ -285,7 +286,6 @@ class FastForms:
         regime = self._regime(caller)
         self._in_flight += 1
         self._last_start = self._clock()  # before a build starts: it sees the loop serving
-        note_serving()
         counted: str | None = None  # the route counted in `_running`
         timed: Timed | None = None
         route, start = PLAIN, 0.0
@@ -312,7 +312,6 @@ class FastForms:
                 self._running[counted] -= 1
             end = self._clock()
             self._last_caller, self._last_end = id(caller), end
-            note_serving()
             if timed is not None:
                 timed(route, end - start)
 
@@ -493,15 +492,11 @@ class FastForms:
                 return
 
     def _serving(self) -> bool:
-        """Whether the loop serves: an execution started or ended within QUIET_S, or a loop
-        ran kernels inline (`loop_serving`: a plain execution's units run for milliseconds
-        between its start and end, and each kernel gives up the GIL that the build would
-        take). The build thread reads it: a stale answer costs one pause or one slice. Not
-        merely one in flight: a loop blocked on a lock the build thread holds starts, ends
-        and runs nothing, and the build must then go on, not pause, or the loop waits for
-        its pauses."""
-        return (self._clock() - max(self._last_start, self._last_end) < QUIET_S
-                or loop_serving())
+        """Whether the loop serves: an execution started or ended within QUIET_S (the build
+        thread reads it: a stale answer costs one pause or one slice). Not merely one in
+        flight: a loop blocked on a lock the build thread holds starts and ends nothing, and
+        the build must then go on, not pause, or the loop waits for its pauses."""
+        return self._clock() - max(self._last_start, self._last_end) < QUIET_S
 
     def _in_a_burst(self) -> bool:
         """Whether executions are in flight, or one started or ended within QUIET_S: stricter

@@ -10,7 +10,6 @@ kernels. Adaptive placement reads the last two as `loaded`.
 from __future__ import annotations
 
 from asyncgraph.runtime.backend import Loop, current_loop
-from asyncgraph.runtime.courtesy import note_serving
 from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
 
 
@@ -55,7 +54,6 @@ class LoopState:
             self._window_start = end
             self._window_busy = 0.0
         self._window_busy += end - start
-        note_serving(end)  # background Python pauses meanwhile (runtime/courtesy.py)
 
     @property
     def loaded(self) -> bool:

@@ -52,7 +52,6 @@ import anyio.to_thread
 
 from asyncgraph.graph.ir import Graph, Ref
 from asyncgraph.kernels import OpKernel
-from asyncgraph.runtime.courtesy import background
 from asyncgraph.runtime.device import ALIAS_KEY, DeviceRuns, RunKey
 from asyncgraph.runtime.placement import Decision
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, emit_args
@@ -234,8 +233,7 @@ class ScheduleCache:
         try:
             # anyio's thread call on every backend (asyncio, uvloop, trio); a cancelled
             # caller waits for the build (milliseconds) and the next miss builds again
-            schedule = await anyio.to_thread.run_sync(
-                _courteous, self._builder(placement, fused, True))
+            schedule = await anyio.to_thread.run_sync(self._builder(placement, fused, True))
             self._add(placement, fused, schedule)
             return schedule
         finally:
@@ -596,10 +594,3 @@ def _compile_run(
     fn_obj: types.FunctionType = namespace[f"unit{unit}"]
     fn_obj.node_lines = node_lines  # type: ignore[attr-defined]
     return fn_obj
-
-
-def _courteous(build: Callable[[], Schedule]) -> Schedule:
-    """`build()` on a thread, giving the GIL back to the loop it is built for
-    (runtime/courtesy.py: its Python would otherwise stall the loop's inline kernels)."""
-    with background():
-        return build()

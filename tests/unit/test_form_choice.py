@@ -14,7 +14,6 @@ import anyio
 import pytest
 
 from asyncgraph.runtime import forms
-from asyncgraph.runtime.courtesy import note_serving
 from asyncgraph.runtime.form_verdicts import FormVerdicts
 from asyncgraph.runtime.forms import FastForms
 
@@ -440,11 +439,9 @@ async def test_batches_share_a_verdict_per_power_of_two_of_rows() -> None:
 
 async def test_the_build_pauses_only_while_executions_start_or_end() -> None:
     """The build thread's courtesy (runtime/courtesy.py) asks whether the loop serves: yes
-    right after an execution starts or ends, or a loop ran kernels inline (`note_serving`,
-    process-wide, in real time); no once nothing has for QUIET_S, even with one in flight (a
-    loop blocked on a lock the build holds must not wait for its pauses)."""
+    right after an execution starts or ends; no once nothing has for QUIET_S, even with one
+    in flight (a loop blocked on a lock the build holds must not wait for its pauses)."""
     setup = Setup(gate=threading.Event())
-    await asyncio.sleep(2 * forms.QUIET_S)  # nothing served in this process for QUIET_S
     assert not setup.forms._serving()
     task = asyncio.ensure_future(setup.run())
     await asyncio.sleep(0)
@@ -453,11 +450,7 @@ async def test_the_build_pauses_only_while_executions_start_or_end() -> None:
     setup.clock.now += forms.QUIET_S / 2
     assert setup.forms._serving()
     setup.clock.now += forms.QUIET_S
-    await asyncio.sleep(2 * forms.QUIET_S)
     assert not setup.forms._serving()
-    note_serving()  # kernels ran inline on a loop just now
-    assert setup.forms._serving()
-    await asyncio.sleep(2 * forms.QUIET_S)
     setup.forms._in_flight += 1  # one in flight, nothing started or ended since
     assert not setup.forms._serving()
     setup.forms._in_flight -= 1
