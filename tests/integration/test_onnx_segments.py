@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -265,41 +266,45 @@ async def test_outputs_that_differ_from_the_plain_nodes_keep_the_signature_plain
 ) -> None:
     """A session that computes something else (a miscompile) is caught by the first call's
     check: that signature keeps running the plain nodes, and statistics say why."""
-    make = onnx_delegate._make_session
-
-    def wrong(*args: Any) -> Any:
-        session = make(*args)
-        run = session.run
-        session.run = lambda *a: [r * 0 + 1 for r in run(*a)]
-        return session
-
-    monkeypatch.setattr(onnx_delegate, "_make_session", wrong)
-    model, x = Chain(), torch.randint(0, 50, (3, 5))
-    async with Executor(export_model(model, x), ONNX) as ex:
-        for _ in range(3):
-            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
-        stats = _delegates(ex)[0].statistics()
+    _wrapped_sessions(monkeypatch, lambda run: lambda *a: [r * 0 + 1 for r in run(*a)])
+    stats, _ = await _chain_three_times()
     assert stats["onnx_calls"] == 0 and stats["plain_calls"] == 3
     (reason,) = stats["refused"].values()
     assert reason.startswith("output 0 differs from the plain nodes' by up to")
 
 
-def _slowed_sessions(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """Sessions whose every run first sleeps `seconds` (the GIL released, as in a run)."""
+def _wrapped_sessions(monkeypatch: pytest.MonkeyPatch,
+                      wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Sessions whose `run` is `wrap(run)` (one that miscomputes, one that is slow)."""
     make = onnx_delegate._make_session
 
-    def slow(*args: Any) -> Any:
+    def made(*args: Any) -> Any:
         session = make(*args)
-        run = session.run
+        session.run = wrap(session.run)
+        return session
 
+    monkeypatch.setattr(onnx_delegate, "_make_session", made)
+
+
+async def _chain_three_times() -> tuple[dict[str, Any], OnnxDelegate]:
+    """Chain run three times on one input (each equal to eager's output): its one delegate's
+    statistics, read before the Executor closes, and the delegate."""
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    async with Executor(export_model(model, x), ONNX) as ex:
+        for _ in range(3):
+            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
+        (delegate,) = _delegates(ex)
+        return delegate.statistics(), delegate
+
+
+def _slowed(seconds: float) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A `run` that first sleeps `seconds` (the GIL released, as in a run)."""
+    def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
         def slowed(*a: Any) -> Any:
             time.sleep(seconds)
             return run(*a)
-
-        session.run = slowed
-        return session
-
-    monkeypatch.setattr(onnx_delegate, "_make_session", slow)
+        return slowed
+    return wrap
 
 
 async def test_a_segment_that_onnx_runtime_runs_slower_stays_plain_and_says_why(
@@ -310,19 +315,15 @@ async def test_a_segment_that_onnx_runtime_runs_slower_stays_plain_and_says_why(
     what serves it and the medians measured."""
     monkeypatch.setattr(onnx_delegate, "SLOWER_BY", 1.25)
     monkeypatch.setattr(onnx_delegate, "TIMED_RUNS", 3)
-    _slowed_sessions(monkeypatch, 0.05)  # Chain's plain nodes take well under a millisecond
-    model, x = Chain(), torch.randint(0, 50, (3, 5))
-    async with Executor(export_model(model, x), ONNX) as ex:
-        for _ in range(3):
-            torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
-        stats = _delegates(ex)[0].statistics()
+    _wrapped_sessions(monkeypatch, _slowed(0.05))  # Chain's plain nodes: well under 1 ms
+    stats, delegate = await _chain_three_times()
     assert stats["onnx_calls"] == 0 and stats["plain_calls"] == 3
     (reason,) = stats["refused"].values()
     assert reason.startswith("the plain nodes ran faster: ")
     assert "(medians of 3 runs each, alternating)" in reason
     (said,) = stats["serves"].values()
     assert said == f"plain: {reason}"
-    ((onnx_s, plain_s),) = _delegates(ex)[0].timed.values()
+    ((onnx_s, plain_s),) = delegate.timed.values()
     assert onnx_s >= 0.05 > 1.25 * plain_s
 
 
