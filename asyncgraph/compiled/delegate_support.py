@@ -13,7 +13,9 @@ outputs are what the faster form is checked against. So each delegate has:
   waits, off the loop, for what is running, so a closed Executor leaves no thread behind;
 - `run_plain`: the fx module on a call's inputs, and on failure the nodes one by one, so that
   the error names the aten node that failed, as the scheduler names a failing node;
-- `mismatch`: whether a faster form's outputs are the plain nodes' (to float rounding).
+- `mismatch`: whether a faster form's outputs are the plain nodes' (to float rounding);
+- `timed_against_plain`: whether the faster form is faster, per signature: a short segment
+  whose call into ONNX Runtime or TorchScript costs more than its nodes stays plain.
 
 A new delegate of the same kind (OpenVINO, say) takes these instead of copying them; what it
 registers is runtime/delegates.py's SegmentBackend (docs/compiled.md).
@@ -22,7 +24,9 @@ registers is runtime/delegates.py's SegmentBackend (docs/compiled.md).
 from __future__ import annotations
 
 import operator
+import statistics
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +40,15 @@ from asyncgraph.runtime.threads import start_thread
 # to the output's largest magnitude (other kernels, other summation orders)
 CHECK_TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.float32: (1e-4, 1e-5),
                    torch.float64: (1e-7, 1e-9)}
+
+# Per segment and signature, once its faster form is made (and checked): the form and the plain
+# nodes each run the same inputs TIMED_RUNS times, alternating, on the builder thread; when the
+# form's median is over SLOWER_BY times the plain nodes' (a short segment, where the call into
+# ONNX Runtime or TorchScript costs more than the nodes themselves), the signature stays plain.
+# The margin favours the form: under many callers it runs with the GIL released, while the plain
+# nodes hold it between kernels.
+TIMED_RUNS = 16
+SLOWER_BY = 1.25
 
 
 class BuilderThread:
@@ -154,6 +167,28 @@ def mismatch(actual: Sequence[torch.Tensor], expected: Sequence[Any]) -> str:
             diff = float((a.double() - e.double()).abs().nan_to_num(0.0).max())
             return f"output {k} differs from the plain nodes' by up to {diff:.3g}"
     return ""
+
+
+def timed_against_plain(form: Callable[[], Any], plain: Callable[[], Any],
+                        runtime: str) -> tuple[tuple[float, float], str]:
+    """The medians of TIMED_RUNS calls of `form` and of `plain`, alternating (seconds), and ""
+    when the form is about as fast as the plain nodes or faster (within SLOWER_BY), else why
+    the signature stays plain (`runtime` names what runs the form: "ONNX Runtime")."""
+    clock = time.perf_counter
+    form_s, plain_s = [], []
+    for _ in range(TIMED_RUNS):
+        start = clock()
+        form()
+        middle = clock()
+        plain()
+        form_s.append(middle - start)
+        plain_s.append(clock() - middle)
+    medians = statistics.median(form_s), statistics.median(plain_s)
+    if medians[0] <= SLOWER_BY * medians[1]:
+        return medians, ""
+    return medians, (f"the plain nodes ran faster: {medians[1] * 1e6:.0f} us against "
+                     f"{runtime}'s {medians[0] * 1e6:.0f} us (medians of {TIMED_RUNS} runs "
+                     "each, alternating)")
 
 
 def _describe(value: Any) -> str:

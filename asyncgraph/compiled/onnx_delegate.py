@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import statistics as stats
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +35,7 @@ from asyncgraph.compiled.delegate_support import (
     mismatch,
     run_plain,
     same_tensors,
+    timed_against_plain,
 )
 from asyncgraph.compiled.onnx_export import OnnxModel
 from asyncgraph.kernels.base import KernelKind
@@ -54,14 +53,6 @@ MAX_SIGNATURES = 256  # input signatures checked per segment; beyond, new ones s
 # against the plain nodes on the new weights.
 FIXED_SHAPE_SESSIONS = 8
 FIXED_SHAPE_MAX_WEIGHT_BYTES = 64 << 20
-
-# Per segment and signature, after the check: the session and the plain nodes each run the
-# check's inputs TIMED_RUNS times, alternating, on the builder thread; when the session's median
-# is over SLOWER_BY times the plain nodes' (a short segment, where ONNX Runtime's call costs more
-# than the nodes themselves), the signature stays plain. The margin favours the session: under
-# many callers it runs with the GIL released, while the plain nodes hold it between kernels.
-TIMED_RUNS = 16
-SLOWER_BY = 1.25
 
 # ONNX Runtime's graph optimisations that sessions run without. SkipLayerNormFusion: ONNX
 # Runtime 1.32's CPU SkipLayerNormalization ran several times slower than the Add and
@@ -421,25 +412,14 @@ class OnnxDelegate:
 
     def _timed(self, run: Callable[..., Any], check: _Check, signature: Signature) -> str:
         """"" when the session runs the check's inputs about as fast as the plain nodes or
-        faster, else why the signature stays plain (TIMED_RUNS, SLOWER_BY); the medians are
-        kept for `statistics()`."""
+        faster, else why the signature stays plain (delegate_support.py's
+        `timed_against_plain`); the medians are kept for `statistics()`."""
         feeds = self._careful_feeds(check.inputs)
-        clock = time.perf_counter
-        onnx_s, plain_s = [], []
         with torch.inference_mode():  # as on the workers: the inputs may be inference tensors
-            for _ in range(TIMED_RUNS):
-                start = clock()
-                run(self._outputs, feeds, None)
-                middle = clock()
-                self._plain(check.inputs)
-                onnx_s.append(middle - start)
-                plain_s.append(clock() - middle)
-        onnx, plain = stats.median(onnx_s), stats.median(plain_s)
-        self.timed[signature] = (onnx, plain)
-        if onnx <= SLOWER_BY * plain:
-            return ""
-        return (f"the plain nodes ran faster: {plain * 1e6:.0f} us against ONNX Runtime's "
-                f"{onnx * 1e6:.0f} us (medians of {TIMED_RUNS} runs each, alternating)")
+            self.timed[signature], why = timed_against_plain(
+                lambda: run(self._outputs, feeds, None), lambda: self._plain(check.inputs),
+                "ONNX Runtime")
+        return why
 
     def prepare_weights(self, tensors: Mapping[str, Any]) -> None:
         """A swap's new weights: start making their session now (the executor calls this

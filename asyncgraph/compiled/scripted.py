@@ -28,8 +28,12 @@ trace is ready, calls of that signature run the segment's fx module, as they wou
 scripting. The trace runs on copies of the first successful call's runtime inputs, so the
 caller may reuse its tensors at once. A call that fails is run again node by node, so that
 the error names the aten node that failed, and starts no trace; a run the tracer refuses
-keeps running as its fx module, and `statistics()` says why. The Executor's `aclose` waits for
-a trace in progress; `wait_idle` waits for all of them.
+keeps running as its fx module, and `statistics()` says why. A trace is also timed against the
+fx module on those inputs (delegate_support.py's `timed_against_plain`): where TorchScript's
+call costs more than the nodes (a short segment, small shapes), the signature stays on the fx
+module, and `statistics()["serves"]` says, per signature, which runs it and the medians
+measured. The Executor's `aclose` waits for a trace in progress; `wait_idle` waits for all of
+them.
 
 torch.jit is deprecated from torch 2.13 (it warns on every trace; the warning is silenced
 around ours). Where torch.jit.trace is gone, the pass leaves the graph as it is.
@@ -51,6 +55,7 @@ from asyncgraph.compiled.delegate_support import (
     first_line,
     run_nodes_naming_failure,
     run_plain,
+    timed_against_plain,
 )
 from asyncgraph.compiled.segments import Segment, replace_segments, tensor_bounded_segments
 from asyncgraph.graph.ir import WEIGHT_KINDS, Graph, Node, TensorSpec
@@ -86,7 +91,11 @@ class ScriptedDelegate:
         self.node_names = tuple(node_names)
         self.cost = cost
         self.max_traces = max_traces
+        # signature -> what runs it: its trace, or the fx module (why in `_plain`)
         self._traces: OrderedDict[Signature, Callable[..., Any]] = OrderedDict()
+        self._plain: dict[Signature, str] = {}  # why the fx module runs a traced signature
+        # signature -> medians of the trace's and the fx module's seconds (`_timed`)
+        self.timed: dict[Signature, tuple[float, float]] = {}
         # signatures waiting for a trace: inputs, and the caller's inference and grad modes
         self._pending: dict[Signature, tuple[tuple[Any, ...], bool, bool]] = {}
         self._tracer = BuilderThread()  # the tracer thread, while there are traces to make
@@ -145,17 +154,23 @@ class ScriptedDelegate:
                     return
                 signature, (inputs, inference, grad) = next(iter(self._pending.items()))
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                run = self._trace(inputs)
+                run, why = self._trace(inputs)
+                if not why:
+                    run, why = self._timed(run, signature, inputs)
             with self._lock:
                 if len(self._traces) >= self.max_traces:
-                    self._traces.popitem(last=False)
+                    dropped, _ = self._traces.popitem(last=False)
+                    self._plain.pop(dropped, None)
+                    self.timed.pop(dropped, None)
                     self.dropped += 1
                 self._traces[signature] = run
+                if why:
+                    self._plain[signature] = why
                 del self._pending[signature]
 
-    def _trace(self, inputs: tuple[Any, ...]) -> Callable[..., Any]:
-        """A warmed-up trace of the module on `inputs` (which it ran without error), or the fx
-        module when the tracer refuses."""
+    def _trace(self, inputs: tuple[Any, ...]) -> tuple[Callable[..., Any], str]:
+        """A warmed-up trace of the module on `inputs` (which it ran without error) and "",
+        or the fx module and why when the tracer refuses."""
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # deprecation (2.13), tracer warnings
@@ -164,9 +179,18 @@ class ScriptedDelegate:
                 run(*inputs)
         except Exception as exc:  # its message may be empty: first_line still names it
             self.untraceable = first_line(exc)
-            return self.module
+            return self.module, f"the tracer refused: {self.untraceable}"
         self.traced += 1
-        return cast(Callable[..., Any], run)
+        return cast(Callable[..., Any], run), ""
+
+    def _timed(self, run: Callable[..., Any], signature: Signature,
+               inputs: tuple[Any, ...]) -> tuple[Callable[..., Any], str]:
+        """The trace and "" when it runs `inputs` about as fast as the fx module or faster,
+        else the fx module and why (`timed_against_plain`); the medians kept for
+        `statistics()`."""
+        self.timed[signature], why = timed_against_plain(
+            lambda: run(*inputs), lambda: self.module(*inputs), "TorchScript")
+        return (self.module, why) if why else (run, "")
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no trace is pending; False when `timeout` passed first. For threads
@@ -185,7 +209,21 @@ class ScriptedDelegate:
         return {"calls": self.calls, "untraced_calls": self.untraced_calls,
                 "traced": self.traced, "pending": len(self._pending),
                 "signatures": len(self._traces), "dropped": self.dropped,
-                "untraceable": self.untraceable, "nodes": len(self.node_names)}
+                "untraceable": self.untraceable, "nodes": len(self.node_names),
+                "serves": self.serves()}
+
+    def serves(self) -> dict[str, str]:
+        """Per input signature traced: what runs it (its trace or the plain nodes) and why."""
+        said = {}
+        for signature in list(self._traces):  # the tracer thread may add one meanwhile
+            timed = self.timed.get(signature)
+            why = self._plain.get(signature)
+            key = str([f"{tuple(shape)} {str(dtype).removeprefix('torch.')} {device}"
+                       for shape, dtype, device in signature])
+            said[key] = (f"plain: {why}" if why else
+                         f"script: {timed[0] * 1e6:.0f} us against the plain nodes' "
+                         f"{timed[1] * 1e6:.0f} us" if timed else "script")
+        return said
 
     def __repr__(self) -> str:
         return f"ScriptedDelegate({self.__name__}, {len(self.node_names)} nodes)"

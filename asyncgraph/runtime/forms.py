@@ -62,13 +62,14 @@ medians measured, kept from an earlier run, or what stopped the form).
 `ExecutorConfig(fast_paths=False)` (or the environment's `ASYNCGRAPH_FAST_PATHS=0`) keeps only
 the plain graph.
 
-Within a form, each ONNX segment chooses per input signature between its session and its
-plain nodes, timed after its check (compiled/onnx_delegate.py, `SLOWER_BY`): a short segment
-whose ONNX Runtime call costs more than its nodes stays plain. `statistics()["segments"]` says,
+Within a form, each segment (ONNX or scripted) chooses per input signature between its session
+or trace and its plain nodes, timed once they are made (compiled/delegate_support.py,
+`SLOWER_BY`): a short segment whose call into ONNX Runtime or TorchScript costs more than its
+nodes stays plain. `statistics()["segments"]` says,
 per form, segment and signature, which serves and why.
 
-Not yet: AOTInductor packages as a form (a compile takes 18-33 s per program on 2 cores), a
-per-segment choice for the scripted form, and measuring a decided signature again later; a
+Not yet: AOTInductor packages as a form (a compile takes 18-33 s per program on 2 cores), and
+measuring a decided signature again later; a
 form no verdict chose keeps its sessions until a swap or close. On trio an execution's caller
 is not known, so a burst of inline executions counts as alone unless they overlap.
 """

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import shutil
 from typing import Any
 
@@ -342,3 +343,10 @@ async def test_a_program_onnx_cannot_take_gets_the_scripted_form(
         assert forms["form"] == "script"
         assert "torch.onnx cannot export aten.fancy_op" in forms["passed"]["onnx"]
         assert ex.segments == {}  # the Executor itself stays the plain graph
+        # each scripted segment says, per signature, whether its trace or its nodes serve it
+        segments = forms["segments"]["script"]
+        assert segments, forms
+        for said in segments.values():
+            (serves,) = said.values()
+            assert re.fullmatch(r"script: \d+ us against the plain nodes' \d+ us|plain: the "
+                                r"plain nodes ran faster: .*", serves), serves

@@ -28,7 +28,13 @@ from conformance.harness import assert_conforms, cached_export, imported
 from conformance.models import CASES, CASES_BY_NAME, export_case
 
 from asyncgraph import Executor, ExecutorConfig
-from asyncgraph.compiled import onnx_delegate, onnx_export, onnx_segments, onnx_shapes
+from asyncgraph.compiled import (
+    delegate_support,
+    onnx_delegate,
+    onnx_export,
+    onnx_segments,
+    onnx_shapes,
+)
 from asyncgraph.compiled.onnx_delegate import OnnxDelegate
 from asyncgraph.runtime.config import usable_cpus
 
@@ -48,8 +54,8 @@ def inline_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     (tests of the builder thread turn this off), whatever its speed against the plain nodes
     (the per-segment choice has tests of its own, which set SLOWER_BY back)."""
     monkeypatch.setattr(onnx_delegate, "BUILD_INLINE", True)
-    monkeypatch.setattr(onnx_delegate, "TIMED_RUNS", 1)
-    monkeypatch.setattr(onnx_delegate, "SLOWER_BY", float("inf"))
+    monkeypatch.setattr(delegate_support, "TIMED_RUNS", 1)
+    monkeypatch.setattr(delegate_support, "SLOWER_BY", float("inf"))
 
 
 @pytest.fixture
@@ -313,8 +319,8 @@ async def test_a_segment_that_onnx_runtime_runs_slower_stays_plain_and_says_why(
     """The choice per segment and signature: timed against the plain nodes after its check, a
     session more than SLOWER_BY times slower leaves the signature plain; `statistics()` says
     what serves it and the medians measured."""
-    monkeypatch.setattr(onnx_delegate, "SLOWER_BY", 1.25)
-    monkeypatch.setattr(onnx_delegate, "TIMED_RUNS", 3)
+    monkeypatch.setattr(delegate_support, "SLOWER_BY", 1.25)
+    monkeypatch.setattr(delegate_support, "TIMED_RUNS", 3)
     _wrapped_sessions(monkeypatch, _slowed(0.05))  # Chain's plain nodes: well under 1 ms
     stats, delegate = await _chain_three_times()
     assert stats["onnx_calls"] == 0 and stats["plain_calls"] == 3
@@ -330,8 +336,8 @@ async def test_a_segment_that_onnx_runtime_runs_slower_stays_plain_and_says_why(
 async def test_a_segment_that_onnx_runtime_runs_faster_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(onnx_delegate, "SLOWER_BY", 1.25)
-    monkeypatch.setattr(onnx_delegate, "TIMED_RUNS", 3)
+    monkeypatch.setattr(delegate_support, "SLOWER_BY", 1.25)
+    monkeypatch.setattr(delegate_support, "TIMED_RUNS", 3)
     model, x = Chain(), torch.randint(0, 50, (3, 5))
     async with Executor(export_model(model, x), ONNX) as ex:
         (delegate,) = _delegates(ex)

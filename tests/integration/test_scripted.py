@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from conformance.harness import assert_conforms, cached_export, imported
 from conformance.models import CASES, CASES_BY_NAME, export_case
 
 from asyncgraph import Executor, ExecutorConfig
-from asyncgraph.compiled import scripted
+from asyncgraph.compiled import delegate_support, scripted
 from asyncgraph.compiled.scripted import ScriptedDelegate
 from tests.support.models import Chain, eager_output, export_model
 
@@ -40,6 +41,14 @@ async def _settled(ex: Executor) -> ScriptedDelegate:
     for delegate in delegates:
         assert await anyio.to_thread.run_sync(delegate.wait_idle, 60), "a trace took > 60 s"
     return delegates[0]
+
+
+@pytest.fixture(autouse=True)
+def traces_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trace serves its signature whatever its speed against the fx module (the per-segment
+    choice has tests of its own, which set SLOWER_BY back): the tests here are of the traces."""
+    monkeypatch.setattr(delegate_support, "TIMED_RUNS", 1)
+    monkeypatch.setattr(delegate_support, "SLOWER_BY", float("inf"))
 
 
 @pytest.fixture
@@ -129,6 +138,81 @@ async def test_each_input_shape_is_traced_once() -> None:
     assert (stats["traced"], stats["signatures"], stats["calls"]) == (3, 3, 5)
 
 
+def _delayed(seconds: float, run: Any) -> Any:
+    def delayed(*inputs: Any) -> Any:
+        time.sleep(seconds)
+        return run(*inputs)
+    return delayed
+
+
+async def test_a_segment_that_torchscript_runs_slower_stays_on_its_fx_module_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The choice per segment and signature: timed against the fx module after its trace, a
+    trace more than SLOWER_BY times slower leaves the signature on the fx module;
+    `statistics()["serves"]` says what serves it and the medians measured."""
+    monkeypatch.setattr(delegate_support, "SLOWER_BY", 1.25)
+    monkeypatch.setattr(delegate_support, "TIMED_RUNS", 3)
+    trace = scripted._TRACE
+    monkeypatch.setattr(scripted, "_TRACE", lambda *a, **k: _delayed(0.05, trace(*a, **k)))
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    async with Executor(export_model(model, x), SCRIPTED) as ex:
+        await ex.execute(x)
+        delegate = await _settled(ex)
+        started = time.perf_counter()
+        out = await ex.execute(x)  # the fx module: well under the trace's 50 ms
+        elapsed = time.perf_counter() - started
+        stats = delegate.statistics()
+    torch.testing.assert_close(out, eager_output(model, x))
+    assert elapsed < 0.05
+    assert (stats["traced"], stats["signatures"], stats["calls"]) == (1, 1, 2)
+    ((trace_s, plain_s),) = delegate.timed.values()
+    assert trace_s >= 0.05 > 1.25 * plain_s
+    (said,) = stats["serves"].values()
+    assert said == (f"plain: the plain nodes ran faster: {plain_s * 1e6:.0f} us against "
+                    f"TorchScript's {trace_s * 1e6:.0f} us (medians of 3 runs each, "
+                    "alternating)")
+    assert list(stats["serves"]) == ["['(3, 5) int64 cpu']"]
+
+
+async def test_a_segment_that_torchscript_runs_faster_keeps_its_trace_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(delegate_support, "SLOWER_BY", 1.25)
+    monkeypatch.setattr(delegate_support, "TIMED_RUNS", 3)
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    async with Executor(export_model(model, x), SCRIPTED) as ex:
+        (delegate,) = _delegates(ex)
+        monkeypatch.setattr(delegate.module, "forward", _delayed(0.05, delegate.module.forward))
+        await ex.execute(x)  # the fx module, 50 ms slower, while the trace is made
+        await _settled(ex)
+        started = time.perf_counter()
+        out = await ex.execute(x)  # the trace
+        elapsed = time.perf_counter() - started
+        stats = delegate.statistics()
+    torch.testing.assert_close(out, eager_output(model, x))
+    assert elapsed < 0.05
+    ((trace_s, plain_s),) = delegate.timed.values()
+    assert plain_s >= 0.05 > trace_s
+    (said,) = stats["serves"].values()
+    assert said == f"script: {trace_s * 1e6:.0f} us against the plain nodes' {plain_s * 1e6:.0f} us"
+
+
+async def test_a_refused_trace_says_why_its_signature_runs_plain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("tracer says no")
+
+    monkeypatch.setattr(scripted, "_TRACE", refuse)
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    async with Executor(export_model(model, x), SCRIPTED) as ex:
+        await ex.execute(x)
+        stats = (await _settled(ex)).statistics()
+    assert list(stats["serves"].values()) == ["plain: the tracer refused: RuntimeError: "
+                                              "tracer says no"]
+
+
 async def test_the_oldest_trace_is_dropped_beyond_max_traces(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -143,6 +227,7 @@ async def test_the_oldest_trace_is_dropped_beyond_max_traces(
             await _settled(ex)
         stats = delegate.statistics()
     assert (stats["traced"], stats["signatures"], stats["dropped"]) == (4, 2, 2)
+    assert len(stats["serves"]) == 2 and len(delegate.timed) == 2  # forgotten with the trace
 
 
 async def test_concurrent_executions_on_workers_trace_each_shape_once() -> None:
