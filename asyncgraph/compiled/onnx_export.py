@@ -37,13 +37,9 @@ the public `torch.onnx.export(..., dynamo=True)` does the same, slower.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import re
-import subprocess
-import sys
 import threading
-import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -55,7 +51,8 @@ import torch
 import torch.fx
 
 from asyncgraph.compiled import export_cache
-from asyncgraph.runtime.forms import build_cancelled, building_off_loop
+from asyncgraph.compiled.child_process import last_line, run_child
+from asyncgraph.runtime.forms import building_off_loop
 
 ONNX_DTYPES = frozenset({
     torch.float32, torch.float64, torch.float16, torch.int8, torch.int16, torch.int32,
@@ -135,7 +132,6 @@ def export_segment(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> 
 
 
 EXPORT_TIMEOUT_S = 600.0  # a child's export that takes longer is given up on (stays plain)
-POLL_S = 0.1  # how often the parent checks whether the build was cancelled
 
 
 def export_elsewhere(module: torch.fx.GraphModule, specs: list[InputSpec]) -> OnnxModel:
@@ -146,46 +142,17 @@ def export_elsewhere(module: torch.fx.GraphModule, specs: list[InputSpec]) -> On
     except Exception as exc:  # a module that does not pickle: exported here instead
         LOG.debug("exporting in process: the segment does not pickle (%s)", exc)
         return _export(module, specs)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    try:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "asyncgraph.compiled.export_worker"], env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    except OSError as exc:
-        raise ExportFailed(f"the export process did not start: {exc}") from exc
-    with child:
-        stdout, stderr = _answer(child, job)
-    done = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+    done = run_child("asyncgraph.compiled.export_worker", job, EXPORT_TIMEOUT_S, "export",
+                     ExportFailed)
     try:
         answer = pickle.loads(done.stdout)
     except Exception:  # a crash: no answer, the reason is on stderr
-        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
         raise ExportFailed(
-            f"the export process exited {done.returncode}: {last[0][:300]}") from None
+            f"the export process exited {done.returncode}: {last_line(done)}") from None
     if answer[0] == "ok":
         model: OnnxModel = answer[1]
         return model
     raise ExportFailed(answer[1], _op_named(answer[2]))
-
-
-def _answer(child: subprocess.Popen[bytes], job: bytes | None) -> tuple[bytes, bytes]:
-    """The child's stdout and stderr once it exits; checked every POLL_S for a cancelled
-    build (its Executor closing) or EXPORT_TIMEOUT_S passed, which stop it."""
-    deadline = time.monotonic() + EXPORT_TIMEOUT_S
-    try:
-        while True:
-            try:
-                return child.communicate(job, timeout=POLL_S)
-            except subprocess.TimeoutExpired:
-                job = None  # written once
-                if build_cancelled() or time.monotonic() > deadline:
-                    why = "the Executor closed" if build_cancelled() else (
-                        f"it took over {EXPORT_TIMEOUT_S:.0f} s")
-                    raise ExportFailed(f"the export process was stopped: {why}") from None
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate()
 
 
 def _op_named(name: str | None) -> Any:
