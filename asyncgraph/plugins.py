@@ -14,17 +14,22 @@ it): nothing in runtime/ changes.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncgraph.runtime.delegates import SegmentBackend, SegmentPlanner, register_backend
 from asyncgraph.runtime.device import DeviceBackend, DeviceKind, register_device
+from asyncgraph.runtime.disk_cache import cache_root
 from asyncgraph.runtime.instrument import Instrument, register_tracer
 
 if TYPE_CHECKING:
     from asyncgraph.graph.ir import Graph
+    from asyncgraph.runtime.config import ExecutorConfig
 
 ONNX_EXTRA = "pip install 'asyncgraph[onnxruntime]'"
+AOTI_ENV = "ASYNCGRAPH_AOTI_FORM"  # 0: no AOTInductor form (no compile started)
 
 
 def _trace_recorder(graph: Graph) -> Instrument:
@@ -60,6 +65,38 @@ def _onnx_planner() -> SegmentPlanner:
     # one thread unless the user sets a count: each session's pool is its own, and spins
     return lambda graph, config: onnx_segments(
         graph, intra_op_threads=config.intra_op_threads or 1)
+
+
+def _aoti_planner() -> SegmentPlanner:
+    from asyncgraph.compiled import aoti_form  # noqa: F401 - its imports at start-up
+
+    def refuse(_graph: Graph, _config: ExecutorConfig) -> tuple[Graph, list[str]]:
+        raise ValueError(
+            "ExecutorConfig(segments=('aoti',)): the 'aoti' backend builds the default path's "
+            "AOTInductor form (ExecutorConfig.fast_paths), not segments; for compiled segments "
+            "compile a package: asyncgraph compile model.pt2 -o model.aoti.pt2")
+
+    return refuse
+
+
+def _aoti_form(program: Any, threads: int, runners: int) -> Any:
+    from asyncgraph.compiled.aoti_form import form_program
+
+    return form_program(program, threads, runners)
+
+
+def _aoti_missing() -> str | None:
+    """Why the AOTInductor form cannot be built here, or None (nothing imported)."""
+    if os.environ.get(AOTI_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return f"turned off by {AOTI_ENV}=0"
+    if sys.platform != "linux":
+        return "AOTInductor forms are built on Linux only"
+    if cache_root() is None:
+        return "the disk cache is off (ASYNCGRAPH_CACHE_DIR=): a compile is kept only there"
+    compiler = os.environ.get("CXX") or "g++"
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) for AOTInductor"
+    return None
 
 
 def _onnx_needs(absent: list[str]) -> str:
@@ -102,3 +139,7 @@ register_device(DeviceKind(
 # need nothing installed: a program that ONNX cannot export still gets a form to measure.
 register_backend(SegmentBackend("onnx", _onnx_planner, fast_form=True, missing=_onnx_missing))
 register_backend(SegmentBackend("script", _script_planner, fast_form=True))
+# Then, as one more candidate beside whichever of those built, the AOTInductor form: the whole
+# program compiled in a child process (the first time: 16-60 s of idle CPU), cached on disk.
+register_backend(SegmentBackend("aoti", _aoti_planner, fast_form=True, missing=_aoti_missing,
+                                form_program=_aoti_form, form_threads=(1,)))

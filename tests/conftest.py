@@ -45,6 +45,9 @@ if os.environ.get("ASYNCGRAPH_CACHE_DIR") in (None, os.environ.get("_ASYNCGRAPH_
 # get the plain graph unless they ask (`ExecutorConfig(fast_paths=True)`:
 # tests/integration/test_fast_forms.py, and the conformance run on the fast form).
 os.environ.setdefault("ASYNCGRAPH_FAST_PATHS", "0")
+# Nor do the Executors that ask compile an AOTInductor form (a child process compiling for tens
+# of seconds per program): tests/integration/test_aoti_form.py turns it on for its own.
+os.environ.setdefault("ASYNCGRAPH_AOTI_FORM", "0")
 
 
 def _asyncio_debug_loop() -> asyncio.AbstractEventLoop:

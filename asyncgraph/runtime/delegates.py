@@ -62,12 +62,21 @@ class SegmentBackend:
 
     `fast_form`: the backend may build an Executor's fast form unasked
     (`ExecutorConfig.fast_paths`, runtime/forms.py), where `missing()` returns None: what it
-    needs imports here (a cheap check, no import); otherwise `missing()` says what is not."""
+    needs imports here (a cheap check, no import); otherwise `missing()` says what is not.
+
+    `form_program`: a backend whose fast form is a program of its own rather than the
+    Executor's graph with delegate nodes planned in (an AOTInductor package compiled from the
+    exported program, compiled/aoti_form.py): `form_program(program, threads, runners)`
+    returns the form's Program from the Executor's (on its current weights). Such a form is
+    built after the planned ones, as one more candidate, at `form_threads` intra-op threads
+    (None: each count forms.py tries)."""
 
     name: str
     load: Callable[[], SegmentPlanner]
     fast_form: bool = False
     missing: Callable[[], str | None] = lambda: None
+    form_program: Callable[[Any, int, int], Any] | None = None
+    form_threads: tuple[int, ...] | None = None
 
     def plan(self, graph: Graph, config: ExecutorConfig) -> tuple[Graph, list[str]]:
         """The graph with this backend's delegate nodes, and their names."""

@@ -806,16 +806,21 @@ class Executor:
         backends = fast_form_backends()
         if not backends:
             return None
-        for backend in backends:  # its imports here, at start-up, not on the build thread
-            segment_backend(backend).load()  # while the loop serves (extensions hold the GIL)
+        registered = [segment_backend(backend) for backend in backends]
+        for backend in registered:  # its imports here, at start-up, not on the build thread
+            backend.load()  # while the loop serves (extensions hold the GIL)
         return FastForms(backends, self._build_form, self._execute,
                          lambda: self._weights.version,
                          verdicts=FormVerdicts(self.graph.format(), backends, THREAD_COUNTS),
-                         batched=requested_batching(config) is not None)
+                         batched=requested_batching(config) is not None,
+                         additional=[b.name for b in registered if b.form_program],
+                         thread_counts={b.name: b.form_threads for b in registered
+                                        if b.form_threads})
 
     def _build_form(self, backend: str, threads: int) -> Executor:
         """The program with `backend`'s segments, their sessions on `threads` intra-op
-        threads, on the current weights (build thread).
+        threads, on the current weights (build thread); or the program of its own that the
+        backend makes from it (`SegmentBackend.form_program`: an AOTInductor package).
 
         A form that is one delegate call takes ONE_CALL_FRAMES times the frames: its
         executions run whole on the workers, and one that waits in the workers' queue holds
@@ -823,13 +828,17 @@ class Executor:
         (tiny BERT, 64 callers: 80 us of loop CPU per execution with 8 frames, 51-64 with
         64; throughput 0.91-0.93x ONNX Runtime via to_thread against 1.03-1.11x)."""
         program = self.program  # weights read after FastForms noted their version: a swap
-        form = Executor(  # in between gives a form labelled older than it is, never served
-            Program(program.graph, dict(self._weights.tensors), f"{program.name} [{backend}]",
-                    program.reference, program.exported),
-            dataclasses.replace(self.config, segments=(backend,), fast_paths=False,
-                                batching=None, intra_op_threads=threads),
-            _passed=self._passed,  # the passes do not depend on the fields changed here
-        )
+        source = Program(  # in between gives a form labelled older than it is, never served
+            program.graph, dict(self._weights.tensors), f"{program.name} [{backend}]",
+            program.reference, program.exported)
+        config = dataclasses.replace(self.config, segments=(backend,), fast_paths=False,
+                                     batching=None, intra_op_threads=threads)
+        own = segment_backend(backend).form_program
+        if own is not None:
+            form = Executor(own(source, threads, config.max_parallel_ops),
+                            dataclasses.replace(config, segments=()))
+        else:  # the passes do not depend on the fields changed here
+            form = Executor(source, config, _passed=self._passed)
         if form._one_delegate_call():
             form._pool.widen(self.config.max_concurrent_executions * ONE_CALL_FRAMES)
         return form

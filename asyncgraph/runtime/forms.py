@@ -81,7 +81,7 @@ import statistics as stats
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -162,6 +162,9 @@ class _Verdict:
     window_at: tuple[float, float] | None = None
     window_starts: int = 0
     window_ends: int = 0
+    # kept from an earlier run, or reached once every backend had its turn (then kept on
+    # disk); a verdict that is not is measured again when more forms arrive (`_catch_up`)
+    final: bool = False
 
 
 @dataclass
@@ -232,8 +235,14 @@ class FastForms:
                  clock: Callable[[], float] = time.perf_counter,
                  verdicts: FormVerdicts | None = None,
                  cpu: CpuClock = _cpu_now, cpus: int | None = None,
-                 batched: bool = False, quiet_start_s: float = QUIET_START_S) -> None:
+                 batched: bool = False, quiet_start_s: float = QUIET_START_S,
+                 additional: Sequence[str] = (),
+                 thread_counts: Mapping[str, Sequence[int]] | None = None) -> None:
         self.backends = tuple(backends)
+        # the backends built after the first of the others that builds, each one more
+        # candidate (the AOTInductor form: SegmentBackend.form_program), and their counts
+        self._additional = tuple(b for b in self.backends if b in additional)
+        self._thread_counts = dict(thread_counts or {})
         # batches: a verdict per batch size rounded up to a power of two, not per size (the
         # sizes vary with load, and each would need its own hundreds of measured runs)
         self._batched = batched
@@ -242,6 +251,11 @@ class FastForms:
         self._cpu = cpu
         self._cpus = cpus or usable_cpus()
         self._threads = tuple(t for t in THREAD_COUNTS if t <= self._cpus)
+        # bumped by the build thread as it publishes forms, and once every backend had its
+        # turn; the loop measures again the verdicts reached before (`_current`)
+        self._generation = 0
+        self._seen_generation = 0
+        self._complete = False  # every backend built or passed: verdicts are kept on disk
         self._build = build
         self._plain = plain
         self._version = version  # the Executor's current weights version
@@ -258,7 +272,8 @@ class FastForms:
         self._verdicts = verdicts
         self._kept = verdicts.load() if verdicts is not None else {}
         self._build_lock = threading.Lock()  # the build's end against a waiter's arrival
-        self._build_waiters: list[tuple[Any, Any]] = []  # (loop, future) woken at its end
+        # (loop, future) woken when forms are published and when the build ends
+        self._build_waiters: list[tuple[Any, Any]] = []
         self._in_flight = 0
         # loaded executions in flight, per form (a burst's first execution counts as
         # alone and is left out: under bursts it would hold every window of another form)
@@ -295,8 +310,8 @@ class FastForms:
             if key is None:
                 return await self._plain(flat, caller_inputs, caller, signature)
             choice = self._choices.get(key) or self._new_choice(key)
-            if forms is None and self._building is not None and _promised(choice):
-                forms = await self._built()  # a kept verdict chose a form: nearly there
+            if self._building is not None and _promised(choice) - set(forms or ()):
+                forms = await self._built(_promised(choice))  # kept verdicts chose them
             route, timed = self._route(forms, choice, regime, key)
             form = forms.get(route) if forms is not None else None
             if regime is LOADED:  # in `_running`, which the windows read
@@ -358,11 +373,14 @@ class FastForms:
             if kept is not None and self._known(kept[0]):
                 verdict = getattr(choice, regime)
                 verdict.form, verdict.why = kept[0], f"kept from an earlier run here: {kept[1]}"
+                verdict.final = True
         return choice
 
     def _current(self) -> dict[str, Form] | None:
         """The forms built for the current weights, starting a build when none are (or were)."""
         version = self._version()
+        if self._generation != self._seen_generation:
+            self._catch_up()
         forms = self._forms
         if forms and self._form_version == version:
             if not self._bound:
@@ -378,17 +396,30 @@ class FastForms:
             self._start(version)
         return None
 
-    async def _built(self) -> dict[str, Form] | None:
-        """Wait, off the loop, for the build underway; the forms it made (None: none)."""
+    def _catch_up(self) -> None:
+        """Forms were published, or the build had every backend's turn, since the loop last
+        looked (loop thread): the new forms are bound when next served, and the verdicts
+        reached without every candidate (not `final`) are measured again."""
+        self._seen_generation = self._generation
+        self._bound = False
+        for choice in self._choices.values():
+            for regime in (ALONE, LOADED):
+                if not getattr(choice, regime).final:
+                    setattr(choice, regime, _Verdict())
+                    choice.warm = 0  # the new forms' first runs are not timed either
+
+    async def _built(self, wanted: set[str]) -> dict[str, Form] | None:
+        """Wait, off the loop, until the build underway has published the forms `wanted`
+        (kept verdicts chose them) or ended; the forms then (None: none)."""
         loop = current_loop()
-        future = loop.create_future()
-        with self._build_lock:
-            if self._building is None:
-                return self._current()
-            self._build_waiters.append((loop, future))
         self.build_waits += 1
-        await future
-        return self._current()
+        while True:
+            future = loop.create_future()
+            with self._build_lock:
+                if self._building is None or wanted <= set(self._forms):
+                    return self._current()
+                self._build_waiters.append((loop, future))
+            await future
 
     def _alone(self, verdict: _Verdict, key: Hashable, candidates: list[str], route: str,
                seconds: float) -> None:
@@ -443,13 +474,15 @@ class FastForms:
             f"{name} {us:.0f} {unit}" for name, us in medians.items()) + f" ({how})" + (
             f"; {best} within {MARGIN:.0%} of the plain graph: the plain graph" if close
             else "")
-        if self._verdicts is not None:
+        verdict.final = self._complete
+        if self._verdicts is not None and verdict.final:
             self._verdicts.store(f"{regime} {key}", verdict.form, verdict.why)
 
     # -- the build thread ---------------------------------------------------------------------
 
     def _start(self, version: int, promised: bool = False) -> None:
         self._built_for = version
+        self._complete = False
         thread = threading.Thread(target=self._build_forms, args=(version, promised),
                                   name="asyncgraph-fast-form", daemon=True)
         self._building = thread
@@ -457,7 +490,8 @@ class FastForms:
 
     def _build_forms(self, version: int, promised: bool) -> None:
         """The build thread: the first registered backend whose form plans delegates, at
-        each intra-op thread count in THREAD_COUNTS that this process has the CPUs for.
+        each intra-op thread count in THREAD_COUNTS that this process has the CPUs for; then
+        each additional backend's form, published as one more candidate when built.
         Unless executions wait for it (`promised`: a kept verdict chose a form), it starts in
         a gap between bursts, or after QUIET_START_S: the burst that started it, a server's
         first, runs on the plain graph undisturbed."""
@@ -470,27 +504,47 @@ class FastForms:
                 if not promised:
                     self._courtesy.wait_quiet(self._quiet_start_s, self._in_a_burst)
                 self._build_first_backend(version)
+                for backend in self._additional:
+                    built = self._build_backend(backend)
+                    if built:
+                        self._publish(backend, built, version)
         finally:
             _BUILDING.owner = None
             _QUICK_SWITCHES.exit()
             self.builds += 1
             self.build_s += time.perf_counter() - started
+            self._complete = True
+            self._generation += 1
             with self._build_lock:
                 self._building = None
-                waiters, self._build_waiters = self._build_waiters, []
-            for loop, future in waiters:
-                loop.call_soon_threadsafe(_wake, future)
+            self._wake_waiters()
 
     def _build_first_backend(self, version: int) -> None:
-        """The forms of the first backend in `backends` that builds any, published whole."""
+        """The forms of the first backend (of those not additional) that builds any."""
         for backend in self.backends:
-            built = self._build_backend(backend)
-            if built:
-                for form in built.values():
-                    form.prepare_sessions()  # its sessions start now, not on first calls
-                self._form_backend, self._form_version = backend, version
-                self._forms = built  # one assignment: the loop sees the forms whole
-                return
+            if backend not in self._additional:
+                built = self._build_backend(backend)
+                if built:
+                    self._publish(backend, built, version)
+                    return
+
+    def _publish(self, backend: str, built: dict[str, Form], version: int) -> None:
+        """`built` served from now on, beside the forms published for the same weights (one
+        assignment: the loop sees the forms whole); the executions waiting for them woken."""
+        if self._forms and self._form_version == version:
+            forms = {**self._forms, **built}
+        else:
+            forms, self._form_backend = dict(built), backend
+        self._form_version = version
+        self._forms = forms
+        self._generation += 1
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        with self._build_lock:
+            waiters, self._build_waiters = self._build_waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_wake, future)
 
     def _serving(self) -> bool:
         """Whether the loop serves: an execution started or ended within QUIET_S (the build
@@ -509,20 +563,26 @@ class FastForms:
     def _build_backend(self, backend: str) -> dict[str, Form]:
         """`backend`'s forms, one per thread count; none when it plans no delegate or fails."""
         built: dict[str, Form] = {}
-        for threads in self._threads:
+        counts = self._thread_counts.get(backend, self._threads)
+        for threads in (t for t in counts if t <= self._cpus):
             name = backend if threads == 1 else f"{backend}, {threads} threads"
             if self._closed:
                 break
+            form = None
             try:
                 form = self._build(backend, threads)
+                if form.has_delegates:
+                    form.prepare_sessions()  # its sessions start now, not on first calls
             except Exception as exc:  # a form that cannot be built: the others serve
+                if form is not None:
+                    self._retired.append(form)  # closed with the Executor
                 self._passed[name] = f"not built: {type(exc).__name__}: {exc}"
                 LOG.warning("fast form %r %s", name, self._passed[name])
                 if not built:
                     break
                 continue
             if not form.has_delegates:
-                self._retired.append(form)  # closed with the Executor
+                self._retired.append(form)
                 self._passed[name] = "no run of the graph became a segment"
                 break
             built[name] = form
@@ -562,9 +622,10 @@ class FastForms:
                              for name, form in self._forms.items()}}
 
 
-def _promised(choice: _Choice) -> bool:
-    """Whether a verdict kept from an earlier run chose a form for this signature."""
-    return any(v.form not in (None, PLAIN) for v in (choice.alone, choice.loaded))
+def _promised(choice: _Choice) -> set[str]:
+    """The forms that verdicts kept from an earlier run chose for this signature."""
+    return {v.form for v in (choice.alone, choice.loaded)
+            if v.form is not None and v.form != PLAIN and v.final}
 
 
 def _said(verdict: _Verdict, warm: int) -> dict[str, str]:

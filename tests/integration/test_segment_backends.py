@@ -144,9 +144,17 @@ async def test_a_backend_whose_nodes_are_no_delegates_is_refused_by_name(
 async def test_an_unknown_backend_is_named_with_the_registered_ones() -> None:
     model, x = Chain(), torch.randint(0, 50, (3, 5))
     with pytest.raises(ValueError, match=r"no segment backend named 'openvino'; registered: "
-                                         r"'onnx', 'script'"):
+                                         r"'aoti', 'onnx', 'script'"):
         Executor(export_model(model, x), ExecutorConfig(segments=("openvino",)))
-    assert {"onnx", "script"} <= set(registered_backends())
+    assert {"aoti", "onnx", "script"} <= set(registered_backends())
+
+
+async def test_the_aoti_backend_asked_for_segments_says_what_to_do_instead() -> None:
+    """"aoti" builds the default path's AOTInductor form from the whole program; asked for as
+    segments it says how to get compiled segments."""
+    model, x = Chain(), torch.randint(0, 50, (3, 5))
+    with pytest.raises(ValueError, match=r"segments=\('aoti',\)\): .* asyncgraph compile"):
+        Executor(export_model(model, x), ExecutorConfig(segments=("aoti",)))
 
 
 def test_the_librarys_delegates_satisfy_the_protocol() -> None:

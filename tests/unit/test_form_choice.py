@@ -472,3 +472,73 @@ async def test_a_form_within_the_margin_of_the_plain_graph_leaves_it_plain() -> 
     assert "fast within 5% of the plain graph: the plain graph" in verdict["why"]
     assert [await setup.run() for _ in range(3)] == ["plain"] * 3
     await setup.forms.aclose()
+
+
+class LateSetup(Setup):
+    """Setup with a second backend, "late", built after "fast" as one more candidate (as the
+    AOTInductor form is, runtime/delegates.py's `form_program`), once `late_gate` is set."""
+
+    def __init__(self, late_cost: float, late_gate: threading.Event, **kwargs: Any) -> None:
+        self.late_cost, self.late_gate = late_cost, late_gate
+        super().__init__(**kwargs)
+        self.forms = FastForms(("fast", "late"), self.build, self.plain, lambda: self.version,
+                               self.clock, kwargs.get("verdicts"),
+                               cpu=lambda: (self.cpu[0], self.cpu[1]), cpus=1,
+                               quiet_start_s=0.0, additional=("late",),
+                               thread_counts={"late": (1,)})
+
+    def build(self, backend: str, threads: int = 1) -> FakeForm:
+        if backend == "fast":
+            return super().build(backend, threads)
+        assert self.late_gate.wait(10)
+        form = FakeForm(self.clock, self.late_cost, "late", cpu=self.cpu, yields=True)
+        self.built.append(form)
+        return form
+
+
+def _late_verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FormVerdicts:
+    monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))
+    return FormVerdicts("the graph's text", ("fast", "late"), (1, 2))
+
+
+async def test_a_form_built_later_is_measured_against_the_verdict_reached_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first forms serve as soon as they are built; a form built later (a compile of a
+    minute) reopens the verdicts reached meanwhile, which are kept on disk only once every
+    backend had its turn; a restart then waits for the form they chose, not for the first."""
+    late_gate = threading.Event()
+    verdicts = _late_verdicts(tmp_path, monkeypatch)
+    setup = LateSetup(late_cost=0.5, late_gate=late_gate, fast_cost=1.0, plain_cost=2.0,
+                      verdicts=verdicts)
+    await setup.run()
+    while "fast" not in setup.forms.statistics()["forms"]:  # noqa: ASYNC110 - no event to wait on
+        await asyncio.sleep(0.001)
+    await _decide(setup)
+    stats = setup.forms.statistics()
+    assert stats["state"] == "building" and stats["forms"] == ["fast"]
+    assert stats["signatures"][str(SIG)]["alone"]["form"] == "fast"
+    assert verdicts.stored == 0  # not every backend had its turn yet
+
+    late_gate.set()
+    setup.wait_built()
+    assert setup.forms.statistics()["forms"] == ["fast", "late"]
+    assert await setup.run() in ("fast", "late")  # the late form's warm runs begin
+    verdict = setup.forms.statistics()["signatures"][str(SIG)]["alone"]
+    assert verdict["form"] == "measuring", verdict  # reopened by the late form's arrival
+    await _decide(setup)
+    verdict = setup.forms.statistics()["signatures"][str(SIG)]["alone"]
+    assert verdict["form"] == "late" and "late 500000 us" in verdict["why"], verdict
+    assert all(form.prepared == 1 for form in setup.built)
+    await setup.forms.aclose()
+    kept = json.loads(next((tmp_path / "forms").glob("*.json")).read_text())
+    assert kept[f"alone {SIG}"]["form"] == "late"
+
+    slow_late = threading.Event()
+    restarted = LateSetup(late_cost=0.5, late_gate=slow_late, fast_cost=1.0, plain_cost=2.0,
+                          verdicts=_late_verdicts(tmp_path, monkeypatch))
+    threading.Timer(0.1, slow_late.set).start()  # "fast" is published first, long before
+    assert await restarted.run() == "late"  # the kept verdict's form, waited for
+    stats = restarted.forms.statistics()
+    assert stats["build_waits"] == 1 and restarted.plain_runs == 0
+    await restarted.forms.aclose()
