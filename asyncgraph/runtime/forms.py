@@ -577,7 +577,8 @@ class FastForms:
                 if form is not None:
                     self._retired.append(form)  # closed with the Executor
                 self._passed[name] = f"not built: {type(exc).__name__}: {exc}"
-                LOG.warning("fast form %r %s", name, self._passed[name])
+                if not self._closed:  # a build its Executor's close stopped is no news
+                    LOG.warning("fast form %r %s", name, self._passed[name])
                 if not built:
                     break
                 continue

@@ -1,0 +1,203 @@
+"""The AOTInductor fast form (asyncgraph/compiled/aoti_form.py): the exported program compiled
+in a child process, kept on disk, loaded on the Executor's weights and measured beside the
+other forms."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from asyncgraph import Executor, ExecutorConfig
+from asyncgraph.compiled import aoti_form, child_process
+from asyncgraph.compiled.aoti_form import FormRefused
+from asyncgraph.compiled.export_cache import environment
+from asyncgraph.graph.importers import Program, from_exported_program
+from asyncgraph.plugins import _aoti_missing
+from asyncgraph.runtime.disk_cache import digest
+from tests.support.models import export_model
+
+pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(600)]
+needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
+                                    reason="AOTInductor needs a C++ compiler (g++)")
+FAST = ExecutorConfig(fast_paths=True)
+# a compile is tens of seconds of CPU: once per test, on asyncio (the loop plays no part in it)
+compiles = pytest.mark.asyncio(loop_factories=["asyncio"])
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int = 32, layers: int = 10) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(m for _ in range(layers) for m in (
+            torch.nn.Linear(width, width), torch.nn.ReLU())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.layers(x)
+        return out
+
+
+@pytest.fixture
+def aoti_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The AOTInductor form turned on, its cache in `tmp_path`, compiled with the default
+    kernels (autotuning adds minutes of compile)."""
+    monkeypatch.setenv("ASYNCGRAPH_AOTI_FORM", "1")
+    monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(aoti_form, "AUTOTUNE", False)
+    return tmp_path
+
+
+@pytest.fixture
+def children(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The child processes the builds start, recorded."""
+    started: list[Any] = []
+    popen = child_process.subprocess.Popen
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(child_process.subprocess, "Popen", recorded)
+    return started
+
+
+def _compiles(children: list[Any]) -> int:
+    return sum("asyncgraph.compiled.aoti_form" in child.args for child in children)
+
+
+async def _until_built(ex: Executor, model: torch.nn.Module, x: torch.Tensor,
+                       decided: bool = False) -> dict[str, Any]:
+    """Executions, each checked against eager, until the build has ended (and with `decided`,
+    the signature's verdict alone is reached)."""
+    expected = model(x)
+    while True:
+        torch.testing.assert_close(await ex.execute(x), expected, rtol=1e-4, atol=1e-5)
+        forms = ex.statistics().forms
+        assert forms is not None
+        verdict = next(iter(forms["signatures"].values()), {}).get("alone", {})
+        if forms["state"] != "building" and (not decided or verdict["form"] != "measuring"):
+            return forms
+        await anyio.sleep(0.01)
+
+
+@needs_compiler
+@compiles
+async def test_the_aoti_form_is_compiled_in_a_child_kept_and_measured_beside_the_others(
+    aoti_on: Path, children: list[Any]
+) -> None:
+    model, x = MLP().eval(), torch.randn(1, 32)
+    ep = export_model(model, x)
+    async with Executor(ep, FAST) as ex:
+        forms = await _until_built(ex, model, x, decided=True)
+    assert "aoti" in forms["forms"] and "aoti" not in forms["passed"], forms
+    (verdicts,) = forms["signatures"].values()
+    assert " aoti " in verdicts["alone"]["why"], verdicts  # timed with the others
+    assert _compiles(children) == 1 and all(child.poll() is not None for child in children)
+    (package,) = (aoti_on / "aoti").glob("*.pt2")
+    assert stat.S_IMODE(package.stat().st_mode) == 0o600
+
+    async with Executor(ep, FAST) as restarted:  # a restart loads it: no compile
+        forms = await _until_built(restarted, model, x)
+    assert "aoti" in forms["forms"] and _compiles(children) == 1
+
+
+@needs_compiler
+@compiles
+async def test_a_swap_before_the_build_runs_the_form_on_the_new_weights(
+    aoti_on: Path
+) -> None:
+    model, x = MLP().eval(), torch.randn(1, 32)
+    async with Executor(export_model(model, x), FAST) as ex:
+        new = {name: torch.randn_like(t) for name, t in model.state_dict().items()}
+        ex.swap_weights(new)
+        model.load_state_dict(new)
+        forms = await _until_built(ex, model, x, decided=True)  # each checked against eager
+    assert "aoti" in forms["forms"], forms
+
+
+@needs_compiler
+@compiles
+async def test_a_cached_package_others_may_write_is_not_loaded(
+    aoti_on: Path, children: list[Any]
+) -> None:
+    model, x = MLP().eval(), torch.randn(1, 32)
+    ep = export_model(model, x)
+    graph_text = from_exported_program(ep).graph.format()
+    planted = aoti_on / "aoti" / f"{digest('aoti', environment(), graph_text, 1, False)}.pt2"
+    planted.parent.mkdir(mode=0o755)
+    planted.write_bytes(b"not a package")
+    planted.chmod(0o666)
+    async with Executor(ep, FAST) as ex:
+        forms = await _until_built(ex, model, x)
+    assert "aoti" not in forms["forms"]
+    assert "writable by others" in forms["passed"]["aoti"], forms["passed"]
+    assert _compiles(children) == 0
+
+
+@needs_compiler
+@compiles
+async def test_closing_the_executor_stops_the_compile(
+    aoti_on: Path, children: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="asyncgraph")
+    model, x = MLP().eval(), torch.randn(1, 32)
+    ex = Executor(export_model(model, x), FAST)
+    await ex.execute(x)
+    with anyio.fail_after(120):
+        while not _compiles(children):
+            await ex.execute(x)
+            await anyio.sleep(0.01)
+    await ex.aclose()
+    assert all(child.poll() is not None for child in children)
+    forms = ex.statistics().forms
+    assert forms is not None and "the Executor closed" in forms["passed"]["aoti"]
+    assert not list((aoti_on / "aoti").glob("*.pt2"))
+    assert not [r for r in caplog.records if r.name.startswith("asyncgraph")], caplog.text
+
+
+# -- without a compile ---------------------------------------------------------------------------
+
+
+def test_the_form_needs_an_exported_program_and_one_thread() -> None:
+    graph = from_exported_program(export_model(MLP(), torch.randn(1, 32))).graph
+    with pytest.raises(FormRefused, match="not an ExportedProgram"):
+        aoti_form.form_program(Program(graph), 1, 1)
+
+
+def test_the_form_runs_on_the_packages_tensors_only_where_they_are_the_executors() -> None:
+    current = {"w": torch.ones(2), "b": torch.zeros(2)}
+    same = {"w": torch.ones(2), "b": torch.zeros(2)}
+    assert all(a is b for a, b in zip(aoti_form._weights(current, same).values(),
+                                      same.values(), strict=True))
+    other = {"w": torch.ones(2), "b": torch.ones(2)}
+    assert aoti_form._weights(current, other)["b"] is current["b"]
+    with pytest.raises(FormRefused, match=r"weights \['w'\] are not the program's"):
+        aoti_form._weights(current, {"w": torch.ones(2)})
+
+
+def test_outputs_that_differ_are_named() -> None:
+    t = torch.arange(4.0)
+    assert aoti_form._outputs_differ([t, 3], [t.clone(), 3]) == ""
+    assert "differs from the plain nodes' by up to 1" in aoti_form._outputs_differ([t + 1],
+                                                                                    [t])
+    assert aoti_form._outputs_differ([t, 4], [t, 3]).startswith("outputs ")
+    assert aoti_form._outputs_differ([t], [t, t]).startswith("outputs ")
+
+
+def test_what_keeps_the_aoti_backend_from_building(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ASYNCGRAPH_AOTI_FORM", "0")
+    assert _aoti_missing() == "turned off by ASYNCGRAPH_AOTI_FORM=0"
+    monkeypatch.setenv("ASYNCGRAPH_AOTI_FORM", "1")
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert _aoti_missing() == "no C++ compiler (no-such-compiler-here) for AOTInductor"
+    monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", "")
+    assert "the disk cache is off" in (_aoti_missing() or "")
