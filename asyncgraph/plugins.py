@@ -6,7 +6,9 @@ tools/trace.py's TraceRecorder (ExecutorConfig.trace), cuda/backend.py's CudaBac
 device type "cuda" (imported when a program first has CUDA nodes), and the segment backends
 `ExecutorConfig.segments` names:
 "script" (compiled/scripted.py, torch.jit on demand) and "onnx" (compiled/onnx_segments.py:
-ONNX Runtime and the exporter on demand, from the optional `asyncgraph[onnxruntime]` extra).
+ONNX Runtime and the exporter on demand, from the optional `asyncgraph[onnxruntime]` extra),
+and "aoti", which plans no segments but builds the default path's AOTInductor form
+(compiled/aoti_form.py; off with ASYNCGRAPH_AOTI_FORM=0).
 Each is imported when an Executor first asks for it, so `import asyncgraph` imports no torch.
 A new delegate backend is one more `register_backend` here (or in the package that brings
 it): nothing in runtime/ changes.

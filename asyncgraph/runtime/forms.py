@@ -27,7 +27,10 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    CPUs for ("onnx", "onnx, 2 threads"): which count is faster alone depends on the model
    and the machine, so it is a form of its own, chosen by measurement (under load only
    one-thread forms are candidates: the executions in flight already fill the cores). A
-   built form starts its sessions at once;
+   built form starts its sessions at once. Then each *additional* backend (one whose form
+   is a program of its own, `SegmentBackend.form_program`: the AOTInductor package of
+   compiled/aoti_form.py, whose first compile takes 16-60 s in a child process) builds its
+   form, published as one more candidate when ready: the forms built first serve meanwhile;
 2. **chooses per input signature and load, by measurement**. Which form is faster depends on
    the load: alone, an execution's latency is what counts (a thread hop costs a tiny model
    more than the form saves); under many callers, throughput is (the plain graph holds the
@@ -47,15 +50,16 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    the busier of the two bounds throughput. After `WINDOWS` windows each, the lowest median
    wins (in either regime a form must beat the plain graph by `MARGIN`). Batches (an
    Executor with batching) share a verdict per batch size rounded up to a power of two, as
-   adaptive placement does. The verdict is kept on disk (runtime/form_verdicts.py), so a
-   restart adopts it at once;
+   adaptive placement does. A verdict reached before every backend had its turn is measured
+   again when a form arrives or the build ends (`_catch_up`); one reached after is kept on
+   disk (runtime/form_verdicts.py), so a restart adopts it at once;
 3. **never serves other weights**: a form is built from the weights the Executor has when the
    build starts and serves only while the Executor's weights version is that one. A swap
    retires the form (closed with the Executor) and builds it again on the new weights.
 
 A restart with a kept verdict that chose a form starts the build at construction, and the
-executions of that signature wait for the build (off the loop) rather than run the plain
-graph: the form serves from the first request.
+executions of that signature wait (off the loop) until the form chosen is built rather than
+run the plain graph: the form serves from the first request.
 
 `statistics()` says, per backend, signature and regime, which form serves and why (the
 medians measured, kept from an earlier run, or what stopped the form).
@@ -68,8 +72,7 @@ or trace and its plain nodes, timed once they are made (compiled/delegate_suppor
 nodes stays plain. `statistics()["segments"]` says,
 per form, segment and signature, which serves and why.
 
-Not yet: AOTInductor packages as a form (a compile takes 18-33 s per program on 2 cores), and
-measuring a decided signature again later; a
+Not yet: measuring a decided signature again later; a
 form no verdict chose keeps its sessions until a swap or close. On trio an execution's caller
 is not known, so a burst of inline executions counts as alone unless they overlap.
 """
