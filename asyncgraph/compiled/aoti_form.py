@@ -56,6 +56,7 @@ from asyncgraph.compiled.child_process import last_line, run_child
 from asyncgraph.compiled.delegate_support import first_line, mismatch
 from asyncgraph.compiled.export_cache import environment
 from asyncgraph.graph.importers import Program
+from asyncgraph.graph.ir import Graph, TensorSpec
 from asyncgraph.runtime.disk_cache import cache_root, digest
 
 LOG = logging.getLogger("asyncgraph.forms")
@@ -77,10 +78,28 @@ def form_program(program: Program, threads: int, runners: int) -> Program:
         raise FormRefused("the program is not an ExportedProgram (a .pt2 or torch.export's)")
     if threads != 1:
         raise FormRefused("AOTInductor forms are compiled for one intra-op thread")
-    path = _package(program.exported, program.graph.format(), threads)
+    path = _package(program.exported, _described(program.graph), threads)
     compiled = load_compiled(path, runners=runners, threads=threads)
+    if _inputs(compiled.graph) != _inputs(program.graph):
+        raise FormRefused(f"{path} was compiled for other inputs than the program's")
     return Program(compiled.graph, _weights(program.weights, compiled.weights),
                    f"{program.name} [{KIND}]", program.reference, compiled.exported)
+
+
+def _described(graph: Graph) -> str:
+    """What a package depends on in the graph: its text, which names no shape, and every
+    value's spec (shapes, symbolic ones included, dtypes, devices) and the symbols' ranges:
+    the same model exported with a static and with a dynamic batch is two packages."""
+    ranges = sorted((str(s), r) for s, r in graph.signature.range_constraints.items())
+    return "\n".join([graph.format(), *(f"{v.name}: {v.spec!r}" for v in graph.values),
+                      repr(ranges)])
+
+
+def _inputs(graph: Graph) -> list[tuple[Any, ...]]:
+    """The user inputs' dtypes and shapes, each symbolic dimension as None."""
+    specs = [graph.values[s.value].spec for s in graph.signature.user_inputs]
+    return [(spec.dtype, tuple(d if isinstance(d, int) else None for d in spec.shape))
+            if isinstance(spec, TensorSpec) else (repr(spec),) for spec in specs]
 
 
 def _weights(current: Mapping[str, Any], packaged: Mapping[str, Any]) -> dict[str, Any]:

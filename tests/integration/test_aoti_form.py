@@ -66,6 +66,12 @@ def children(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return started
 
 
+def _package_path(cache: Path, ep: Any) -> Path:
+    """Where the form of `ep` is kept (aoti_form.py's key, with AUTOTUNE off)."""
+    described = aoti_form._described(from_exported_program(ep).graph)
+    return cache / "aoti" / f"{digest('aoti', environment(), described, 1, False)}.pt2"
+
+
 def _compiles(children: list[Any]) -> int:
     return sum("asyncgraph.compiled.aoti_form" in child.args for child in children)
 
@@ -105,6 +111,17 @@ async def test_the_aoti_form_is_compiled_in_a_child_kept_and_measured_beside_the
         forms = await _until_built(restarted, model, x)
     assert "aoti" in forms["forms"] and _compiles(children) == 1
 
+    # the same model exported with a dynamic batch is another package; one compiled for a
+    # static batch, found under its name, is refused (it would answer a batch of 5 with 1 row)
+    dynamic = export_model(model, torch.randn(2, 32), dynamic=True)
+    planted = _package_path(aoti_on, dynamic)
+    assert planted != package
+    shutil.copy(package, planted)
+    async with Executor(dynamic, FAST) as ex:
+        forms = await _until_built(ex, model, torch.randn(5, 32))
+    assert "aoti" not in forms["forms"]
+    assert "was compiled for other inputs than the program's" in forms["passed"]["aoti"]
+
 
 @needs_compiler
 @compiles
@@ -127,8 +144,7 @@ async def test_a_cached_package_others_may_write_is_not_loaded(
 ) -> None:
     model, x = MLP().eval(), torch.randn(1, 32)
     ep = export_model(model, x)
-    graph_text = from_exported_program(ep).graph.format()
-    planted = aoti_on / "aoti" / f"{digest('aoti', environment(), graph_text, 1, False)}.pt2"
+    planted = _package_path(aoti_on, ep)
     planted.parent.mkdir(mode=0o755)
     planted.write_bytes(b"not a package")
     planted.chmod(0o666)
