@@ -796,11 +796,15 @@ class Executor:
     def _fast_forms(self, default_kernels: bool) -> FastForms | None:
         """The program's fast forms, where `fast_paths` applies: no segments asked for, a
         CPU program run untraced in graph order with the default kernels, long enough for a
-        segment, and a fast-form backend that can run here."""
+        segment, writing no buffer, and a fast-form backend that can run here.
+
+        A program that writes a buffer makes a new weights version with every execution,
+        and a form serves only the version it was built on: it would be built again and
+        again and never serve (and a form would hold buffers of its own)."""
         config = self.config
         if not (config.fast_paths and not config.segments and default_kernels
                 and self._device is None and self.recorder is None
-                and config.ready_order_seed is None
+                and config.ready_order_seed is None and not self._buffer_mutations
                 and len(self.graph.nodes) >= MIN_FORM_NODES):
             return None
         backends = fast_form_backends()

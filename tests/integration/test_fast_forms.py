@@ -350,3 +350,28 @@ async def test_a_program_onnx_cannot_take_gets_the_scripted_form(
             (serves,) = said.values()
             assert re.fullmatch(r"script: \d+ us against the plain nodes' \d+ us|plain: the "
                                 r"plain nodes ran faster: .*", serves), serves
+
+
+class CountingMLP(MLP):
+    """An MLP that counts its calls in a buffer (a program that writes a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return super().forward(x) + self.count
+
+
+async def test_a_program_that_writes_a_buffer_gets_no_form() -> None:
+    """Each execution of it makes a new weights version, which no form built before serves: it
+    would be built again and again, never serving, each build kept until close. The plain
+    graph serves it, counting as eager does."""
+    model, x = CountingMLP().eval(), torch.randn(1, 32)
+    reference = CountingMLP().eval()
+    reference.load_state_dict(model.state_dict())
+    async with Executor(export_model(model, x), FAST) as ex:
+        assert ex.statistics().forms is None
+        for _ in range(3):
+            torch.testing.assert_close(await ex.execute(x), reference(x))
