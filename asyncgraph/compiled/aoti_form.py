@@ -57,7 +57,9 @@ from asyncgraph.compiled.delegate_support import first_line, mismatch
 from asyncgraph.compiled.export_cache import environment
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph, TensorSpec
+from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.disk_cache import cache_root, digest
+from asyncgraph.runtime.executor import Executor
 
 LOG = logging.getLogger("asyncgraph.forms")
 KIND = "aoti"
@@ -125,11 +127,9 @@ def _package(ep: ExportedProgram, graph_text: str, threads: int) -> Path:
         return path
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     _check_own(folder)
-    from asyncgraph.loading import save
-
     with tempfile.TemporaryDirectory(dir=folder, prefix=".compiling-") as tmp:
         source, package = Path(tmp) / "program.pt2", Path(tmp) / "package.pt2"
-        save(ep, source)
+        torch.export.save(ep, source)
         job = {"program": str(source), "package": str(package), "threads": threads,
                "autotune": AUTOTUNE}
         done = run_child(__name__, json.dumps(job).encode(), COMPILE_TIMEOUT_S, "compile",
@@ -194,7 +194,6 @@ def _compile_checked(job: Mapping[str, Any]) -> dict[str, Any]:
 
 async def _differs(ep: ExportedProgram, package: Path) -> str:
     """"" when the package's outputs are the plain graph's on the program's example inputs."""
-    from asyncgraph import Executor, ExecutorConfig
     from asyncgraph.compiled.build import default_inputs
     from asyncgraph.compiled.package import load_compiled
     from asyncgraph.graph.importers import from_exported_program
