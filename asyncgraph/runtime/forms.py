@@ -99,8 +99,11 @@ LOG = logging.getLogger("asyncgraph.forms")
 
 WARM = 8  # untimed runs of a signature on a new form: sessions made, first calls checked
 SAMPLES = 16  # timed runs of each form per signature alone, before the choice
-WINDOW = 16  # loaded executions per window of one form
-WINDOWS = 4  # windows of each form under load, before the choice
+# Loaded executions per window of one form, and windows of each form before the choice: shorter
+# and fewer windows chose a form that costs more CPU per execution than another
+# (benchmarks/results/cpu/design_measurements.md#loaded-windows).
+WINDOW = 32
+WINDOWS = 6
 BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a burst
 # A form replaces the plain graph only when its median is this much lower: closer is within
 # the spread of windows on a shared machine (the MLP under 64 callers: the form 56 us of CPU
