@@ -542,3 +542,19 @@ async def test_a_form_built_later_is_measured_against_the_verdict_reached_withou
     stats = restarted.forms.statistics()
     assert stats["build_waits"] == 1 and restarted.plain_runs == 0
     await restarted.forms.aclose()
+
+
+async def test_a_form_built_later_must_be_faster_by_the_margin() -> None:
+    """An additional form 2% faster than the planned one is within MARGIN: the planned form
+    keeps the signature (in turn with the others, a compiled form's lead that small was
+    noise), and the verdict says why; 50% faster, it takes it (the test above)."""
+    late_gate = threading.Event()
+    late_gate.set()
+    setup = LateSetup(late_cost=0.98, late_gate=late_gate, fast_cost=1.0, plain_cost=2.0)
+    await setup.run()
+    setup.wait_built()
+    await _decide(setup)
+    verdict = setup.forms.statistics()["signatures"][str(SIG)]["alone"]
+    assert verdict["form"] == "fast", verdict
+    assert verdict["why"].endswith("; late within 5% of fast: fast"), verdict
+    await setup.forms.aclose()
