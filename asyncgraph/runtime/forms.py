@@ -50,16 +50,18 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    the busier of the two bounds throughput. After `WINDOWS` windows each, the lowest median
    wins (in either regime a form must beat the plain graph by `MARGIN`). Batches (an
    Executor with batching) share a verdict per batch size rounded up to a power of two, as
-   adaptive placement does. A verdict reached before every backend had its turn is measured
-   again when a form arrives or the build ends (`_catch_up`); one reached after is kept on
-   disk (runtime/form_verdicts.py), so a restart adopts it at once;
+   adaptive placement does. A verdict reached before a form arrives is measured again with it
+   (`_catch_up`); once every backend had its turn, the verdicts are kept on disk
+   (runtime/form_verdicts.py), so a restart adopts them at once;
 3. **never serves other weights**: a form is built from the weights the Executor has when the
    build starts and serves only while the Executor's weights version is that one. A swap
    retires the form (closed with the Executor) and builds it again on the new weights.
 
-A restart with a kept verdict that chose a form starts the build at construction, and the
+A restart with a kept verdict that chose a form starts the build at construction, of the
+backends the kept verdicts chose only (an AOTInductor form that lost is not loaded), and the
 executions of that signature wait (off the loop) until the form chosen is built rather than
-run the plain graph: the form serves from the first request.
+run the plain graph: the form serves from the first request. A signature new to the restarted
+process is measured among those forms and the plain graph.
 
 `statistics()` says, per backend, signature and regime, which form serves and why (the
 medians measured, kept from an earlier run, or what stopped the form).
@@ -171,6 +173,7 @@ class _Verdict:
     # kept from an earlier run, or reached once every backend had its turn (then kept on
     # disk); a verdict that is not is measured again when more forms arrive (`_catch_up`)
     final: bool = False
+    published: int = 0  # FastForms._published when it was reached: the forms it measured
 
 
 @dataclass
@@ -261,6 +264,7 @@ class FastForms:
         # turn; the loop measures again the verdicts reached before (`_current`)
         self._generation = 0
         self._seen_generation = 0
+        self._published = 0  # bumped as forms are published: the verdicts' candidates
         self._complete = False  # every backend built or passed: verdicts are kept on disk
         self._build = build
         self._plain = plain
@@ -409,15 +413,21 @@ class FastForms:
 
     def _catch_up(self) -> None:
         """Forms were published, or the build had every backend's turn, since the loop last
-        looked (loop thread): the new forms are bound when next served, and the verdicts
-        reached without every candidate (not `final`) are measured again."""
+        looked (loop thread): the new forms are bound when next served; the verdicts reached
+        without one of them are measured again, and, the build over, those reached with
+        every form are kept."""
         self._seen_generation = self._generation
         self._bound = False
-        for choice in self._choices.values():
+        for key, choice in self._choices.items():
             for regime in (ALONE, LOADED):
-                if not getattr(choice, regime).final:
+                verdict = getattr(choice, regime)
+                if verdict.final:
+                    continue
+                if verdict.published != self._published or verdict.form is None:
                     setattr(choice, regime, _Verdict())
                     choice.warm = 0  # the new forms' first runs are not timed either
+                elif self._complete:
+                    self._keep(verdict, regime, key)
 
     async def _built(self, wanted: set[str]) -> dict[str, Form] | None:
         """Wait, off the loop, until the build underway has published the forms `wanted`
@@ -496,8 +506,14 @@ class FastForms:
         verdict.form = best
         verdict.why = "measured: " + ", ".join(
             f"{name} {us:.0f} {unit}" for name, us in medians.items()) + f" ({how})" + said
-        verdict.final = self._complete
-        if self._verdicts is not None and verdict.final:
+        verdict.published = self._published
+        if self._complete:
+            self._keep(verdict, regime, key)
+
+    def _keep(self, verdict: _Verdict, regime: str, key: Hashable) -> None:
+        """A verdict reached with every form this process builds: final, and kept on disk."""
+        verdict.final = True
+        if self._verdicts is not None and verdict.form is not None:
             self._verdicts.store(f"{regime} {key}", verdict.form, verdict.why)
 
     # -- the build thread ---------------------------------------------------------------------
@@ -525,11 +541,13 @@ class FastForms:
             with self._courtesy:  # its Python pauses while the loop serves
                 if not promised:
                     self._courtesy.wait_quiet(self._quiet_start_s, self._in_a_burst)
-                self._build_first_backend(version)
+                chosen = self._chosen_backends() if promised else None
+                self._build_first_backend(version, chosen)
                 for backend in self._additional:
-                    built = self._build_backend(backend)
-                    if built:
-                        self._publish(backend, built, version)
+                    if chosen is None or backend in chosen:
+                        built = self._build_backend(backend)
+                        if built:
+                            self._publish(backend, built, version)
         finally:
             _BUILDING.owner = None
             _QUICK_SWITCHES.exit()
@@ -541,10 +559,17 @@ class FastForms:
                 self._building = None
             self._wake_waiters()
 
-    def _build_first_backend(self, version: int) -> None:
-        """The forms of the first backend (of those not additional) that builds any."""
+    def _chosen_backends(self) -> set[str]:
+        """The backends of the forms that verdicts kept on disk chose: a restart builds only
+        those (the others lost, and an AOTInductor form's load holds the GIL in long
+        stretches while the loop serves)."""
+        return {self._backend(form) for form, _ in self._kept.values() if form != PLAIN}
+
+    def _build_first_backend(self, version: int, chosen: set[str] | None = None) -> None:
+        """The forms of the first backend (of those not additional, and in `chosen` when
+        given) that builds any."""
         for backend in self.backends:
-            if backend not in self._additional:
+            if backend not in self._additional and (chosen is None or backend in chosen):
                 built = self._build_backend(backend)
                 if built:
                     self._publish(backend, built, version)
@@ -559,6 +584,7 @@ class FastForms:
             forms, self._form_backend = dict(built), backend
         self._form_version = version
         self._forms = forms
+        self._published += 1
         self._generation += 1
         self._wake_waiters()
 

@@ -480,7 +480,8 @@ class LateSetup(Setup):
 
     def __init__(self, late_cost: float, late_gate: threading.Event, **kwargs: Any) -> None:
         self.late_cost, self.late_gate = late_cost, late_gate
-        super().__init__(**kwargs)
+        # the base's FastForms without the verdicts: kept ones would start its own build
+        super().__init__(**{k: v for k, v in kwargs.items() if k != "verdicts"})
         self.forms = FastForms(("fast", "late"), self.build, self.plain, lambda: self.version,
                                self.clock, kwargs.get("verdicts"),
                                cpu=lambda: (self.cpu[0], self.cpu[1]), cpus=1,
@@ -558,3 +559,44 @@ async def test_a_form_built_later_must_be_faster_by_the_margin() -> None:
     assert verdict["form"] == "fast", verdict
     assert verdict["why"].endswith("; late within 5% of fast: fast"), verdict
     await setup.forms.aclose()
+
+
+async def test_a_build_that_adds_no_form_keeps_the_verdicts_reached_during_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The additional backend fails: the candidates did not change, so the verdict reached
+    before the build ended is kept as it is (on disk too), not measured again; a restart
+    that finds it builds only the backend it chose."""
+    late_gate = threading.Event()
+    verdicts = _late_verdicts(tmp_path, monkeypatch)
+
+    class Failing(LateSetup):
+        def build(self, backend: str, threads: int = 1) -> FakeForm:
+            if backend == "late":
+                assert self.late_gate.wait(10)
+                raise RuntimeError("no compiler")
+            return super().build(backend, threads)
+
+    setup = Failing(late_cost=0.5, late_gate=late_gate, verdicts=verdicts)
+    await setup.run()
+    while "fast" not in setup.forms.statistics()["forms"]:  # noqa: ASYNC110 - no event to wait on
+        await asyncio.sleep(0.001)
+    await _decide(setup)
+    assert verdicts.stored == 0
+    late_gate.set()
+    setup.wait_built()
+    assert await setup.run() == "fast"  # the verdict stands: no warm runs, no turns
+    stats = setup.forms.statistics()
+    assert stats["signatures"][str(SIG)]["alone"]["form"] == "fast"
+    assert "no compiler" in stats["passed"]["late"]
+    assert verdicts.stored == 1
+    await setup.forms.aclose()
+
+    never = threading.Event()  # a "late" build would wait for it and fail the test
+    restarted = LateSetup(late_cost=0.5, late_gate=never,
+                          verdicts=_late_verdicts(tmp_path, monkeypatch))
+    assert await restarted.run() == "fast"
+    restarted.wait_built()
+    assert restarted.forms.statistics()["forms"] == ["fast"]
+    assert [form.name for form in restarted.built] == ["fast"]
+    await restarted.forms.aclose()
