@@ -641,13 +641,17 @@ class FastForms:
     # -- the Executor's side ------------------------------------------------------------------
 
     async def aclose(self, *, cancel: bool = False) -> None:
-        """Wait for a build in progress (off the loop), then close every form built."""
+        """Wait for a build in progress (off the loop), then close every form built; the
+        verdicts reached with every form are kept first, if no execution came to keep them
+        since the build ended."""
         self._closed = True
         thread = self._building
         if thread is not None:
             import anyio.to_thread
 
             await anyio.to_thread.run_sync(thread.join)
+        if self._generation != self._seen_generation:
+            self._catch_up()
         forms = [*self._retired, *self._forms.values()]
         self._retired, self._forms = [], {}
         for form in forms:

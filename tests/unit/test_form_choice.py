@@ -497,6 +497,16 @@ class LateSetup(Setup):
         return form
 
 
+class FailingLate(LateSetup):
+    """LateSetup whose "late" backend fails to build, once `late_gate` is set."""
+
+    def build(self, backend: str, threads: int = 1) -> FakeForm:
+        if backend == "late":
+            assert self.late_gate.wait(10)
+            raise RuntimeError("no compiler")
+        return super().build(backend, threads)
+
+
 def _late_verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FormVerdicts:
     monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))
     return FormVerdicts("the graph's text", ("fast", "late"), (1, 2))
@@ -570,14 +580,7 @@ async def test_a_build_that_adds_no_form_keeps_the_verdicts_reached_during_it(
     late_gate = threading.Event()
     verdicts = _late_verdicts(tmp_path, monkeypatch)
 
-    class Failing(LateSetup):
-        def build(self, backend: str, threads: int = 1) -> FakeForm:
-            if backend == "late":
-                assert self.late_gate.wait(10)
-                raise RuntimeError("no compiler")
-            return super().build(backend, threads)
-
-    setup = Failing(late_cost=0.5, late_gate=late_gate, verdicts=verdicts)
+    setup = FailingLate(late_cost=0.5, late_gate=late_gate, verdicts=verdicts)
     await setup.run()
     while "fast" not in setup.forms.statistics()["forms"]:  # noqa: ASYNC110 - no event to wait on
         await asyncio.sleep(0.001)
@@ -600,3 +603,23 @@ async def test_a_build_that_adds_no_form_keeps_the_verdicts_reached_during_it(
     assert restarted.forms.statistics()["forms"] == ["fast"]
     assert [form.name for form in restarted.built] == ["fast"]
     await restarted.forms.aclose()
+
+
+async def test_verdicts_reached_as_the_build_ends_are_kept_when_the_executor_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that closes right after its build ended, with no execution since, still
+    leaves the verdicts it reached for a restart."""
+    late_gate = threading.Event()
+    verdicts = _late_verdicts(tmp_path, monkeypatch)
+
+    setup = FailingLate(late_cost=0.5, late_gate=late_gate, verdicts=verdicts)
+    await setup.run()
+    while "fast" not in setup.forms.statistics()["forms"]:  # noqa: ASYNC110 - no event to wait on
+        await asyncio.sleep(0.001)
+    await _decide(setup)
+    late_gate.set()
+    setup.wait_built()
+    assert verdicts.stored == 0
+    await setup.forms.aclose()
+    assert verdicts.stored == 1
