@@ -659,7 +659,7 @@ class FastForms:
 
     def statistics(self) -> dict[str, Any]:
         """Which form serves each signature under each load and why; what each backend did."""
-        signatures = {str(key): {regime: _said(getattr(c, regime), c.warm)
+        signatures = {str(key): {regime: _said(getattr(c, regime), c.warm, self._published)
                                  for regime in (ALONE, LOADED)}
                       for key, c in self._choices.items()}
         state = ("building" if self._building is not None
@@ -681,9 +681,12 @@ def _promised(choice: _Choice) -> set[str]:
             if v.form is not None and v.form != PLAIN and v.final}
 
 
-def _said(verdict: _Verdict, warm: int) -> dict[str, str]:
-    return {"form": verdict.form or "measuring",
-            "why": verdict.why or f"warming and measuring ({warm} warm runs)"}
+def _said(verdict: _Verdict, warm: int, published: int) -> dict[str, str]:
+    """A verdict as statistics() says it: one reached before a form published since will be
+    measured again (`_catch_up`, at the next execution), and says so already."""
+    if verdict.form is None or (not verdict.final and verdict.published != published):
+        return {"form": "measuring", "why": f"warming and measuring ({warm} warm runs)"}
+    return {"form": verdict.form, "why": verdict.why}
 
 
 def _wake(future: Any) -> None:
