@@ -21,6 +21,7 @@ from asyncgraph.compiled.export_cache import environment
 from asyncgraph.graph.importers import Program, from_exported_program
 from asyncgraph.plugins import _aoti_missing
 from asyncgraph.runtime.disk_cache import digest
+from tests.support.models import DeepMLP as MLP
 from tests.support.models import export_model
 
 pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(600)]
@@ -29,17 +30,6 @@ needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++")
 FAST = ExecutorConfig(fast_paths=True)
 # a compile is tens of seconds of CPU: once per test, on asyncio (the loop plays no part in it)
 compiles = pytest.mark.asyncio(loop_factories=["asyncio"])
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, width: int = 32, layers: int = 10) -> None:
-        super().__init__()
-        self.layers = torch.nn.Sequential(*(m for _ in range(layers) for m in (
-            torch.nn.Linear(width, width), torch.nn.ReLU())))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.layers(x)
-        return out
 
 
 @pytest.fixture

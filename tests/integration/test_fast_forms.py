@@ -15,6 +15,7 @@ import torch
 
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.runtime.disk_cache import cache_root
+from tests.support.models import DeepMLP as MLP
 from tests.support.models import export_model
 
 pytest.importorskip("onnxruntime", reason="the fast form needs the asyncgraph[onnxruntime] extra")
@@ -32,17 +33,6 @@ def _no_kept_verdicts() -> None:
         shutil.rmtree(root / "forms", ignore_errors=True)
 
 FAST = ExecutorConfig(fast_paths=True)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, width: int = 32, layers: int = 10) -> None:
-        super().__init__()
-        self.layers = torch.nn.Sequential(*(m for _ in range(layers) for m in (
-            torch.nn.Linear(width, width), torch.nn.ReLU())))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.layers(x)
-        return out
 
 
 async def _until_decided(ex: Executor, model: torch.nn.Module, x: torch.Tensor,

@@ -102,6 +102,19 @@ class MLP(torch.nn.Module):
         return self.net(x)
 
 
+class DeepMLP(torch.nn.Module):
+    """`layers` x Linear(width)+ReLU: long enough (20 nodes) for a fast form of one segment."""
+
+    def __init__(self, width: int = 32, layers: int = 10) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(m for _ in range(layers) for m in (
+            torch.nn.Linear(width, width), torch.nn.ReLU())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.layers(x)
+        return out
+
+
 class ConvNet(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
