@@ -12,6 +12,7 @@ import gc
 import os
 import tempfile
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -128,6 +129,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     imported it, checks its PRNGs' referrers with gc.get_referrers, which skips frozen
     objects."""
     gc.unfreeze()
+
+
+@pytest.fixture
+def children(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The child processes that fast-form builds start (compiled/child_process.py), recorded."""
+    from asyncgraph.compiled import child_process
+
+    started: list[Any] = []
+    popen = child_process.subprocess.Popen
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(child_process.subprocess, "Popen", recorded)
+    return started
 
 
 @pytest.fixture

@@ -109,10 +109,14 @@ def _weights(current: Mapping[str, Any], packaged: Mapping[str, Any]) -> dict[st
     if set(current) != set(packaged):
         raise FormRefused(f"the package's weights {sorted(packaged)} are not the program's "
                           f"{sorted(current)}")
-    same = all(isinstance(v, torch.Tensor) and torch.equal(v, packaged[k])
-               if isinstance(packaged[k], torch.Tensor) else v == packaged[k]
-               for k, v in current.items())
+    same = all(_same(value, packaged[name]) for name, value in current.items())
     return dict(packaged) if same else dict(current)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
 
 
 def _package(ep: ExportedProgram, graph_text: str, threads: int) -> Path:

@@ -320,8 +320,10 @@ class FastForms:
             if key is None:
                 return await self._plain(flat, caller_inputs, caller, signature)
             choice = self._choices.get(key) or self._new_choice(key)
-            if self._building is not None and _promised(choice) - set(forms or ()):
-                forms = await self._built(_promised(choice))  # kept verdicts chose them
+            if self._building is not None:  # kept verdicts chose forms not built yet: wait
+                wanted = _promised(choice)
+                if wanted and not wanted <= (forms or {}).keys():
+                    forms = await self._built(wanted)
             route, timed = self._route(forms, choice, regime, key)
             form = forms.get(route) if forms is not None else None
             if regime is LOADED:  # in `_running`, which the windows read
@@ -437,7 +439,7 @@ class FastForms:
         while True:
             future = loop.create_future()
             with self._build_lock:
-                if self._building is None or wanted <= set(self._forms):
+                if self._building is None or wanted <= self._forms.keys():
                     return self._current()
                 self._build_waiters.append((loop, future))
             await future

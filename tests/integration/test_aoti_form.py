@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncgraph import Executor, ExecutorConfig
-from asyncgraph.compiled import aoti_form, child_process
+from asyncgraph.compiled import aoti_form
 from asyncgraph.compiled.aoti_form import FormRefused
 from asyncgraph.compiled.export_cache import environment
 from asyncgraph.graph.importers import Program, from_exported_program
@@ -40,20 +40,6 @@ def aoti_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(aoti_form, "AUTOTUNE", False)
     return tmp_path
-
-
-@pytest.fixture
-def children(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The child processes the builds start, recorded."""
-    started: list[Any] = []
-    popen = child_process.subprocess.Popen
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        started.append(popen(*args, **kwargs))
-        return started[-1]
-
-    monkeypatch.setattr(child_process.subprocess, "Popen", recorded)
-    return started
 
 
 def _package_path(cache: Path, ep: Any) -> Path:

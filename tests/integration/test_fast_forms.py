@@ -127,24 +127,18 @@ async def test_many_callers_while_the_form_builds_and_after() -> None:
 
 
 async def test_closing_during_a_first_export_stops_it_quietly(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    children: list[Any],
 ) -> None:
     """A fast form's first export runs in a child process; an Executor closed meanwhile
     stops the child and leaves no thread, no process and no warning behind."""
     import logging
 
-    from asyncgraph.compiled import child_process, onnx_export
+    from asyncgraph.compiled import onnx_export
 
     monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))  # nothing exported yet
     monkeypatch.setattr(onnx_export, "_CACHE", type(onnx_export._CACHE)())
-    started: list[Any] = []
-    popen = child_process.subprocess.Popen
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        started.append(popen(*args, **kwargs))
-        return started[-1]
-
-    monkeypatch.setattr(child_process.subprocess, "Popen", recorded)
+    started = children
     model, x = MLP().eval(), torch.randn(1, 32)
     caplog.set_level(logging.WARNING, logger="asyncgraph")
     ex = Executor(export_model(model, x), FAST)

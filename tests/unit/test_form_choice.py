@@ -507,6 +507,21 @@ class FailingLate(LateSetup):
         return super().build(backend, threads)
 
 
+async def _decided_before_the_late_build_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[FailingLate, FormVerdicts, threading.Event]:
+    """A FailingLate whose signature has its verdict alone on "fast", the "late" build held
+    until the gate returned is set (it then fails); its verdicts, kept in `tmp_path`."""
+    late_gate = threading.Event()
+    verdicts = _late_verdicts(tmp_path, monkeypatch)
+    setup = FailingLate(late_cost=0.5, late_gate=late_gate, verdicts=verdicts)
+    await setup.run()
+    while "fast" not in setup.forms.statistics()["forms"]:  # noqa: ASYNC110 - no event to wait on
+        await asyncio.sleep(0.001)
+    await _decide(setup)
+    return setup, verdicts, late_gate
+
+
 def _late_verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FormVerdicts:
     monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))
     return FormVerdicts("the graph's text", ("fast", "late"), (1, 2))
@@ -577,14 +592,7 @@ async def test_a_build_that_adds_no_form_keeps_the_verdicts_reached_during_it(
     """The additional backend fails: the candidates did not change, so the verdict reached
     before the build ended is kept as it is (on disk too), not measured again; a restart
     that finds it builds only the backend it chose."""
-    late_gate = threading.Event()
-    verdicts = _late_verdicts(tmp_path, monkeypatch)
-
-    setup = FailingLate(late_cost=0.5, late_gate=late_gate, verdicts=verdicts)
-    await setup.run()
-    while "fast" not in setup.forms.statistics()["forms"]:  # noqa: ASYNC110 - no event to wait on
-        await asyncio.sleep(0.001)
-    await _decide(setup)
+    setup, verdicts, late_gate = await _decided_before_the_late_build_fails(tmp_path, monkeypatch)
     assert verdicts.stored == 0
     late_gate.set()
     setup.wait_built()
@@ -610,14 +618,7 @@ async def test_verdicts_reached_as_the_build_ends_are_kept_when_the_executor_clo
 ) -> None:
     """A process that closes right after its build ended, with no execution since, still
     leaves the verdicts it reached for a restart."""
-    late_gate = threading.Event()
-    verdicts = _late_verdicts(tmp_path, monkeypatch)
-
-    setup = FailingLate(late_cost=0.5, late_gate=late_gate, verdicts=verdicts)
-    await setup.run()
-    while "fast" not in setup.forms.statistics()["forms"]:  # noqa: ASYNC110 - no event to wait on
-        await asyncio.sleep(0.001)
-    await _decide(setup)
+    setup, verdicts, late_gate = await _decided_before_the_late_build_fails(tmp_path, monkeypatch)
     late_gate.set()
     setup.wait_built()
     assert verdicts.stored == 0
