@@ -71,6 +71,9 @@ class AOTIDelegate:
     """
 
     kernel_kind = KernelKind.DELEGATE
+    # compiled code: no autograd recorded, outputs that do not require grad, in any mode; the
+    # guard only costs (runtime/direct.py)
+    needs_inference_mode = False
 
     def __init__(
         self, name: str, loader: Any, contiguous: Sequence[bool], node_names: Sequence[str],
@@ -87,6 +90,8 @@ class AOTIDelegate:
         names = tuple(constants) if constants is not None else ("",) * len(self.contiguous)
         self._runtime = tuple(i for i, c in enumerate(names) if not c)
         self._constant = tuple(i for i, c in enumerate(names) if c)
+        # the runtime arguments (positions among them) compiled contiguous
+        self._contiguous_args = tuple(k for k, i in enumerate(self._runtime) if contiguous[i])
         self._fqns = tuple(names[i] for i in self._constant)
         # the constant inputs as one slice of the call's arguments where they are contiguous
         # (a segment's weights follow its runtime inputs): one C slice per call, not a lookup
@@ -127,7 +132,10 @@ class AOTIDelegate:
             raise TypeError(
                 f"{self.__name__}: expected {len(self.contiguous)} inputs, got {len(inputs)}"
             )
-        args = [self._arg(inputs[i], i) for i in self._runtime]
+        args = [inputs[i] for i in self._runtime]
+        for k in self._contiguous_args:  # the compiled code assumes the strides it saw
+            if isinstance(args[k], torch.Tensor) and not args[k].is_contiguous():
+                args[k] = args[k].contiguous()
         self.calls += 1
         if not self._constant:
             outputs: list[torch.Tensor] = self._latest.loader.run(args)
@@ -143,11 +151,6 @@ class AOTIDelegate:
                 if self._waiting:
                     self._changed.notify_all()
         return outputs
-
-    def _arg(self, value: Any, index: int) -> Any:
-        if self.contiguous[index] and isinstance(value, torch.Tensor) and not value.is_contiguous():
-            return value.contiguous()
-        return value
 
     def _acquire(self, weights: tuple[Any, ...]) -> _Container:
         """A container holding `weights`, marked running; loads them into one when none does."""
@@ -220,7 +223,8 @@ class AOTIDelegate:
 
     def _take(self, container: _Container) -> _Container:
         container.running += 1
-        self._touch(container)
+        if container is not self._latest:  # the latest is the most recent already
+            self._touch(container)
         return container
 
     def _touch(self, container: _Container) -> None:

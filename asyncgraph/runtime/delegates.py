@@ -40,6 +40,10 @@ class Delegate(Protocol):
       runs on them, on a worker thread: load or build what the new version needs, or nothing.
     - `aclose()`: the Executor closes; return once no thread of the delegate's is left.
     - `statistics()`: what the delegate did, as a dict of its own.
+    - `needs_inference_mode` (optional; True when absent): False where the call records no
+      autograd and returns tensors that do not require grad whatever the mode (compiled
+      code): a one-call program's Mode.DIRECT then calls it without the guard
+      (runtime/direct.py).
     """
 
     def __call__(self, *inputs: Any) -> list[Any]: ...

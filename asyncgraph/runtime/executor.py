@@ -61,6 +61,7 @@ from asyncgraph.runtime.build import PassCounts, build
 from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig, requested_batching
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
+from asyncgraph.runtime.direct import DirectCall
 from asyncgraph.runtime.form_verdicts import FormVerdicts
 from asyncgraph.runtime.forms import MIN_FORM_NODES, THREAD_COUNTS, FastForms
 from asyncgraph.runtime.frame import ExecutionFrame
@@ -81,6 +82,7 @@ _Choice = tuple[tuple[Placement, ...], NodeTimes | None, Schedule | None]
 
 _COMPLETED, _FAILED, _CANCELLED = range(3)  # how an execution ended: Executor._ended
 _FRAMELESS, _LINE_NOW, _CAPTURED = Mode.FRAMELESS, Mode.LINE_NOW, Mode.CAPTURED
+_DIRECT = Mode.DIRECT
 ONE_CALL_FRAMES = 8  # a one-delegate-call form's frames per frame of the Executor's bound
 
 
@@ -241,6 +243,12 @@ class Executor:
             and self._output_slots is not None and not self.plan.token_slots
             and not self._buffer_mutations and not self._input_mutations
         )
+        # Mode.DIRECT (runtime/direct.py): a program of one delegate call, called as such
+        self._direct = DirectCall.of(
+            self.graph, self.plan, [k.fn for k in self.kernels], self.config.inference_mode,
+            weights=lambda: self._weights, adaptive=self._adaptive, schedules=self._schedules,
+            modes=self._modes, state=self._scheduler.state, has_free=self._pool.has_free,
+        ) if self._may_run_alone else None
         self._alone_frame = ExecutionFrame(self.plan, 0)  # Mode.FRAMELESS's, one at a time
         self._no_values = [None] * self.plan.num_values
         self._alone = 0
@@ -391,6 +399,9 @@ class Executor:
             if scoped is not None:
                 return await self._execute_in_scope(scoped, flat, caller_inputs, signature)
             caller = asyncio.current_task()
+        start = self._direct.start(signature) if self._direct is not None else None
+        if start is not None:  # Mode.DIRECT: the program's one call, at once
+            return self._run_direct(flat, start)
         frame = None  # none taken while one is free: the execution may need none
         if not (self._may_run_alone and self._pool.has_free()):
             frame = self._take_free_frame(caller) or await self._take_frame(caller)
@@ -496,6 +507,19 @@ class Executor:
         else:
             placement, times = self.plan.placement, None
         return placement, times, self._schedules.cached(placement, self._fuse and times is None)
+
+    def _run_direct(self, flat: list[Any], start: float) -> list[Any]:
+        """Mode.DIRECT: the one call, at once (runtime/direct.py), counted as executions are."""
+        assert self._direct is not None
+        self._started += 1
+        ended = _FAILED
+        try:
+            outputs = self._direct.run(flat, start)
+            ended = _COMPLETED
+        finally:
+            self._ended[ended] += 1
+        self._by_mode[_DIRECT] += 1
+        return outputs
 
     def _run_alone(self, flat: list[Any], schedule: Schedule, start: float) -> list[Any]:
         """Mode.FRAMELESS: run the straight line at once on the Executor's own frame, never

@@ -96,6 +96,7 @@ from asyncgraph.runtime.form_verdicts import FormVerdicts, usable_cpus
 from asyncgraph.runtime.placement import batch_bucket_key
 from asyncgraph.runtime.threads import start_thread, step_back
 from asyncgraph.runtime.validation import Signature, signature_of
+from asyncgraph.runtime.weights import ran_on
 
 LOG = logging.getLogger("asyncgraph.forms")
 
@@ -332,7 +333,10 @@ class FastForms:
             start = self._clock()
             if form is not None:
                 self.fast_runs += 1
-                return await form._execute(flat, caller_inputs, caller, signature)
+                version = self._form_version  # the Executor's version, not the form's own
+                outputs = await form._execute(flat, caller_inputs, caller, signature)
+                ran_on(version)
+                return outputs
             return await self._plain(flat, caller_inputs, caller, signature)
         finally:
             self._in_flight -= 1

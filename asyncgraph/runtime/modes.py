@@ -50,6 +50,7 @@ class Mode(enum.IntEnum):
     LINE_WORKER = 4  # a straight line on a worker thread
     CAPTURED = 5  # a CUDA-graph capture or replay (the dataflow while it warms up)
     DATAFLOW = 6  # the WorkUnit dataflow
+    DIRECT = 7  # a one-call program's call, at once, without a frame (runtime/direct.py)
 
 
 class ModeChooser:
@@ -82,7 +83,7 @@ class ModeChooser:
         budget = state.budget if state.budget is not None else state.bind()
         start = budget.start(line.seconds)
         if line is not self._line:  # the worker bar of the line seen last, kept
-            self._line, self._worth = line, self._worth_a_worker(line)
+            self._line, self._worth = line, self.worth_a_worker(line)
         if start is None:  # the slice is spent, or left too short for it
             if line.seconds > budget.slice_s:  # a fresh slice would not hold it either
                 busy = state.running > 0  # another execution is in flight to overlap it
@@ -94,7 +95,7 @@ class ModeChooser:
             return _LINE_WORKER, 0.0
         return (_FRAMELESS if alone else _LINE_NOW), start
 
-    def _worth_a_worker(self, line: StraightLine) -> bool:
+    def worth_a_worker(self, line: StraightLine) -> bool:
         """Whether this line may go to a worker: its nodes are kernel time enough and free to
         leave the loop thread (adaptive placement keeps such a line whole on a loaded loop)."""
         return line.node_seconds >= self._worker_node_s and line.any_thread

@@ -221,6 +221,17 @@ class AdaptivePlacement:
             return self.base, None  # a warm-up: first calls pay one-off costs per op and thread
         return self.base, self._profiled(entry)
 
+    def settled(
+        self, signature: tuple[Any, ...]
+    ) -> tuple[tuple[Placement, ...], tuple[Placement, ...]] | None:
+        """The placements decided for the inputs of `signature` (InputValidator.check's),
+        alone and under load; None while it is unseen or profiled. Rechecks may move nodes
+        inline later, never off the loop (the module docstring)."""
+        entry = self._by_signature.get(signature)
+        if entry is None or entry.placement is None or entry.loaded is None:
+            return None
+        return entry.placement, entry.loaded
+
     def _profiled(self, entry: _Entry) -> NodeTimes | None:
         """The entry's times for an execution to record, or None (it runs unprofiled, on
         the fused schedule) while `profile_executions` profiled ones are in flight already.

@@ -15,6 +15,7 @@ import torch
 
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.runtime.disk_cache import cache_root
+from asyncgraph.runtime.weights import weights_ran_on
 from tests.support.models import DeepMLP as MLP
 from tests.support.models import export_model
 
@@ -90,6 +91,30 @@ async def test_after_a_weights_swap_every_output_is_the_new_weights() -> None:
                          for k in range(0, 20, 2) for w in ("weight", "bias")})
         forms = await _until_decided(ex, model, x)  # checks each output on the new weights
         assert forms["builds"] == 2
+
+
+async def test_an_execution_on_a_form_says_the_executors_weights_version() -> None:
+    """A form is an Executor of its own, built on the swapped weights as its version 0: an
+    execution it served noted that for its task, and a server labelled the answer with the
+    version before the swap (serve/core.py's `Served.label(weights_ran_on())`)."""
+    model, x = MLP().eval(), torch.randn(1, 32)
+    async with Executor(export_model(model, x), FAST) as ex:
+        await _until_decided(ex, model, x)
+        version = ex.swap_weights({k: v * 0.5 for k, v in model.state_dict().items()})
+        assert version == 1
+        forms = ex.statistics().forms
+        assert forms is not None
+        fast_runs = forms["fast_runs"]
+        for n in range(400):
+            await ex.execute(x)
+            assert weights_ran_on() == version
+            forms = ex.statistics().forms
+            assert forms is not None
+            if forms["fast_runs"] > fast_runs + 20:
+                break
+            if n % 16 == 0:
+                await asyncio.sleep(0.005)  # the build thread's turn
+        assert forms["fast_runs"] > fast_runs + 20, forms  # the rebuilt form served
 
 
 async def test_off_small_or_traced_programs_have_no_fast_forms() -> None:

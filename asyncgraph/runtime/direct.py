@@ -1,0 +1,178 @@
+"""DirectCall: an execution of a one-call program made as one Python call on the loop.
+
+Why: the AOTInductor form of a small model is one compiled call (compiled/aoti_form.py). The
+MLP's kernels ran in 3 us through torch's binding, and an execution of that form through the
+Executor's general path took 12 us around them: the placement and mode choices, the frame's
+values, the run loop, the inference-mode guard, the delegate's weights check. The default path
+then ran at 1.2x ONNX Runtime's latency at batch 1 with kernels taking a quarter of it
+(benchmarks/results/cpu/design_measurements.md#direct-calls).
+
+What: for an Executor whose graph is one delegate node and the getitems taking its outputs
+apart, reading only user inputs and weights, whose frame would hold nothing more than the
+values (`Executor._may_run_alone`: no mutation, effect, device or trace), an execution of an
+input signature whose node adaptive placement has settled inline (alone and under load) runs
+as Mode.DIRECT: the node's compiled call on a value list laid out once per weights version,
+the outputs picked from its result. Everything else the general path decides still holds:
+the pool must have a frame free (it bounds executions), the loop's budget must have room for
+the line's measured time (LoopBudget.start; a spent slice, or callers queued for a line worth
+a worker, hand the execution to the general path, which waits or moves it), the loop's time is
+accounted, the weights version noted for the task, a kernel's error names its node. A
+signature not settled yet (warming, profiled) takes the general path, which settles it.
+
+The delegate runs outside the inference-mode guard when it says it does not need it
+(`needs_inference_mode = False`: compiled code that records no autograd and returns tensors
+that do not require grad): on the MLP the guard's entry and exit and the inference tensors
+cost 2.4 us of the 8.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncgraph.graph.ir import Graph, OutputKind, Ref
+from asyncgraph.runtime.delegates import Delegate
+from asyncgraph.runtime.failures import add_node_note
+from asyncgraph.runtime.loop_state import LoopState
+from asyncgraph.runtime.modes import ModeChooser
+from asyncgraph.runtime.placement import AdaptivePlacement
+from asyncgraph.runtime.plan import ExecutionPlan, Placement
+from asyncgraph.runtime.schedule import ScheduleCache
+from asyncgraph.runtime.weights import Weights, ran_on
+
+_inference_mode = torch._C._InferenceMode  # the C++ guard (scheduler.py)
+_INLINE = Placement.INLINE
+MAX_SETTLED = 64  # signatures remembered as settled; more, and the table starts again
+
+
+class DirectCall:
+    """Mode.DIRECT for one Executor (loop thread only): `start` says whether an execution of
+    a signature runs so, `run` runs it."""
+
+    def __init__(
+        self, graph: Graph, plan: ExecutionPlan, call: Callable[[list[Any]], Any], node: int,
+        items: tuple[int, ...], guarded: bool, weights: Callable[[], Weights],
+        adaptive: AdaptivePlacement | None, schedules: ScheduleCache, modes: ModeChooser,
+        state: LoopState, has_free: Callable[[], bool],
+    ) -> None:
+        self._graph, self._plan = graph, plan
+        self._call = call  # the node's compiled call over the value list (plan.calls)
+        self._node = node
+        self._items = items  # per user output: its index in the call's result
+        self._guarded = guarded  # under torch.inference_mode
+        self._weights = weights
+        self._adaptive = adaptive
+        self._schedules = schedules
+        self._modes = modes
+        self._state = state
+        self._has_free = has_free
+        self._template: list[Any] = []
+        self._version = -1
+        self._settled: dict[Any, tuple[float, bool]] = {}  # signature -> (seconds, worth)
+        self._hot: Any = None  # the signature of the last execution, and its entry
+        self._hot_entry = (0.0, False)
+        self.calls = 0
+
+    @classmethod
+    def of(cls, graph: Graph, plan: ExecutionPlan, fns: list[Any], config_guard: bool,
+           **parts: Any) -> DirectCall | None:
+        """The DirectCall of a graph that is one delegate node (`fns`: the kernels'
+        callables) and the getitems taking its outputs apart, reading only user inputs,
+        weights and constants; else None."""
+        calls = [n for n in graph.nodes if isinstance(fns[n.index], Delegate)]
+        if len(calls) != 1:
+            return None
+        node = calls[0]
+        sig = graph.signature
+        readable = {*plan.user_input_slots, *(slot for slot, _ in plan.weight_slots)}
+        if node.kwargs or not set(node.inputs()) <= readable:
+            return None
+        taken = {n.output: n.args[1] for n in graph.nodes if n is not node
+                 and n.target is operator.getitem and n.args[0] == Ref(node.output)
+                 and type(n.args[1]) is int}
+        if len(taken) != len(graph.nodes) - 1:
+            return None
+        outputs = [o.arg for o in sig.outputs if o.kind is OutputKind.USER_OUTPUT]
+        if len(outputs) != len(sig.outputs) or not all(
+                isinstance(o, Ref) and o.id in taken for o in outputs):
+            return None
+        guarded = config_guard and getattr(fns[node.index], "needs_inference_mode", True)
+        return cls(graph, plan, plan.calls[node.index], node.index,
+                   tuple(taken[o.id] for o in outputs), guarded, **parts)
+
+    def start(self, signature: Any) -> float | None:
+        """The perf_counter time an execution of `signature` starts at as Mode.DIRECT, the
+        loop's budget taken; None: the general path runs it (no signature computed, not
+        settled, no frame free, no room in the slice, or callers queued for a line worth a
+        worker)."""
+        if signature is None:
+            return None
+        if signature is self._hot:
+            seconds, worth = self._hot_entry
+        else:
+            entry = self._settled.get(signature) or self._settle(signature)
+            if entry is None:
+                return None
+            self._hot, self._hot_entry = signature, entry
+            seconds, worth = entry
+        if not self._has_free():
+            return None
+        budget = self._state.budget
+        if budget is None:
+            return None
+        start = budget.start(seconds)
+        if start is None or (worth and budget.others_queued()):
+            return None
+        return start
+
+    def run(self, flat: list[Any], start: float) -> list[Any]:
+        """The execution, started at `start` (from `start`): its outputs, or its kernel's
+        error with the node named."""
+        weights = self._weights()
+        if weights.version != self._version:
+            self._lay_out(weights)
+        ran_on(self._version)
+        values = self._template.copy()
+        for slot, value in zip(self._plan.user_input_slots, flat, strict=True):
+            values[slot] = value
+        guard = _inference_mode(True) if self._guarded else None
+        try:
+            result = self._call(values)
+        except Exception as exc:  # named as units.py names a kernel's error
+            add_node_note(exc, self._graph, self._node)
+            raise
+        finally:
+            del guard
+            self._state.account(start, time.perf_counter())
+        self.calls += 1
+        return [result[i] for i in self._items]
+
+    def _lay_out(self, weights: Weights) -> None:
+        self._template = list(weights.template(self._plan.weight_slots, self._plan.num_values))
+        self._version = weights.version
+
+    def _settle(self, signature: Any) -> tuple[float, bool] | None:
+        """The line's measured time and whether it is worth a worker, once adaptive
+        placement has settled `signature`'s node inline alone and under load (None until
+        then: the general path profiles it)."""
+        if self._adaptive is not None:
+            settled = self._adaptive.settled(signature)
+            if settled is None or any(p[self._node] is not _INLINE for p in settled):
+                return None
+            placement = settled[0]
+        else:
+            placement = self._plan.placement
+            if placement[self._node] is not _INLINE:
+                return None
+        schedule = self._schedules.cached(placement, True)
+        line = schedule.straight if schedule is not None else None
+        if line is None:
+            return None
+        if len(self._settled) >= MAX_SETTLED:
+            self._settled.clear()
+        entry = self._settled[signature] = (line.seconds, self._modes.worth_a_worker(line))
+        return entry
