@@ -80,21 +80,12 @@ def form_program(program: Program, threads: int, runners: int) -> Program:
         raise FormRefused("the program is not an ExportedProgram (a .pt2 or torch.export's)")
     if threads != 1:
         raise FormRefused("AOTInductor forms are compiled for one intra-op thread")
-    path = _package(program.exported, _described(program.graph), threads)
+    path = _package(program.exported, program.graph.described(), threads)
     compiled = load_compiled(path, runners=runners, threads=threads)
     if _inputs(compiled.graph) != _inputs(program.graph):
         raise FormRefused(f"{path} was compiled for other inputs than the program's")
     return Program(compiled.graph, _weights(program.weights, compiled.weights),
                    f"{program.name} [{KIND}]", program.reference, compiled.exported)
-
-
-def _described(graph: Graph) -> str:
-    """What a package depends on in the graph: its text, which names no shape, and every
-    value's spec (shapes, symbolic ones included, dtypes, devices) and the symbols' ranges:
-    the same model exported with a static and with a dynamic batch is two packages."""
-    ranges = sorted((str(s), r) for s, r in graph.signature.range_constraints.items())
-    return "\n".join([graph.format(), *(f"{v.name}: {v.spec!r}" for v in graph.values),
-                      repr(ranges)])
 
 
 def _inputs(graph: Graph) -> list[tuple[Any, ...]]:

@@ -259,6 +259,14 @@ class Graph:
         lines.append(f"    return ({outs})")
         return "\n".join(lines)
 
+    def described(self) -> str:
+        """`format()`, which names no shape, with every value's spec (shapes, symbolic ones
+        included, dtypes, devices) and the symbols' ranges: what is built or decided for a
+        graph differs between the same model exported with a static and a dynamic batch."""
+        ranges = sorted((str(s), r) for s, r in self.signature.range_constraints.items())
+        return "\n".join([self.format(), *(f"{v.name}: {v.spec!r}" for v in self.values),
+                          repr(ranges)])
+
     def __repr__(self) -> str:
         return f"<Graph: {len(self.nodes)} nodes, {len(self.values)} values>"
 

@@ -839,7 +839,7 @@ class Executor:
             backend.load()  # while the loop serves (extensions hold the GIL)
         return FastForms(backends, self._build_form, self._execute,
                          lambda: self._weights.version,
-                         verdicts=FormVerdicts(self.graph.format(), backends, THREAD_COUNTS),
+                         verdicts=FormVerdicts(self.graph.described(), backends, THREAD_COUNTS),
                          batched=requested_batching(config) is not None,
                          additional=[b.name for b in registered if b.form_program],
                          thread_counts={b.name: b.form_threads for b in registered

@@ -37,7 +37,9 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    GIL on the loop's thread; a form running in C++ releases it and uses every core). So an
    execution is *loaded* when another is in flight, or another task's execution ended
    within `BURST_GAP_S` (a burst of callers whose executions run inline one after another),
-   else *alone*, and each (signature, regime) gets its own verdict. A signature's first
+   else *alone*; a batch of more than one row (an Executor with batching) is loaded: its
+   rows are requests in flight together, and throughput is what serves them. Each
+   (signature, regime) gets its own verdict. A signature's first
    executions on a new form warm it (`WARM` runs, and until its delegates' builders are
    idle: ONNX sessions, the first-call checks against the plain nodes). Then, alone, the
    forms and the plain graph take turns, `SAMPLES` timed runs each, and the lowest median
@@ -89,6 +91,8 @@ import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import torch
 
 from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.courtesy import GilCourtesy
@@ -184,6 +188,7 @@ class _Choice:
     alone: _Verdict
     loaded: _Verdict
     warm: int = 0
+    runs: int = 0  # executions of the signature (statistics: which ones the load makes)
 
 
 _BUILDING = threading.local()
@@ -310,7 +315,7 @@ class FastForms:
         until a form is built and measured faster)."""
         key: Hashable | None = (batch_bucket_key(flat) if self._batched
                                 else signature if signature is not None else signature_of(flat))
-        regime = self._regime(caller)
+        regime = LOADED if self._batched and _rows(flat) > 1 else self._regime(caller)
         self._in_flight += 1
         self._last_start = self._clock()  # before a build starts: it sees the loop serving
         counted: str | None = None  # the route counted in `_running`
@@ -321,6 +326,7 @@ class FastForms:
             if key is None:
                 return await self._plain(flat, caller_inputs, caller, signature)
             choice = self._choices.get(key) or self._new_choice(key)
+            choice.runs += 1
             if self._building is not None:  # kept verdicts chose forms not built yet: wait
                 wanted = _promised(choice)
                 if wanted and not wanted <= (forms or {}).keys():
@@ -665,8 +671,9 @@ class FastForms:
 
     def statistics(self) -> dict[str, Any]:
         """Which form serves each signature under each load and why; what each backend did."""
-        signatures = {str(key): {regime: _said(getattr(c, regime), c.warm, self._published)
-                                 for regime in (ALONE, LOADED)}
+        signatures = {str(key): {ALONE: _said(c.alone, c.warm, self._published),
+                                 LOADED: _said(c.loaded, c.warm, self._published),
+                                 "runs": c.runs}
                       for key, c in self._choices.items()}
         state = ("building" if self._building is not None
                  else "ready" if self._forms else "none")
@@ -679,6 +686,14 @@ class FastForms:
                                     for node, said in form.delegate_statistics().items()
                                     if "serves" in said}
                              for name, form in self._forms.items()}}
+
+
+def _rows(flat: list[Any]) -> int:
+    """A batch's rows: its first tensor input's dim 0 (1 for none)."""
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return 1
 
 
 def _promised(choice: _Choice) -> set[str]:

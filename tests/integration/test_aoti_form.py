@@ -44,7 +44,7 @@ def aoti_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 def _package_path(cache: Path, ep: Any) -> Path:
     """Where the form of `ep` is kept (aoti_form.py's key, with AUTOTUNE off)."""
-    described = aoti_form._described(from_exported_program(ep).graph)
+    described = from_exported_program(ep).graph.described()
     return cache / "aoti" / f"{digest('aoti', environment(), described, 1, False)}.pt2"
 
 

@@ -117,6 +117,20 @@ async def test_an_execution_on_a_form_says_the_executors_weights_version() -> No
         assert forms["fast_runs"] > fast_runs + 20, forms  # the rebuilt form served
 
 
+async def test_a_static_and_a_dynamic_batch_export_keep_their_verdicts_apart() -> None:
+    """The same model exported with a static and a dynamic batch builds other forms (a
+    dynamic AOTInductor package, ONNX sessions for any batch): a verdict one kept on disk
+    must not choose, or limit the build of, the other's forms."""
+    model, x = MLP().eval(), torch.randn(2, 32)
+    files = set()
+    static, dynamic = export_model(model, x), export_model(model, x, dynamic=True)
+    for ep in (static, dynamic, export_model(model, x)):
+        async with Executor(ep, FAST) as ex:
+            assert ex._forms is not None and ex._forms._verdicts is not None
+            files.add(ex._forms._verdicts.path)
+    assert len(files) == 2
+
+
 async def test_off_small_or_traced_programs_have_no_fast_forms() -> None:
     model, x = MLP().eval(), torch.randn(1, 32)
     ep = export_model(model, x)

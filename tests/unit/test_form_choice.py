@@ -80,7 +80,7 @@ class Setup:
                  plain_cpu: tuple[float, float] = (0.0, 0.0),
                  gate: threading.Event | None = None, cpus: int = 1,
                  two_threads: tuple[float, tuple[float, float]] | None = None,
-                 quiet_start_s: float = 0.0) -> None:
+                 quiet_start_s: float = 0.0, batched: bool = False) -> None:
         # cpus=1: one form (one intra-op thread); 2: a second form on 2 threads, whose
         # (latency, CPU) are `two_threads` (the first form's when None)
         self.two_threads = two_threads
@@ -95,7 +95,7 @@ class Setup:
         self.fast_cost = fast_cost
         self.forms = FastForms(("fast",), build or self.build, self.plain, lambda: self.version,
                                self.clock, verdicts, cpu=lambda: (self.cpu[0], self.cpu[1]),
-                               cpus=cpus, quiet_start_s=quiet_start_s)
+                               cpus=cpus, quiet_start_s=quiet_start_s, batched=batched)
 
     def build(self, backend: str, threads: int = 1) -> FakeForm:
         if self.gate is not None:
@@ -262,6 +262,34 @@ async def test_a_first_build_starts_once_the_burst_that_asked_for_it_is_over() -
     setup.clock.now += 2 * forms.QUIET_S  # the gap
     await anyio.to_thread.run_sync(setup.wait_built)
     assert len(setup.built) == 1
+    await setup.forms.aclose()
+
+
+async def test_with_batching_a_batch_of_many_rows_is_decided_under_load() -> None:
+    """A batch's rows are requests in flight together: one caller's batches of 32 rows
+    reach the loaded verdict (the plain graph's latency is lower, the form costs the loop
+    less), batches of one row the verdict alone."""
+    import torch
+
+    setup = Setup(fast_cost=3.0, plain_cost=2.0, fast_cpu=(0.2, 1.0), plain_cpu=(1.5, 1.5),
+                  batched=True)
+    rows32, rows1 = [torch.zeros(32, 4)], [torch.zeros(1, 4)]
+    await setup.forms.run(rows32, None, None, None)
+    setup.wait_built()
+    stats = setup.forms.statistics
+    for _ in range(40 * forms.WINDOW):
+        await setup.forms.run(rows32, None, None, None)
+        setup.clock.now += 1.0  # one caller: nothing else in flight, no burst
+        if stats()["signatures"]["(((32, 4), torch.float32),)"]["loaded"]["form"] != "measuring":
+            break
+    decided = stats()["signatures"]["(((32, 4), torch.float32),)"]
+    assert decided["loaded"]["form"] == "fast", decided  # CPU: 1.0 against 1.5
+    assert decided["alone"]["form"] == "measuring" and decided["runs"] > forms.WINDOW
+    for _ in range(forms.WARM * 2 + 3 * forms.SAMPLES):
+        await setup.forms.run(rows1, None, None, None)
+        setup.clock.now += 1.0
+    one = stats()["signatures"]["(((1, 4), torch.float32),)"]
+    assert one["alone"]["form"] == "plain" and one["loaded"]["form"] == "measuring", one
     await setup.forms.aclose()
 
 
