@@ -42,7 +42,9 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    (signature, regime) gets its own verdict. A signature's first
    executions on a new form warm it (`WARM` runs, and until its delegates' builders are
    idle: ONNX sessions, the first-call checks against the plain nodes). Then, alone, the
-   forms and the plain graph take turns, `SAMPLES` timed runs each, and the lowest median
+   forms and the plain graph take turns (`RUN_OF` runs in a row each, the first of them
+   untimed: a form's first run after another's finds the caches holding the other's
+   weights), `SAMPLES` timed runs each, and the lowest median
    wins. Loaded, latency would mislead (an inline plain run never waits in a queue, a form's
    run waits behind the others'), so the candidates take turns in windows: a window opens
    once nothing of another form runs (a burst's first execution, alone, not counted), times
@@ -106,6 +108,12 @@ LOG = logging.getLogger("asyncgraph.forms")
 
 WARM = 8  # untimed runs of a signature on a new form: sessions made, first calls checked
 SAMPLES = 16  # timed runs of each form per signature alone, before the choice
+# Alone, each candidate runs this many executions in a row and the first is not timed: it
+# finds the caches holding the previous candidate's weights. Timed one execution each in turn,
+# tiny BERT's AOTInductor form read 411 us against its ONNX form's 452 and was chosen, then
+# served 418 us where the ONNX form served 319 (benchmarks/results/cpu/
+# design_measurements.md#warm-turns).
+RUN_OF = 4
 # Loaded executions per window of one form, and windows of each form before the choice: shorter
 # and fewer windows chose a form that costs more CPU per execution than another
 # (benchmarks/results/cpu/design_measurements.md#loaded-windows).
@@ -366,10 +374,13 @@ class FastForms:
         if choice.warm < WARM * len(names) or not all(f.delegates_idle for f in forms.values()):
             choice.warm += 1  # sessions made, first calls checked, before any timing
             return names[choice.warm % len(names)], None
-        if regime is ALONE:
+        if regime is ALONE:  # in turn, RUN_OF in a row each, the first of a run untimed
             candidates = [*names, PLAIN]
             verdict.turn += 1
-            return candidates[verdict.turn % len(candidates)], (
+            route = candidates[verdict.turn // RUN_OF % len(candidates)]
+            if verdict.turn % RUN_OF == 0:
+                return route, None
+            return route, (
                 lambda route, seconds: self._alone(verdict, key, candidates, route, seconds))
         # under load each execution gets one core: the executions in flight already fill
         # them, and a session's second thread only takes a core from another's

@@ -4,6 +4,7 @@ clock: which form serves a signature, when, and never on other weights."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -128,8 +129,8 @@ class Setup:
 
 async def _decide(setup: Setup) -> list[str]:
     """Runs until the signature's verdict alone: the warm runs, then the timed ones in turn."""
-    served = []
-    for _ in range(forms.WARM * 2 + 3 * forms.SAMPLES):
+    served = []  # up to 3 candidates: their warm runs, then runs of RUN_OF, one untimed
+    for _ in range(3 * forms.WARM + 3 * (forms.SAMPLES + 2 * forms.RUN_OF) * 2):
         served.append(await setup.run())
         if setup.forms.statistics()["signatures"][str(SIG)]["alone"]["form"] != "measuring":
             return served
@@ -142,7 +143,12 @@ async def test_the_plain_graph_serves_until_the_form_is_built_then_the_faster_wi
     setup.wait_built()
     served = await _decide(setup)
     assert served[:forms.WARM] == ["fast"] * forms.WARM
-    assert served[forms.WARM:].count("fast") == served[forms.WARM:].count("plain")
+    # then in turn, RUN_OF runs in a row each (the first run of the first turn counted in
+    # the warm runs' turn), until each has SAMPLES timed runs
+    runs = [(form, len(list(run))) for form, run in itertools.groupby(served[forms.WARM:])]
+    assert [form for form, _ in runs] == ["fast", "plain"] * (len(runs) // 2) + (
+        ["fast"] if len(runs) % 2 else [])
+    assert all(n == forms.RUN_OF for _, n in runs[1:-1]), runs
     assert [await setup.run() for _ in range(5)] == ["fast"] * 5
     verdict = setup.forms.statistics()["signatures"][str(SIG)]["alone"]
     assert verdict["form"] == "fast" and "fast 1000000 us, plain 2000000 us" in verdict["why"]
