@@ -21,6 +21,7 @@ from asyncgraph.compiled.export_cache import environment
 from asyncgraph.graph.importers import Program, from_exported_program
 from asyncgraph.plugins import _aoti_missing
 from asyncgraph.runtime.disk_cache import digest
+from asyncgraph.runtime.form_verdicts import KIND
 from tests.support.models import DeepMLP as MLP
 from tests.support.models import export_model
 
@@ -83,7 +84,15 @@ async def test_the_aoti_form_is_compiled_in_a_child_kept_and_measured_beside_the
     (package,) = (aoti_on / "aoti").glob("*.pt2")
     assert stat.S_IMODE(package.stat().st_mode) == 0o600
 
-    async with Executor(ep, FAST) as restarted:  # a restart loads it: no compile
+    chosen = {verdicts[regime]["form"] for regime in ("alone", "loaded")}
+    async with Executor(ep, FAST) as restarted:  # a restart builds what the verdicts chose
+        forms = await _until_built(restarted, model, x)
+    assert _compiles(children) == 1
+    assert ("aoti" in forms["forms"]) == any(f.startswith("aoti") for f in chosen), (
+        chosen, forms["forms"])
+
+    shutil.rmtree(aoti_on / KIND)  # without kept verdicts every form is built: it loads
+    async with Executor(ep, FAST) as restarted:
         forms = await _until_built(restarted, model, x)
     assert "aoti" in forms["forms"] and _compiles(children) == 1
 
