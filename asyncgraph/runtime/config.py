@@ -334,6 +334,7 @@ EXECUTOR_RULES: tuple[Rule, ...] = (
     Range("intra_op_threads", ">=", 1, or_none=True, why="CPUs / max_parallel_ops"),
     Range("loop_intra_op_threads", ">=", 1, or_none=True),
     Range("worker_nice", ">=", 0, why="workers can only step back; 19 is the lowest priority"),
+    Range("worker_yield_s", ">=", 0, why="0 never yields"),
     Range("max_concurrent_executions", ">=", 1),
     Range("max_frame_waiters", ">=", 0),
     _min_frames_within_executions,
@@ -413,6 +414,14 @@ class ExecutorConfig:
             At 5, against 0, the loop woke sooner and batched callers ran slightly more
             requests/s; unbatched and plain-graph callers ran the same either way
             (benchmarks/results/cpu/design_measurements.md#worker-nice).
+        worker_yield_s: a worker thread that has run items for this long since it last
+            stepped aside calls `sched_yield` after its item (POSIX; 0 never does), so the
+            loop's thread, woken while every core runs a worker, gets a core within about
+            this long plus one item instead of a scheduler slice. Under 64 unbatched callers
+            of tiny BERT or the encoder on 2 cores, 2 ms cut the loop's lag p99 from
+            1.4-4.5 ms to 1.2-1.7 ms and its maximum from 5.6-11 ms to 3-4 ms, for 5-8% fewer
+            requests/s; 0 is for throughput alone
+            (benchmarks/results/cpu/design_measurements.md#workers-that-yield).
         max_concurrent_executions: execution frames; callers beyond this await a free frame,
             first come first served.
         max_frame_waiters: executions that may await a frame (4096); the next gets
@@ -544,6 +553,7 @@ class ExecutorConfig:
     pin_workers: bool = False
     worker_idle: bool = False
     worker_nice: int = 5
+    worker_yield_s: float = 0.002
     max_concurrent_executions: int = 8
     max_frame_waiters: int = DEFAULT_MAX_FRAME_WAITERS
     min_frames: int = 1

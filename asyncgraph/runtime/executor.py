@@ -184,6 +184,7 @@ class Executor:
             pin=self.config.pin_workers,
             intra_op_threads=self.config.intra_op_threads_or_default,
             nice=self.config.worker_nice, idle=self.config.worker_idle,
+            yield_s=self.config.worker_yield_s,
         )
         self._scheduler = Scheduler(
             self.graph, self.plan, self.config, self._workers, self.recorder

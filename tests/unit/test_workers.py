@@ -242,3 +242,69 @@ async def test_executors_default_to_workers_at_nice_five_and_idle_on_request() -
         assert await ex.execute(1) == 2
         workers = ex.statistics().workers
         assert (workers.sched_idle, workers.nice) == (True, 0)
+
+
+def _run_items(pool: WorkerPool, count: int, seconds: float) -> None:
+    """`count` items that each keep their thread busy for `seconds`, run to the end."""
+    done = threading.Semaphore(0)
+
+    def busy(frame: Any, unit: int) -> None:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
+        done.release()
+
+    pool.submit(busy, None, [(0.0, i) for i in range(count)])
+    for _ in range(count):
+        assert done.acquire(timeout=10)
+
+
+needs_sched_yield = pytest.mark.skipif(not hasattr(os, "sched_yield"), reason="POSIX's call")
+
+
+@needs_sched_yield
+async def test_a_worker_steps_aside_once_it_has_run_items_for_its_yield_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(os, "sched_yield", lambda: calls.append(threading.get_native_id()))
+    pool = WorkerPool(1, yield_s=0.002)
+    try:
+        _run_items(pool, 40, 0.00025)  # 10 ms of items: a yield about every 8
+        stats = pool.statistics()
+    finally:
+        await pool.aclose()
+    assert stats.yield_s == 0.002
+    assert 2 <= stats.yields == len(calls) <= 20, calls  # not after every item
+    assert threading.get_native_id() not in calls  # on the worker, never the caller
+
+
+@needs_sched_yield
+async def test_workers_with_no_yield_time_or_idle_never_step_aside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(os, "sched_yield", lambda: calls.append(1))
+    pools = [WorkerPool(1, yield_s=0.0)]
+    if sys.platform == "linux":  # SCHED_IDLE's workers give way at once anyway
+        pools.append(WorkerPool(1, yield_s=0.001, idle=True))
+    for pool in pools:
+        try:
+            _run_items(pool, 5, 0.002)
+            assert pool.statistics().yields == 0
+        finally:
+            await pool.aclose()
+    assert calls == []
+
+
+async def test_executors_default_to_workers_that_step_aside_every_two_ms() -> None:
+    b = GraphBuilder()
+    b.output(b.call(lambda v: v + 1, b.input("x"), name="step", placement="worker"))
+    async with Executor(b.build()) as ex:
+        assert await ex.execute(1) == 2
+        assert ex.statistics().workers.yield_s == ExecutorConfig().worker_yield_s == 0.002
+    async with Executor(b.build(), ExecutorConfig(worker_yield_s=0)) as ex:
+        assert await ex.execute(1) == 2
+        assert ex.statistics().workers.yield_s == 0
+    with pytest.raises(ValueError, match="worker_yield_s"):
+        ExecutorConfig(worker_yield_s=-1)
