@@ -138,6 +138,11 @@ def serve(
                           "(Linux; 0 runs them as equals, for a machine shared with other "
                           "services).")
     ] = 5,  # ExecutorConfig's default
+    worker_yield_s: Annotated[
+        float, typer.Option(min=0, help="A worker thread that has run for this many seconds "
+                            "steps aside (sched_yield) so the event loop's thread gets a core "
+                            "soon after it wakes (0: never, for throughput alone).")
+    ] = 0.002,  # ExecutorConfig's default
     max_batch_size: Annotated[
         int, typer.Option(min=0, help="Dynamic batching: stack concurrent requests into "
                           "executions of up to this many rows (0: off). Needs a program "
@@ -233,6 +238,7 @@ def serve(
         config["pin_workers"] = True
     config["worker_idle"] = worker_idle
     config["worker_nice"] = worker_nice
+    config["worker_yield_s"] = worker_yield_s
     chosen = chosen_segments(segments, script_segments)
     if chosen:
         config["segments"] = chosen

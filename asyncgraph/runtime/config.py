@@ -418,9 +418,9 @@ class ExecutorConfig:
             stepped aside calls `sched_yield` after its item (POSIX; 0 never does), so the
             loop's thread, woken while every core runs a worker, gets a core within about
             this long plus one item instead of a scheduler slice. Under 64 unbatched callers
-            of tiny BERT or the encoder on 2 cores, 2 ms cut the loop's lag p99 from
-            1.4-4.5 ms to 1.2-1.7 ms and its maximum from 5.6-11 ms to 3-4 ms, for 5-8% fewer
-            requests/s; 0 is for throughput alone
+            of tiny BERT or the encoder on 2 cores, 2 ms brought the loop's lag p99
+            from up to 4.5 ms to at most 1.7 ms and its maximum from up to 11 ms to at most 6
+            ms, for about 5% fewer requests/s; 0 is for throughput alone
             (benchmarks/results/cpu/design_measurements.md#workers-that-yield).
         max_concurrent_executions: execution frames; callers beyond this await a free frame,
             first come first served.

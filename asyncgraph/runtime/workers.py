@@ -40,9 +40,9 @@ Neither a nice level nor a shorter scheduler slice makes a woken loop thread pre
 worker: it waits for the worker's slice to end. So with `yield_s` (ExecutorConfig.worker_yield_s)
 a thread that has run items for that long since it last stepped aside calls `sched_yield`
 after its item: where the loop's thread waits for that core, it runs now; where nothing waits,
-the call returns at once. Under 64 callers of tiny BERT or the encoder on 2 cores, 2 ms cut the
-loop's lag p99 from 1.4-4.5 ms to 1.2-1.7 ms and its maximum from 5.6-11 ms to 3-4 ms, for 5-8%
-fewer unbatched requests/s (design_measurements.md#workers-that-yield).
+the call returns at once. Under 64 callers of tiny BERT or the encoder on 2 cores, 2 ms brought the
+loop's lag p99 from up to 4.5 ms to at most 1.7 ms and its maximum from up to 11 ms to at most 6
+ms, for about 5% fewer unbatched requests/s (design_measurements.md#workers-that-yield).
 """
 
 from __future__ import annotations

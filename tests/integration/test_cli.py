@@ -207,27 +207,28 @@ def test_serve_loop_option_reaches_uvicorn(
 def test_serve_worker_priority_reaches_the_executors(
     model_file: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--worker-nice` and `--worker-idle` set ExecutorConfig.worker_nice and worker_idle;
-    left out, they are the config's defaults."""
+    """`--worker-nice`, `--worker-idle` and `--worker-yield-s` set ExecutorConfig's
+    worker_nice, worker_idle and worker_yield_s; left out, they are the config's defaults."""
     import asyncgraph.serve
     from asyncgraph.cli import serve as serve_cli
 
     _, path = model_file
-    nices: list[tuple[bool, int]] = []
+    nices: list[tuple[bool, int, float]] = []
     load = serve_cli.load_executor
 
     def recording_load(model: Path, config: ExecutorConfig, trust_compiled: bool) -> Any:
-        nices.append((config.worker_idle, config.worker_nice))
+        nices.append((config.worker_idle, config.worker_nice, config.worker_yield_s))
         return load(model, config, trust_compiled)
 
     monkeypatch.setattr(serve_cli, "load_executor", recording_load)
     monkeypatch.setattr(asyncgraph.serve, "run", lambda *args, **options: None)
-    for flags in ([], ["--worker-idle"], ["--worker-nice", "0"]):
+    for flags in ([], ["--worker-idle"], ["--worker-nice", "0"], ["--worker-yield-s", "0"]):
         result = invoke("serve", path, "--port", "0", *flags)
         assert result.exit_code == 0, result.output
     default = ExecutorConfig()
-    assert nices == [(default.worker_idle, default.worker_nice), (True, default.worker_nice),
-                     (default.worker_idle, 0)]
+    idle, nice, yield_s = default.worker_idle, default.worker_nice, default.worker_yield_s
+    assert nices == [(idle, nice, yield_s), (True, nice, yield_s), (idle, 0, yield_s),
+                     (idle, nice, 0.0)]
     result = invoke("serve", path, "--port", "0", "--worker-nice", "-1")
     assert result.exit_code != 0
 
