@@ -83,7 +83,7 @@ class WorkerPoolStatistics:
     nice: int = 0  # what each thread added to its nice value (0 where it cannot: not Linux)
     sched_idle: bool = False  # the threads run under SCHED_IDLE (Linux: worker_idle)
     yield_s: float = 0.0  # run time after which a thread steps aside (0: never; worker_yield_s)
-    yields: int = 0  # times a thread stepped aside for a waiting thread
+    yields: int = 0  # sched_yield calls (each hands the core over only where a thread waits)
 
 
 _NEXT_CPU = itertools.count()  # process-wide: pinned pools spread over the CPUs
