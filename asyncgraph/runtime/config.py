@@ -420,7 +420,7 @@ class ExecutorConfig:
             this long plus one item instead of a scheduler slice. Under 64 unbatched callers
             of tiny BERT or the encoder on 2 cores, 2 ms brought the loop's lag p99
             from up to 4.5 ms to at most 1.7 ms and its maximum from up to 11 ms to at most 6
-            ms, for about 5% fewer requests/s; 0 is for throughput alone
+            ms, for 4-8% fewer requests/s; 0 is for throughput alone
             (benchmarks/results/cpu/design_measurements.md#workers-that-yield).
         max_concurrent_executions: execution frames; callers beyond this await a free frame,
             first come first served.

@@ -42,7 +42,7 @@ a thread that has run items for that long since it last stepped aside calls `sch
 after its item: where the loop's thread waits for that core, it runs now; where nothing waits,
 the call returns at once. Under 64 callers of tiny BERT or the encoder on 2 cores, 2 ms brought the
 loop's lag p99 from up to 4.5 ms to at most 1.7 ms and its maximum from up to 11 ms to at most 6
-ms, for about 5% fewer unbatched requests/s (design_measurements.md#workers-that-yield).
+ms, for 4-8% fewer unbatched requests/s (design_measurements.md#workers-that-yield).
 """
 
 from __future__ import annotations
