@@ -213,8 +213,8 @@ class WorkerPool:
                 cpu = self._cpus[i] if self._cpus else None
                 thread = threading.Thread(
                     target=_worker_main,
-                    args=(self._queue, self._inference_mode, self._items_run, i, intra_op, cpu,
-                          self.nice, self.idle, self.yield_s, self._yields),
+                    args=(self._queue, self._inference_mode, self._items_run, self._yields, i,
+                          intra_op, cpu, self.nice, self.idle, self.yield_s),
                     name=f"{self._name}-{i}",
                     daemon=True,
                 )
@@ -256,13 +256,13 @@ def _worker_main(
     q: ReadyQueue,
     inference_mode: bool,
     items_run: list[int],
+    yields: list[int],
     slot: int,
     intra_op_threads: int,
     cpu: int | None,
     nice: int = 0,
     idle: bool = False,
     yield_s: float = 0.0,
-    yields: list[int] | None = None,
 ) -> None:
     if cpu is not None:
         with contextlib.suppress(OSError):  # the CPU left the process's set: run unpinned
@@ -290,8 +290,7 @@ def _worker_main(
                 if now - stepped_aside >= yield_s:
                     os.sched_yield()  # a woken loop thread waiting for this core runs now
                     stepped_aside = now
-                    if yields is not None:
-                        yields[slot] += 1
+                    yields[slot] += 1
 
 
 class _Unraisable:
