@@ -127,6 +127,7 @@ BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a bur
 MARGIN = 0.05
 NICE = 10  # the build thread's nice value above the loop's: serving comes first
 QUIET_S = 0.002  # no execution started or ended this long ago: the loop is not serving
+STUCK_S = 0.05  # executions in flight, none started or ended this long: the loop waits on us
 QUIET_START_S = 1.0  # at most this long a first build (nothing waits for it) waits for a gap
 PLAIN = "plain"
 ALONE, LOADED = "alone", "loaded"
@@ -299,6 +300,7 @@ class FastForms:
         # (loop, future) woken when forms are published and when the build ends
         self._build_waiters: list[tuple[Any, Any]] = []
         self._in_flight = 0
+        self._awaiting_build = 0  # of those, executions waiting for the build (`_built`)
         # loaded executions in flight, per form (a burst's first execution counts as
         # alone and is left out: under bursts it would hold every window of another form)
         self._running: dict[str, int] = {PLAIN: 0}
@@ -457,13 +459,17 @@ class FastForms:
         (kept verdicts chose them) or ended; the forms then (None: none)."""
         loop = current_loop()
         self.build_waits += 1
-        while True:
-            future = loop.create_future()
-            with self._build_lock:
-                if self._building is None or wanted <= self._forms.keys():
-                    return self._current()
-                self._build_waiters.append((loop, future))
-            await future
+        self._awaiting_build += 1
+        try:
+            while True:
+                future = loop.create_future()
+                with self._build_lock:
+                    if self._building is None or wanted <= self._forms.keys():
+                        return self._current()
+                    self._build_waiters.append((loop, future))
+                await future
+        finally:
+            self._awaiting_build -= 1
 
     def _alone(self, verdict: _Verdict, key: Hashable, candidates: list[str], route: str,
                seconds: float) -> None:
@@ -618,11 +624,18 @@ class FastForms:
             loop.call_soon_threadsafe(_wake, future)
 
     def _serving(self) -> bool:
-        """Whether the loop serves: an execution started or ended within QUIET_S (the build
-        thread reads it: a stale answer costs one pause or one slice). Not merely one in
-        flight: a loop blocked on a lock the build thread holds starts and ends nothing, and
-        the build must then go on, not pause, or the loop waits for its pauses."""
-        return self._clock() - max(self._last_start, self._last_end) < QUIET_S
+        """Whether the loop serves (the build thread reads it: a stale answer costs one
+        pause or one slice): an execution started or ended within QUIET_S, or executions are
+        in flight and one started or ended within STUCK_S.
+
+        In flight counts: an execution running inline on the loop gives up the GIL at every
+        kernel, and a build thread that then takes it keeps it for the switch interval each
+        time, so the execution runs one kernel per 0.5 ms and starts and ends nothing for
+        10-15 ms (design_measurements.md#the-build-and-the-gil). Executions waiting for the
+        build do not count (it should hurry), and after STUCK_S without progress the loop
+        may be blocked on a lock the build thread holds, which must then go on, not pause."""
+        since = self._clock() - max(self._last_start, self._last_end)
+        return since < QUIET_S or (self._in_flight > self._awaiting_build and since < STUCK_S)
 
     def _in_a_burst(self) -> bool:
         """Whether executions are in flight, or one started or ended within QUIET_S: stricter

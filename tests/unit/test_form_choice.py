@@ -366,9 +366,16 @@ async def test_a_restart_serves_the_kept_form_from_its_first_request(
 
     release = threading.Event()
     restarted = Setup(verdicts=_kept_verdicts(tmp_path, monkeypatch), gate=release)
-    threading.Timer(0.05, release.set).start()
     assert restarted.forms.statistics()["state"] == "building"  # before any request
-    assert await restarted.run() == "fast"  # waited for the build, off the loop
+    waiting = asyncio.ensure_future(restarted.run())
+    await asyncio.sleep(0.01)
+    # it waits for the build, off the loop, and the build's courtesy does not pause for it
+    assert not waiting.done() and restarted.forms._awaiting_build == 1
+    restarted.clock.now += 2 * forms.QUIET_S  # past its start
+    assert not restarted.forms._serving()
+    release.set()
+    assert await waiting == "fast"
+    assert restarted.forms._awaiting_build == 0
     stats = restarted.forms.statistics()
     assert stats["build_waits"] == 1 and restarted.plain_runs == 0
     assert stats["signatures"][str(SIG)]["alone"]["why"].startswith("kept from an earlier run")
@@ -471,10 +478,13 @@ async def test_batches_share_a_verdict_per_power_of_two_of_rows() -> None:
     await setup.forms.aclose()
 
 
-async def test_the_build_pauses_only_while_executions_start_or_end() -> None:
+async def test_the_build_pauses_while_executions_start_end_or_run_on_the_loop() -> None:
     """The build thread's courtesy (runtime/courtesy.py) asks whether the loop serves: yes
-    right after an execution starts or ends; no once nothing has for QUIET_S, even with one
-    in flight (a loop blocked on a lock the build holds must not wait for its pauses)."""
+    right after an execution starts or ends; yes with one in flight that has run for less
+    than STUCK_S (run inline, it gets the GIL back once per switch interval while the build
+    holds it, and ends nothing for milliseconds); no once nothing has started or ended for
+    STUCK_S (a loop blocked on a lock the build holds must not wait for its pauses), nor
+    when the executions in flight only wait for the build."""
     setup = Setup(gate=threading.Event())
     assert not setup.forms._serving()
     task = asyncio.ensure_future(setup.run())
@@ -484,9 +494,14 @@ async def test_the_build_pauses_only_while_executions_start_or_end() -> None:
     setup.clock.now += forms.QUIET_S / 2
     assert setup.forms._serving()
     setup.clock.now += forms.QUIET_S
-    assert not setup.forms._serving()
+    assert not setup.forms._serving()  # nothing in flight
     setup.forms._in_flight += 1  # one in flight, nothing started or ended since
+    assert setup.forms._serving()
+    setup.forms._awaiting_build += 1  # ... that waits for the build
     assert not setup.forms._serving()
+    setup.forms._awaiting_build -= 1
+    setup.clock.now += forms.STUCK_S
+    assert not setup.forms._serving()  # stuck: maybe on the build, which must go on
     setup.forms._in_flight -= 1
     assert setup.gate is not None
     setup.gate.set()
