@@ -6,7 +6,10 @@ form's own Executor (50-100 ms for tiny BERT). Python on two threads shares one 
 lowering the interpreter's switch interval only makes the turns shorter, not the loop's share
 larger: with 64 callers of tiny BERT on the plain graph, the first round after a start saw
 the loop's lag p99 at 15-22 ms with the build running against 5-6 ms without it, whatever the
-switch interval (5 ms, 0.5 ms or 20 us). The build is in no hurry; the callers are.
+switch interval (5 ms, 0.5 ms or 20 us). What the loop loses is a convoy: an execution run
+inline on the loop gives the GIL up at every kernel, the build thread takes it, and the loop
+gets it back only when the switch interval forces it, one kernel per interval. The build is in
+no hurry; the callers are.
 
 How: `GilCourtesy` installs a profile function on the thread that enters it (`sys.setprofile`
 is per thread), which the interpreter calls on every Python call and return. Every

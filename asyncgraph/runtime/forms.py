@@ -19,7 +19,7 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    are then cached on disk, compiled/export_cache.py, so a restart builds in a tenth of a
    second), the backend's modules are imported and its runtime started when the Executor is
    made, the form starts from the Executor's graph passes rather than running them again,
-   the build's Python pauses while the loop serves (runtime/courtesy.py), and the
+   the build's Python pauses while executions are in flight (runtime/courtesy.py), and the
    interpreter switches threads every 0.5 ms while a build runs (`_QuickSwitches`). A
    backend that plans no delegate node (no run long enough) or fails is passed over, with
    the reason; a build whose Executor closes is stopped (`build_cancelled`). A backend's
