@@ -57,6 +57,9 @@ class FakeForm:
             await asyncio.sleep(0)
         return [self.name]
 
+    def _run_direct(self, flat: list[Any], signature: Any) -> list[Any] | None:
+        return None  # never a program of one call: every run is `_execute`'s
+
     def _bind_loop(self) -> None:
         self.bound += 1
 
