@@ -373,11 +373,21 @@ def empty_like(x: Any) -> Any:
 
 def copy_inputs(static: list[Any], flat: list[Any]) -> None:
     """The caller's tensors into the static buffers (on the current stream), without autograd:
-    a copy from a tensor that requires grad must not make the buffer part of a graph."""
-    with torch.no_grad():
-        for buffer, x in zip(static, flat, strict=True):
-            if buffer is not None:
-                buffer.copy_(x)
+    a copy from a tensor that requires grad must not make the buffer part of a graph. Only
+    then is autograd turned off: entering and leaving `torch.no_grad()` costs about as much
+    as a small copy itself, on every replay, and a copy between tensors that do not require
+    grad records nothing anyway."""
+    if any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
+        with torch.no_grad():
+            _copy_inputs(static, flat)
+    else:
+        _copy_inputs(static, flat)
+
+
+def _copy_inputs(static: list[Any], flat: list[Any]) -> None:
+    for buffer, x in zip(static, flat, strict=True):
+        if buffer is not None:
+            buffer.copy_(x)
 
 
 def clone_outputs(values: list[Any], outputs: dict[int, Any]) -> None:

@@ -999,7 +999,7 @@ class FrameStreams:
         runtime = self.runtime
         await wait_events(self._outputs, runtime.poll, runtime.waiter, runtime.outputs_site)
 
-    async def finish(self) -> None:
+    async def finish(self, turn: bool = True) -> None:
         """Await the end of all GPU work of this execution, then return the stream set.
 
         Absorbs cancellation until the GPU is done (the frame must not be reused while
@@ -1009,8 +1009,9 @@ class FrameStreams:
         scope and cancelled its task group), and trio's Cancelled cannot be made at all. On
         trio, which cancels every later checkpoint of a cancelled scope, the rest of the wait
         is shielded. Then, the stream set back, the execution goes on only with room left in
-        the loop's slice (`LoopCharges.turn`; not after an absorbed cancellation). A no-op
-        without `begin()`.
+        the loop's slice (`LoopCharges.turn`; not after an absorbed cancellation), unless
+        `turn` is False: the caller gives back what it holds first (a graph instance others
+        may wait for), then awaits `take_turn`. A no-op without `begin()`.
         """
         stream_set = self._set
         if stream_set is None:
@@ -1038,9 +1039,15 @@ class FrameStreams:
             runtime.pool.release(stream_set)
         if absorbed is not None:
             raise absorbed
+        if turn:
+            await self.take_turn()
+
+    async def take_turn(self) -> None:
+        """Go on with the rest of the execution within the loop's slice (`LoopCharges.turn`),
+        once after each `begin`; a no-op after that, or without `begin`."""
         budget, self._budget = self._budget, None
         if budget is not None:
-            await runtime.charges.turn(budget)  # the rest of the execution, in the loop's slice
+            await self.runtime.charges.turn(budget)
 
     def protect_outputs(self, outputs: Sequence[Any]) -> None:
         """Record the caller's current stream on output tensors made on our streams.

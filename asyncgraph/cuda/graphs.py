@@ -172,11 +172,15 @@ class FrameGraphs:
                 owner.count("fallbacks")
                 return False
         try:
-            return await self._run_on(instance, frame, flat, key, version)
+            replayed = await self._run_on(instance, frame, flat, key, version)
         finally:  # its GPU work is done (`finish` absorbs a cancellation until then)
             if instance.graph is None and key in owner.failed:
                 owner.instances.forget(key)  # its waiters take the stream path
             owner.instances.give_back(instance)
+        # the instance back before the execution waits for room in the loop's slice: others
+        # queued for it replay meanwhile (benchmarks/gpu_host.py, 64 callers)
+        await self._gpu.take_turn()
+        return replayed
 
     async def _lease(self, key: Signature) -> GraphInstance | None:
         """An instance of `key` this execution holds: idle, new (capture streams leased), or
@@ -442,7 +446,7 @@ class FrameGraphs:
             finally:
                 backend.leave_stream(token)
         finally:
-            await gpu.finish()
+            await gpu.finish(turn=False)  # its turn after the instance is given back
 
     def _clone_outputs(self, values: list[Any], outputs: dict[int, Any]) -> None:
         """`clone_outputs` under the Executor's inference mode, so a replay's outputs are

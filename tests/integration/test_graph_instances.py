@@ -106,9 +106,9 @@ def count_begins_and_finishes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         counts["begins"] += 1
         begin(self, only)
 
-    async def counted_finish(self: FrameStreams) -> None:
+    async def counted_finish(self: FrameStreams, turn: bool = True) -> None:
         counts["finishes"] += 1
-        await finish(self)
+        await finish(self, turn)
 
     monkeypatch.setattr(FrameStreams, "begin", counted_begin)
     monkeypatch.setattr(FrameStreams, "finish", counted_finish)
@@ -389,6 +389,43 @@ def test_a_cancelled_replay_gives_its_instance_back_only_once_its_gpu_work_is_do
         assert (s.replays, s.instance_waits, s.instances) == (2, 1, 0), s  # 0: closed
         assert ex.statistics().cancelled == 1
         assert gpu.errors == []
+
+    run(body, backend)
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_gives_its_instance_back_before_it_waits_for_room_in_the_loops_slice(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once its GPU work is done, an execution may wait for room in the loop's slice before
+    it goes on (`FrameStreams.take_turn`). Its graph instance is back by then: an execution
+    queued for it replays meanwhile, instead of waiting for the other's turn too."""
+    events: list[str] = []
+    take_turn, give_back = FrameStreams.take_turn, cuda_instances.GraphInstances.give_back
+
+    async def observed_turn(self: FrameStreams) -> None:
+        if self._budget is not None:  # once per execution: the budget `begin` charged
+            events.append("turn")
+        await take_turn(self)
+
+    def observed_give_back(self: Any, instance: Any) -> None:
+        events.append("back")
+        give_back(self, instance)
+
+    monkeypatch.setattr(FrameStreams, "take_turn", observed_turn)
+    monkeypatch.setattr(cuda_instances.GraphInstances, "give_back", observed_give_back)
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=15)
+        w = torch.full((4,), 0.5)
+        ex = make_executor(wide_program(w), gpu, graph_warmup=0)
+        async with closing(ex, gpu), gpu_running(gpu):
+            await ex.execute(inputs(0))  # captured: its turn comes inside the capture
+            events.clear()
+            for k in range(1, 4):
+                torch.testing.assert_close(await ex.execute(inputs(k)), wide_expected(inputs(k), w))
+        assert events == ["back", "turn"] * 3, events
+        assert stats(ex).replays == 3
 
     run(body, backend)
 

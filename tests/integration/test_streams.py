@@ -598,9 +598,9 @@ async def test_gpu_concurrent_executions_use_distinct_streams_and_agree(
     all_begun = asyncio.Barrier(len(states))
     finish = FrameStreams.finish
 
-    async def finish_once_all_began(self: FrameStreams) -> bool:
+    async def finish_once_all_began(self: FrameStreams, turn: bool = True) -> None:
         await all_begun.wait()
-        return await finish(self)
+        await finish(self, turn)
 
     monkeypatch.setattr(FrameStreams, "finish", finish_once_all_began)
     async with asyncio.timeout(60):
