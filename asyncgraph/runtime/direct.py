@@ -11,13 +11,15 @@ What: for an Executor whose graph is one delegate node and the getitems taking i
 apart, reading only user inputs and weights, whose frame would hold nothing more than the
 values (`Executor._may_run_alone`: no mutation, effect, device or trace), an execution of an
 input signature whose node adaptive placement has settled inline (alone and under load) runs
-as Mode.DIRECT: the node's compiled call on a value list laid out once per weights version,
-the outputs picked from its result. Everything else the general path decides still holds:
-the pool must have a frame free (it bounds executions), the loop's budget must have room for
-the line's measured time (LoopBudget.start; a spent slice, or callers queued for a line worth
-a worker, hand the execution to the general path, which waits or moves it), the loop's time is
-accounted, the weights version noted for the task, a kernel's error names its node. A
-signature not settled yet (warming, profiled) takes the general path, which settles it.
+as Mode.DIRECT: the delegate called on the user inputs by a function generated once per
+weights version with the weights bound in it (no value list copied and read back: 16 of the
+MLP's form's 17 arguments are weights), the outputs picked from its result. Everything else
+the general path decides still holds: the pool must have a frame free (it bounds executions),
+the loop's budget must have room for the line's measured time (LoopBudget.start; a spent
+slice, or callers queued for a line worth a worker, hand the execution to the general path,
+which waits or moves it), the loop's time is accounted, the weights version noted for the
+task, a kernel's error names its node. A signature not settled yet (warming, profiled) takes
+the general path, which settles it.
 
 The delegate runs outside the inference-mode guard when it says it does not need it
 (`needs_inference_mode = False`: compiled code that records no autograd and returns tensors
@@ -40,7 +42,7 @@ from asyncgraph.runtime.failures import add_node_note
 from asyncgraph.runtime.loop_state import LoopState
 from asyncgraph.runtime.modes import ModeChooser
 from asyncgraph.runtime.placement import AdaptivePlacement
-from asyncgraph.runtime.plan import ExecutionPlan, Placement
+from asyncgraph.runtime.plan import ExecutionPlan, Placement, emit_args
 from asyncgraph.runtime.schedule import ScheduleCache
 from asyncgraph.runtime.weights import Weights, ran_on
 
@@ -49,18 +51,22 @@ _INLINE = Placement.INLINE
 MAX_SETTLED = 64  # signatures remembered as settled; more, and the table starts again
 
 
+def _unset(*inputs: Any) -> Any:
+    raise AssertionError("DirectCall ran before its call was laid out")  # never: see `run`
+
+
 class DirectCall:
     """Mode.DIRECT for one Executor (loop thread only): `start` says whether an execution of
     a signature runs so, `run` runs it."""
 
     def __init__(
-        self, graph: Graph, plan: ExecutionPlan, call: Callable[[list[Any]], Any], node: int,
+        self, graph: Graph, plan: ExecutionPlan, fn: Callable[..., Any], node: int,
         items: tuple[int, ...], guarded: bool, weights: Callable[[], Weights],
         adaptive: AdaptivePlacement | None, schedules: ScheduleCache, modes: ModeChooser,
         state: LoopState, has_free: Callable[[], bool],
     ) -> None:
         self._graph, self._plan = graph, plan
-        self._call = call  # the node's compiled call over the value list (plan.calls)
+        self._fn = fn  # the delegate
         self._node = node
         self._items = items  # per user output: its index in the call's result
         self._guarded = guarded  # under torch.inference_mode
@@ -70,7 +76,7 @@ class DirectCall:
         self._modes = modes
         self._state = state
         self._has_free = has_free
-        self._template: list[Any] = []
+        self._call: Callable[..., Any] = _unset  # the delegate on the user inputs (`_lay_out`)
         self._version = -1
         self._settled: dict[Any, tuple[float, bool]] = {}  # signature -> (seconds, worth)
         self._hot: Any = None  # the signature of the last execution, and its entry
@@ -101,7 +107,7 @@ class DirectCall:
                 isinstance(o, Ref) and o.id in taken for o in outputs):
             return None
         guarded = config_guard and getattr(fns[node.index], "needs_inference_mode", True)
-        return cls(graph, plan, plan.calls[node.index], node.index,
+        return cls(graph, plan, fns[node.index], node.index,
                    tuple(taken[o.id] for o in outputs), guarded, **parts)
 
     def start(self, signature: Any) -> float | None:
@@ -136,12 +142,9 @@ class DirectCall:
         if weights.version != self._version:
             self._lay_out(weights)
         ran_on(self._version)
-        values = self._template.copy()
-        for slot, value in zip(self._plan.user_input_slots, flat, strict=True):
-            values[slot] = value
         guard = _inference_mode(True) if self._guarded else None
         try:
-            result = self._call(values)
+            result = self._call(*flat)
         except Exception as exc:  # named as units.py names a kernel's error
             add_node_note(exc, self._graph, self._node)
             raise
@@ -152,7 +155,22 @@ class DirectCall:
         return [result[i] for i in self._items]
 
     def _lay_out(self, weights: Weights) -> None:
-        self._template = list(weights.template(self._plan.weight_slots, self._plan.num_values))
+        template = weights.template(self._plan.weight_slots, self._plan.num_values)
+        inputs = {slot: k for k, slot in enumerate(self._plan.user_input_slots)}
+        namespace: dict[str, Any] = {"f": self._fn}
+
+        def name(ref: Ref) -> str:  # a user input is a parameter, a weight a bound name
+            k = inputs.get(ref.id)
+            if k is not None:
+                return f"a{k}"
+            namespace[f"w{ref.id}"] = template[ref.id]
+            return f"w{ref.id}"
+
+        args = emit_args(self._graph.nodes[self._node], namespace, name)
+        params = ", ".join(f"a{k}" for k in range(len(inputs)))
+        code = f"def call({params}):\n    return f({args})\n"
+        exec(compile(code, "<asyncgraph direct call>", "exec"), namespace)
+        self._call = namespace["call"]
         self._version = weights.version
 
     def _settle(self, signature: Any) -> tuple[float, bool] | None:
