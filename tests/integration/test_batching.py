@@ -479,6 +479,33 @@ def test_a_repeated_signature_gets_the_key_computed_for_it_requires_grad_include
     assert batcher._rows_and_key(odd, ("other",))[1] != batcher._rows_and_key(odd, ("other",))[1]
 
 
+def test_without_validation_a_repeated_signature_is_found_by_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With validation off the batcher computes the inputs' signature itself (a new object
+    each request) and finds the last one by value: the rows and key are worked out again only
+    for a new shape, dtype, scalar value or requires_grad."""
+    layout = BatchLayout((True, False), sympy.Symbol("s0"), 8)
+    batcher = Batcher(layout, BatchingConfig(max_batch_size=8), _never_run)
+    computed = []
+    compute = batcher._compute_rows_and_key
+
+    def counted(flat: Any) -> Any:
+        computed.append(1)
+        return compute(flat)
+
+    monkeypatch.setattr(batcher, "_compute_rows_and_key", counted)
+    first = batcher._rows_and_key([torch.zeros(3, 4), 1.5])
+    assert batcher._rows_and_key([torch.ones(3, 4), 1.5]) == first and len(computed) == 1
+    assert batcher._rows_and_key([torch.ones(2, 4), 1.5])[0] == 2 and len(computed) == 2
+    assert batcher._rows_and_key([torch.ones(2, 4), 2.5])[1] != first[1] and len(computed) == 3
+    grad = batcher._rows_and_key([torch.ones(2, 4, requires_grad=True), 2.5])
+    assert len(computed) == 4 and grad[1] != first[1]
+    odd = [torch.zeros(3, 4), [1, 2]]  # no signature (a list): worked out every time
+    assert batcher._rows_and_key(odd)[1] != batcher._rows_and_key(odd)[1]
+    assert len(computed) == 6
+
+
 def test_stacked_bytes_counts_every_row_of_the_batch() -> None:
     from asyncgraph.runtime.batching import _Request
 
