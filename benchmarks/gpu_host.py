@@ -314,10 +314,21 @@ class DirectGraph:
             self.static_out: torch.Tensor = model(self.static_in)
 
     def one(self, x: torch.Tensor) -> torch.Tensor:
+        return self._replay(lambda: self.static_in.copy_(x))
+
+    def bucket(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """One batch of len(xs) one-row requests (as many as the graph's rows): rows copied
+        into the static input (one `_foreach_copy_`, as the batcher does), one replay, the
+        output cloned and split into per-request views."""
+        return torch.split(self._replay(lambda: torch._foreach_copy_(self.blocks, list(xs))), 1)
+
+    def _replay(self, copy_in: Callable[[], Any]) -> torch.Tensor:
+        """On the graph's stream: `copy_in`, one replay, the output cloned, the end event
+        recorded; then the event awaited (complete at once on this backend)."""
         backend = self.backend
         token = backend.enter_stream(self.handle)
         try:
-            self.static_in.copy_(x)
+            copy_in()
             self.graph.replay()
             out = self.static_out.clone()
             self.end.record(self.stream)
@@ -326,23 +337,6 @@ class DirectGraph:
         if not self.end.query():
             self.end.synchronize()
         return out
-
-    def bucket(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """One batch of len(xs) one-row requests (as many as the graph's rows): rows copied
-        into the static input (one `_foreach_copy_`, as the batcher does), one replay, the
-        output cloned and split into per-request views."""
-        backend = self.backend
-        token = backend.enter_stream(self.handle)
-        try:
-            torch._foreach_copy_(self.blocks, list(xs))
-            self.graph.replay()
-            out = self.static_out.clone()
-            self.end.record(self.stream)
-        finally:
-            backend.leave_stream(token)
-        if not self.end.query():
-            self.end.synchronize()
-        return torch.split(out, 1)
 
 
 def gathered(call: Callable[[], Awaitable[Any]], callers: int) -> Callable[[], Awaitable[Any]]:
