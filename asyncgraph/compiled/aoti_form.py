@@ -81,7 +81,7 @@ def form_program(program: Program, threads: int, runners: int) -> Program:
     if threads != 1:
         raise FormRefused("AOTInductor forms are compiled for one intra-op thread")
     path = _package(program.exported, program.graph.described(), threads)
-    compiled = load_compiled(path, runners=runners, threads=threads)
+    compiled = load_compiled(path, runners=runners, threads=threads, source=program.exported)
     if _inputs(compiled.graph) != _inputs(program.graph):
         raise FormRefused(f"{path} was compiled for other inputs than the program's")
     return Program(compiled.graph, _weights(program.weights, compiled.weights),

@@ -22,6 +22,7 @@ after the segment, followed by operator.getitem nodes for its outputs.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -119,6 +120,7 @@ def write_package(
         "nodes_total": nodes_total,
         "segments": [asdict(record) for record, _ in segments],
         "failed": failed,
+        "program": program_digest(ep),  # which program the segments were spliced out of
     }
     out = Path(output)
     with tempfile.TemporaryDirectory(prefix="asyncgraph-pkg-") as tmp:
@@ -150,6 +152,15 @@ def _copy_aoti_model(aoti: Path, name: str, archive: zipfile.ZipFile, root: str)
 # -- loading -------------------------------------------------------------------------------------
 
 
+def program_digest(ep: ExportedProgram) -> str:
+    """What tells one exported program from another for splicing: its imported graph with
+    every value's spec (`Graph.described`), hashed."""
+    from asyncgraph.graph.importers import from_exported_program
+
+    described = from_exported_program(ep).graph.described()
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest of a compiled package (after check_pt2_archive has checked it)."""
     with zipfile.ZipFile(path) as archive:
@@ -174,17 +185,22 @@ def check_compatible(path: str | os.PathLike[str], manifest: Mapping[str, Any]) 
 
 
 def load_compiled(
-    path: str | os.PathLike[str], *, runners: int = 1, threads: int | None = None
+    path: str | os.PathLike[str], *, runners: int = 1, threads: int | None = None,
+    source: ExportedProgram | None = None,
 ) -> Any:
     """The Program of a compiled package: checked, then imported with its delegate nodes.
 
     `runners` is how many copies of each compiled model can run at once (executions in
     parallel on worker threads); the caller has already opted in to native code. `threads`:
     the intra-op thread count the workers run with, when known (a warning says when the
-    package's kernels were built for fewer).
+    package's kernels were built for fewer). `source`: the exported program the package was
+    compiled from, when the caller holds it (a fast form's build, compiled/aoti_form.py): its
+    graph takes the delegate nodes instead of the archive's copy, which `torch.export.load`
+    would decode on the calling thread holding the GIL for milliseconds at a time while a
+    restart's first requests wait (README, the first-burst table); the archive's copy is
+    loaded unless the manifest names `source` as the program the package was compiled from
+    (`program_digest`: the same graph with the same shapes, dtypes and dynamic dimensions).
     """
-    from asyncgraph.graph.importers import Program, from_exported_program
-
     p = Path(path)
     check_pt2_archive(p, trust_compiled=True)
     manifest = read_manifest(p)
@@ -196,11 +212,20 @@ def load_compiled(
             "each compiled segment uses %d (compile again with --threads %d to use them all)",
             p, built_for, threads, built_for, threads,
         )
-    ep = load_source_program(p)
-    program = from_exported_program(ep)
     records = [_record(s) for s in manifest["segments"]]
-    graph = splice(program.graph, records, str(p), max(1, runners), program.weights)
-    return Program(graph, program.weights, p.name, program.reference, ep)
+    if source is not None and manifest.get("program") == program_digest(source):
+        return _spliced(source, records, p, runners)
+    return _spliced(load_source_program(p), records, p, runners)
+
+
+def _spliced(ep: ExportedProgram, records: Sequence[SegmentRecord], path: Path,
+             runners: int) -> Any:
+    """`ep` imported, its compiled segments replaced by their delegate nodes."""
+    from asyncgraph.graph.importers import Program, from_exported_program
+
+    program = from_exported_program(ep)
+    graph = splice(program.graph, records, str(path), max(1, runners), program.weights)
+    return Program(graph, program.weights, path.name, program.reference, ep)
 
 
 def _record(entry: Mapping[str, Any]) -> SegmentRecord:

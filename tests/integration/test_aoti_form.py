@@ -16,6 +16,7 @@ import torch
 
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.compiled import aoti_form
+from asyncgraph.compiled import package as package_module
 from asyncgraph.compiled.aoti_form import FormRefused
 from asyncgraph.compiled.export_cache import environment
 from asyncgraph.graph.importers import Program, from_exported_program
@@ -71,8 +72,12 @@ async def _until_built(ex: Executor, model: torch.nn.Module, x: torch.Tensor,
 @needs_compiler
 @compiles
 async def test_the_aoti_form_is_compiled_in_a_child_kept_and_measured_beside_the_others(
-    aoti_on: Path, children: list[Any]
+    aoti_on: Path, children: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    archive_loads: list[Path] = []  # the package's own program decoded (torch.export.load)
+    load_source = package_module.load_source_program
+    monkeypatch.setattr(package_module, "load_source_program",
+                        lambda path: archive_loads.append(path) or load_source(path))
     model, x = MLP().eval(), torch.randn(1, 32)
     ep = export_model(model, x)
     async with Executor(ep, FAST) as ex:
@@ -99,6 +104,9 @@ async def test_the_aoti_form_is_compiled_in_a_child_kept_and_measured_beside_the
     async with Executor(ep, FAST) as restarted:
         forms = await _until_built(restarted, model, x)
     assert "aoti" in forms["forms"] and _compiles(children) == 1
+    # the package's segments spliced into the Executor's own program, which the manifest
+    # names: its copy in the archive is never decoded
+    assert archive_loads == []
 
     # the same model exported with a dynamic batch is another package; one compiled for a
     # static batch, found under its name, is refused (it would answer a batch of 5 with 1 row)
@@ -110,6 +118,7 @@ async def test_the_aoti_form_is_compiled_in_a_child_kept_and_measured_beside_the
         forms = await _until_built(ex, model, torch.randn(5, 32))
     assert "aoti" not in forms["forms"]
     assert "was compiled for other inputs than the program's" in forms["passed"]["aoti"]
+    assert archive_loads == [planted]  # not the program held: the archive's own is read
 
 
 @needs_compiler
