@@ -157,8 +157,11 @@ def program_digest(ep: ExportedProgram) -> str:
     every value's spec (`Graph.described`), hashed."""
     from asyncgraph.graph.importers import from_exported_program
 
-    described = from_exported_program(ep).graph.described()
-    return hashlib.sha256(described.encode()).hexdigest()
+    return _graph_digest(from_exported_program(ep).graph)
+
+
+def _graph_digest(graph: Graph) -> str:
+    return hashlib.sha256(graph.described().encode()).hexdigest()
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -201,6 +204,8 @@ def load_compiled(
     loaded unless the manifest names `source` as the program the package was compiled from
     (`program_digest`: the same graph with the same shapes, dtypes and dynamic dimensions).
     """
+    from asyncgraph.graph.importers import Program, from_exported_program
+
     p = Path(path)
     check_pt2_archive(p, trust_compiled=True)
     manifest = read_manifest(p)
@@ -213,19 +218,12 @@ def load_compiled(
             p, built_for, threads, built_for, threads,
         )
     records = [_record(s) for s in manifest["segments"]]
-    if source is not None and manifest.get("program") == program_digest(source):
-        return _spliced(source, records, p, runners)
-    return _spliced(load_source_program(p), records, p, runners)
-
-
-def _spliced(ep: ExportedProgram, records: Sequence[SegmentRecord], path: Path,
-             runners: int) -> Any:
-    """`ep` imported, its compiled segments replaced by their delegate nodes."""
-    from asyncgraph.graph.importers import Program, from_exported_program
-
-    program = from_exported_program(ep)
-    graph = splice(program.graph, records, str(path), max(1, runners), program.weights)
-    return Program(graph, program.weights, path.name, program.reference, ep)
+    program = from_exported_program(source) if source is not None else None
+    if program is None or manifest.get("program") != _graph_digest(program.graph):
+        source = load_source_program(p)
+        program = from_exported_program(source)
+    graph = splice(program.graph, records, str(p), max(1, runners), program.weights)
+    return Program(graph, program.weights, p.name, program.reference, source)
 
 
 def _record(entry: Mapping[str, Any]) -> SegmentRecord:
