@@ -37,7 +37,8 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    GIL on the loop's thread; a form running in C++ releases it and uses every core). So an
    execution is *loaded* when another is in flight, or another task's execution ended
    within `BURST_GAP_S` (a burst of callers whose executions run inline one after another),
-   else *alone*; a batch of more than one row (an Executor with batching) is loaded: its
+   else *alone* (an alone run that another execution started beside, the first of a burst,
+   is no sample of either); a batch of more than one row (an Executor with batching) is loaded: its
    rows are requests in flight together, and throughput is what serves them. Each
    (signature, regime) gets its own verdict. A signature's first
    executions on a new form warm it (`WARM` runs, and until its delegates' builders are
@@ -120,6 +121,8 @@ RUN_OF = 4
 WINDOW = 32
 WINDOWS = 6
 BURST_GAP_S = 0.0002  # another task's execution that ended this recently: a burst
+# runs timed alone that overlapped others, after which the loaded verdict serves alone too
+OVERLAPS = 2 * SAMPLES
 # A form replaces the plain graph only when its median is this much lower: closer is within
 # the spread of windows on a shared machine (the MLP under 64 callers: the form 56 us of CPU
 # against the plain graph's 57, while the plain graph's throughput read 9% higher), and the
@@ -163,8 +166,9 @@ Run = Callable[[list[Any], "list[Any] | None", Any, "Signature | None"], Awaitab
 Build = Callable[[str, int], Form]
 # (the loop thread's CPU seconds, the process's CPU seconds), read on the loop's thread
 CpuClock = Callable[[], tuple[float, float]]
-# told when a measured execution ends: the form it ran on, and its seconds
-Timed = Callable[[str, float], None]
+# told when a measured execution ends: the form it ran on, and its seconds (None: another
+# execution started while it ran, so it did not run alone)
+Timed = Callable[[str, float | None], None]
 
 
 def _cpu_now() -> tuple[float, float]:
@@ -190,6 +194,8 @@ class _Verdict:
     # disk); a verdict that is not is measured again when more forms arrive (`_catch_up`)
     final: bool = False
     published: int = 0  # FastForms._published when it was reached: the forms it measured
+    overlapped: int = 0  # alone: timed runs another execution started during (not counted)
+    borrowed: bool = False  # alone: the loaded verdict's form, not measured alone, not kept
 
 
 @dataclass
@@ -305,6 +311,7 @@ class FastForms:
         # (loop, future) woken when forms are published and when the build ends
         self._build_waiters: list[tuple[Any, Any]] = []
         self._in_flight = 0
+        self._begun = 0  # executions started so far: an alone run that saw it move overlapped
         self._awaiting_build = 0  # of those, executions waiting for the build (`_built`)
         # loaded executions in flight, per form (a burst's first execution counts as
         # alone and is left out: under bursts it would hold every window of another form)
@@ -332,6 +339,8 @@ class FastForms:
                                 else signature if signature is not None else signature_of(flat))
         regime = LOADED if self._batched and _rows(flat) > 1 else self._regime(caller)
         self._in_flight += 1
+        self._begun += 1
+        begun = self._begun
         self._last_start = self._clock()  # before a build starts: it sees the loop serving
         counted: str | None = None  # the route counted in `_running`
         timed: Timed | None = None
@@ -371,8 +380,8 @@ class FastForms:
                 self._running[counted] -= 1
             end = self._clock()
             self._last_caller, self._last_end = id(caller), end
-            if timed is not None:
-                timed(route, end - start)
+            if timed is not None:  # an alone run that others started beside is no sample
+                timed(route, end - start if regime is LOADED or self._begun == begun else None)
 
     def _route(self, forms: dict[str, Form] | None, choice: _Choice, regime: str,
                key: Hashable) -> tuple[str, Timed | None]:
@@ -394,7 +403,7 @@ class FastForms:
             if verdict.turn % RUN_OF == 0:
                 return route, None
             return route, (
-                lambda route, seconds: self._alone(verdict, key, candidates, route, seconds))
+                lambda route, seconds: self._alone(choice, key, candidates, route, seconds))
         # under load each execution gets one core: the executions in flight already fill
         # them, and a session's second thread only takes a core from another's
         candidates = [*(n for n in names if self._form_threads[n] == 1), PLAIN]
@@ -483,9 +492,28 @@ class FastForms:
         finally:
             self._awaiting_build -= 1
 
-    def _alone(self, verdict: _Verdict, key: Hashable, candidates: list[str], route: str,
-               seconds: float) -> None:
-        """Alone: the forms and the plain graph in turn, each run's latency kept."""
+    def _alone(self, choice: _Choice, key: Hashable, candidates: list[str], route: str,
+               seconds: float | None) -> None:
+        """Alone: the forms and the plain graph in turn, each run's latency kept, unless
+        another execution started while it ran (`seconds` None).
+
+        Such a run was the first of a burst, counted alone when it started, and its latency
+        says nothing of a lone caller's: a form's run on a worker shares the cores with the
+        burst, while the plain graph's inline run finishes before the burst starts. Kept,
+        those samples chose the plain graph (the encoder: 588 us inline against 1,328 us on
+        its ONNX form, which serves a lone caller in 145 us), and a kept verdict outlives the
+        process. Where runs timed alone keep overlapping (`OVERLAPS`: every lone-looking
+        execution starts a burst), the loaded verdict, once reached, serves them: they run
+        among the burst's executions."""
+        verdict = choice.alone
+        if seconds is None:
+            verdict.overlapped += 1
+            loaded = choice.loaded.form
+            if verdict.form is None and loaded is not None and verdict.overlapped >= OVERLAPS:
+                verdict.form, verdict.published, verdict.borrowed = loaded, self._published, True
+                verdict.why = (f"served as under load: {verdict.overlapped} runs timed alone "
+                               "had other executions start beside them (the first of bursts)")
+            return
         verdict.samples.setdefault(route, []).append(seconds)
         if verdict.form is None and all(len(verdict.samples.get(c, ())) >= SAMPLES
                                         for c in candidates):
@@ -554,7 +582,7 @@ class FastForms:
     def _keep(self, verdict: _Verdict, regime: str, key: Hashable) -> None:
         """A verdict reached with every form this process builds: final, and kept on disk."""
         verdict.final = True
-        if self._verdicts is not None and verdict.form is not None:
+        if self._verdicts is not None and verdict.form is not None and not verdict.borrowed:
             self._verdicts.store(f"{regime} {key}", verdict.form, verdict.why)
 
     # -- the build thread ---------------------------------------------------------------------

@@ -350,6 +350,38 @@ async def test_inline_runs_of_other_tasks_close_together_count_as_load() -> None
     await forms.aclose()
 
 
+async def test_runs_timed_alone_that_others_started_beside_are_no_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # bursts after pauses: each burst's first execution starts alone. On the form its run
+    # waits for a worker (the fake yields) and the burst starts beside it, so its latency is
+    # the burst's; the plain graph's inline run ends before the burst starts. Counted, those
+    # samples chose the plain graph for a lone caller and kept it on disk.
+    setup = Setup(fast_cost=1.0, plain_cost=2.0, fast_cpu=(0.1, 0.5), plain_cpu=(2.0, 2.0),
+                  verdicts=_kept_verdicts(tmp_path, monkeypatch))
+    await setup.run()
+    setup.wait_built()
+
+    def alone() -> dict[str, str]:
+        return setup.forms.statistics()["signatures"][str(SIG)]["alone"]
+
+    for _ in range(400):
+        setup.clock.now += 1.0  # a pause: the next burst's first execution starts alone
+        await _burst(setup, 33)
+        if alone()["form"] != "measuring":
+            break
+    verdict = setup.forms._choices[SIG].alone
+    assert "fast" not in verdict.samples and len(verdict.samples["plain"]) >= 1, verdict
+    assert verdict.overlapped >= forms.OVERLAPS
+    assert alone()["form"] == "fast" and "served as under load" in alone()["why"], alone()
+    setup.clock.now += 1.0
+    assert (await _burst(setup, 4))[0] == "fast"  # a burst's first: as under load
+    await setup.forms.aclose()
+    # borrowed, not measured: a restart measures a lone caller again
+    kept = json.loads(next((tmp_path / "forms").glob("*.json")).read_text())
+    assert kept[f"loaded {SIG}"]["form"] == "fast" and f"alone {SIG}" not in kept, kept
+
+
 def _kept_verdicts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FormVerdicts:
     monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", str(tmp_path))
     return FormVerdicts("the graph's text", ("fast",), (1, 2))
