@@ -166,12 +166,30 @@ class DirectCall:
             namespace[f"w{ref.id}"] = template[ref.id]
             return f"w{ref.id}"
 
-        args = emit_args(self._graph.nodes[self._node], namespace, name)
+        node = self._graph.nodes[self._node]
         params = ", ".join(f"a{k}" for k in range(len(inputs)))
+        bound = self._bound(node.args, inputs, template)
+        if bound is not None:  # the delegate with this version's weights fixed
+            namespace["f"] = bound
+            args = ", ".join(f"a{inputs[a.id]}" for a in node.args
+                             if isinstance(a, Ref) and a.id in inputs)
+        else:
+            args = emit_args(node, namespace, name)
         code = f"def call({params}):\n    return f({args})\n"
         exec(compile(code, "<asyncgraph direct call>", "exec"), namespace)
         self._call = namespace["call"]
         self._version = weights.version
+
+    def _bound(self, args: Any, inputs: dict[int, int],
+               template: list[Any]) -> Callable[..., Any] | None:
+        """The delegate's call with every argument but the user inputs fixed (AOTIDelegate's
+        `bind`: no weights compared per call), or None."""
+        bind = getattr(self._fn, "bind", None)
+        if bind is None or not all(isinstance(a, Ref) for a in args):
+            return None
+        fixed = {i: template[a.id] for i, a in enumerate(args) if a.id not in inputs}
+        bound: Callable[..., Any] | None = bind(fixed)
+        return bound
 
     def _settle(self, signature: Any) -> tuple[float, bool] | None:
         """The line's measured time and whether it is worth a worker, once adaptive

@@ -187,9 +187,12 @@ class FakeContainer:
 
 
 @pytest.mark.timeout(60)
-def test_delegate_runs_every_call_on_its_own_weights_version() -> None:
+@pytest.mark.parametrize("bound", [False, True], ids=["called", "half-bound"])
+def test_delegate_runs_every_call_on_its_own_weights_version(bound: bool) -> None:
     """Threads call one delegate with three weights versions interleaved: every call computes
-    with its own version, at most two containers exist, and no buffer changes under a call."""
+    with its own version, at most two containers exist, and no buffer changes under a call.
+    Half-bound: half the threads call it through `bind` (its weights fixed per version, as
+    Mode.DIRECT does), whose calls compare one tuple where `__call__` compares each weight."""
     from asyncgraph.compiled.delegate import AOTIDelegate
 
     FakeContainer.made = 0
@@ -200,13 +203,18 @@ def test_delegate_runs_every_call_on_its_own_weights_version() -> None:
     )
     errors: list[BaseException] = []
 
+    assert delegate.bind({0: versions[0]}) is None  # not the constant input's position
+    calls = [lambda x, w=w: delegate(x, w) for w in versions]
+    binds = [delegate.bind({1: w}) for w in versions]
+
     def caller(seed: int) -> None:
         rng = random.Random(seed)
+        through = binds if bound and seed % 2 else calls
         try:
             for _ in range(60):
                 v = rng.randrange(3)
                 x = torch.tensor(100.0 * seed)
-                assert delegate(x, versions[v])[0].item() == 100.0 * seed + v
+                assert through[v](x)[0].item() == 100.0 * seed + v
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
