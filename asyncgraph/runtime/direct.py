@@ -13,7 +13,9 @@ values (`Executor._may_run_alone`: no mutation, effect, device or trace), an exe
 input signature whose node adaptive placement has settled inline (alone and under load) runs
 as Mode.DIRECT: the delegate called on the user inputs by a function generated once per
 weights version with the weights bound in it (no value list copied and read back: 16 of the
-MLP's form's 17 arguments are weights), the outputs picked from its result. Everything else
+MLP's form's 17 arguments are weights; a delegate with `bind`, AOTInductor's, fixes them
+itself and compares one tuple per call rather than each weight), the outputs picked from its
+result. Everything else
 the general path decides still holds: the pool must have a frame free (it bounds executions),
 the loop's budget must have room for the line's measured time (LoopBudget.start; a spent
 slice, or callers queued for a line worth a worker, hand the execution to the general path,

@@ -500,9 +500,10 @@ class FastForms:
         Such a run was the first of a burst, counted alone when it started, and its latency
         says nothing of a lone caller's: a form's run on a worker shares the cores with the
         burst, while the plain graph's inline run finishes before the burst starts. Kept,
-        those samples chose the plain graph (the encoder: 588 us inline against 1,328 us on
-        its ONNX form, which serves a lone caller in 145 us), and a kept verdict outlives the
-        process. Where runs timed alone keep overlapping (`OVERLAPS`: every lone-looking
+        those samples chose the plain graph for the encoder, 1.7x slower than its ONNX form
+        for a lone caller, and a kept verdict outlives the process
+        (benchmarks/results/cpu/design_measurements.md#alone-runs-that-start-bursts). Where
+        runs timed alone keep overlapping (`OVERLAPS`: every lone-looking
         execution starts a burst), the loaded verdict, once reached, serves them: they run
         among the burst's executions."""
         verdict = choice.alone
