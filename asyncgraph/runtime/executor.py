@@ -386,21 +386,20 @@ class Executor:
         return flat, signature
 
     async def _execute(
-        self,
-        flat: list[Any],
-        caller_inputs: list[Any] | None = None,
-        caller: Caller | None = None,
-        signature: Signature | None = None,
+        self, flat: list[Any], caller_inputs: list[Any] | None = None,
+        caller: Caller | None = None, signature: Signature | None = None, direct: bool = True,
     ) -> list[Any]:
         """One execution of validated inputs: take a frame, run, take the outputs. `caller`:
         the calling task, when the caller already asked for it; `signature`: the inputs'
-        (InputValidator.check), when validation computed it."""
+        (InputValidator.check), when validation computed it; `direct`: False when the caller
+        found `_run_direct` declining this execution already."""
         if caller is None and self._loop is not None:
             scoped = self._loop.scope_caller()  # trio: no task to cancel, a cancel scope
             if scoped is not None:
-                return await self._execute_in_scope(scoped, flat, caller_inputs, signature)
+                return await self._execute_in_scope(scoped, flat, caller_inputs, signature,
+                                                    direct)
             caller = asyncio.current_task()
-        outputs = self._run_direct(flat, signature)
+        outputs = self._run_direct(flat, signature) if direct else None
         if outputs is not None:  # Mode.DIRECT: the program's one call, at once
             return outputs
         frame = None  # none taken while one is free: the execution may need none
@@ -448,12 +447,12 @@ class Executor:
 
     async def _execute_in_scope(
         self, scoped: Any, flat: list[Any], caller_inputs: list[Any] | None,
-        signature: Signature | None,
+        signature: Signature | None, direct: bool,
     ) -> list[Any]:
         """`_execute` in a cancel scope of its own, the caller trio's (backend.py): what
         aclose(cancel=True) cancels, where trio has no task to cancel."""
         with scoped.scope:
-            return await self._execute(flat, caller_inputs, scoped, signature)
+            return await self._execute(flat, caller_inputs, scoped, signature, direct=direct)
         raise ExecutorClosedError(  # the scope caught its own cancellation
             f"{self.program.name}: the execution was cancelled by aclose(cancel=True)"
         )

@@ -142,7 +142,8 @@ class Form(Protocol):
     """What FastForms asks of a built form (an Executor)."""
 
     async def _execute(self, flat: list[Any], caller_inputs: list[Any] | None,
-                       caller: Any, signature: Signature | None) -> list[Any]: ...
+                       caller: Any, signature: Signature | None, *,
+                       direct: bool = True) -> list[Any]: ...
 
     def _run_direct(self, flat: list[Any], signature: Signature | None) -> list[Any] | None: ...
 
@@ -370,7 +371,8 @@ class FastForms:
                 version = self._form_version  # the Executor's version, not the form's own
                 outputs = form._run_direct(flat, signature)  # the form's one call, at once
                 if outputs is None:
-                    outputs = await form._execute(flat, caller_inputs, caller, signature)
+                    outputs = await form._execute(flat, caller_inputs, caller, signature,
+                                                  direct=False)  # declined just now
                 ran_on(version)
                 return outputs
             return await self._plain(flat, caller_inputs, caller, signature)

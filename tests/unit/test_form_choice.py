@@ -47,7 +47,7 @@ class FakeForm:
         self.has_delegates = True
 
     async def _execute(self, flat: list[Any], caller_inputs: Any, caller: Any,
-                       signature: Any) -> list[Any]:
+                       signature: Any, *, direct: bool = True) -> list[Any]:
         self.runs += 1
         self.clock.now += self.cost
         if self.cpu is not None:  # (the loop thread's CPU, the process's CPU) it takes
