@@ -17,11 +17,10 @@ form's 17 arguments are weights; a delegate with `bind`, AOTInductor's, fixes th
 compares one tuple per call rather than each weight), the outputs picked from its result.
 Everything else the general path decides still holds: the pool must have a frame free (it
 bounds executions), the loop's budget must have room for the line's measured time
-(LoopBudget.start; a spent slice, or a line worth a worker while the loop is wanted,
-`ModeChooser.loop_is_wanted`, hand the execution to the general path, which waits or moves it),
-the loop's time is accounted, the weights version noted for the task, a kernel's error names
-its node. A signature not settled yet (warming, profiled) takes the general path, which settles
-it.
+(LoopBudget.start; a spent slice, or callers queued for a line worth a worker, hand the
+execution to the general path, which waits or moves it), the loop's time is accounted, the
+weights version noted for the task, a kernel's error names its node. A signature not settled
+yet (warming, profiled) takes the general path, which settles it.
 
 The delegate runs outside the inference-mode guard when it says it does not need it
 (`needs_inference_mode = False`: compiled code that records no autograd and returns tensors
@@ -115,8 +114,8 @@ class DirectCall:
     def start(self, signature: Any) -> float | None:
         """The perf_counter time an execution of `signature` starts at as Mode.DIRECT, the
         loop's budget taken; None: the general path runs it (no signature computed, not
-        settled, no frame free, no room in the slice, or a line worth a worker while the loop
-        is wanted)."""
+        settled, no frame free, no room in the slice, or callers queued for a line worth a
+        worker)."""
         if signature is None:
             return None
         if signature is self._hot:
@@ -133,7 +132,7 @@ class DirectCall:
         if budget is None:
             return None
         start = budget.start(seconds)
-        if start is None or (worth and self._modes.loop_is_wanted(budget)):
+        if start is None or (worth and budget.others_queued()):
             return None
         return start
 

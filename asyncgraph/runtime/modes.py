@@ -26,7 +26,9 @@ The measurements behind the modes, in benchmarks/results/cpu/:
 design_measurements.md#lines-queue-for-the-workers,
 design_measurements.md#a-spent-slice-waits-one-iteration,
 design_measurements.md#executions-without-a-frame,
-design_measurements.md#lines-in-slices-not-the-dataflow.
+design_measurements.md#lines-in-slices-not-the-dataflow,
+design_measurements.md#inline-lines-beside-busy-workers (a line that fits the slice runs inline
+while no caller queues on the loop, even with the Executor's other lines on the workers).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import enum
 
 from asyncgraph.runtime.config import ExecutorConfig
-from asyncgraph.runtime.loop_budget import LoopBudget
 from asyncgraph.runtime.loop_state import LoopState
 from asyncgraph.runtime.placement import NodeTimes
 from asyncgraph.runtime.schedule import Schedule, StraightLine
@@ -92,18 +93,9 @@ class ModeChooser:
             if self._worth and budget.others_wait:  # extend's peek: work waits on the loop
                 return _LINE_WORKER, 0.0
             return _LINE_NEXT, 0.0
-        if self._worth and self.loop_is_wanted(budget):  # it fits, but the loop is wanted
+        if self._worth and budget.others_queued():  # it fits, but callers queue for the loop
             return _LINE_WORKER, 0.0
         return (_FRAMELESS if alone else _LINE_NOW), start
-
-    def loop_is_wanted(self, budget: LoopBudget) -> bool:
-        """Whether a line worth a worker that fits the slice goes to a worker all the same:
-        callers queue on the loop, or this Executor's lines run or queue on the workers.
-        Inline, it would keep the loop from them: a worker that finishes waits for the loop
-        to hand back its result and take its caller's next request (the encoder's ONNX form
-        under 64 callers ran one execution in 65 inline, each holding the loop 285 us;
-        benchmarks/results/cpu/design_measurements.md#inline-lines-beside-busy-workers)."""
-        return self.state.lines_on_workers > 0 or budget.others_queued()
 
     def worth_a_worker(self, line: StraightLine) -> bool:
         """Whether this line may go to a worker: its nodes are kernel time enough and free to

@@ -85,23 +85,6 @@ def test_the_line_modes_follow_the_slice_and_the_loop(
 
 
 @pytest.mark.parametrize(
-    ("node_seconds", "mode"), [(HEAVY, Mode.LINE_WORKER), (0.0, Mode.LINE_NOW)]
-)
-def test_a_line_worth_a_worker_joins_the_lines_already_on_the_workers(
-    node_seconds: float, mode: Mode
-) -> None:
-    """It fits the slice and no caller queues on the loop, but this Executor's lines run on
-    the workers: inline, it would keep the loop from handing them their next work. A light
-    line stays on the loop; with nothing on the workers, a heavy one runs inline too."""
-    chooser = _chooser(_Budget())
-    schedule = _Schedule(_line(node_seconds=node_seconds))
-    chooser.state.lines_on_workers = 1
-    assert chooser.choose(schedule, None, False)[0] is mode  # type: ignore[arg-type]
-    chooser.state.lines_on_workers = 0
-    assert chooser.choose(schedule, None, False)[0] is Mode.LINE_NOW  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
     ("schedule", "times", "flags", "mode"),
     [
         (_Schedule(None), None, {}, Mode.DATAFLOW),  # a unit off the loop: no line
