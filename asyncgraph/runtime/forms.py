@@ -38,8 +38,8 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    execution is *loaded* when another is in flight, or another task's execution ended
    within `BURST_GAP_S` (a burst of callers whose executions run inline one after another),
    else *alone* (an alone run that another execution started beside, the first of a burst,
-   is no sample of either); a batch of more than one row (an Executor with batching) is loaded: its
-   rows are requests in flight together, and throughput is what serves them. Each
+   is no sample of either); a batch of more than one row (an Executor with batching) is
+   loaded: its rows are requests in flight together, and throughput is what serves them. Each
    (signature, regime) gets its own verdict. A signature's first
    executions on a new form warm it (`WARM` runs, and until its delegates' builders are
    idle: ONNX sessions, the first-call checks against the plain nodes). Then, alone, the
@@ -405,7 +405,8 @@ class FastForms:
             if verdict.turn % RUN_OF == 0:
                 return route, None
             return route, (
-                lambda route, seconds: self._alone(choice, key, candidates, route, seconds))
+                lambda route, seconds: self._alone(verdict, choice.loaded, key, candidates,
+                                                   route, seconds))
         # under load each execution gets one core: the executions in flight already fill
         # them, and a session's second thread only takes a core from another's
         candidates = [*(n for n in names if self._form_threads[n] == 1), PLAIN]
@@ -494,8 +495,8 @@ class FastForms:
         finally:
             self._awaiting_build -= 1
 
-    def _alone(self, choice: _Choice, key: Hashable, candidates: list[str], route: str,
-               seconds: float | None) -> None:
+    def _alone(self, verdict: _Verdict, loaded: _Verdict, key: Hashable,
+               candidates: list[str], route: str, seconds: float | None) -> None:
         """Alone: the forms and the plain graph in turn, each run's latency kept, unless
         another execution started while it ran (`seconds` None).
 
@@ -508,12 +509,12 @@ class FastForms:
         runs timed alone keep overlapping (`OVERLAPS`: every lone-looking
         execution starts a burst), the loaded verdict, once reached, serves them: they run
         among the burst's executions."""
-        verdict = choice.alone
         if seconds is None:
             verdict.overlapped += 1
-            loaded = choice.loaded.form
-            if verdict.form is None and loaded is not None and verdict.overlapped >= OVERLAPS:
-                verdict.form, verdict.published, verdict.borrowed = loaded, self._published, True
+            if verdict.form is None and loaded.form is not None and (
+                    verdict.overlapped >= OVERLAPS):
+                verdict.form, verdict.published = loaded.form, self._published
+                verdict.borrowed = True
                 verdict.why = (f"served as under load: {verdict.overlapped} runs timed alone "
                                "had other executions start beside them (the first of bursts)")
             return

@@ -117,7 +117,7 @@ class LeakChecker:
         stray = await self._stray_threads()
         if stray:
             problems.append(f"{len(stray)} worker thread(s) still alive: {[t.name for t in stray]}")
-        loops = self._closed_loops()
+        loops = await self._closed_loops()
         if loops:
             problems.append(
                 f"{len(loops)} closed event loop(s) still alive with a LoopBudget (an Executor, "
@@ -130,11 +130,15 @@ class LeakChecker:
         if problems:
             raise LeakError("leak check failed:\n  " + "\n  ".join(problems))
 
-    def _closed_loops(self) -> list[Any]:
-        """Loops that got a budget during the block and were closed, yet are still alive.
+    async def _closed_loops(self) -> list[Any]:
+        """Loops that got a budget during the block and were closed, yet are still alive
+        `settle_s` later.
 
         A closed loop usually sits in a reference cycle, so the collector runs first, but only
         when there is such a loop: most blocks never create one, and a full collection costs.
+        A thread on its way out may hold one for a moment (a thread pool's idle worker keeps
+        its loop until it stops: a block that ran `asyncio.run` itself, on a loaded machine),
+        so the check waits as the one for threads does.
         """
         def closed() -> list[Any]:
             return [
@@ -142,10 +146,15 @@ class LeakChecker:
                 if loop.is_closed() and loop not in self._loops_before
             ]
 
-        if not closed():
-            return []
-        gc.collect()
-        return closed()
+        deadline = time.monotonic() + self.settle_s
+        while closed():
+            gc.collect()
+            loops = closed()
+            if not loops or time.monotonic() > deadline:
+                return loops
+            del loops
+            await anyio.sleep(0.01)
+        return []
 
     async def _stray_threads(self) -> list[threading.Thread]:
         deadline = time.monotonic() + self.settle_s
