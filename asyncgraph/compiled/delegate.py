@@ -132,19 +132,27 @@ class AOTIDelegate:
             raise TypeError(
                 f"{self.__name__}: expected {len(self.contiguous)} inputs, got {len(inputs)}"
             )
-        args = [inputs[i] for i in self._runtime]
-        for k in self._contiguous_args:  # the compiled code assumes the strides it saw
-            if isinstance(args[k], torch.Tensor) and not args[k].is_contiguous():
-                args[k] = args[k].contiguous()
+        args = self._contiguous([inputs[i] for i in self._runtime])
         self.calls += 1
         if not self._constant:
             outputs: list[torch.Tensor] = self._latest.loader.run(args)
             return outputs
         at = self._constants_at
         weights = inputs[at] if type(at) is slice else tuple(map(inputs.__getitem__, at))
-        container = self._acquire(weights)
+        return self._run_on(self._acquire(weights), args)
+
+    def _contiguous(self, args: list[Any]) -> list[Any]:
+        """`args` (the runtime inputs) contiguous where the compiled code assumes the strides
+        it saw."""
+        for k in self._contiguous_args:
+            if isinstance(args[k], torch.Tensor) and not args[k].is_contiguous():
+                args[k] = args[k].contiguous()
+        return args
+
+    def _run_on(self, container: _Container, args: list[Any]) -> list[torch.Tensor]:
+        """Run on `container`, which the caller marked running, and release it."""
         try:
-            outputs = container.loader.run(args)
+            outputs: list[torch.Tensor] = container.loader.run(args)
         finally:
             with self._mutex:
                 container.running -= 1
@@ -166,8 +174,7 @@ class AOTIDelegate:
         if not self._constant or set(fixed) != set(self._constant):
             return None
         weights = tuple(fixed[i] for i in self._constant)
-        runtime, constant = self._runtime, self._constant
-        contiguous, mutex = self._contiguous_args, self._mutex
+        runtime, constant, mutex = self._runtime, self._constant, self._mutex
         held: list[Any] = [None, None]  # the container holding `weights`, and its tuple
 
         def slow(args: tuple[Any, ...]) -> list[torch.Tensor]:
@@ -184,29 +191,17 @@ class AOTIDelegate:
             return outputs
 
         def call(*args: Any) -> list[torch.Tensor]:
+            listed = self._contiguous(list(args))  # before the container is taken
             container, tensors = held
             with mutex:
                 fast = container is not None and container.weights is tensors and (
                     container.ready)
                 if fast:
-                    container.running += 1
-                    if container is not self._latest:
-                        self._touch(container)
+                    self._take(container)
             if not fast:
                 return slow(args)
-            listed = list(args)
-            for k in contiguous:
-                if isinstance(listed[k], torch.Tensor) and not listed[k].is_contiguous():
-                    listed[k] = listed[k].contiguous()
             self.calls += 1
-            try:
-                outputs: list[torch.Tensor] = container.loader.run(listed)
-            finally:
-                with mutex:
-                    container.running -= 1
-                    if self._waiting:
-                        self._changed.notify_all()
-            return outputs
+            return self._run_on(container, listed)
 
         return call
 
