@@ -176,14 +176,16 @@ async def test_the_wait_asks_the_loop_for_no_timer() -> None:
     gpu = FakeGpu()
     timers: list[float] = []
     waiting: set[asyncio.Task[Any]] = set()
-    call_at = loop.call_at
+    call_later = loop.call_later
 
-    def recording_call_at(when: float, *args: Any, **kwargs: Any) -> Any:
+    def recording_call_later(delay: float, *args: Any, **kwargs: Any) -> Any:
+        # the delay asked for, not `when - loop.time()` read later: a preempted test thread
+        # would read a timer asked for 12 us as one already due
         if asyncio.current_task() in waiting:
-            timers.append(when - loop.time())
-        return call_at(when, *args, **kwargs)
+            timers.append(delay)
+        return call_later(delay, *args, **kwargs)
 
-    loop.call_at = recording_call_at  # type: ignore[method-assign,assignment]  # call_later too
+    loop.call_later = recording_call_later  # type: ignore[method-assign,assignment]  # sleeps too
     try:
         for policy in (OLD, AT_ONCE):
             timers.clear()
@@ -204,7 +206,7 @@ async def test_the_wait_asks_the_loop_for_no_timer() -> None:
                 assert waiter.handed == 0
             await settled(waiter)
     finally:
-        del loop.call_at
+        del loop.call_later
 
 
 # -- how long the loop polls: measured per site --------------------------------------------------
