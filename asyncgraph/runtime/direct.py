@@ -1,4 +1,4 @@
-"""DirectCall: an execution of a one-call program made as one Python call on the loop.
+"""DirectCall: an execution of a one-call program made as one Python call, on the loop or a worker.
 
 Why: the AOTInductor form of a small model is one compiled call (compiled/aoti_form.py). The
 MLP's kernels ran in 3 us through torch's binding, and an execution of that form through the
@@ -16,11 +16,18 @@ version with the weights bound in it (no value list copied and read back: 16 of 
 form's 17 arguments are weights; a delegate with `bind`, AOTInductor's, fixes them itself and
 compares one tuple per call rather than each weight), the outputs picked from its result.
 Everything else the general path decides still holds: the pool must have a frame free (it
-bounds executions), the loop's budget must have room for the line's measured time
-(LoopBudget.start; a spent slice, or callers queued for a line worth a worker, hand the
-execution to the general path, which waits or moves it), the loop's time is accounted, the
-weights version noted for the task, a kernel's error names its node. A signature not settled
-yet (warming, profiled) takes the general path, which settles it.
+bounds executions), the call is placed as the general path places a straight line of its
+measured time (ModeChooser.place): at once where the loop's budget has room, else, for a call
+worth a worker while the loop is busy (callers queued, or work waiting past a spent slice),
+as Mode.DIRECT_WORKER: the call as one work item of a worker thread, holding a frame of the
+pool, its end waking the loop through the Executor's LoopWake (`run_on_worker`; the general
+path's LINE_WORKER would load a frame, choose a placement and schedule and run units around
+the same call: on the encoder's ONNX form under 64 callers that cost the loop's thread 15 us
+more per request, design_measurements.md#direct-calls-on-workers). Any other answer (a slice
+to wait for) hands the execution to the general path. The loop's time is accounted, the
+weights version noted for the task, a kernel's error names its node; cancelled, a call on a
+worker is waited for before its frame goes back. A signature not settled yet (warming,
+profiled) takes the general path, which settles it.
 
 The delegate runs outside the inference-mode guard when it says it does not need it
 (`needs_inference_mode = False`: compiled code that records no autograd and returns tensors
@@ -30,6 +37,7 @@ cost 2.4 us of the 8.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 from collections.abc import Callable
@@ -41,15 +49,50 @@ from asyncgraph.graph.ir import Graph, OutputKind, Ref
 from asyncgraph.runtime.delegates import Delegate
 from asyncgraph.runtime.failures import add_node_note
 from asyncgraph.runtime.loop_state import LoopState
-from asyncgraph.runtime.modes import ModeChooser
+from asyncgraph.runtime.modes import Mode, ModeChooser
 from asyncgraph.runtime.placement import AdaptivePlacement
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, emit_args
 from asyncgraph.runtime.schedule import ScheduleCache
 from asyncgraph.runtime.weights import Weights, ran_on
+from asyncgraph.runtime.workers import WorkerPool
 
 _inference_mode = torch._C._InferenceMode  # the C++ guard (scheduler.py)
 _INLINE = Placement.INLINE
+_FRAMELESS, _LINE_WORKER = Mode.FRAMELESS, Mode.LINE_WORKER
 MAX_SETTLED = 64  # signatures remembered as settled; more, and the table starts again
+
+
+ON_WORKER = -1.0  # `start`'s answer for Mode.DIRECT_WORKER (a perf_counter time is >= 0)
+_FIRST_ITEM = ((0.0, 0),)  # WorkerPool.submit's (key, unit) of a single item
+
+
+class _WorkerCall:
+    """One Mode.DIRECT_WORKER call, between the loop and the worker thread running it."""
+
+    __slots__ = ("call", "error", "finished", "inputs", "result", "waiter", "wake")
+
+    def __init__(self, call: Callable[..., Any], inputs: list[Any],
+                 wake: Callable[..., Any], waiter: Any) -> None:
+        self.call, self.inputs, self.wake, self.waiter = call, inputs, wake, waiter
+        self.result: Any = None
+        self.error: Exception | None = None
+        self.finished = False  # set on the loop, once the thread is done with the call
+
+    def finish(self) -> None:
+        """On the loop: the thread is done; wake the execution."""
+        self.finished = True
+        if not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+def _call_on_worker(call: _WorkerCall, unit: int) -> None:
+    """WorkerPool's item (it never raises): the call, then the loop woken to finish it."""
+    try:
+        call.result = call.call(*call.inputs)
+    except Exception as exc:
+        call.error = exc
+    call.inputs = []  # the thread holds no request tensor once done
+    call.wake(call.finish)
 
 
 def _unset(*inputs: Any) -> Any:
@@ -64,7 +107,7 @@ class DirectCall:
         self, graph: Graph, plan: ExecutionPlan, fn: Callable[..., Any], node: int,
         items: tuple[int, ...], guarded: bool, weights: Callable[[], Weights],
         adaptive: AdaptivePlacement | None, schedules: ScheduleCache, modes: ModeChooser,
-        state: LoopState, has_free: Callable[[], bool],
+        state: LoopState, has_free: Callable[[], bool], workers: WorkerPool,
     ) -> None:
         self._graph, self._plan = graph, plan
         self._fn = fn  # the delegate
@@ -77,12 +120,14 @@ class DirectCall:
         self._modes = modes
         self._state = state
         self._has_free = has_free
+        self._workers = workers  # Mode.DIRECT_WORKER's threads
         self._call: Callable[..., Any] = _unset  # the delegate on the user inputs (`_lay_out`)
         self._version = -1
         self._settled: dict[Any, tuple[float, bool]] = {}  # signature -> (seconds, worth)
         self._hot: Any = None  # the signature of the last execution, and its entry
         self._hot_entry = (0.0, False)
         self.calls = 0
+        self.worker_calls = 0
 
     @classmethod
     def of(cls, graph: Graph, plan: ExecutionPlan, fns: list[Any], config_guard: bool,
@@ -113,9 +158,10 @@ class DirectCall:
 
     def start(self, signature: Any) -> float | None:
         """The perf_counter time an execution of `signature` starts at as Mode.DIRECT, the
-        loop's budget taken; None: the general path runs it (no signature computed, not
-        settled, no frame free, no room in the slice, or callers queued for a line worth a
-        worker)."""
+        loop's budget taken; ON_WORKER: it runs as Mode.DIRECT_WORKER (`run_on_worker`:
+        the call is worth a worker and the loop is busy, as ModeChooser.place decides for a
+        line); None: the general path runs it (no signature computed, not settled, no
+        frame free, or no room in the slice for a call that stays on the loop)."""
         if signature is None:
             return None
         if signature is self._hot:
@@ -126,15 +172,12 @@ class DirectCall:
                 return None
             self._hot, self._hot_entry = signature, entry
             seconds, worth = entry
-        if not self._has_free():
+        if not self._has_free() or self._state.budget is None:
             return None
-        budget = self._state.budget
-        if budget is None:
-            return None
-        start = budget.start(seconds)
-        if start is None or (worth and budget.others_queued()):
-            return None
-        return start
+        mode, start = self._modes.place(seconds, worth, True)
+        if mode is _FRAMELESS:
+            return start
+        return ON_WORKER if mode is _LINE_WORKER else None
 
     def run(self, flat: list[Any], start: float) -> list[Any]:
         """The execution, started at `start` (from `start`): its outputs, or its kernel's
@@ -153,6 +196,46 @@ class DirectCall:
             del guard
             self._state.account(start, time.perf_counter())
         self.calls += 1
+        return [result[i] for i in self._items]
+
+    async def run_on_worker(self, flat: list[Any]) -> list[Any]:
+        """Mode.DIRECT_WORKER: the execution as one work item of a worker thread (`start`
+        said ON_WORKER); its outputs, or its kernel's error with the node named. Cancelled,
+        it waits until the call has ended (as the scheduler's lines do: the Executor's
+        frame held for it is not free before), then re-raises."""
+        weights = self._weights()
+        if weights.version != self._version:
+            self._lay_out(weights)
+        version = self._version
+        state = self._state
+        loop = state.loop
+        assert loop is not None  # bound: `start` found the budget
+        call = _WorkerCall(self._call, flat, loop.call_soon_threadsafe, loop.create_future())
+        state.running += 1  # in flight, as the general path's lines on workers are
+        state.lines_on_workers += 1
+        cancelled: BaseException | None = None
+        try:
+            self._workers.submit(_call_on_worker, call, _FIRST_ITEM)
+            try:
+                await call.waiter
+            except loop.cancelled_exc as exc:
+                cancelled = exc
+                with loop.shielded():  # trio cancels every checkpoint of a cancelled scope
+                    while not call.finished:
+                        call.waiter = loop.create_future()
+                        with contextlib.suppress(loop.cancelled_exc):
+                            await call.waiter
+        finally:
+            state.running -= 1
+            state.lines_on_workers -= 1
+        if cancelled is not None:
+            raise cancelled
+        ran_on(version)
+        if call.error is not None:  # named as units.py names a kernel's error
+            add_node_note(call.error, self._graph, self._node)
+            raise call.error
+        self.worker_calls += 1
+        result = call.result
         return [result[i] for i in self._items]
 
     def _lay_out(self, weights: Weights) -> None:

@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import operator
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -61,7 +61,7 @@ from asyncgraph.runtime.build import PassCounts, build
 from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig, requested_batching
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
-from asyncgraph.runtime.direct import DirectCall
+from asyncgraph.runtime.direct import ON_WORKER, DirectCall
 from asyncgraph.runtime.form_verdicts import FormVerdicts
 from asyncgraph.runtime.forms import MIN_FORM_NODES, THREAD_COUNTS, FastForms
 from asyncgraph.runtime.frame import ExecutionFrame
@@ -82,7 +82,7 @@ _Choice = tuple[tuple[Placement, ...], NodeTimes | None, Schedule | None]
 
 _COMPLETED, _FAILED, _CANCELLED = range(3)  # how an execution ended: Executor._ended
 _FRAMELESS, _LINE_NOW, _CAPTURED = Mode.FRAMELESS, Mode.LINE_NOW, Mode.CAPTURED
-_DIRECT = Mode.DIRECT
+_DIRECT, _DIRECT_WORKER = Mode.DIRECT, Mode.DIRECT_WORKER
 ONE_CALL_FRAMES = 8  # a one-delegate-call form's frames per frame of the Executor's bound
 
 
@@ -249,6 +249,7 @@ class Executor:
             self.graph, self.plan, [k.fn for k in self.kernels], self.config.inference_mode,
             weights=lambda: self._weights, adaptive=self._adaptive, schedules=self._schedules,
             modes=self._modes, state=self._scheduler.state, has_free=self._pool.has_free,
+            workers=self._workers,
         ) if self._may_run_alone else None
         self._alone_frame = ExecutionFrame(self.plan, 0)  # Mode.FRAMELESS's, one at a time
         self._no_values = [None] * self.plan.num_values
@@ -399,9 +400,9 @@ class Executor:
                 return await self._execute_in_scope(scoped, flat, caller_inputs, signature,
                                                     direct)
             caller = asyncio.current_task()
-        outputs = self._run_direct(flat, signature) if direct else None
-        if outputs is not None:  # Mode.DIRECT: the program's one call, at once
-            return outputs
+        outputs = self._run_direct(flat, signature, caller) if direct else None
+        if outputs is not None:  # Mode.DIRECT: the program's one call (or DIRECT_WORKER's)
+            return outputs if isinstance(outputs, list) else await outputs
         frame = None  # none taken while one is free: the execution may need none
         if not (self._may_run_alone and self._pool.has_free()):
             frame = self._take_free_frame(caller) or await self._take_frame(caller)
@@ -508,15 +509,20 @@ class Executor:
             placement, times = self.plan.placement, None
         return placement, times, self._schedules.cached(placement, self._fuse and times is None)
 
-    def _run_direct(self, flat: list[Any], signature: Signature | None) -> list[Any] | None:
+    def _run_direct(
+        self, flat: list[Any], signature: Signature | None, caller: Caller | None = None,
+    ) -> list[Any] | Awaitable[list[Any]] | None:
         """Mode.DIRECT: the one call, at once (runtime/direct.py), counted as executions are;
-        None when this execution does not run so. Synchronous, so a fast form's routing
-        (runtime/forms.py) calls it before it awaits the form's `_execute`: a coroutine less
-        on a path of about 10 us."""
+        or Mode.DIRECT_WORKER: the awaitable of the call on a worker thread (for a known
+        `caller`, which aclose(cancel=True) can reach); None when this execution runs
+        neither way. Synchronous, so a fast form's routing (runtime/forms.py) calls it
+        before it awaits the form's `_execute`: a coroutine less on a path of about 10 us."""
         direct = self._direct
         start = direct.start(signature) if direct is not None else None
         if direct is None or start is None:
             return None
+        if start is ON_WORKER:
+            return self._run_on_worker(flat, caller) if caller is not None else None
         self._started += 1
         ended = _FAILED
         try:
@@ -525,6 +531,31 @@ class Executor:
         finally:
             self._ended[ended] += 1
         self._by_mode[_DIRECT] += 1
+        return outputs
+
+    async def _run_on_worker(self, flat: list[Any], caller: Caller) -> list[Any]:
+        """Mode.DIRECT_WORKER: the one call on a worker thread, holding a frame of the pool
+        while it runs (the pool bounds executions; the frame holds nothing: DirectCall
+        carries the call). Under 64 callers of the encoder's ONNX form, 13% more requests
+        per second than the general path's LINE_WORKER, whose frame load, placement,
+        schedule and units cost the loop's thread 15 us more per request
+        (benchmarks/results/cpu/design_measurements.md#direct-calls-on-workers)."""
+        frame = self._take_free_frame(caller)  # `start` saw one free, and no await since
+        assert frame is not None, "a frame said free was taken meanwhile"
+        assert self._direct is not None
+        self._started += 1
+        self._by_mode[_DIRECT_WORKER] += 1
+        ended = _FAILED
+        try:
+            outputs = await self._direct.run_on_worker(flat)
+            ended = _COMPLETED
+        except self._cancelled_exc:
+            ended = _CANCELLED
+            raise
+        finally:
+            self._ended[ended] += 1
+            self._callers.discard(caller)
+            self._pool.release(frame)
         return outputs
 
     def _run_alone(self, flat: list[Any], schedule: Schedule, start: float) -> list[Any]:

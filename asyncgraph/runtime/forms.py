@@ -145,7 +145,8 @@ class Form(Protocol):
                        caller: Any, signature: Signature | None, *,
                        direct: bool = True) -> list[Any]: ...
 
-    def _run_direct(self, flat: list[Any], signature: Signature | None) -> list[Any] | None: ...
+    def _run_direct(self, flat: list[Any], signature: Signature | None, caller: Any = None,
+                    ) -> list[Any] | Awaitable[list[Any]] | None: ...
 
     def _bind_loop(self) -> None: ...
 
@@ -369,10 +370,12 @@ class FastForms:
             if form is not None:
                 self.fast_runs += 1
                 version = self._form_version  # the Executor's version, not the form's own
-                outputs = form._run_direct(flat, signature)  # the form's one call, at once
+                outputs = form._run_direct(flat, signature, caller)  # the form's one call
                 if outputs is None:
                     outputs = await form._execute(flat, caller_inputs, caller, signature,
                                                   direct=False)  # declined just now
+                elif not isinstance(outputs, list):  # the call on a worker thread
+                    outputs = await outputs
                 ran_on(version)
                 return outputs
             return await self._plain(flat, caller_inputs, caller, signature)

@@ -20,6 +20,10 @@ Which straight-line mode (runtime/loop_budget.py's shared slice decides most of 
   overlap it (other executions in flight, or other work waiting on the loop) and its nodes
   are mostly kernel time, off the GIL (`worker_execution_node_us`).
 
+A program that is one delegate call (runtime/direct.py) is placed by the same rule
+(`ModeChooser.place`, for a line of the call's measured time): FRAMELESS there runs as
+Mode.DIRECT, LINE_WORKER as Mode.DIRECT_WORKER, anything else takes the general path.
+
 Lines worth a worker queue for the workers however many run there already: held back on the
 loop instead, a worker that finished waited for the loop, busy in a line, to hand it the next.
 The measurements behind the modes, in benchmarks/results/cpu/:
@@ -53,6 +57,7 @@ class Mode(enum.IntEnum):
     CAPTURED = 5  # a CUDA-graph capture or replay (the dataflow while it warms up)
     DATAFLOW = 6  # the WorkUnit dataflow
     DIRECT = 7  # a one-call program's call, at once, without a frame (runtime/direct.py)
+    DIRECT_WORKER = 8  # a one-call program's call as one work item of a worker thread
 
 
 class ModeChooser:
@@ -81,19 +86,25 @@ class ModeChooser:
         line = schedule.straight
         if line is None or times is not None or not self._lines:
             return (_CAPTURED if self._captured else _DATAFLOW), 0.0
-        state = self.state
-        budget = state.budget if state.budget is not None else state.bind()
-        start = budget.start(line.seconds)
         if line is not self._line:  # the worker bar of the line seen last, kept
             self._line, self._worth = line, self.worth_a_worker(line)
+        return self.place(line.seconds, self._worth, alone)
+
+    def place(self, seconds: float, worth: bool, alone: bool = False) -> tuple[Mode, float]:
+        """Where a straight line of `seconds` runs (`worth`: `worth_a_worker` said so), and
+        for FRAMELESS and LINE_NOW the perf_counter time it starts at. Mode.DIRECT's call
+        (runtime/direct.py) is placed here too, as a line of one node."""
+        state = self.state
+        budget = state.budget if state.budget is not None else state.bind()
+        start = budget.start(seconds)
         if start is None:  # the slice is spent, or left too short for it
-            if line.seconds > budget.slice_s:  # a fresh slice would not hold it either
+            if seconds > budget.slice_s:  # a fresh slice would not hold it either
                 busy = state.running > 0  # another execution is in flight to overlap it
-                return (_LINE_WORKER if busy and self._worth else _LINE_SLICED), 0.0
-            if self._worth and budget.others_wait:  # extend's peek: work waits on the loop
+                return (_LINE_WORKER if busy and worth else _LINE_SLICED), 0.0
+            if worth and budget.others_wait:  # extend's peek: work waits on the loop
                 return _LINE_WORKER, 0.0
             return _LINE_NEXT, 0.0
-        if self._worth and budget.others_queued():  # it fits, but callers queue for the loop
+        if worth and budget.others_queued():  # it fits, but callers queue for the loop
             return _LINE_WORKER, 0.0
         return (_FRAMELESS if alone else _LINE_NOW), start
 

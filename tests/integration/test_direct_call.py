@@ -4,6 +4,10 @@ call: outputs, weights versions, errors and counts as on the general path."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,10 +40,19 @@ class FxDelegate:
         self.module = module
         self.needs_inference_mode = guard
         self.inference: list[bool] = []  # per call: whether inference mode was on
+        self.threads: list[str] = []  # per call: the thread it ran on
         self.fail = False
+        self.delay_s = 0.0
+        self.hold: threading.Event | None = None  # set: calls wait for it
 
     def __call__(self, *inputs: Any) -> list[Any]:
         self.inference.append(torch.is_inference_mode_enabled())
+        self.threads.append(threading.current_thread().name)
+        if self.hold is not None and self.threads[-1].startswith("asyncgraph-worker"):
+            self.hold.wait(30)  # never on the loop's thread: it would wait for ever
+        end = time.perf_counter() + self.delay_s
+        while time.perf_counter() < end:  # kernel time: CPU, off the GIL (as torch's)
+            hashlib.sha256(BLOCK)
         if self.fail:
             raise ValueError("the delegate was told to fail")
         with torch.no_grad():  # as compiled code records no autograd, in any mode
@@ -142,3 +155,124 @@ async def test_traced_or_plain_programs_never_run_direct(guard: bool) -> None:
             for _ in range(CALLS // 2):
                 torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
             assert ex.statistics().modes["DIRECT"] == 0
+
+
+# A call of kernel time above the worker bar (40 us) and below the loop's slice (1 ms, past
+# which placement puts its node on a worker): inline alone, worth a worker under load.
+SLOW_S = 0.0003
+# uvloop shows no ready queue (LoopBudget.others_queued): calls shorter than a slice stay on
+# its loop, on the general path as in Mode.DIRECT
+ASYNCIO_ONLY = pytest.mark.asyncio(loop_factories=["asyncio"])
+BLOCK = bytes(1 << 16)  # hashlib releases the GIL while it hashes this much
+
+
+async def _settle_slow(ex: Executor, x: torch.Tensor) -> FxDelegate:
+    """The delegate made slow, its signature settled (one caller at a time, then a few
+    bursts): executions under load then run as Mode.DIRECT_WORKER."""
+    delegate = _delegate(ex)
+    delegate.delay_s = SLOW_S
+    for _ in range(CALLS):
+        await ex.execute(x)
+    for _ in range(4):
+        await asyncio.gather(*(ex.execute(x) for _ in range(8)))
+    return delegate
+
+
+@ASYNCIO_ONLY
+async def test_a_one_call_program_under_load_runs_its_call_on_a_worker(guard: bool) -> None:
+    """Mode.DIRECT_WORKER: the call worth a worker goes to one as a work item of its own,
+    with the general path's outputs, counts and weights versions (no frame's load,
+    placement, schedule or units on the loop)."""
+    model, x = DeepMLP(16, 3).eval(), torch.randn(2, 16)
+    async with Executor(export_model(model, x), ExecutorConfig(segments=(BACKEND,))) as ex:
+        delegate = await _settle_slow(ex, x)
+        before = ex.statistics()
+        calls = len(delegate.threads)
+        outs = await asyncio.gather(*(ex.execute(x) for _ in range(16)))
+        for out in outs:
+            torch.testing.assert_close(out, eager_output(model, x))
+        after = ex.statistics()
+        on_workers = after.modes["DIRECT_WORKER"] - before.modes["DIRECT_WORKER"]
+        assert on_workers >= 8, after.modes  # the first may run on the loop, the rest not
+        threads = delegate.threads[calls:]
+        assert sum(t.startswith("asyncgraph-worker") for t in threads) >= on_workers
+        assert after.completed - before.completed == 16 and after.failed == 0
+        assert after.started == after.completed
+        assert after.workers.items_run - before.workers.items_run >= on_workers
+
+        with torch.no_grad():  # a swap: calls on workers run on the new weights
+            for p in model.parameters():
+                p.mul_(-0.5)
+        version = ex.swap_weights(dict(model.state_dict()))
+
+        async def call() -> tuple[torch.Tensor, int | None]:
+            return await ex.execute(x), weights_ran_on()  # the task's own version
+
+        before = ex.statistics()
+        for out, ran_on in await asyncio.gather(*(call() for _ in range(8))):
+            torch.testing.assert_close(out, eager_output(model, x))
+            assert ran_on == version
+        assert ex.statistics().modes["DIRECT_WORKER"] > before.modes["DIRECT_WORKER"]
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("guard", [True], indirect=True, ids=["guarded"])
+async def test_a_call_on_a_worker_that_fails_names_its_node_and_fails_alone(guard: bool) -> None:
+    model, x = DeepMLP(16, 3).eval(), torch.randn(2, 16)
+    async with Executor(export_model(model, x), ExecutorConfig(segments=(BACKEND,))) as ex:
+        delegate = await _settle_slow(ex, x)
+        before = ex.statistics()
+        delegate.fail = True
+        results = await asyncio.gather(*(ex.execute(x) for _ in range(8)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, ValueError) for r in results), results
+        assert all(any(f"%{BACKEND}_segment_0" in note for note in r.__notes__)
+                   for r in results if isinstance(r, ValueError))
+        after = ex.statistics()
+        assert after.modes["DIRECT_WORKER"] > before.modes["DIRECT_WORKER"], after.modes
+        assert after.failed - before.failed == 8
+        delegate.fail = False
+        outs = await asyncio.gather(*(ex.execute(x) for _ in range(8)))
+        for out in outs:
+            torch.testing.assert_close(out, eager_output(model, x))
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("guard", [True], indirect=True, ids=["guarded"])
+async def test_a_cancelled_call_on_a_worker_holds_its_frame_until_the_call_ends(
+        guard: bool) -> None:
+    """Cancelled, an execution on a worker returns once the thread is done with its inputs:
+    the pool's frames bound the calls running, cancelled or not."""
+    model, x = DeepMLP(16, 3).eval(), torch.randn(2, 16)
+    config = ExecutorConfig(segments=(BACKEND,), max_concurrent_executions=4)
+    async with Executor(export_model(model, x), config) as ex:
+        delegate = await _settle_slow(ex, x)
+        before = ex.statistics()
+        calls = len(delegate.threads)
+        delegate.hold = threading.Event()
+        tasks = [asyncio.create_task(ex.execute(x)) for _ in range(4)]
+        try:
+            for _ in range(2000):  # until the two workers hold a call each (10 s at most)
+                if len(delegate.threads) - calls >= 2:
+                    break
+                await asyncio.sleep(0.005)
+            running = [t for t in delegate.threads[calls:]
+                       if t.startswith("asyncgraph-worker")]
+            assert running, delegate.threads[calls:]
+            cancelled = [t for t in tasks if not t.done()]  # one may have run on the loop
+            for task in cancelled:
+                task.cancel()
+            await asyncio.sleep(0.05)
+            held = [t for t in cancelled if not t.done()]
+            assert len(held) >= len(running)  # waiting for their calls, frames held
+            assert ex.statistics().frames.in_use >= len(held)
+        finally:  # a failed check leaves no thread waiting
+            delegate.hold.set()
+        for task in cancelled:
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        after = ex.statistics()
+        assert after.cancelled - before.cancelled == len(cancelled) >= len(running)
+        assert after.frames.in_use == 0
+        delegate.hold = None
+        torch.testing.assert_close(await ex.execute(x), eager_output(model, x))

@@ -57,7 +57,7 @@ class FakeForm:
             await asyncio.sleep(0)
         return [self.name]
 
-    def _run_direct(self, flat: list[Any], signature: Any) -> list[Any] | None:
+    def _run_direct(self, flat: list[Any], signature: Any, caller: Any = None) -> list[Any] | None:
         return None  # never a program of one call: every run is `_execute`'s
 
     def _bind_loop(self) -> None:
