@@ -81,6 +81,12 @@ class LoopBudget:
         self.others_wait = False
 
     @property
+    def shows_queues(self) -> bool:
+        """Whether `others_queued` and `others_wait` see the loop's queues (asyncio's
+        pure-Python loops); where they do not (uvloop, trio), both stay False."""
+        return self._peek
+
+    @property
     def is_open(self) -> bool:
         """Whether a slice is open in this iteration (the next `deadline` continues it)."""
         return self._open

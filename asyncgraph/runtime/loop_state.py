@@ -21,6 +21,7 @@ class LoopState:
         "_window_start",
         "budget",
         "busy",
+        "lines_next",
         "lines_on_workers",
         "loop",
         "running",
@@ -33,6 +34,7 @@ class LoopState:
         self.slice_s = slice_s
         self.running = 0  # executions between start and finish (the dataflow's run)
         self.lines_on_workers = 0  # straight lines on worker threads now (queued or running)
+        self.lines_next = 0  # straight lines waiting for the loop's next iteration (LINE_NEXT)
         self.busy = 0.0  # the fraction of the last 20 ms window the loop spent in kernels
         self._window_start = 0.0
         self._window_busy = 0.0

@@ -98,10 +98,15 @@ class ModeChooser:
         budget = state.budget if state.budget is not None else state.bind()
         start = budget.start(seconds)
         if start is None:  # the slice is spent, or left too short for it
+            busy = state.running > 0  # another execution is in flight to overlap it
             if seconds > budget.slice_s:  # a fresh slice would not hold it either
-                busy = state.running > 0  # another execution is in flight to overlap it
                 return (_LINE_WORKER if busy and worth else _LINE_SLICED), 0.0
-            if worth and budget.others_wait:  # extend's peek: work waits on the loop
+            # extend's peek: work waits on the loop; where the loop shows no queue (uvloop,
+            # trio), a line already waiting for the next iteration, or an execution in
+            # flight, stands for it (else every line of 64 callers waited for the loop's next
+            # iteration and ran on the loop's one core)
+            if worth and (budget.others_wait or (
+                    not budget.shows_queues and (busy or state.lines_next > 0))):
                 return _LINE_WORKER, 0.0
             return _LINE_NEXT, 0.0
         if worth and budget.others_queued():  # it fits, but callers queue for the loop

@@ -152,7 +152,11 @@ class Scheduler:
         dispatching, waits shielded until the items in flight end, then re-raises."""
         state = self.state
         if mode is Mode.LINE_NEXT:  # a fresh slice holds the line: after others' callbacks
-            await anyio.lowlevel.checkpoint()
+            state.lines_next += 1
+            try:
+                await anyio.lowlevel.checkpoint()
+            finally:
+                state.lines_next -= 1
             budget = state.budget if state.budget is not None else state.bind()
             start = budget.start(_line(frame).seconds)
             if start is not None:

@@ -160,9 +160,6 @@ async def test_traced_or_plain_programs_never_run_direct(guard: bool) -> None:
 # A call of kernel time above the worker bar (40 us) and below the loop's slice (1 ms, past
 # which placement puts its node on a worker): inline alone, worth a worker under load.
 SLOW_S = 0.0003
-# uvloop shows no ready queue (LoopBudget.others_queued): calls shorter than a slice stay on
-# its loop, on the general path as in Mode.DIRECT
-ASYNCIO_ONLY = pytest.mark.asyncio(loop_factories=["asyncio"])
 BLOCK = bytes(1 << 16)  # hashlib releases the GIL while it hashes this much
 
 
@@ -178,7 +175,6 @@ async def _settle_slow(ex: Executor, x: torch.Tensor) -> FxDelegate:
     return delegate
 
 
-@ASYNCIO_ONLY
 async def test_a_one_call_program_under_load_runs_its_call_on_a_worker(guard: bool) -> None:
     """Mode.DIRECT_WORKER: the call worth a worker goes to one as a work item of its own,
     with the general path's outputs, counts and weights versions (no frame's load,
@@ -193,7 +189,9 @@ async def test_a_one_call_program_under_load_runs_its_call_on_a_worker(guard: bo
             torch.testing.assert_close(out, eager_output(model, x))
         after = ex.statistics()
         on_workers = after.modes["DIRECT_WORKER"] - before.modes["DIRECT_WORKER"]
-        assert on_workers >= 8, after.modes  # the first may run on the loop, the rest not
+        # the first calls fill the loop's slice (uvloop, whose queue no one sees, runs a
+        # slice's worth of them on the loop each iteration), the rest go to the workers
+        assert on_workers >= 4, after.modes
         threads = delegate.threads[calls:]
         assert sum(t.startswith("asyncgraph-worker") for t in threads) >= on_workers
         assert after.completed - before.completed == 16 and after.failed == 0
@@ -215,7 +213,6 @@ async def test_a_one_call_program_under_load_runs_its_call_on_a_worker(guard: bo
         assert ex.statistics().modes["DIRECT_WORKER"] > before.modes["DIRECT_WORKER"]
 
 
-@ASYNCIO_ONLY
 @pytest.mark.parametrize("guard", [True], indirect=True, ids=["guarded"])
 async def test_a_call_on_a_worker_that_fails_names_its_node_and_fails_alone(guard: bool) -> None:
     model, x = DeepMLP(16, 3).eval(), torch.randn(2, 16)
@@ -237,7 +234,6 @@ async def test_a_call_on_a_worker_that_fails_names_its_node_and_fails_alone(guar
             torch.testing.assert_close(out, eager_output(model, x))
 
 
-@ASYNCIO_ONLY
 @pytest.mark.parametrize("guard", [True], indirect=True, ids=["guarded"])
 async def test_a_cancelled_call_on_a_worker_holds_its_frame_until_the_call_ends(
         guard: bool) -> None:

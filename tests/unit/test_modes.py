@@ -26,6 +26,7 @@ class _Budget:
     slice_s: float = 0.001
     others_wait: bool = False
     queued: bool = False
+    shows_queues: bool = True  # False: uvloop's or trio's, whose queues the budget cannot see
 
     def start(self, seconds: float) -> float | None:
         return self.start_at
@@ -45,10 +46,12 @@ def _line(
     return StraightLine(((),), seconds, (seconds,), node_seconds, any_thread, (0,))
 
 
-def _chooser(budget: _Budget, running: int = 0, **flags: bool) -> ModeChooser:
+def _chooser(budget: _Budget, running: int = 0, lines_next: int = 0,
+             **flags: bool) -> ModeChooser:
     state = LoopState(budget.slice_s)
     state.budget = budget  # type: ignore[assignment]
     state.running = running
+    state.lines_next = lines_next
     config = ExecutorConfig(worker_execution_node_us=50)
     return ModeChooser(state, config, device=flags.get("device", False),
                        captured=flags.get("captured", False), traced=flags.get("traced", False))
@@ -82,6 +85,31 @@ def test_the_line_modes_follow_the_slice_and_the_loop(
     chosen, start = _chooser(budget, running).choose(_Schedule(line), None, alone)  # type: ignore[arg-type]
     assert chosen is mode
     assert start == (budget.start_at if mode in (Mode.FRAMELESS, Mode.LINE_NOW) else 0.0)
+
+
+UNSEEN = {"start_at": None, "shows_queues": False}  # a spent slice of a loop showing no queue
+
+
+@pytest.mark.parametrize(
+    ("budget", "running", "lines_next", "mode"),
+    [
+        (_Budget(**UNSEEN), 0, 0, Mode.LINE_NEXT),  # nothing else: the next iteration
+        (_Budget(**UNSEEN), 0, 1, Mode.LINE_WORKER),  # another line waits for it already
+        (_Budget(**UNSEEN), 1, 0, Mode.LINE_WORKER),  # an execution in flight
+        (_Budget(start_at=None), 1, 1, Mode.LINE_NEXT),  # asyncio's peek saw nothing waiting
+    ],
+)
+def test_where_the_loop_shows_no_queue_waiting_lines_and_executions_stand_for_it(
+    budget: _Budget, running: int, lines_next: int, mode: Mode
+) -> None:
+    """uvloop and trio show no ready queue: a spent slice, with a line waiting for the next
+    iteration or an execution in flight, sends a line worth a worker there (64 callers of a
+    0.2 ms ONNX form otherwise all waited for the loop and ran on its one core)."""
+    chooser = _chooser(budget, running, lines_next)
+    chosen, _ = chooser.choose(_Schedule(_line(node_seconds=HEAVY)), None, True)  # type: ignore[arg-type]
+    assert chosen is mode
+    light, _ = chooser.choose(_Schedule(_line()), None, True)  # type: ignore[arg-type]
+    assert light is Mode.LINE_NEXT  # not worth a worker: it waits, whatever waits
 
 
 @pytest.mark.parametrize(
