@@ -179,15 +179,20 @@ async def run_scenarios(
     return report
 
 
+def loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop factory of a run's `Settings.loop` (None: asyncio's default loop)."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
+
+
 def run_suite(
     names: Sequence[str] | None, settings: Settings, console: Console | None = None
 ) -> Report:
     """Run the suite in a fresh event loop (asyncio or uvloop), with progress bars on `console`."""
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if settings.loop == "uvloop":
-        import uvloop
-
-        factory = uvloop.new_event_loop
+    factory = loop_factory(settings.loop)
     chosen = select(names)
     if console is None:
         with asyncio.Runner(loop_factory=factory) as runner:
@@ -226,6 +231,8 @@ def standalone_parser(description: str, graphs: Sequence[str]) -> argparse.Argum
     parser.add_argument("--json", action="store_true", help="JSON on stdout, progress on stderr")
     parser.add_argument("-o", "--output", type=pathlib.Path,
                         help="also write the JSON report here")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the event loop the scenario runs on (uvicorn's default: uvloop)")
     return parser
 
 
@@ -234,10 +241,10 @@ def run_standalone(
     cases: Callable[[Context], Coroutine[Any, Any, list[CaseResult]]],
     width: int,
 ) -> int:
-    """Run one scenario's `cases` on asyncio with progress lines on stderr, then print its
+    """Run one scenario's `cases` on `--loop` with progress lines on stderr, then print its
     report (JSON with --json, else tables `width` columns wide when not on a terminal)."""
     settings = Settings(size="quick" if args.quick else "full", rounds=args.rounds,
-                        warmup=args.warmup)
+                        warmup=args.warmup, loop=getattr(args, "loop", "asyncio"))
 
     def start_task(description: str, total: int) -> Callable[[], None]:
         print(f"{description}: {total} rounds", file=sys.stderr, flush=True)
@@ -245,7 +252,8 @@ def run_standalone(
 
     report = Report(environment(), asdict(settings))
     start = time.perf_counter()
-    with torch_threads(settings.threads), asyncio.Runner() as loop:
+    with torch_threads(settings.threads), asyncio.Runner(
+            loop_factory=loop_factory(settings.loop)) as loop:
         report.cases = loop.run(cases(Context(settings, start_task)))
     report.elapsed_s = time.perf_counter() - start
     report.environment["torch_threads"] = settings.threads

@@ -75,7 +75,7 @@ class _WorkerCall:
                  wake: Callable[..., Any], waiter: Any) -> None:
         self.call, self.inputs, self.wake, self.waiter = call, inputs, wake, waiter
         self.result: Any = None
-        self.error: Exception | None = None
+        self.error: BaseException | None = None
         self.finished = False  # set on the loop, once the thread is done with the call
 
     def finish(self) -> None:
@@ -89,7 +89,7 @@ def _call_on_worker(call: _WorkerCall, unit: int) -> None:
     """WorkerPool's item (it never raises): the call, then the loop woken to finish it."""
     try:
         call.result = call.call(*call.inputs)
-    except Exception as exc:
+    except BaseException as exc:  # whatever it is, the execution waiting on it gets it
         call.error = exc
     call.inputs = []  # the thread holds no request tensor once done
     call.wake(call.finish)
