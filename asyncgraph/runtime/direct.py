@@ -75,7 +75,7 @@ class _WorkerCall:
                  wake: Callable[..., Any], waiter: Any) -> None:
         self.call, self.inputs, self.wake, self.waiter = call, inputs, wake, waiter
         self.result: Any = None
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
         self.finished = False  # set on the loop, once the thread is done with the call
 
     def finish(self) -> None:
@@ -86,13 +86,16 @@ class _WorkerCall:
 
 
 def _call_on_worker(call: _WorkerCall, unit: int) -> None:
-    """WorkerPool's item (it never raises): the call, then the loop woken to finish it."""
+    """WorkerPool's item: the call, then the loop woken to finish it. A kernel's error goes
+    to the execution; anything else (an interrupt, SystemExit) to the worker's unraisable
+    hook as any item's does, the execution woken all the same (it gets no result)."""
     try:
         call.result = call.call(*call.inputs)
-    except BaseException as exc:  # whatever it is, the execution waiting on it gets it
+    except Exception as exc:
         call.error = exc
-    call.inputs = []  # the thread holds no request tensor once done
-    call.wake(call.finish)
+    finally:
+        call.inputs = []  # the thread holds no request tensor once done
+        call.wake(call.finish)
 
 
 def _unset(*inputs: Any) -> Any:
@@ -234,6 +237,9 @@ class DirectCall:
         if call.error is not None:  # named as units.py names a kernel's error
             add_node_note(call.error, self._graph, self._node)
             raise call.error
+        if call.result is None:
+            raise RuntimeError(f"{self._graph.nodes[self._node].name}: the call on a worker "
+                               "thread ended without a result (see the worker's unraisable hook)")
         self.worker_calls += 1
         result = call.result
         return [result[i] for i in self._items]
