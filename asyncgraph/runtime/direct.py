@@ -37,7 +37,6 @@ cost 2.4 us of the 8.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import time
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from asyncgraph.runtime.modes import Mode, ModeChooser
 from asyncgraph.runtime.placement import AdaptivePlacement
 from asyncgraph.runtime.plan import ExecutionPlan, Placement, emit_args
 from asyncgraph.runtime.schedule import ScheduleCache
+from asyncgraph.runtime.scheduler import wait_finished
 from asyncgraph.runtime.weights import Weights, ran_on
 from asyncgraph.runtime.workers import WorkerPool
 
@@ -224,10 +224,7 @@ class DirectCall:
             except loop.cancelled_exc as exc:
                 cancelled = exc
                 with loop.shielded():  # trio cancels every checkpoint of a cancelled scope
-                    while not call.finished:
-                        call.waiter = loop.create_future()
-                        with contextlib.suppress(loop.cancelled_exc):
-                            await call.waiter
+                    await wait_finished(call, loop)
         finally:
             state.running -= 1
             state.lines_on_workers -= 1

@@ -38,7 +38,7 @@ import functools
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio.lowlevel
 import torch
@@ -66,6 +66,31 @@ _DEVICE = Placement.DEVICE
 _FIRST_UNIT = ((0.0, 0),)  # a straight line handed to a worker is one item
 
 Ranked = list[tuple[float, int]]  # units handed off together, each with its key (lowest first)
+
+
+class Finishing(Protocol):
+    """What `wait_finished` waits on: an execution's frame, or a direct call on a worker
+    (runtime/direct.py), whose `finished` the loop sets, resolving `waiter`."""
+
+    finished: bool
+    waiter: Any
+
+
+async def wait_finished(item: Finishing, loop: Loop) -> BaseException | None:
+    """Wait until `item`'s work in flight has ended (threads write into it until then).
+
+    Cancellations meanwhile are absorbed and the first returned, for the caller to raise
+    once the item is idle. This ends as soon as the work does: every work item ends on every
+    path, so a cancellation waits at most for the kernels running now.
+    """
+    absorbed: BaseException | None = None
+    while not item.finished:
+        item.waiter = loop.create_future()
+        try:
+            await item.waiter
+        except loop.cancelled_exc as exc:
+            absorbed = absorbed or exc
+    return absorbed
 
 
 class Scheduler:
@@ -185,7 +210,7 @@ class Scheduler:
             if not frame.finished:  # cancelled, or anything else: nothing may touch the frame
                 self._stop(frame)
                 with loop.shielded():  # trio cancels every checkpoint of a cancelled scope
-                    absorbed = await self._wait_finished(frame, loop)
+                    absorbed = await wait_finished(frame, loop)
                 cancelled = cancelled or absorbed
             state.running -= 1
             state.lines_on_workers -= on_worker
@@ -228,21 +253,6 @@ class Scheduler:
                 raise
             frame.errors[0].add_note(f"finishing the execution's GPU work also raised: {exc!r}")
 
-    async def _wait_finished(self, frame: ExecutionFrame, loop: Loop) -> BaseException | None:
-        """Wait until the items in flight have ended (threads write the frame until then).
-
-        Cancellations meanwhile are absorbed and the first returned, for the caller to raise
-        once the frame is idle. This ends as soon as the items do: every item ends on every
-        path, so a cancellation waits at most for the kernels running now.
-        """
-        absorbed: BaseException | None = None
-        while not frame.finished:
-            frame.waiter = loop.create_future()
-            try:
-                await frame.waiter
-            except loop.cancelled_exc as exc:
-                absorbed = absorbed or exc
-        return absorbed
 
     def _stop(self, frame: ExecutionFrame) -> None:
         """Stop dispatching and cancel the frame's async kernels (loop thread)."""
