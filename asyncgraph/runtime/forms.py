@@ -57,7 +57,11 @@ an Executor of its own. `FastForms` (one per Executor, when `ExecutorConfig.fast
    Executor with batching) share a verdict per batch size rounded up to a power of two, as
    adaptive placement does. A verdict reached before a form arrives is measured again with it
    (`_catch_up`); once every backend had its turn, the verdicts are kept on disk
-   (runtime/form_verdicts.py), so a restart adopts them at once;
+   (runtime/form_verdicts.py), so a restart adopts them at once. A verdict, measured or kept,
+   is measured again once it has served `RECHECK_RUNS` executions and `RECHECK_S` have
+   passed (twice as long after each recheck, up to `RECHECK_MAX_S`), and the disk then
+   keeps the new one: a verdict reached on a busy moment, or on a neighbour's, is not
+   served for the life of the cache;
 3. **never serves other weights**: a form is built from the weights the Executor has when the
    build starts and serves only while the Executor's weights version is that one. A swap
    retires the form (closed with the Executor) and builds it again on the new weights.
@@ -79,7 +83,7 @@ or trace and its plain nodes, timed once they are made (compiled/delegate_suppor
 nodes stays plain. `statistics()["segments"]` says,
 per form, segment and signature, which serves and why.
 
-Not yet: measuring a decided signature again later; a
+Not yet: a
 form no verdict chose keeps its sessions until a swap or close. On trio an execution's caller
 is not known, so a burst of inline executions counts as alone unless they overlap.
 """
@@ -128,6 +132,14 @@ OVERLAPS = 2 * SAMPLES
 # against the plain graph's 57, while the plain graph's throughput read 9% higher), and the
 # plain graph holds no second copy of the weights.
 MARGIN = 0.05
+# A verdict is measured again (`_recheck`) once it has served this many executions and this
+# long has passed since it was reached; each recheck waits twice as long as the one before, up
+# to RECHECK_MAX_S. A recheck under load times WINDOWS x WINDOW executions per candidate (about
+# 600 with two forms), alone SAMPLES runs each: at most a few percent of RECHECK_RUNS, served
+# on the slower candidates.
+RECHECK_RUNS = 20_000
+RECHECK_S = 60.0
+RECHECK_MAX_S = 3600.0
 NICE = 10  # the build thread's nice value above the loop's: serving comes first
 QUIET_S = 0.002  # no execution started or ended this long ago: the loop is not serving
 STUCK_S = 0.05  # executions in flight, none started or ended this long: the loop waits on us
@@ -198,6 +210,12 @@ class _Verdict:
     published: int = 0  # FastForms._published when it was reached: the forms it measured
     overlapped: int = 0  # alone: timed runs another execution started during (not counted)
     borrowed: bool = False  # alone: the loaded verdict's form, not measured alone, not kept
+    # a final verdict's executions served, and the clock reading from which it may be
+    # measured again (`_recheck`); its rechecks so far, and the form the last one replaced
+    served: int = 0
+    due: float = float("inf")
+    rechecks: int = 0
+    previous: str | None = None
 
 
 @dataclass
@@ -393,6 +411,11 @@ class FastForms:
         """The form this execution runs on (a name, or PLAIN), and what to tell when it ends
         (its measurement, while its verdict is being reached)."""
         verdict = choice.loaded if regime is LOADED else choice.alone
+        if verdict.final:
+            verdict.served += 1
+            if (verdict.served >= RECHECK_RUNS and forms and self._building is None
+                    and self._clock() >= verdict.due):
+                verdict = self._recheck(choice, regime)
         if forms is None or verdict.form == PLAIN:
             return PLAIN, None
         if verdict.form is not None:
@@ -414,6 +437,15 @@ class FastForms:
         # them, and a session's second thread only takes a core from another's
         candidates = [*(n for n in names if self._form_threads[n] == 1), PLAIN]
         return self._windowed(verdict, key, candidates)
+
+    def _recheck(self, choice: _Choice, regime: str) -> _Verdict:
+        """A final verdict due to be measured again: a fresh one in its place, measured as a
+        first one is (the forms warmed first: a kept verdict's forms may not have served this
+        signature in this process), then kept on disk in place of the old."""
+        old: _Verdict = getattr(choice, regime)
+        fresh = _Verdict(rechecks=old.rechecks + 1, previous=old.form)
+        setattr(choice, regime, fresh)
+        return fresh
 
     def _regime(self, caller: Any) -> str:
         """LOADED while another execution is in flight or another task's just ended."""
@@ -439,7 +471,7 @@ class FastForms:
             if kept is not None and self._known(kept[0]):
                 verdict = getattr(choice, regime)
                 verdict.form, verdict.why = kept[0], f"kept from an earlier run here: {kept[1]}"
-                verdict.final = True
+                verdict.final, verdict.due = True, self._clock() + RECHECK_S
         return choice
 
     def _current(self) -> dict[str, Form] | None:
@@ -579,10 +611,16 @@ class FastForms:
         if plain is not None and best != PLAIN and medians[best] > plain * (1 - MARGIN):
             said = f"; {best} within {MARGIN:.0%} of the plain graph: the plain graph"
             best = PLAIN
+        if verdict.rechecks:
+            said += f"; measured again ({verdict.rechecks}), {verdict.previous} before"
+            if best != verdict.previous:
+                LOG.info("fast form for %s %s: %s measured again: %s", regime, key,
+                         verdict.previous, best)
         verdict.form = best
         verdict.why = "measured: " + ", ".join(
             f"{name} {us:.0f} {unit}" for name, us in medians.items()) + f" ({how})" + said
         verdict.published = self._published
+        verdict.due = self._clock() + min(RECHECK_S * 2 ** verdict.rechecks, RECHECK_MAX_S)
         if self._complete:
             self._keep(verdict, regime, key)
 
@@ -776,6 +814,9 @@ def _promised(choice: _Choice) -> set[str]:
 def _said(verdict: _Verdict, warm: int, published: int) -> dict[str, str]:
     """A verdict as statistics() says it: one reached before a form published since will be
     measured again (`_catch_up`, at the next execution), and says so already."""
+    if verdict.form is None and verdict.previous is not None:
+        return {"form": "measuring", "why": f"measuring again ({verdict.rechecks}), "
+                                            f"{verdict.previous} until now"}
     if verdict.form is None or (not verdict.final and verdict.published != published):
         return {"form": "measuring", "why": f"warming and measuring ({warm} warm runs)"}
     return {"form": verdict.form, "why": verdict.why}

@@ -398,3 +398,37 @@ async def test_a_program_that_writes_a_buffer_gets_no_form() -> None:
         assert ex.statistics().forms is None
         for _ in range(3):
             torch.testing.assert_close(await ex.execute(x), reference(x))
+
+
+async def test_a_decided_verdict_is_measured_again_under_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past RECHECK_RUNS executions and RECHECK_S, a loaded verdict is measured again on the
+    real forms, every output still eager's, and the new verdict says what it replaced."""
+    from asyncgraph.runtime import forms as forms_module
+
+    monkeypatch.setattr(forms_module, "RECHECK_RUNS", 64)
+    monkeypatch.setattr(forms_module, "RECHECK_S", 0.0)
+    model, x = MLP().eval(), torch.randn(1, 32)
+    xs = [torch.randn(1, 32) for _ in range(32)]
+    expected = [model(v) for v in xs]
+
+    def loaded() -> dict[str, str]:
+        forms = ex.statistics().forms
+        assert forms is not None
+        return next(iter(forms["signatures"].values()), {}).get("loaded", {})
+
+    async with Executor(export_model(model, x), FAST) as ex:
+        seen: list[str] = []
+        for _ in range(800):
+            outs = await asyncio.gather(*(ex.execute(v) for v in xs))
+            for out, want in zip(outs, expected, strict=True):
+                torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+            why = loaded().get("why", "")
+            if not seen or seen[-1] != why:
+                seen.append(why)
+            if "measured again (1)" in why:
+                break
+            await asyncio.sleep(0.002)
+        assert any(w.startswith("measuring again (1), ") for w in seen), seen
+        assert "measured again (1), " in loaded()["why"], seen

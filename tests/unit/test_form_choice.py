@@ -708,3 +708,43 @@ async def test_verdicts_reached_as_the_build_ends_are_kept_when_the_executor_clo
     assert verdicts.stored == 0
     await setup.forms.aclose()
     assert verdicts.stored == 1
+
+
+async def test_a_kept_verdict_is_measured_again_once_it_has_served_long_enough(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verdict kept on disk may have been reached on a busy moment; a restart serves it at
+    once, then, after RECHECK_RUNS executions and RECHECK_S, measures the forms again and keeps
+    the new verdict in its place."""
+    monkeypatch.setattr(forms, "RECHECK_RUNS", 40)
+    monkeypatch.setattr(forms, "RECHECK_S", 1000.0)
+    first = Setup(verdicts=_kept_verdicts(tmp_path, monkeypatch))
+    await first.run()
+    first.wait_built()
+    await _decide(first)
+    await first.forms.aclose()
+    restarted = Setup(verdicts=_kept_verdicts(tmp_path, monkeypatch))
+
+    def alone() -> dict[str, str]:
+        return restarted.forms.statistics()["signatures"][str(SIG)]["alone"]
+
+    assert await restarted.run() == "fast"
+    restarted.built[0].cost = 3.0  # the form now slower than the plain graph (2.0)
+    # RECHECK_RUNS served (120 s of the fake clock), not RECHECK_S yet: the kept form serves
+    assert [await restarted.run() for _ in range(60)] == ["fast"] * 60
+    assert alone()["why"].startswith("kept from an earlier run")
+    restarted.clock.now += 1000.0
+    await restarted.run()
+    assert alone() == {"form": "measuring", "why": "measuring again (1), fast until now"}
+    for _ in range(400):
+        if alone()["form"] != "measuring":
+            break
+        await restarted.run()
+    assert alone()["form"] == "plain", alone()
+    assert "fast 3000000 us" in alone()["why"] and "measured again (1), fast before" in (
+        alone()["why"]), alone()
+    verdict = restarted.forms._choices[SIG].alone
+    assert verdict.final and verdict.due == restarted.clock.now + 2000.0  # twice as long
+    kept = json.loads(next((tmp_path / "forms").glob("*.json")).read_text())
+    assert kept[f"alone {SIG}"]["form"] == "plain", kept
+    await restarted.forms.aclose()
