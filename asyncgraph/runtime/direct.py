@@ -23,8 +23,14 @@ as Mode.DIRECT_WORKER: the call as one work item of a worker thread, holding a f
 pool, its end waking the loop through the Executor's LoopWake (`run_on_worker`; the general
 path's LINE_WORKER would load a frame, choose a placement and schedule and run units around
 the same call: on the encoder's ONNX form under 64 callers that cost the loop's thread 15 us
-more per request, design_measurements.md#direct-calls-on-workers). Any other answer (a slice
-to wait for) hands the execution to the general path. The loop's time is accounted, the
+more per request, design_measurements.md#direct-calls-on-workers); where this iteration's
+slice is spent, as Mode.DIRECT_NEXT: the call as an entry of the loop budget's queue, run in
+the first later iteration whose slice has room, holding a frame meanwhile (`run_next`; the
+general path's LINE_NEXT waits the same iteration around a frame load and units: a lone
+caller on uvloop, whose slice always ends, meets it about one execution in four,
+design_measurements.md#direct-calls-in-a-later-slice). Any
+other answer (a call longer than a slice on a loop with nothing to overlap it) hands the
+execution to the general path. The loop's time is accounted, the
 weights version noted for the task, a kernel's error names its node; cancelled, a call on a
 worker is waited for before its frame goes back. A signature not settled yet (warming,
 profiled) takes the general path, which settles it.
@@ -47,6 +53,7 @@ import torch
 from asyncgraph.graph.ir import Graph, OutputKind, Ref
 from asyncgraph.runtime.delegates import Delegate
 from asyncgraph.runtime.failures import add_node_note
+from asyncgraph.runtime.loop_budget import LoopBudget
 from asyncgraph.runtime.loop_state import LoopState
 from asyncgraph.runtime.modes import Mode, ModeChooser
 from asyncgraph.runtime.placement import AdaptivePlacement
@@ -58,11 +65,12 @@ from asyncgraph.runtime.workers import WorkerPool
 
 _inference_mode = torch._C._InferenceMode  # the C++ guard (scheduler.py)
 _INLINE = Placement.INLINE
-_FRAMELESS, _LINE_WORKER = Mode.FRAMELESS, Mode.LINE_WORKER
+_FRAMELESS, _LINE_NEXT, _LINE_WORKER = Mode.FRAMELESS, Mode.LINE_NEXT, Mode.LINE_WORKER
 MAX_SETTLED = 64  # signatures remembered as settled; more, and the table starts again
 
 
 ON_WORKER = -1.0  # `start`'s answer for Mode.DIRECT_WORKER (a perf_counter time is >= 0)
+ON_NEXT = -2.0  # `start`'s answer for Mode.DIRECT_NEXT
 _FIRST_ITEM = ((0.0, 0),)  # WorkerPool.submit's (key, unit) of a single item
 
 
@@ -83,6 +91,19 @@ class _WorkerCall:
         self.finished = True
         if not self.waiter.done():
             self.waiter.set_result(None)
+
+
+class _NextCall:
+    """One Mode.DIRECT_NEXT call waiting in the loop budget's queue: its inputs (None once
+    it ran, or once its execution was cancelled), its time, its waiter, and the weights
+    version it ran on."""
+
+    __slots__ = ("inputs", "seconds", "version", "waiter")
+
+    def __init__(self, inputs: list[Any], seconds: float, waiter: Any) -> None:
+        self.inputs: list[Any] | None = inputs
+        self.seconds, self.waiter = seconds, waiter
+        self.version = -1
 
 
 def _call_on_worker(call: _WorkerCall, unit: int) -> None:
@@ -163,8 +184,9 @@ class DirectCall:
         """The perf_counter time an execution of `signature` starts at as Mode.DIRECT, the
         loop's budget taken; ON_WORKER: it runs as Mode.DIRECT_WORKER (`run_on_worker`:
         the call is worth a worker and the loop is busy, as ModeChooser.place decides for a
-        line); None: the general path runs it (no signature computed, not settled, no
-        frame free, or no room in the slice for a call that stays on the loop)."""
+        line); ON_NEXT: as Mode.DIRECT_NEXT (`run_next`: the slice is spent, a fresh one
+        holds the call); None: the general path runs it (no signature computed, not settled,
+        no frame free, or a call longer than a slice that stays on the loop)."""
         if signature is None:
             return None
         if signature is self._hot:
@@ -180,6 +202,8 @@ class DirectCall:
         mode, start = self._modes.place(seconds, worth, True)
         if mode is _FRAMELESS:
             return start
+        if mode is _LINE_NEXT:
+            return ON_NEXT
         return ON_WORKER if mode is _LINE_WORKER else None
 
     def run(self, flat: list[Any], start: float) -> list[Any]:
@@ -240,6 +264,48 @@ class DirectCall:
         self.worker_calls += 1
         result = call.result
         return [result[i] for i in self._items]
+
+    async def run_next(self, flat: list[Any], signature: Any) -> list[Any]:
+        """Mode.DIRECT_NEXT: the execution as an entry of the loop budget's queue (`start`
+        said ON_NEXT), run at once in the first later iteration whose slice has room; its
+        outputs, or its kernel's error with the node named. Cancelled before its turn, the
+        call never runs; once run, it has ended (it runs on the loop's thread)."""
+        state = self._state
+        budget, loop = state.budget, state.loop
+        assert budget is not None and loop is not None  # bound: `start` found the budget
+        entry = self._settled.get(signature)
+        call = _NextCall(flat, entry[0] if entry is not None else budget.slice_s,
+                         loop.create_future())
+        state.lines_next += 1  # waiting for a later iteration, as LINE_NEXT's lines do
+        try:
+            budget.defer(self._next_turn, budget, call)
+            await call.waiter
+        finally:
+            if call.inputs is not None:  # cancelled before its turn: it never runs
+                state.lines_next -= 1
+                call.inputs = None
+        ran_on(call.version)  # in the caller's task: the call ran in the budget's callback
+        return call.waiter.result()  # type: ignore[no-any-return]
+
+    def _next_turn(self, budget: LoopBudget, call: _NextCall) -> None:
+        """The budget's queue reached `call`: run it if this slice holds it, else wait for
+        the next iteration's (behind the entries queued since)."""
+        flat = call.inputs
+        if flat is None or call.waiter.done():  # its execution was cancelled meanwhile
+            return
+        start = budget.start(call.seconds)
+        if start is None:
+            budget.defer(self._next_turn, budget, call)
+            return
+        call.inputs = None
+        self._state.lines_next -= 1
+        try:
+            outputs = self.run(flat, start)
+        except Exception as exc:  # the kernel's, named: the execution raises it
+            call.waiter.set_exception(exc)
+            return
+        call.version = self._version
+        call.waiter.set_result(outputs)
 
     def _lay_out(self, weights: Weights) -> None:
         template = weights.template(self._plan.weight_slots, self._plan.num_values)

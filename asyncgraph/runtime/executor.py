@@ -61,7 +61,7 @@ from asyncgraph.runtime.build import PassCounts, build
 from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig, requested_batching
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
 from asyncgraph.runtime.device import dispatch_keys, move_inputs_to_device
-from asyncgraph.runtime.direct import ON_WORKER, DirectCall
+from asyncgraph.runtime.direct import ON_NEXT, ON_WORKER, DirectCall
 from asyncgraph.runtime.form_verdicts import FormVerdicts
 from asyncgraph.runtime.forms import MIN_FORM_NODES, THREAD_COUNTS, FastForms
 from asyncgraph.runtime.frame import ExecutionFrame
@@ -82,7 +82,7 @@ _Choice = tuple[tuple[Placement, ...], NodeTimes | None, Schedule | None]
 
 _COMPLETED, _FAILED, _CANCELLED = range(3)  # how an execution ended: Executor._ended
 _FRAMELESS, _LINE_NOW, _CAPTURED = Mode.FRAMELESS, Mode.LINE_NOW, Mode.CAPTURED
-_DIRECT, _DIRECT_WORKER = Mode.DIRECT, Mode.DIRECT_WORKER
+_DIRECT, _DIRECT_WORKER, _DIRECT_NEXT = Mode.DIRECT, Mode.DIRECT_WORKER, Mode.DIRECT_NEXT
 ONE_CALL_FRAMES = 8  # a one-delegate-call form's frames per frame of the Executor's bound
 
 
@@ -513,16 +513,21 @@ class Executor:
         self, flat: list[Any], signature: Signature | None, caller: Caller | None = None,
     ) -> list[Any] | Awaitable[list[Any]] | None:
         """Mode.DIRECT: the one call, at once (runtime/direct.py), counted as executions are;
-        or Mode.DIRECT_WORKER: the awaitable of the call on a worker thread (for a known
-        `caller`, which aclose(cancel=True) can reach); None when this execution runs
-        neither way. Synchronous, so a fast form's routing (runtime/forms.py) calls it
-        before it awaits the form's `_execute`: a coroutine less on a path of about 10 us."""
+        or Mode.DIRECT_WORKER / DIRECT_NEXT: the awaitable of the call on a worker thread or
+        in a later iteration's slice (for a known `caller`, which aclose(cancel=True) can
+        reach); None when this execution runs none of these ways. Synchronous, so a fast
+        form's routing (runtime/forms.py) calls it before it awaits the form's `_execute`: a
+        coroutine less on a path of about 10 us."""
         direct = self._direct
         start = direct.start(signature) if direct is not None else None
         if direct is None or start is None:
             return None
-        if start is ON_WORKER:
-            return self._run_on_worker(flat, caller) if caller is not None else None
+        if start is ON_WORKER or start is ON_NEXT:
+            if caller is None:
+                return None
+            if start is ON_WORKER:
+                return self._run_held(_DIRECT_WORKER, direct.run_on_worker(flat), caller)
+            return self._run_held(_DIRECT_NEXT, direct.run_next(flat, signature), caller)
         self._started += 1
         ended = _FAILED
         try:
@@ -533,21 +538,21 @@ class Executor:
         self._by_mode[_DIRECT] += 1
         return outputs
 
-    async def _run_on_worker(self, flat: list[Any], caller: Caller) -> list[Any]:
-        """Mode.DIRECT_WORKER: the one call on a worker thread, holding a frame of the pool
-        while it runs (the pool bounds executions; the frame holds nothing: DirectCall
-        carries the call). Under 64 callers of the encoder's ONNX form, 13% more requests
+    async def _run_held(self, mode: Mode, call: Awaitable[list[Any]], caller: Caller,
+                        ) -> list[Any]:
+        """Mode.DIRECT_WORKER or DIRECT_NEXT: the one call awaited holding a frame of the
+        pool (the pool bounds executions; the frame holds nothing: DirectCall carries the
+        call). On workers, under 64 callers of the encoder's ONNX form, 13% more requests
         per second than the general path's LINE_WORKER, whose frame load, placement,
         schedule and units cost the loop's thread 15 us more per request
         (benchmarks/results/cpu/design_measurements.md#direct-calls-on-workers)."""
         frame = self._take_free_frame(caller)  # `start` saw one free, and no await since
         assert frame is not None, "a frame said free was taken meanwhile"
-        assert self._direct is not None
         self._started += 1
-        self._by_mode[_DIRECT_WORKER] += 1
+        self._by_mode[mode] += 1
         ended = _FAILED
         try:
-            outputs = await self._direct.run_on_worker(flat)
+            outputs = await call
             ended = _COMPLETED
         except self._cancelled_exc:
             ended = _CANCELLED

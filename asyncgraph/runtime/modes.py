@@ -22,7 +22,8 @@ Which straight-line mode (runtime/loop_budget.py's shared slice decides most of 
 
 A program that is one delegate call (runtime/direct.py) is placed by the same rule
 (`ModeChooser.place`, for a line of the call's measured time): FRAMELESS there runs as
-Mode.DIRECT, LINE_WORKER as Mode.DIRECT_WORKER, anything else takes the general path.
+Mode.DIRECT, LINE_NEXT as Mode.DIRECT_NEXT, LINE_WORKER as Mode.DIRECT_WORKER, anything else
+takes the general path.
 
 Lines worth a worker queue for the workers however many run there already: held back on the
 loop instead, a worker that finished waited for the loop, busy in a line, to hand it the next.
@@ -58,6 +59,7 @@ class Mode(enum.IntEnum):
     DATAFLOW = 6  # the WorkUnit dataflow
     DIRECT = 7  # a one-call program's call, at once, without a frame (runtime/direct.py)
     DIRECT_WORKER = 8  # a one-call program's call as one work item of a worker thread
+    DIRECT_NEXT = 9  # a one-call program's call in a later iteration's slice
 
 
 class ModeChooser:

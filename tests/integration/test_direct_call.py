@@ -105,8 +105,10 @@ async def test_a_one_call_program_runs_as_its_call(guard: bool) -> None:
         stats = ex.statistics()
         assert stats.modes["DIRECT"] >= CALLS // 2, stats.modes  # settled, then direct
         assert stats.started == stats.completed == CALLS and stats.failed == 0
-        # the general path always guards; Mode.DIRECT only where the delegate needs it
-        assert delegate.inference.count(False) == (0 if guard else stats.modes["DIRECT"])
+        # the general path always guards; Mode.DIRECT (and DIRECT_NEXT, a spent slice's)
+        # only where the delegate needs it
+        direct = stats.modes["DIRECT"] + stats.modes["DIRECT_NEXT"]
+        assert delegate.inference.count(False) == (0 if guard else direct)
         assert not out.requires_grad
 
         with torch.no_grad():  # a swap: the call's weights laid out again
@@ -163,11 +165,11 @@ SLOW_S = 0.0003
 BLOCK = bytes(1 << 16)  # hashlib releases the GIL while it hashes this much
 
 
-async def _settle_slow(ex: Executor, x: torch.Tensor) -> FxDelegate:
+async def _settle_slow(ex: Executor, x: torch.Tensor, delay_s: float = SLOW_S) -> FxDelegate:
     """The delegate made slow, its signature settled (one caller at a time, then a few
-    bursts): executions under load then run as Mode.DIRECT_WORKER."""
+    bursts): executions under load then run as Mode.DIRECT_WORKER (at SLOW_S)."""
     delegate = _delegate(ex)
-    delegate.delay_s = SLOW_S
+    delegate.delay_s = delay_s
     for _ in range(CALLS):
         await ex.execute(x)
     for _ in range(4):
@@ -272,4 +274,86 @@ async def test_a_cancelled_call_on_a_worker_holds_its_frame_until_the_call_ends(
         assert after.cancelled - before.cancelled == len(cancelled) >= len(running)
         assert after.frames.in_use == 0
         delegate.hold = None
+        torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
+
+
+# Calls that stay on the loop whatever its load (no worker bar), tens of them to a slice.
+LOOP_ONLY = ExecutorConfig(segments=(BACKEND,), worker_execution_node_us=None)
+LOOP_S = 0.000015
+CALLS_NEXT = 200
+
+
+async def _spin(stop: asyncio.Event, turns: list[int]) -> None:
+    """Other work on the loop: a task always ready, so a spent slice is never extended."""
+    while not stop.is_set():
+        turns[0] += 1
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("guard", [False], indirect=True, ids=["unguarded"])
+async def test_a_call_that_finds_the_slice_spent_runs_in_a_later_iterations_slice(
+        guard: bool) -> None:
+    """Mode.DIRECT_NEXT: a call that fits a slice but finds this iteration's spent waits in
+    the loop budget's queue, holding a frame, and runs on the loop in a later iteration;
+    other work on the loop gets its turn in between."""
+    model, x = DeepMLP(16, 3).eval(), torch.randn(2, 16)
+    async with Executor(export_model(model, x), LOOP_ONLY) as ex:
+        delegate = await _settle_slow(ex, x, LOOP_S)
+        stop, turns = asyncio.Event(), [0]
+        spinner = asyncio.create_task(_spin(stop, turns))
+        try:
+            before, calls = ex.statistics(), len(delegate.threads)
+            spun = []
+            for _ in range(CALLS_NEXT):  # some tens of calls fill a 1 ms slice
+                torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
+                spun.append(turns[0])
+        finally:
+            stop.set()
+            await spinner
+        after = ex.statistics()
+        assert after.modes["DIRECT_NEXT"] - before.modes["DIRECT_NEXT"] >= 4, str(after.modes)
+        assert after.modes["DIRECT"] > before.modes["DIRECT"], after.modes
+        assert set(delegate.threads[calls:]) == {threading.current_thread().name}
+        assert after.completed - before.completed == CALLS_NEXT and after.failed == 0
+        assert after.started == after.completed and after.frames.in_use == 0
+        assert spun[-1] > spun[0]  # the other task ran between the calls
+
+
+@pytest.mark.parametrize("guard", [False], indirect=True, ids=["unguarded"])
+async def test_a_call_cancelled_before_its_turn_never_runs(guard: bool) -> None:
+    from asyncgraph.runtime.loop_budget import loop_budget
+
+    model, x = DeepMLP(16, 3).eval(), torch.randn(2, 16)
+    config = LOOP_ONLY
+    async with Executor(export_model(model, x), config) as ex:
+        delegate = await _settle_slow(ex, x, LOOP_S)
+        budget = loop_budget(asyncio.get_running_loop(), config.loop_slice_s)
+        stop, turns = asyncio.Event(), [0]
+        spinner = asyncio.create_task(_spin(stop, turns))
+
+        async def after_a_spent_slice() -> torch.Tensor:
+            budget.start(0.0)  # this iteration's slice, spent before the call
+            time.sleep(2 * config.loop_slice_s)  # noqa: ASYNC251 (the loop busy, as in a kernel)
+            out: torch.Tensor = await ex.execute(x)
+            return out
+
+        try:
+            before, calls = ex.statistics(), len(delegate.threads)
+            task = asyncio.create_task(after_a_spent_slice())
+            await asyncio.sleep(0)  # the task runs its call to the budget's queue
+            assert ex.statistics().modes["DIRECT_NEXT"] - before.modes["DIRECT_NEXT"] == 1
+            assert not task.done() and ex.statistics().frames.in_use == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(4):  # the budget's queue reaches the call's place
+                await asyncio.sleep(0)
+        finally:
+            stop.set()
+            await spinner
+        after = ex.statistics()
+        assert not budget._queue  # its turn came,
+        assert len(delegate.threads) == calls  # and the cancelled call did not run
+        assert after.cancelled - before.cancelled == 1 and after.frames.in_use == 0
+        assert ex._scheduler.state.lines_next == 0
         torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
