@@ -357,3 +357,28 @@ async def test_a_call_cancelled_before_its_turn_never_runs(guard: bool) -> None:
         assert after.cancelled - before.cancelled == 1 and after.frames.in_use == 0
         assert ex._scheduler.state.lines_next == 0
         torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
+
+
+@pytest.mark.parametrize("guard", [False], indirect=True, ids=["unguarded"])
+async def test_a_call_in_a_later_slice_that_fails_names_its_node(guard: bool) -> None:
+    model, x = DeepMLP(16, 3).eval(), torch.randn(2, 16)
+    async with Executor(export_model(model, x), LOOP_ONLY) as ex:
+        delegate = await _settle_slow(ex, x, LOOP_S)
+        stop, turns = asyncio.Event(), [0]
+        spinner = asyncio.create_task(_spin(stop, turns))
+        try:
+            before = ex.statistics()
+            delegate.fail = True
+            for _ in range(CALLS_NEXT):
+                with pytest.raises(ValueError, match="told to fail") as failed:
+                    await ex.execute(x)
+                assert any(f"%{BACKEND}_segment_0" in note for note in failed.value.__notes__)
+        finally:
+            stop.set()
+            await spinner
+        after = ex.statistics()
+        assert after.modes["DIRECT_NEXT"] > before.modes["DIRECT_NEXT"], str(after.modes)
+        assert after.failed - before.failed == CALLS_NEXT and after.frames.in_use == 0
+        assert ex._scheduler.state.lines_next == 0
+        delegate.fail = False
+        torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
