@@ -5,10 +5,11 @@ call: outputs, weights versions, errors and counts as on the general path."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -283,11 +284,23 @@ LOOP_S = 0.000015
 CALLS_NEXT = 200
 
 
-async def _spin(stop: asyncio.Event, turns: list[int]) -> None:
-    """Other work on the loop: a task always ready, so a spent slice is never extended."""
-    while not stop.is_set():
-        turns[0] += 1
-        await asyncio.sleep(0)
+@contextlib.asynccontextmanager
+async def _other_task_on_the_loop() -> AsyncIterator[list[int]]:
+    """A task always ready beside the test's, so a spent slice is never extended; yields
+    the count of its turns (one element), and stops it on exit."""
+    turns, stop = [0], asyncio.Event()
+
+    async def spin() -> None:
+        while not stop.is_set():
+            turns[0] += 1
+            await asyncio.sleep(0)
+
+    spinner = asyncio.create_task(spin())
+    try:
+        yield turns
+    finally:
+        stop.set()
+        await spinner
 
 
 @pytest.mark.parametrize("guard", [False], indirect=True, ids=["unguarded"])
@@ -299,17 +312,12 @@ async def test_a_call_that_finds_the_slice_spent_runs_in_a_later_iterations_slic
     model, x = DeepMLP(16, 3).eval(), torch.randn(2, 16)
     async with Executor(export_model(model, x), LOOP_ONLY) as ex:
         delegate = await _settle_slow(ex, x, LOOP_S)
-        stop, turns = asyncio.Event(), [0]
-        spinner = asyncio.create_task(_spin(stop, turns))
-        try:
+        async with _other_task_on_the_loop() as turns:
             before, calls = ex.statistics(), len(delegate.threads)
             spun = []
             for _ in range(CALLS_NEXT):  # some tens of calls fill a 1 ms slice
                 torch.testing.assert_close(await ex.execute(x), eager_output(model, x))
                 spun.append(turns[0])
-        finally:
-            stop.set()
-            await spinner
         after = ex.statistics()
         assert after.modes["DIRECT_NEXT"] - before.modes["DIRECT_NEXT"] >= 4, str(after.modes)
         assert after.modes["DIRECT"] > before.modes["DIRECT"], after.modes
@@ -328,8 +336,6 @@ async def test_a_call_cancelled_before_its_turn_never_runs(guard: bool) -> None:
     async with Executor(export_model(model, x), config) as ex:
         delegate = await _settle_slow(ex, x, LOOP_S)
         budget = loop_budget(asyncio.get_running_loop(), config.loop_slice_s)
-        stop, turns = asyncio.Event(), [0]
-        spinner = asyncio.create_task(_spin(stop, turns))
 
         async def after_a_spent_slice() -> torch.Tensor:
             budget.start(0.0)  # this iteration's slice, spent before the call
@@ -337,7 +343,7 @@ async def test_a_call_cancelled_before_its_turn_never_runs(guard: bool) -> None:
             out: torch.Tensor = await ex.execute(x)
             return out
 
-        try:
+        async with _other_task_on_the_loop():
             before, calls = ex.statistics(), len(delegate.threads)
             task = asyncio.create_task(after_a_spent_slice())
             await asyncio.sleep(0)  # the task runs its call to the budget's queue
@@ -348,9 +354,6 @@ async def test_a_call_cancelled_before_its_turn_never_runs(guard: bool) -> None:
                 await task
             for _ in range(4):  # the budget's queue reaches the call's place
                 await asyncio.sleep(0)
-        finally:
-            stop.set()
-            await spinner
         after = ex.statistics()
         assert not budget._queue  # its turn came,
         assert len(delegate.threads) == calls  # and the cancelled call did not run
@@ -364,18 +367,13 @@ async def test_a_call_in_a_later_slice_that_fails_names_its_node(guard: bool) ->
     model, x = DeepMLP(16, 3).eval(), torch.randn(2, 16)
     async with Executor(export_model(model, x), LOOP_ONLY) as ex:
         delegate = await _settle_slow(ex, x, LOOP_S)
-        stop, turns = asyncio.Event(), [0]
-        spinner = asyncio.create_task(_spin(stop, turns))
-        try:
+        async with _other_task_on_the_loop():
             before = ex.statistics()
             delegate.fail = True
             for _ in range(CALLS_NEXT):
                 with pytest.raises(ValueError, match="told to fail") as failed:
                     await ex.execute(x)
                 assert any(f"%{BACKEND}_segment_0" in note for note in failed.value.__notes__)
-        finally:
-            stop.set()
-            await spinner
         after = ex.statistics()
         assert after.modes["DIRECT_NEXT"] > before.modes["DIRECT_NEXT"], str(after.modes)
         assert after.failed - before.failed == CALLS_NEXT and after.frames.in_use == 0
