@@ -4,7 +4,9 @@
 bytes of an ONNX model that ONNX Runtime loads:
 
 1. asyncgraph's own fused node, `_addmm_activation` (passes/epilogue.py), which torch's ONNX
-   exporter has no translation for, is put back as `addmm` and `relu` / exact `gelu`;
+   exporter has no translation for, is put back as `addmm` and `relu` / exact `gelu`, and
+   self-attention blocks become one call that translates to ONNX Runtime's `Attention` node
+   (onnx_attention.py; the segment is exported without it when that translation fails);
 2. the module is exported with torch.export (dims that are symbolic in the program stay
    dynamic: Dim.AUTO) and translated by torch.onnx's exporter with onnxscript's torchlib. The
    translation is tried first without decompositions (0.1 s for tiny BERT's 40-node segment
@@ -52,6 +54,8 @@ import torch.fx
 
 from asyncgraph.compiled import export_cache
 from asyncgraph.compiled.child_process import last_line, run_child
+from asyncgraph.compiled.onnx_attention import TARGET as ATTENTION
+from asyncgraph.compiled.onnx_attention import attention_fused, attention_onnx
 from asyncgraph.runtime.forms import building_off_loop
 
 ONNX_DTYPES = frozenset({
@@ -60,6 +64,9 @@ ONNX_DTYPES = frozenset({
 })  # what crosses a segment's boundary: numpy and ONNX Runtime both hold these
 EXTERNAL = "asyncgraph-weights"  # the external data "file" of baked weights (never read)
 CACHE_SIZE = 64
+# what this module makes of a segment, in the disk cache's key: raised when the same segment
+# exports to another model (2: attention blocks as one node, onnx_attention.py)
+REVISION = 2
 # ONNX Runtime 1.32's constant folding inlines If branches and crashes the process on some
 # (torchlib's embedding_bag: a Loop and nested Ifs, SIGSEGV at every optimisation level): a
 # model with these nodes gets its session without the ConstantFolding transformer.
@@ -116,7 +123,7 @@ def export_segment(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> 
         if cached is not None:
             _CACHE.move_to_end(key)
             return cached
-    disk_key = export_cache.key_of("onnx", module.code, tuple(specs))
+    disk_key = export_cache.key_of("onnx", REVISION, module.code, tuple(specs))
     exported = export_cache.load("onnx", disk_key, OnnxModel)
     if exported is None:
         if building_off_loop():  # a fast form: in a child, sharing no GIL with the loop
@@ -177,8 +184,6 @@ def _export(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> OnnxMod
     segment found in the disk cache (export_cache.py) never needs them."""
     import onnxscript  # noqa: F401 - torch.onnx's translations
 
-    from asyncgraph.compiled.onnx_shapes import reshapes_simplified
-
     for spec in specs:
         if spec.dtype not in ONNX_DTYPES:
             raise ExportFailed(f"an input of dtype {spec.dtype} (not one ONNX Runtime takes)")
@@ -188,13 +193,14 @@ def _export(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> OnnxMod
     dynamic = tuple(
         {d: torch.export.Dim.AUTO for d, size in enumerate(s.shape) if not isinstance(size, int)}
         or None for s in specs)
-    with quiet_exporter():
-        try:
-            program = _torch_export(module, args, dynamic)
-        except Exception as exc:
-            raise ExportFailed(f"torch.export: {_first_line(exc)}") from exc
-        proto, decomposed = _to_onnx(program, module, args, dynamic)
-        proto = reshapes_simplified(_optimized(proto, names))
+    fused = attention_fused(module, args)
+    try:
+        proto, decomposed = _translated(fused, names, args, dynamic)
+    except ExportFailed as exc:
+        if fused is module:
+            raise
+        LOG.debug("exporting without the attention fusion: %s", exc.reason)
+        proto, decomposed = _translated(module, names, args, dynamic)
     by_name = {i.name: i for i in proto.graph.input}
     if set(by_name) != set(names):
         raise ExportFailed(f"the ONNX model's inputs {sorted(by_name)} are not the segment's "
@@ -216,6 +222,20 @@ def _export(module: torch.fx.GraphModule, specs: Sequence[InputSpec]) -> OnnxMod
                        for n in graph.node)
     return OnnxModel(proto.SerializeToString(), tuple(names), tuple(s.baked for s in specs),
                      outputs, decomposed, control_flow, unread)
+
+
+def _translated(module: torch.fx.GraphModule, names: Sequence[str], args: tuple[Any, ...],
+                dynamic: tuple[Any, ...]) -> tuple[Any, bool]:
+    """The optimised ModelProto of `module`, and whether it had to be decomposed first."""
+    from asyncgraph.compiled.onnx_shapes import reshapes_simplified
+
+    with quiet_exporter():
+        try:
+            program = _torch_export(module, args, dynamic)
+        except Exception as exc:
+            raise ExportFailed(f"torch.export: {_first_line(exc)}") from exc
+        proto, decomposed = _to_onnx(program, module, args, dynamic)
+        return reshapes_simplified(_optimized(proto, names)), decomposed
 
 
 def _read_names(proto: Any) -> set[str]:
@@ -241,8 +261,9 @@ def _to_onnx(program: Any, module: torch.fx.GraphModule, args: tuple[Any, ...],
         from torch.onnx._internal.exporter import _core, _fx_passes
     except ImportError:  # the public exporter: decomposes and builds its registry every time
         try:
-            onnx_program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic,
-                                             optimize=False, verbose=False)
+            onnx_program = torch.onnx.export(
+                module, args, dynamo=True, dynamic_shapes=dynamic, optimize=False,
+                verbose=False, custom_translation_table={ATTENTION: attention_onnx})
         except Exception as exc:
             op = _op(exc)
             reason = f"no ONNX function for {op}" if op is not None else _first_line(exc)
@@ -327,7 +348,9 @@ def _registry() -> Any:
 
     with _LOCK:
         if not _REGISTRY:
-            _REGISTRY.append(_registration.ONNXRegistry.from_torchlib())
+            registry = _registration.ONNXRegistry.from_torchlib()
+            registry.register_op(ATTENTION, attention_onnx)
+            _REGISTRY.append(registry)
         return _REGISTRY[0]
 
 

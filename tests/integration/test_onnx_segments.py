@@ -30,6 +30,7 @@ from conformance.models import CASES, CASES_BY_NAME, export_case
 from asyncgraph import Executor, ExecutorConfig
 from asyncgraph.compiled import (
     delegate_support,
+    onnx_attention,
     onnx_delegate,
     onnx_export,
     onnx_segments,
@@ -438,7 +439,9 @@ async def test_batch_first_attention_at_batch_1_moves_its_layout_by_reshapes(
     """A batch-first encoder layer at batch 1 transposes (1, seq, hidden) to (seq, 1, hidden)
     and back: the export writes those Transposes as Reshapes (onnx_shapes.py). The session
     passes the first call's check and matches eager; without the rewrite there are more
-    Transposes."""
+    Transposes. (The attention block itself, which the export would make one node, is left
+    as it is here.)"""
+    monkeypatch.setattr(onnx_export, "attention_fused", lambda module, args: module)
 
     def transposes(delegate: OnnxDelegate) -> int:
         graph = onnx.load_from_string(delegate.model.model).graph
@@ -484,6 +487,89 @@ async def test_residual_layer_norms_stay_add_and_layer_normalization(
     ops = {n.op_type for n in onnx.load(str(saved), load_external_data=False).graph.node}
     assert ("SkipLayerNormalization" in ops) == (fusion == "on"), ops
     assert fusion == "on" or "LayerNormalization" in ops
+
+
+class Encoder(torch.nn.Module):
+    """Two encoder layers (SDPA inside each), batch first or sequence first, with the masks
+    `forward` is given."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=batch_first)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor = self.encoder(x, mask=mask, is_causal=False)
+        return out
+
+
+def _ops(delegate: OnnxDelegate) -> list[str]:
+    return [n.op_type for n in onnx.load_from_string(delegate.model.model).graph.node]
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch first", "sequence first"])
+async def test_self_attention_runs_as_one_onnx_runtime_attention_node(batch_first: bool) -> None:
+    """Each encoder layer's attention block (packed projection, heads, SDPA, output
+    projection) is exported as one `com.microsoft.Attention` node and a MatMul
+    (onnx_attention.py): no Softmax or layout moves of its own are left. Every batch size of
+    the dynamic segment matches eager."""
+    model = Encoder(batch_first)
+    x = torch.randn(2, 6, 32) if batch_first else torch.randn(6, 2, 32)
+    dynamic = {0 if batch_first else 1: torch.export.Dim("batch", min=1, max=8)}
+    ep = torch.export.export(model.eval(), (x,), dynamic_shapes=(dynamic,))
+    async with Executor(ep, ONNX) as ex:
+        for rows in (2, 3, 1, 3):
+            shape = (rows, 6, 32) if batch_first else (6, rows, 32)
+            y = torch.randn(shape)
+            for _ in range(2):  # a shape's first call is checked, the second runs the session
+                torch.testing.assert_close(await ex.execute(y), eager_output(model, y),
+                                           rtol=1e-4, atol=1e-5)
+        (delegate,) = _delegates(ex)
+        stats = delegate.statistics()
+    ops = _ops(delegate)
+    assert ops.count("Attention") == 2 and "Softmax" not in ops, ops
+    assert stats["onnx_calls"] >= 4 and not stats["refused"]
+
+
+async def test_masked_attention_keeps_its_nodes_and_matches_eager() -> None:
+    """A block whose SDPA takes a mask is not one `Attention` node (its mask would need
+    ONNX Runtime's mask formats): it is exported node by node and matches eager."""
+    model, x = Encoder(True), torch.randn(2, 6, 32)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(6)
+    async with Executor(torch.export.export(model.eval(), (x, mask)), ONNX) as ex:
+        for _ in range(3):
+            with torch.no_grad():
+                expected = model(x, mask)
+            torch.testing.assert_close(await ex.execute(x, mask), expected, rtol=1e-4,
+                                       atol=1e-5)
+        (delegate,) = _delegates(ex)
+        stats = delegate.statistics()
+    assert "Attention" not in _ops(delegate) and "Softmax" in _ops(delegate)
+    assert stats["onnx_calls"] >= 1 and not stats["refused"]
+
+
+async def test_an_attention_block_that_does_not_translate_is_exported_node_by_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the translation of the fused block fails (an exporter without the registry
+    entry), the segment is exported again without the fusion, not left plain."""
+    translated = onnx_export._translated
+
+    def refusing(module: torch.fx.GraphModule, *args: Any) -> Any:
+        if module.graph.find_nodes(op="call_function", target=onnx_attention.TARGET):
+            raise onnx_export.ExportFailed("no ONNX function for asyncgraph.attention_block")
+        return translated(module, *args)
+
+    monkeypatch.setattr(onnx_export, "_translated", refusing)
+    monkeypatch.setattr(onnx_export, "_CACHE", type(onnx_export._CACHE)())
+    monkeypatch.setenv("ASYNCGRAPH_CACHE_DIR", "")
+    model, x = Encoder(True), torch.randn(2, 6, 32)
+    async with Executor(export_model(model, x), ONNX) as ex:
+        delegate = await _matches_eager_three_times(ex, model, x)
+        stats = delegate.statistics()
+    assert "Attention" not in _ops(delegate) and "Softmax" in _ops(delegate)
+    assert stats["onnx_calls"] >= 1 and not stats["refused"]
 
 
 async def test_a_weights_swap_runs_the_new_weights() -> None:
