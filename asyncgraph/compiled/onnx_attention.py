@@ -10,13 +10,18 @@ softmax in one node, and tiny BERT and the encoder ran faster with it at batch 1
 rows (benchmarks/results/cpu/design_measurements.md#attention-fusion); ONNX Runtime's own
 fusions (and onnxscript's) do not match the order torch writes these blocks in.
 
-What: `attention_fused(module, args)` finds each block around an unmasked, dropout-free,
-non-causal `scaled_dot_product_attention` whose query, key and value come, through layout
-moves only, from one `linear` over the block's input (weights and bias are segment inputs),
-and whose output goes, through layout moves only, into one `linear`. The block, from its input
-(batch first, or sequence first) to the first node after the output projection that has the
-input's shape, becomes one call of `asyncgraph::attention_block`: the same math in torch, one
-`Attention` node and the output projection in ONNX (`attention_onnx`).
+What: `attention_fused(module, args)` finds each block around a dropout-free, non-causal
+`scaled_dot_product_attention` whose query, key and value come, through layout moves only,
+from projections (`linear`, or `addmm` over a transposed weight; weights and biases are segment
+inputs) of the block's input: one packed projection (nn.MultiheadAttention), or one each
+(transformers' BERT, whose three weights are concatenated into one). Its mask must let every
+position attend whatever the inputs: none, or one whose value depends on no input's values
+and is all True (transformers' `arange(seq) >= 0`) or all zeros. The output goes, through
+layout moves only, into one projection. The block, from its input (batch first, or sequence
+first) to the last node of the moves after the output projection that has the input's shape,
+becomes one call of `asyncgraph::attention_block`: the same math in torch, one `Attention` node
+and the output projection in ONNX (`attention_onnx`). Padding masks, causal attention and
+cross-attention keep their nodes.
 
 Safety: the match is structural, so the rewritten module is run beside the original on random
 inputs of the export's example shapes, and used only if every output agrees; otherwise the
@@ -125,11 +130,33 @@ TARGET = torch.ops.asyncgraph.attention_block.default
 @dataclass
 class _Block:
     """One matched block: its nodes (to remove), its last node (whose users take the new
-    call) and the new call's arguments."""
+    call), its input, its input projection's weights and biases (one packed projection, or
+    the query's, key's and value's) and the new call's other arguments."""
 
     nodes: list[torch.fx.Node]
     end: torch.fx.Node
-    args: tuple[Any, ...]
+    source: torch.fx.Node
+    in_weights: tuple[torch.fx.Node, ...]
+    in_biases: tuple[torch.fx.Node, ...]
+    in_transposed: bool
+    rest: tuple[Any, ...]  # out_weight, out_bias, out_transposed, num_heads, seq_first, scale
+
+
+class _Probe(ShapeProp):
+    """ShapeProp (every node's shape in its meta) that also keeps the values of the SDPA
+    masks, to tell a mask that lets every position attend."""
+
+    def __init__(self, module: torch.fx.GraphModule) -> None:
+        super().__init__(module)
+        self.masks = {_options(n).get("attn_mask") for n in module.graph.find_nodes(
+            op="call_function", target=aten.scaled_dot_product_attention.default)}
+        self.values: dict[torch.fx.Node, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        if n in self.masks:
+            self.values[n] = result
+        return result
 
 
 def attention_fused(module: torch.fx.GraphModule,
@@ -142,28 +169,20 @@ def attention_fused(module: torch.fx.GraphModule,
         return module
     probe = [_random(a, seed) for seed, a in enumerate(args)]
     fused = torch.fx.GraphModule(module, _copied(module.graph))
+    probing = _Probe(fused)
     try:
-        expected = ShapeProp(fused).propagate(*probe)
+        expected = probing.propagate(*probe)
     except Exception as exc:  # a module torch cannot run on random values: left alone
         LOG.debug("attention fusion skipped: the segment does not run on random inputs (%s)",
                   exc)
         return module
     blocks = [b for node in fused.graph.find_nodes(
         op="call_function", target=aten.scaled_dot_product_attention.default)
-        if (b := _block(node)) is not None]
+        if (b := _block(node, probing.values)) is not None]
     if not blocks:
         return module
-    for block in blocks:
-        with fused.graph.inserting_before(block.end):
-            call = fused.graph.call_function(TARGET, block.args)
-        block.end.replace_all_uses_with(call)
-    order = {node: i for i, node in enumerate(fused.graph.nodes)}
-    for node in sorted((n for b in blocks for n in b.nodes), key=order.__getitem__,
-                       reverse=True):
-        fused.graph.erase_node(node)
-    fused.graph.eliminate_dead_code()
-    fused.recompile()
     try:
+        _rewrite(fused, blocks)
         actual = fused(*probe)
         same = _same(expected, actual)
     except Exception as exc:
@@ -175,53 +194,144 @@ def attention_fused(module: torch.fx.GraphModule,
     return fused
 
 
-def _block(sdpa: torch.fx.Node) -> _Block | None:
-    """The block around `sdpa`, or None when it is not one this module rewrites."""
-    q, k, v, *rest = sdpa.args
-    options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest, strict=False))
-    options.update(sdpa.kwargs)
-    if (options.get("attn_mask") is not None or options.get("dropout_p", 0.0) != 0.0
-            or options.get("is_causal", False) or options.get("enable_gqa", False)):
+def _rewrite(module: torch.fx.GraphModule, blocks: list[_Block]) -> None:
+    """Each block of `module` as one `attention_block` call, in place."""
+    graph = module.graph
+    for block in blocks:
+        with graph.inserting_before(block.end):
+            weight, bias = _packed(graph, block)
+            call = graph.call_function(TARGET, (block.source, weight, bias, block.in_transposed,
+                                                *block.rest))
+        block.end.replace_all_uses_with(call)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in sorted({n for b in blocks for n in b.nodes}, key=order.__getitem__,
+                       reverse=True):
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    module.recompile()
+
+
+def _block(sdpa: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> _Block | None:
+    """The block around `sdpa`, or None when it is not one this module rewrites; `values`:
+    the probe's values of the SDPA masks."""
+    q, k, v = sdpa.args[:3]
+    options = _options(sdpa)
+    mask = options.get("attn_mask")
+    if ((mask is not None and not _allows_all(mask, values))
+            or options.get("dropout_p", 0.0) != 0.0 or options.get("is_causal", False)
+            or options.get("enable_gqa", False)):
         return None
-    paths = [_back(n) for n in (q, k, v)]
-    projection = paths[0][0]
-    if any(p[0] is not projection for p in paths):
-        return None
-    parts = _projection(projection)
     heads = _shape(q)
-    if parts is None or heads is None or len(heads) != 4:
+    if heads is None or len(heads) != 4:
         return None
-    x, in_weight, in_bias, in_transposed = parts
-    num_heads, embed = heads[1], heads[1] * heads[3]
-    if in_bias is None or _shape(in_weight) != ((embed, 3 * embed) if in_transposed
-                                                else (3 * embed, embed)):
-        return None
+    batch, num_heads, seq, embed = heads[0], heads[1], heads[2], heads[1] * heads[3]
+    paths = [_back(n) for n in (q, k, v)]
+    projection = _in_projection([p[0] for p in paths], embed)
     forward = _forward(sdpa)
-    if forward is None:
+    if projection is None or forward is None:
         return None
+    x, weights, biases, in_transposed, projections = projection
     moves, out_projection, tail = forward
     _, out_weight, out_bias, out_transposed = _projection(out_projection)  # type: ignore[misc]
-    source, seq_first = x, True
-    if (isinstance(x, torch.fx.Node) and x.target is aten.transpose.int and len(x.users) == 1
-            and len(_shape(x) or ()) == 3
-            and _swaps_first_two(x.args[1:])):
-        source, seq_first = x.args[0], False
-    shape, out_shape = _shape(source), _shape(out_weight)
-    if shape is None or len(shape) != 3 or out_shape is None or len(out_shape) != 2:
+    layout = _source(x, batch, seq, embed)
+    out_shape = _shape(out_weight)
+    if layout is None or out_shape is None or len(out_shape) != 2:
         return None
-    wanted = (*shape[:-1], out_shape[1 if out_transposed else 0])
+    source, seq_first, leading = layout
+    wanted = (*(_shape(source) or ())[:-1], out_shape[1 if out_transposed else 0])
     ends = [n for n in (out_projection, *tail) if _shape(n) == wanted]
     if not ends:
         return None
     end = ends[-1]
-    nodes = [*([] if seq_first else [x]), projection, *{n: None for p in paths
-                                                       for n in p[1]}, sdpa, *moves,
+    nodes = [*leading, *projections, *{n: None for p in paths for n in p[1]}, sdpa, *moves,
              out_projection, *tail[:tail.index(end) + 1 if end in tail else 0]]
     inside = set(nodes)
     if any(u not in inside for n in nodes if n is not end for u in n.users):
         return None
-    return _Block(nodes, end, (source, in_weight, in_bias, in_transposed, out_weight, out_bias,
-                               out_transposed, num_heads, seq_first, options.get("scale")))
+    return _Block(nodes, end, source, weights, biases, in_transposed,
+                  (out_weight, out_bias, out_transposed, num_heads, seq_first,
+                   options.get("scale")))
+
+
+def _options(sdpa: torch.fx.Node) -> dict[str, Any]:
+    """An SDPA node's arguments after query, key and value, by name."""
+    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    return {**dict(zip(names, sdpa.args[3:], strict=False)), **sdpa.kwargs}
+
+
+def _in_projection(sources: list[Any], embed: int) -> tuple[
+        Any, tuple[Any, ...], tuple[Any, ...], bool, list[torch.fx.Node]] | None:
+    """What the query, key and value come from: one packed projection of (3 * embed) outputs
+    (nn.MultiheadAttention), or three of `embed` outputs each over one input (transformers'
+    BERT). Its input, weights, biases, whether the weights are (in, out), and its nodes."""
+    nodes = list(dict.fromkeys(sources))
+    parts = [_projection(n) for n in nodes]
+    if len(nodes) not in (1, 3) or any(p is None or p[2] is None for p in parts):
+        return None
+    inputs = {p[0] for p in parts}  # type: ignore[index]
+    transposed = {p[3] for p in parts}  # type: ignore[index]
+    outputs = embed * 3 // len(nodes)
+    shapes = {_shape(p[1]) for p in parts}  # type: ignore[index]
+    if len(inputs) != 1 or len(transposed) != 1 or shapes != {
+            (embed, outputs) if transposed == {True} else (outputs, embed)}:
+        return None
+    return (parts[0][0], tuple(p[1] for p in parts), tuple(p[2] for p in parts),  # type: ignore[index]
+            transposed == {True}, nodes)
+
+
+def _source(x: Any, batch: int, seq: int, embed: int) -> tuple[
+        torch.fx.Node, bool, list[torch.fx.Node]] | None:
+    """The block's input, whether it is sequence first, and the nodes before the projection
+    that the block takes in: `x` batch first (batch, seq, embed) or sequence first; or, when
+    `x` is a sequence-first transpose of a batch-first tensor (a batch-first
+    nn.MultiheadAttention), that tensor."""
+    if not isinstance(x, torch.fx.Node):
+        return None
+    if (x.target is aten.transpose.int and len(x.users) == 1 and _swaps_first_two(x.args[1:])
+            and _shape(x.args[0]) == (batch, seq, embed)):
+        return x.args[0], False, [x]  # type: ignore[return-value]
+    if _shape(x) == (batch, seq, embed):
+        return x, False, []
+    if _shape(x) == (seq, batch, embed):
+        return x, True, []
+    return None
+
+
+def _allows_all(mask: Any, values: dict[torch.fx.Node, Any]) -> bool:
+    """Whether `mask` lets every position attend whatever the inputs: its value does not
+    depend on any input's values (shapes may: each signature is checked against the plain
+    graph before it is served) and is all True, or all zeros when additive."""
+    value = values.get(mask)
+    if not isinstance(value, torch.Tensor) or _reads_inputs(mask):
+        return False
+    if value.dtype == torch.bool:
+        return bool(value.all())
+    return value.is_floating_point() and not bool(value.any())
+
+
+def _reads_inputs(node: torch.fx.Node) -> bool:
+    """Whether `node`'s value depends on a placeholder's values (its size aside)."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder":
+            return True
+        if current.target is not aten.sym_size.int:
+            pending.extend(current.all_input_nodes)
+    return False
+
+
+def _packed(graph: torch.fx.Graph, block: _Block) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """The block's input projection as one weight and one bias: a query's, key's and value's
+    are concatenated (weights of the segment, which ONNX Runtime folds into one constant)."""
+    if len(block.in_weights) == 1:
+        return block.in_weights[0], block.in_biases[0]
+    return (graph.call_function(aten.cat.default, (list(block.in_weights),
+                                                   1 if block.in_transposed else 0)),
+            graph.call_function(aten.cat.default, (list(block.in_biases), 0)))
 
 
 def _back(node: Any) -> tuple[Any, list[torch.fx.Node]]:

@@ -65,8 +65,8 @@ ONNX_DTYPES = frozenset({
 EXTERNAL = "asyncgraph-weights"  # the external data "file" of baked weights (never read)
 CACHE_SIZE = 64
 # what this module makes of a segment, in the disk cache's key: raised when the same segment
-# exports to another model (2: attention blocks as one node, onnx_attention.py)
-REVISION = 2
+# exports to another model (3: attention blocks as one node, onnx_attention.py)
+REVISION = 3
 # ONNX Runtime 1.32's constant folding inlines If branches and crashes the process on some
 # (torchlib's embedding_bag: a Loop and nested Ifs, SIGSEGV at every optimisation level): a
 # model with these nodes gets its session without the ConstantFolding transformer.

@@ -549,6 +549,63 @@ async def test_masked_attention_keeps_its_nodes_and_matches_eager() -> None:
     assert stats["onnx_calls"] >= 1 and not stats["refused"]
 
 
+def _bert(hidden: int = 32) -> torch.nn.Module:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    return BertModel(BertConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=2 * hidden, max_position_embeddings=64,
+                                vocab_size=100)).eval()
+
+
+async def test_transformers_bert_attention_runs_as_one_attention_node() -> None:
+    """transformers' BERT projects query, key and value apart and gives SDPA a mask computed
+    from `arange(seq) >= 0` (every position attends): the three projections are concatenated
+    into one, the mask, which depends on no input's values, is dropped, and each layer's
+    block is one `Attention` node. Every batch size matches eager."""
+    pytest.importorskip("transformers")
+    model = _bert()
+    ids = torch.randint(3, 100, (2, 8))
+    ep = torch.export.export(model, (ids,),
+                             dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=8)},))
+    async with Executor(ep, ONNX) as ex:
+        for rows in (2, 3, 1, 3):
+            x = torch.randint(3, 100, (rows, 8))
+            with torch.no_grad():
+                expected = model(x).last_hidden_state
+            for _ in range(2):
+                out = await ex.execute(x)
+                torch.testing.assert_close(out["last_hidden_state"], expected, rtol=1e-4,
+                                           atol=1e-5)
+        (delegate,) = _delegates(ex)
+        stats = delegate.statistics()
+    ops = _ops(delegate)
+    assert ops.count("Attention") == 2 and "Softmax" not in ops, ops
+    assert stats["onnx_calls"] >= 4 and not stats["refused"]
+
+
+async def test_a_padding_mask_keeps_transformers_bert_attention_node_by_node() -> None:
+    """With an attention mask given (padding in the second row), SDPA's mask depends on an
+    input: the block keeps its nodes, and the padded row's outputs match eager."""
+    pytest.importorskip("transformers")
+    model = _bert()
+    ids = torch.randint(3, 100, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    ep = torch.export.export(model, (ids,), {"attention_mask": mask})
+    async with Executor(ep, ONNX) as ex:
+        with torch.no_grad():
+            expected = model(ids, attention_mask=mask).last_hidden_state
+        for _ in range(3):
+            out = await ex.execute(ids, attention_mask=mask)
+            torch.testing.assert_close(out["last_hidden_state"], expected, rtol=1e-4,
+                                       atol=1e-5)
+        delegates = _delegates(ex)
+        stats = [d.statistics() for d in delegates]
+    assert delegates and not any("Attention" in _ops(d) for d in delegates)
+    assert any(s["onnx_calls"] for s in stats)
+
+
 async def test_an_attention_block_that_does_not_translate_is_exported_node_by_node(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -50,13 +50,13 @@ def test_a_block_matched_wrongly_is_not_used(monkeypatch: pytest.MonkeyPatch,
     inputs, and a rewrite that computes something else (here: 2 heads, not 4) is dropped."""
     block = onnx_attention._block
 
-    def wrong_heads(sdpa: torch.fx.Node) -> Any:
-        found = block(sdpa)
+    def wrong_heads(sdpa: torch.fx.Node, values: Any) -> Any:
+        found = block(sdpa, values)
         if found is None:
             return None
-        args = list(found.args)
-        args[7] = 2  # num_heads
-        return dataclasses.replace(found, args=tuple(args))
+        rest = list(found.rest)
+        rest[3] = 2  # num_heads
+        return dataclasses.replace(found, rest=tuple(rest))
 
     monkeypatch.setattr(onnx_attention, "_block", wrong_heads)
     module, args = _program(True)
