@@ -231,8 +231,7 @@ def _block(sdpa: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> _Block | No
     if projection is None or forward is None:
         return None
     x, weights, biases, in_transposed, projections = projection
-    moves, out_projection, tail = forward
-    _, out_weight, out_bias, out_transposed = _projection(out_projection)  # type: ignore[misc]
+    moves, out_projection, (_, out_weight, out_bias, out_transposed), tail = forward
     layout = _source(x, batch, seq, embed)
     out_shape = _shape(out_weight)
     if layout is None or out_shape is None or len(out_shape) != 2:
@@ -343,17 +342,19 @@ def _back(node: Any) -> tuple[Any, list[torch.fx.Node]]:
     return node, moves
 
 
-def _forward(sdpa: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node,
-                                           list[torch.fx.Node]] | None:
-    """The layout moves after `sdpa`, the projection they lead to, and the moves after it;
-    each node the only user of the one before."""
+def _forward(sdpa: torch.fx.Node) -> tuple[
+        list[torch.fx.Node], torch.fx.Node, tuple[Any, Any, Any, bool], list[torch.fx.Node]] | None:
+    """The layout moves after `sdpa`, the projection they lead to (and its `_projection`
+    parts), and the moves after it; each node the only user of the one before."""
     moves = _moves_after(sdpa)
-    (projection,) = (moves[-1] if moves else sdpa).users or (None,)
-    parts = _projection(projection)
-    if parts is None or parts[0] is not (moves[-1] if moves else sdpa):
+    last = moves[-1] if moves else sdpa
+    if len(last.users) != 1:
         return None
-    assert projection is not None
-    return moves, projection, _moves_after(projection)
+    (projection,) = last.users
+    parts = _projection(projection)
+    if parts is None or parts[0] is not last:
+        return None
+    return moves, projection, parts, _moves_after(projection)
 
 
 def _moves_after(node: torch.fx.Node) -> list[torch.fx.Node]:

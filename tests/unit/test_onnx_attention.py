@@ -98,3 +98,27 @@ def test_a_masked_block_is_left_alone() -> None:
     assert sdpa.args[3] is not None  # attn_mask
     ep.graph_module(*args)  # the arguments fit: the rewrite was not skipped for failing
     assert attention_fused(ep.graph_module, args) is ep.graph_module
+
+
+class _SharedOutput(torch.nn.Module):
+    """An attention block whose SDPA output is also read outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        heads = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        out = self.out(heads.transpose(1, 2).reshape(batch, seq, 32))
+        return out, heads.sum()
+
+
+def test_a_block_whose_attention_output_is_read_elsewhere_is_left_alone() -> None:
+    x = torch.randn(2, 5, 32)
+    ep = torch.export.export(_SharedOutput().eval(), (x,))
+    args = [*(ep.state_dict[s.target] for s in ep.graph_signature.input_specs
+              if s.target is not None), x]
+    assert attention_fused(ep.graph_module, args) is ep.graph_module
