@@ -68,6 +68,10 @@ class CudaPlans:
         """Copies to a GPU enqueue on the caller's stream; FrameStreams.begin orders after."""
         return move_inputs_to_device(flat, specs)
 
+    async def admit(self) -> None:
+        """An execution's fixed host work takes the loop's slice (cuda/loop_charges.py)."""
+        await self.runtime.charges.admit()
+
     async def warm_up(
         self, examples: Sequence[tuple[list[Any], Any]], template: list[Any], version: int
     ) -> list[SignatureCapture]:
@@ -113,6 +117,7 @@ class CudaBackend:
             stream_plan, plan.outputs,
             max_stream_sets=config.max_concurrent_executions,
             backend=cast("Backend | None", driver),  # a Protocol: duck-typed, as before
+            loop_slice_s=config.loop_slice_s,
         )
         graph_plan = plan_capture(graph, plan, stream_plan, kernels, config)
         segment_plan = segment_plan_for(graph_plan, graph, stream_plan, kernels, config)

@@ -110,6 +110,10 @@ class CudaGraphStatistics:
     done yet (they never wait for one); `signatures`: per signature kept, and per signature
     whose capture failed, its `SignatureCapture` (pending, capturing, ready, failed, with why).
 
+    The loop's slice (cuda/loop_charges.py): `loop_turns_deferred` counts the times
+    an execution found the loop's slice spent and waited for a later iteration, to start
+    or to go on after its GPU work (every execution of the Executor, captured or not).
+
     Segments (programs that are not wholly captured, asyncgraph/cuda/segments.py):
     `segments` planned; `segment_captures`, `segment_replays`, `segment_warmups` (segment
     runs on the stream path before their signature's capture) and `segment_fallbacks`
@@ -140,6 +144,7 @@ class CudaGraphStatistics:
     captured_ahead: int = 0
     before_ready: int = 0
     signatures: tuple[SignatureCapture, ...] = ()
+    loop_turns_deferred: int = 0
 
 
 PENDING, CAPTURING, READY, FAILED, UNCAPTURED = (
@@ -276,6 +281,7 @@ class CudaGraphs:
             captured_ahead=self.captured_ahead,
             before_ready=self.before_ready,
             signatures=self.signature_captures(),
+            loop_turns_deferred=self.runtime.charges.deferred,
         )
 
     def signature_captures(self) -> tuple[SignatureCapture, ...]:

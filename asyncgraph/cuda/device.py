@@ -40,10 +40,10 @@ What it does, and why:
   the scheduler waits for its threads, and only then returns the stream set: a frame is never
   reused while its GPU work is in flight. On trio, which cancels every later checkpoint of a
   cancelled scope, the rest of that wait is shielded.
-- The per-execution fixed work is charged to the loop's LoopBudget (`LoopCharges`): `begin`
-  takes the iteration's slice, and after `finish` the execution goes on only with room left
-  in it, else in a later iteration, so executions whose GPU work ends together resume about
-  a slice of work per iteration.
+- The per-execution fixed work is charged to the loop's LoopBudget (loop_charges.py's
+  `LoopCharges`): `begin` takes the iteration's slice, and after `finish` the execution goes
+  on only with room left in it, else in a later iteration, so executions whose GPU work ends
+  together resume about a slice of work per iteration.
 
 torch.cuda is imported lazily (only `TorchCudaBackend` touches it), so this module imports and
 type-checks on machines without CUDA. The backend is injectable, which is how the tests drive
@@ -56,10 +56,8 @@ import asyncio
 import contextlib
 import logging
 import math
-import sys
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -69,11 +67,11 @@ import anyio
 import anyio.lowlevel
 
 from asyncgraph.cuda.host_wait import HostWaiter, shared_waiter
+from asyncgraph.cuda.loop_charges import LoopCharges
 from asyncgraph.cuda.streams import StreamKey, StreamPlan
-from asyncgraph.runtime.backend import current_loop
 from asyncgraph.runtime.device import Calls, UnitSchedule
 from asyncgraph.runtime.device import move_inputs_to_device as move_inputs_to_device
-from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
+from asyncgraph.runtime.loop_budget import LoopBudget
 from asyncgraph.runtime.plan import Placement
 
 logger = logging.getLogger("asyncgraph.cuda.graphs")  # capture.py logs captures there too
@@ -547,91 +545,6 @@ async def _poll_sleeping(pending: list[CudaEvent], policy: PollPolicy, start: fl
             return time.perf_counter()
 
 
-# -- the loop's budget ------------------------------------------------------------------------
-
-FIXED_WORK_S = 20e-6
-"""What an execution's host work after its GPU end is charged to the loop's slice (the
-LoopBudget's `start`): the stream set, instance and frame given back, the outputs, the
-caller's return."""
-
-
-def _running_native() -> Any | None:
-    """The running loop's `native` (what per-loop state is keyed by), or None outside one."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        trio = sys.modules.get("trio")
-        if trio is not None and trio.lowlevel.in_trio_run():
-            return current_loop().native
-        return None
-
-
-def _resolve(future: Any) -> None:
-    if not future.done():  # done: cancelled with its task
-        future.set_result(None)
-
-
-class LoopCharges:
-    """Charges the GPU path's per-execution fixed work to the running loop's LoopBudget
-    (asyncgraph/runtime/loop_budget.py: the slice inline work on one loop shares, held per
-    loop), as the scheduler charges inline kernels.
-
-    - `open()` (FrameStreams.begin): the execution's host work from here (begin, a replay's
-      launch, inline enqueues) takes this iteration's slice, opening one if none is open, so
-      other inline work of the iteration sees it spent sooner.
-    - `turn()` (at the end of FrameStreams.finish): the execution continues only with room
-      for `FIXED_WORK_S` left in the slice, else in a later iteration, in the budget's order.
-      Executions whose GPU work ended together (one drain of the waiter's completions wakes
-      them all) resume about a slice of work per iteration, instead of all in the iteration
-      after the wake, and timers and I/O get their turn in between. The first work of an
-      iteration (no slice open) always runs, so nothing waits for ever.
-
-    Loop thread only; without a running loop (a test driving a frame by hand) nothing is
-    charged. The budget is the loop's own, whichever slice its Executors asked for
-    (`loop_budget(loop, inf)` never changes it); it holds the loop weakly, as the cache here
-    does.
-    """
-
-    __slots__ = ("_budget", "_loop", "deferred")
-
-    def __init__(self) -> None:
-        self._loop: weakref.ref[Any] | None = None
-        self._budget: LoopBudget | None = None
-        self.deferred = 0  # turns that waited for a later iteration
-
-    def budget(self) -> LoopBudget | None:
-        """The running loop's budget; None without a running loop."""
-        native = _running_native()
-        if native is None:
-            return None
-        if self._loop is not None and self._loop() is native:
-            return self._budget
-        budget = self._budget = loop_budget(native, math.inf)
-        self._loop = weakref.ref(native)
-        return budget
-
-    def open(self) -> LoopBudget | None:
-        """Take this iteration's slice for an execution's host work (opening one if none
-        is open); the budget, for its `turn`, or None without a running loop."""
-        budget = self.budget()
-        if budget is not None and not budget.is_open:
-            budget.deadline()
-        return budget
-
-    async def turn(self, budget: LoopBudget) -> None:
-        """Return when `budget`'s slice has room for FIXED_WORK_S (or this is the first
-        work of an iteration), waiting for later iterations in the budget's order."""
-        loop = None
-        while budget.is_open and budget.start(FIXED_WORK_S) is None:
-            loop = loop or current_loop()
-            self.deferred += 1
-            future = loop.create_future()
-            budget.defer(_resolve, future)
-            await future
-        if not budget.is_open:  # the first work of this iteration: it runs, and it counts
-            budget.deadline()
-
-
 # -- stream sets ----------------------------------------------------------------------------------
 
 
@@ -718,6 +631,7 @@ class CudaRuntime:
         backend: Backend | None = None,
         poll: PollPolicy = PollPolicy(),
         waiter: HostWaiter | None = None,
+        loop_slice_s: float = math.inf,
     ) -> None:
         if len(value_ids) != plan.num_nodes:
             raise ValueError(f"{len(value_ids)} value ids for {plan.num_nodes} nodes")
@@ -735,7 +649,8 @@ class CudaRuntime:
         self.finish_site = WaitSite()
         self.outputs_site = WaitSite()
         self.needs_host_wait: tuple[bool, ...] = tuple(bool(w) for w in plan.host_waits)
-        self.charges = LoopCharges()  # its executions' fixed work, charged to the loop's slice
+        # its executions' fixed work, charged to the loop's slice
+        self.charges = LoopCharges(loop_slice_s)
 
     def close(self) -> None:
         """The Executor is closed (its frames idle): let the waiter thread end as soon as no

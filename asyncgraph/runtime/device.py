@@ -152,6 +152,12 @@ class DevicePlan(Protocol):
         """The inputs moved to the devices their specs name (`move_inputs_to_device=True`)."""
         ...
 
+    async def admit(self) -> None:
+        """Return when the event loop has room for one more execution's fixed host work in
+        this iteration (cuda/: the loop's LoopBudget), else in a later one; the Executor
+        awaits it before an execution starts, holding nothing."""
+        ...
+
     async def warm_up(
         self, examples: Sequence[tuple[list[Any], Any]], template: list[Any], version: int
     ) -> list[Any]:

@@ -391,15 +391,15 @@ class Executor:
         caller: Caller | None = None, signature: Signature | None = None, direct: bool = True,
     ) -> list[Any]:
         """One execution of validated inputs: take a frame, run, take the outputs. `caller`:
-        the calling task, when the caller already asked for it; `signature`: the inputs'
-        (InputValidator.check), when validation computed it; `direct`: False when the caller
-        found `_run_direct` declining this execution already."""
+        the calling task, if known; `signature`: the inputs' (InputValidator.check), if made;
+        `direct`: False when the caller found `_run_direct` declining this execution already."""
         if caller is None and self._loop is not None:
             scoped = self._loop.scope_caller()  # trio: no task to cancel, a cancel scope
             if scoped is not None:
-                return await self._execute_in_scope(scoped, flat, caller_inputs, signature,
-                                                    direct)
+                return await self._execute_in_scope(scoped, flat, caller_inputs, signature, direct)
             caller = asyncio.current_task()
+        if self._device is not None:  # its fixed work takes the loop's slice (LoopCharges)
+            await self._device.admit()
         outputs = self._run_direct(flat, signature, caller) if direct else None
         if outputs is not None:  # Mode.DIRECT: the program's one call (or DIRECT_WORKER's)
             return outputs if isinstance(outputs, list) else await outputs

@@ -91,6 +91,11 @@ class LoopBudget:
         """Whether a slice is open in this iteration (the next `deadline` continues it)."""
         return self._open
 
+    @property
+    def slices(self) -> int:
+        """Slices opened so far: two readings alike fall in one slice."""
+        return self._slices
+
     def deadline(self) -> float | None:
         """The perf_counter time the current slice ends, opening one if none is open; None
         when the slice is spent (the caller hands its work to `defer`)."""

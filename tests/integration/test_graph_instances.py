@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import pytest
 import torch
@@ -426,6 +428,53 @@ def test_a_replay_gives_its_instance_back_before_it_waits_for_room_in_the_loops_
                 torch.testing.assert_close(await ex.execute(inputs(k)), wide_expected(inputs(k), w))
         assert events == ["back", "turn"] * 3, events
         assert stats(ex).replays == 3
+
+    run(body, backend)
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_of_callers_starts_a_slice_of_executions_per_loop_iteration(backend: str) -> None:
+    """64 callers arrive in one loop iteration. Each execution's fixed host work (validation,
+    a frame, `begin`, a replay's launch) takes the loop's slice (`LoopCharges.admit`), so an
+    iteration starts only the executions that fit in it; timers and I/O get their turn in
+    between. Before, all 64 started in the first iteration. The graphs are captured ahead
+    (`warm_up`), so no execution runs the stream path and the scheduler never asks for the
+    loop's budget: the slice is the GPU path's own `loop_slice_s`, not an endless one."""
+    slice_s = 5e-4  # the fake's replay costs the host 50-90 us: a few fit in a slice
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=21, eager=True)
+        w = torch.full((4,), 0.5)
+        ex = make_executor(wide_program(w), gpu, graph_warmup=0, loop_slice_s=slice_s,
+                           max_concurrent_executions=FRAMES)
+        results: dict[int, torch.Tensor] = {}
+        started: list[int] = []  # executions started, after each loop iteration
+
+        async def call(k: int) -> None:
+            results[k] = await ex.execute(inputs(k))
+
+        async def probe() -> None:  # started after the callers: sees each iteration's end
+            while len(results) < FRAMES:
+                started.append(ex.statistics().started)
+                await anyio.lowlevel.checkpoint()
+
+        async with closing(ex, gpu), gpu_running(gpu):
+            await ex.warm_up(inputs(0))
+            before = stats(ex)
+            async with anyio.create_task_group() as group:
+                for k in range(FRAMES):
+                    group.start_soon(call, k)
+                group.start_soon(probe)
+            after = stats(ex)
+        per_iteration = [started[0], *(b - a for a, b in itertools.pairwise(started))]
+        assert max(per_iteration) <= FRAMES // 4, per_iteration
+        deferred = after.loop_turns_deferred - before.loop_turns_deferred
+        assert FRAMES // 2 <= deferred <= 2 * FRAMES, after  # to start, and to go on: no more
+        assert (after.replays - before.replays, after.fallbacks, after.before_ready) == (
+            FRAMES, 0, 0), after
+        for k, out in results.items():
+            torch.testing.assert_close(out, wide_expected(inputs(k), w))
+        assert gpu.errors == []
 
     run(body, backend)
 
