@@ -174,6 +174,8 @@ class CapturePlan:
         drops: per node, the frame slots no later node reads (freed during the capture, so
             the graph's pool can reuse their memory).
         produced_outputs: the frame slots of user outputs made by nodes: cloned per replay.
+        inputs_out: a user input is also a user output: a replay hands the caller's tensor
+            back as it came, not a copy out of the graph.
     """
 
     capturable: bool
@@ -181,6 +183,7 @@ class CapturePlan:
     origin: StreamKey | None = None
     drops: tuple[tuple[int, ...], ...] = ()
     produced_outputs: tuple[int, ...] = ()
+    inputs_out: bool = False
 
     def describe(self) -> str:
         """One line for `asyncgraph profile` and logs."""
@@ -200,8 +203,10 @@ def plan_capture(
     reason = _blocker(graph, stream_plan, kernels, config)
     if reason is not None:
         return CapturePlan(False, reason)
+    inputs = {s.value for s in graph.signature.user_inputs}
     return CapturePlan(
-        True, None, stream_plan.streams_used[0], _drops(graph), _produced_outputs(graph)
+        True, None, stream_plan.streams_used[0], _drops(graph), _produced_outputs(graph),
+        bool(inputs & _output_values(graph)),
     )
 
 

@@ -31,6 +31,7 @@ from asyncgraph.cuda.instances import GraphInstances, SignatureInstances
 from asyncgraph.cuda.segments import SegmentPlan
 from asyncgraph.graph.ir import Graph
 from asyncgraph.runtime.batching import default_buckets
+from asyncgraph.runtime.bucket_inputs import BucketRows
 from asyncgraph.runtime.config import ExecutorConfig
 from asyncgraph.runtime.plan import ExecutionPlan
 from asyncgraph.runtime.validation import Signature
@@ -382,8 +383,11 @@ def copy_inputs(static: list[Any], flat: list[Any]) -> None:
     a copy from a tensor that requires grad must not make the buffer part of a graph. Only
     then is autograd turned off: entering and leaving `torch.no_grad()` costs about as much
     as a small copy itself, on every replay, and a copy between tensors that do not require
-    grad records nothing anyway."""
-    if any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
+    grad records nothing anyway. A bucket batch whose rows are not copied yet (BucketRows)
+    copies them straight from its requests into the static buffers."""
+    if type(flat) is BucketRows and not flat.materialised:
+        flat.fill(static)
+    elif any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
         with torch.no_grad():
             _copy_inputs(static, flat)
     else:

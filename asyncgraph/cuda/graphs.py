@@ -101,6 +101,7 @@ from asyncgraph.cuda.device import CudaGraph, FrameStreams, StreamSet
 from asyncgraph.cuda.instances import GraphInstance, SignatureInstances
 from asyncgraph.cuda.segment_graphs import FrameSegments
 from asyncgraph.runtime.backend import current_loop
+from asyncgraph.runtime.bucket_inputs import BucketRows
 from asyncgraph.runtime.units import Line, in_order, run_units
 from asyncgraph.runtime.validation import Signature, signature_of
 
@@ -147,7 +148,23 @@ class FrameGraphs:
         self, frame: ExecutionFrame, flat: list[Any], signature: Signature | None, version: int
     ) -> bool:
         """Run the loaded frame as a replay (or a capture) of an instance of its signature,
-        once the signature has warmed up and an instance can be had."""
+        once the signature has warmed up and an instance can be had.
+
+        A bucket batch whose rows are not copied yet (runtime/bucket_inputs.py's BucketRows)
+        has them copied straight into the instance's static inputs by a replay or a capture
+        (`copy_inputs`); for the stream path, or a program that hands an input back as an
+        output, they are copied into the batch's own inputs first (`materialise`)."""
+        rows = flat if type(flat) is BucketRows else None
+        if rows is not None and self._owner.capture_plan.inputs_out:
+            rows.materialise()
+        replayed = await self._run(frame, flat, signature, version)
+        if rows is not None and not replayed:
+            rows.materialise()
+        return replayed
+
+    async def _run(
+        self, frame: ExecutionFrame, flat: list[Any], signature: Signature | None, version: int
+    ) -> bool:
         owner = self._owner
         key = signature if signature is not None else signature_of(flat)
         if key is None or key in owner.failed:

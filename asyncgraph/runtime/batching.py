@@ -28,9 +28,12 @@ inputs, whichever it would pass first; a request past either limit by itself run
 Stacking copies every input row once. With CUDA graphs (or tensors on a GPU), a batch of a
 bucket's size (padding below) is copied request by request (one `_foreach_copy_` into the
 blocks of a `split`) into a bucket-sized input kept per bucket and batch key
-(`BucketInputs`), the padding filled by copying the last row: no torch.cat, no new tensor, and
-on a GPU nothing but enqueued copies on the loop thread's current stream, which the
-execution's streams are ordered after. The input goes back to its bucket once the execution
+(bucket_inputs.py's `BucketInputs`), the padding filled by copying the last row: no
+torch.cat, no new tensor, and on a GPU nothing but enqueued copies on the loop thread's
+current stream, which the execution's streams are ordered after. On an Executor that replays
+whole executions the rows are copied where they are read (`BucketRows`): a replay copies
+them straight into its graph's static inputs, and the kept input is filled only for the
+stream path. The input goes back to its bucket once the execution
 has returned (on a GPU: its work done, `FrameStreams.finish`), unless an output shares its
 memory (an input returned as an output), which then keeps it. Other batches, and every batch
 of an uncaptured CPU program (where one torch.cat costs a seventh of the copies), are stacked
@@ -61,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -81,6 +84,7 @@ from asyncgraph.errors import (
 )
 from asyncgraph.graph.ir import Graph, OutputKind, Ref, TensorSpec
 from asyncgraph.runtime.backend import FutureLike, Handle, Loop, TaskLike, current_loop
+from asyncgraph.runtime.bucket_inputs import BucketInputs, BucketRows
 from asyncgraph.runtime.config import BatchingConfig
 from asyncgraph.runtime.validation import signature_of
 from asyncgraph.runtime.weights import ran_on, weights_ran_on
@@ -110,13 +114,15 @@ class BatchLayout:
     """Which flat inputs are batched along dim 0 (the others must be equal within a batch),
     the batch sizes a batch is padded up to (`BatchingConfig.buckets`, resolved), and whether
     the Executor captures CUDA graphs (`captured`: bucket batches are copied into kept
-    inputs, `BucketInputs`, as they are for tensors on a GPU)."""
+    inputs, `BucketInputs`, as they are for tensors on a GPU) and replays whole executions
+    (`replayed`: a bucket batch's rows go straight into the graph's static inputs)."""
 
     batched: tuple[bool, ...]
     symbol: sympy.Symbol
     max_rows: int
     buckets: tuple[int, ...] = ()
     captured: bool = False
+    replayed: bool = False
 
     def padding(self, rows: int) -> int:
         """Rows to add to a batch of `rows`: up to the next bucket, none past the last."""
@@ -144,9 +150,12 @@ def default_buckets(max_batch_size: int) -> tuple[int, ...]:
         step *= 2
 
 
-def batch_layout(graph: Graph, config: BatchingConfig, *, captured: bool = False) -> BatchLayout:
+def batch_layout(
+    graph: Graph, config: BatchingConfig, *, captured: bool = False, replayed: bool = False,
+) -> BatchLayout:
     """The layout of a program that can batch, or a BatchingError saying why it cannot.
-    `captured`: the Executor replays CUDA graphs, so `buckets=None` pads to default_buckets."""
+    `captured`: the Executor replays CUDA graphs, so `buckets=None` pads to default_buckets;
+    `replayed`: it replays whole executions (BatchLayout)."""
     sig = graph.signature
     mutated = [o.target for o in sig.outputs
                if o.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)]
@@ -190,7 +199,7 @@ def batch_layout(graph: Graph, config: BatchingConfig, *, captured: bool = False
         )
     return BatchLayout(
         tuple(isinstance(spec, TensorSpec) for _, spec in inputs), symbol,
-        config.max_batch_size, buckets, captured,
+        config.max_batch_size, buckets, captured, captured and replayed,
     )
 
 
@@ -209,12 +218,13 @@ def make_batcher(
     if config is None:
         return None
     if not config.only_captured:
-        return Batcher(batch_layout(graph, config, captured=captured), config, run)
+        layout = batch_layout(graph, config, captured=captured, replayed=captures_whole)
+        return Batcher(layout, config, run)
     if not captures_whole:
         return None
     config = _within_exported_batch(graph, config)
     try:
-        layout = batch_layout(graph, config, captured=True)
+        layout = batch_layout(graph, config, captured=True, replayed=True)
     except BatchingError:
         return None
     return Batcher(layout, config, run)
@@ -308,91 +318,6 @@ class _Request:
         self.weights_version: int | None = None  # what its batch ran on (weights_ran_on)
 
 
-class BucketInputs:
-    """Bucket-sized batch inputs, kept per (bucket, batch key) and reused batch to batch.
-
-    Why: a batch padded to a bucket has one of a few sizes, so its inputs can be tensors made
-    once, each request's rows copied in (`fill`): no torch.cat allocating a new tensor per
-    batch, and on a GPU only enqueued copies. An input is taken for one batch and given back
-    only when nothing reads it any more (`give_back`, after the execution returned: on a GPU
-    its work is done by then); a batch that fails, is cancelled, or whose outputs share an
-    input's memory keeps it from its bucket instead, and the next one makes a new input. A free
-    list per key holds as many inputs as batches run at once; the least recently used key's
-    are dropped past MAX_BUCKET_INPUT_KEYS keys.
-    """
-
-    def __init__(self, batched: tuple[bool, ...], per_key: int) -> None:
-        self._batched = batched
-        self._per_key = per_key
-        self._free: OrderedDict[Hashable, list[list[Any]]] = OrderedDict()
-        self.made = 0  # inputs made (one list of tensors each): the tests' count
-
-    def take(self, key: Hashable, head: list[Any], rows: int) -> list[Any]:
-        """Inputs of `rows` rows shaped like request `head`'s batched tensors (None at the
-        positions that are not batched): a free one of `key`, or new ones."""
-        free = self._free.get(key)
-        if free:
-            self._free.move_to_end(key)
-            return free.pop()
-        self.made += 1
-        # a normal tensor even where the loop's thread is in inference mode: an inference
-        # tensor would refuse the next batch's copies made outside it
-        with torch.inference_mode(False):
-            return [
-                torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-                if batched else None
-                for x, batched in zip(head, self._batched, strict=True)
-            ]
-
-    def give_back(self, key: Hashable, inputs: list[Any], outputs: Sequence[Any]) -> None:
-        """`inputs` back to `key`'s free list, unless an output shares memory with one of
-        them (then the caller holds it: dropped)."""
-        if _shares_memory(inputs, outputs):
-            return
-        free = self._free.setdefault(key, [])
-        self._free.move_to_end(key)
-        if len(free) < self._per_key:
-            free.append(inputs)
-        while len(self._free) > MAX_BUCKET_INPUT_KEYS:
-            self._free.popitem(last=False)
-
-    def fill(self, inputs: list[Any], batch: list[_Request], pad: int) -> list[Any]:
-        """The batch's flat inputs: each request's rows copied into `inputs` in order, then
-        `pad` copies of the last row; non-batched inputs as the first request has them.
-
-        One `_foreach_copy_` per input copies every request's rows into its block of the
-        bucket (views from one `split`): on a GPU a fused copy, a launch or a few where
-        `copy_` per request would launch once each (1.4 us a request on the CPU against 2.4
-        for the loop)."""
-        joined: list[Any] = []
-        head = batch[0].flat
-        sizes = [request.rows for request in batch]
-        rows = sum(sizes)
-        with torch.no_grad():
-            for i, buffer in enumerate(inputs):
-                if buffer is None:
-                    joined.append(head[i])
-                    continue
-                blocks = buffer.split([*sizes, pad]) if pad else buffer.split(sizes)
-                torch._foreach_copy_(blocks[:len(batch)], [r.flat[i] for r in batch])
-                if pad:  # padding(rows) > 0 only when some request has a row
-                    last = buffer[rows - 1:rows]
-                    blocks[-1].copy_(last.expand(pad, *last.shape[1:]))
-                joined.append(buffer)
-        return joined
-
-
-def _shares_memory(inputs: list[Any], outputs: Sequence[Any]) -> bool:
-    """Whether an output tensor lies in the memory of one of `inputs` (an input returned as
-    an output, or a view of one)."""
-    held = {x.untyped_storage().data_ptr() for x in inputs if x is not None}
-    held.discard(0)  # no memory (an empty or a meta tensor): nothing to share
-    return any(
-        isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() in held
-        for out in outputs
-    )
-
-
 class Batcher:
     """Queues validated requests and runs them in batches through `run` (see module doc)."""
 
@@ -417,7 +342,8 @@ class Batcher:
         self._last_signature: Hashable | None = None
         self._last_answer: tuple[int, Hashable, list[bool]] = (0, (), [])
         self._bucket_sizes = frozenset(layout.buckets)
-        self.bucket_inputs = BucketInputs(layout.batched, config.max_concurrent_batches)
+        self.bucket_inputs = BucketInputs(
+            layout.batched, config.max_concurrent_batches, MAX_BUCKET_INPUT_KEYS)
 
     async def submit(self, flat: list[Any], signature: Hashable | None = None) -> list[Any]:
         """Run one validated request in a batch; its outputs, as if it had run alone.
@@ -679,13 +605,23 @@ class Batcher:
     async def _joined(
         self, batch: list[_Request], pad: int, inputs: list[Any] | None
     ) -> list[Any]:
-        """The batch's inputs, copied into `inputs` (BucketInputs.fill) or stacked (`_join`):
-        inline, or on a thread for large CPU batches (OFFLOAD_BYTES; never for tensors on a
-        GPU, whose copies are only enqueued)."""
-        join = self._join if inputs is None else partial(self.bucket_inputs.fill, inputs)
+        """The batch's inputs: stacked (`_join`), or kept bucket `inputs` as BucketRows. On
+        an Executor that replays whole executions (`layout.replayed`) their rows are copied
+        where they are read, straight into a graph's static inputs (bucket_inputs.py);
+        otherwise now. Inline, or on a thread for large CPU batches (OFFLOAD_BYTES; never
+        for tensors on a GPU, whose copies are only enqueued)."""
+        join: Callable[[], list[Any]]
+        if inputs is None:
+            join = partial(self._join, batch, pad)
+        else:
+            rows = BucketRows(inputs, [r.flat for r in batch], [r.rows for r in batch], pad,
+                              self.layout.batched)
+            if self.layout.replayed:
+                return rows
+            join = rows.materialise
         if self._on_cpu(batch[0]) and self._stacked_bytes(batch) > OFFLOAD_BYTES:
-            return await anyio.to_thread.run_sync(join, batch, pad)
-        return join(batch, pad)
+            return await anyio.to_thread.run_sync(join)
+        return join()
 
     def _on_cpu(self, request: _Request) -> bool:
         """Whether the request's batched tensors are on the CPU (batch-mates share devices:

@@ -1,6 +1,7 @@
 """Batches become CUDA graphs (issue 50, Do item 3): with whole-execution captures, concurrent
 requests are batched by default (`BatchingConfig(only_captured=True)`) into vLLM's bucket
-sizes, their rows copied straight into bucket-sized inputs (no torch.cat, no thread hop),
+sizes, their rows copied straight into the bucket graph's static inputs (no torch.cat, no
+thread hop, no kept bucket input between),
 each bucket replaying its captured graph; size arithmetic of a dynamic-batch export
 (`reshape(x, [b * 2, 4])`) is captured with the graph; batches are bounded in rows and bytes.
 
@@ -38,6 +39,7 @@ from asyncgraph.runtime.batching import (
     BatchLayout,
     default_buckets,
 )
+from asyncgraph.runtime.bucket_inputs import BucketRows
 from asyncgraph.runtime.config import CudaConfig
 from tests.support.backends import run, settle
 from tests.support.cuda_graph_fake import (
@@ -153,14 +155,27 @@ def simulated_export(
 class Counts:
     cats: int = 0
     hops: int = 0
+    into_bucket: int = 0  # bucket batches' rows copied into their kept bucket inputs
+    into_static: int = 0  # ... copied straight into a graph's static inputs
+
+    def zero(self) -> None:
+        self.cats = self.hops = self.into_bucket = self.into_static = 0
 
 
 @pytest.fixture
 def counts(monkeypatch: pytest.MonkeyPatch) -> Counts:
-    """torch.cat calls and thread hops (`anyio.to_thread.run_sync`) from now on; a test
-    zeroes them where its count starts."""
+    """torch.cat calls, thread hops (`anyio.to_thread.run_sync`) and where bucket batches'
+    rows are copied (`BucketRows.fill`) from now on; a test zeroes them where its count
+    starts."""
     seen = Counts()
-    cat, hop = torch.cat, anyio.to_thread.run_sync
+    cat, hop, fill = torch.cat, anyio.to_thread.run_sync, BucketRows.fill
+
+    def counted_fill(self: BucketRows, into: Any) -> None:
+        if into is self:
+            seen.into_bucket += 1
+        else:
+            seen.into_static += 1
+        fill(self, into)
 
     def counted_cat(*args: Any, **kwargs: Any) -> Any:
         seen.cats += 1
@@ -172,6 +187,7 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Counts:
 
     monkeypatch.setattr(torch, "cat", counted_cat)
     monkeypatch.setattr(anyio.to_thread, "run_sync", counted_hop)
+    monkeypatch.setattr(BucketRows, "fill", counted_fill)
     return seen
 
 
@@ -341,8 +357,9 @@ def test_64_callers_become_bucket_batches_that_replay_captured_graphs(
     backend: str, counts: Counts,
 ) -> None:
     """64 concurrent callers (and other loads) run as bucket-sized batches: at most one
-    capture per bucket, then every batch replays its bucket's graph, its rows copied into a
-    kept bucket input: no torch.cat, no thread hop, the padding's rows dropped."""
+    capture per bucket, then every batch replays its bucket's graph, its rows copied once,
+    straight into the graph's static input (never into the kept bucket input first): no
+    torch.cat, no thread hop, the padding's rows dropped."""
 
     async def body() -> None:
         gpu = CaptureGpu(seed=3, track_writers=True)
@@ -355,7 +372,7 @@ def test_64_callers_become_bucket_batches_that_replay_captured_graphs(
             batcher = ex._batcher
             assert batcher is not None
             made = batcher.bucket_inputs.made
-            counts.cats = counts.hops = 0
+            counts.zero()
             for i, n in enumerate(ROUNDS * 3):
                 await callers(ex, [1] * n, seed=i)
             steady, batches = stats(ex), ex.batching_statistics()
@@ -369,6 +386,9 @@ def test_64_callers_become_bucket_batches_that_replay_captured_graphs(
         assert set(batches.by_size) <= buckets  # every batch ran at a bucket's size
         assert batches.padded_rows > 0 and batches.largest_batch == 32
         assert (counts.cats, counts.hops) == (0, 0)
+        joined = sum(runs - warm_batches.by_size.get(size, (0,))[0]  # a lone request runs
+                     for size, (runs, _) in batches.by_size.items() if size > 1)  # as it came
+        assert joined > 0 and (counts.into_bucket, counts.into_static) == (0, joined), counts
         assert batcher.bucket_inputs.made == made  # the bucket inputs were reused
         assert gpu.errors == []
 
@@ -548,6 +568,48 @@ def test_a_dynamic_batch_export_with_size_arithmetic_captures_whole_per_bucket(
         assert s.capturable and s.segments == 0 and s.failures == 0, s
         assert batches is not None and set(batches.by_size) <= {1, 2, 4, 8, 16, 24, 32}
         assert 1 <= s.captures <= len(batches.by_size) and s.replays > s.captures, s
+        assert gpu.errors == []
+
+    run(body, backend)
+
+
+class AndItsInput(torch.nn.Module):
+    """A linear layer's output and the input itself: a replay hands the input back as it
+    came, not a copy out of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), x
+
+
+def test_a_program_that_returns_its_input_hands_each_caller_its_own_rows(
+    backend: str, counts: Counts,
+) -> None:
+    """With an input among the outputs, a bucket batch's rows are copied into its bucket
+    input before the replay (not only straight into the graph's static input), so each caller
+    gets back its own rows, not the kept input's last contents."""
+    model = AndItsInput()
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=6)
+        ex = simulated_export(model, gpu, graph_warmup=0,
+                              batching=BatchingConfig(only_captured=True))
+        assert ex.cuda_graph_plan.inputs_out
+        g = torch.Generator().manual_seed(6)
+        async with running(ex, gpu):
+            for _ in range(3):
+                xs = [torch.randn(r, 8, generator=g) for r in (1, 2, 3) * 3]
+                outs = await all_at_once(ex, xs)
+                for x, (y, back) in zip(xs, outs, strict=True):
+                    torch.testing.assert_close(back, x)
+                    torch.testing.assert_close(y, _eager(model, x)[0], rtol=1e-5, atol=1e-5)
+            s = stats(ex)
+        assert s.replays > s.captures >= 1 and s.failures == 0, s
+        assert counts.into_bucket > 0
         assert gpu.errors == []
 
     run(body, backend)
