@@ -66,6 +66,9 @@ async def test_every_timed_execution_replayed_and_the_report_has_issue_50s_targe
 
     one, many, batched = data["cases"]
     assert one["details"]["graphs"]["instances"] == 1  # one caller: one instance replays
+    assert one["metrics"]["longest loop iteration ms"] is None  # 64 callers' figure only
+    for case in (many, batched):  # the loop's longest iteration under 64 callers is reported
+        assert case["metrics"]["longest loop iteration ms"] > 0
     # 64 callers: whole rounds of 64 executions, sharing the instances a signature may have
     assert many["details"]["executions_window"] % gpu_host.CALLERS == 0
     assert 1 <= many["details"]["graphs"]["instances"] <= 8
