@@ -68,8 +68,11 @@ class CudaPlans:
         """Copies to a GPU enqueue on the caller's stream; FrameStreams.begin orders after."""
         return move_inputs_to_device(flat, specs)
 
-    async def admit(self) -> None:
+    def admits(self) -> bool:
         """An execution's fixed host work takes the loop's slice (cuda/loop_charges.py)."""
+        return self.runtime.charges.admits()
+
+    async def admit(self) -> None:
         await self.runtime.charges.admit()
 
     async def warm_up(

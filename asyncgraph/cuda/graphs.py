@@ -152,20 +152,11 @@ class FrameGraphs:
 
         A bucket batch whose rows are not copied yet (runtime/bucket_inputs.py's BucketRows)
         has them copied straight into the instance's static inputs by a replay or a capture
-        (`copy_inputs`); for the stream path, or a program that hands an input back as an
-        output, they are copied into the batch's own inputs first (`materialise`)."""
-        rows = flat if type(flat) is BucketRows else None
-        if rows is not None and self._owner.capture_plan.inputs_out:
-            rows.materialise()
-        replayed = await self._run(frame, flat, signature, version)
-        if rows is not None and not replayed:
-            rows.materialise()
-        return replayed
-
-    async def _run(
-        self, frame: ExecutionFrame, flat: list[Any], signature: Signature | None, version: int
-    ) -> bool:
+        (`copy_inputs`); for a program that hands an input back as an output, into the
+        batch's own inputs first (`materialise`), as the Executor does for the stream path."""
         owner = self._owner
+        if owner.capture_plan.inputs_out and type(flat) is BucketRows:
+            flat.materialise()
         key = signature if signature is not None else signature_of(flat)
         if key is None or key in owner.failed:
             owner.count("fallbacks")  # under its lock: captures count from threads

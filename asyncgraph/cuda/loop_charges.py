@@ -10,8 +10,9 @@ ended together (one drain of the host waiter wakes them all) all went on in the 
 
 So an execution takes the slice like an inline kernel does, at two points:
 
-- `admit()` (Executor.execute, before anything else, holding nothing): it starts only with
-  room left in the slice for one execution's fixed work, else in a later iteration.
+- `admits()`, else `await admit()` (Executor._execute, before anything else, holding
+  nothing): it starts only with room left in the slice for one execution's fixed work, else
+  in a later iteration.
 - `turn()` (after FrameStreams.finish, once the stream set, and a replay's graph instance,
   are back): it goes on only with room left, else in a later iteration. Where there is room
   it goes ahead of executions waiting to start: it holds a frame, and its caller waits.
@@ -20,8 +21,10 @@ So an execution takes the slice like an inline kernel does, at two points:
 
 Those that find no room wait in one FIFO per Executor, and a later iteration wakes as many as
 its slice has room for (`_wake`), by the measured cost of one execution's fixed work
-(`cost_s`: the time between two executions let through in one slice, smoothed), never fewer
-than one, so nothing waits for ever. Waking every waiter and letting each look again instead
+(`cost_s`: the time between the starts of two executions a wake let through, smoothed;
+measured there only, off the path of an execution that finds room; `FIRST_WAKE` of them
+until one was measured), never fewer than one, so nothing waits for ever. Waking every waiter
+and letting each look again instead
 (the budget's own `defer` with a future per waiter, as this did first) let one slice's worth
 through per iteration too, but woke all the others only to queue again: 64 callers cost about
 a thousand waits where at most two per execution will do (test_graph_instances.py counts them;
@@ -52,8 +55,10 @@ from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
 FIXED_WORK_S = 50e-6
 """What one execution's fixed host work is taken to cost before any is measured (`cost_s`,
 the room it needs in the loop's slice): above the 20-30 us of a replay on the no-op backend,
-about what a replay's CUDA calls add on a GPU, so that a first wake lets through no more
-than a slice's worth."""
+about what a replay's CUDA calls add on a GPU."""
+
+FIRST_WAKE = 2
+"""Executions a wake lets through before any cost was measured: two starts measure one."""
 
 LEAST_COST_S = 5e-6
 """The least one execution's fixed work is taken to cost, whatever is measured."""
@@ -66,8 +71,8 @@ class LoopCharges:
     """One Executor's GPU executions' fixed host work, charged to the running loop's slice."""
 
     __slots__ = (
-        "_budget", "_granted_at", "_granted_slice", "_loop", "_waiting", "_waking", "_woken",
-        "cost_s", "deferred", "slice_s",
+        "_budget", "_granted_at", "_granted_slice", "_loop", "_measured", "_waiting", "_waking",
+        "_woken", "cost_s", "deferred", "slice_s",
     )
 
     def __init__(self, slice_s: float = math.inf) -> None:
@@ -80,6 +85,7 @@ class LoopCharges:
         self._granted_at = 0.0  # when the last execution was let through, and in which slice
         self._granted_slice = -1
         self.cost_s = FIXED_WORK_S  # one execution's fixed work, measured (smoothed)
+        self._measured = False
         self.deferred = 0  # executions that waited for a later iteration (admit or turn)
 
     def budget(self) -> LoopBudget | None:
@@ -93,12 +99,21 @@ class LoopCharges:
         self._loop = weakref.ref(native)
         return budget
 
+    def admits(self) -> bool:
+        """Whether an execution may start now (taking its room in the slice): the running
+        loop's slice has room for its fixed work and no execution waits before it; True
+        without a running loop. When False, the execution awaits `admit`."""
+        budget = self.budget()
+        if budget is None:
+            return True
+        return not self._waiting and budget.start(self.cost_s) is not None  # opens a slice
+
     async def admit(self) -> None:
-        """Return when the running loop's slice has room for an execution's fixed host work
-        (`turn`); at once without a running loop."""
+        """Wait for room in a later iteration's slice, behind the executions waiting (the
+        execution's `admits` said no)."""
         budget = self.budget()
         if budget is not None:
-            await self.turn(budget, behind=True)
+            await self._wait(budget, starting=True)
 
     def open(self) -> LoopBudget | None:
         """Take this iteration's slice for an execution's host work (opening one if none
@@ -108,17 +123,17 @@ class LoopCharges:
             budget.deadline()
         return budget
 
-    async def turn(self, budget: LoopBudget, behind: bool = False) -> None:
+    async def turn(self, budget: LoopBudget) -> None:
         """Return when `budget`'s slice has room for one execution's fixed work (or this is
-        the first work of an iteration), else wait for a later iteration behind the
-        executions already waiting. `behind`: wait behind them even where there is room (an
-        execution yet to start, `admit`); one that goes on after its GPU work takes the room
-        first: it holds a frame, and its caller waits for its outputs."""
-        if not (behind and self._waiting):
-            now = budget.start(self.cost_s)  # opens a slice when none is open
-            if now is not None:
-                self._granted(budget, now)
-                return
+        the first work of an iteration), else wait for a later iteration. Where there is
+        room an execution going on after its GPU work goes ahead of those waiting to start:
+        it holds a frame, and its caller waits for its outputs."""
+        if budget.start(self.cost_s) is None:
+            await self._wait(budget, starting=False)
+
+    async def _wait(self, budget: LoopBudget, starting: bool) -> None:
+        """Wait, in arrival order, until a later iteration's `_wake` lets this through
+        (`starting`: an execution yet to start, whose start is measured)."""
         self.deferred += 1
         future = current_loop().create_future()
         self._waiting.append(future)
@@ -131,15 +146,17 @@ class LoopCharges:
                 with contextlib.suppress(ValueError):  # `_wake` may have dropped it
                     self._waiting.remove(future)
             else:  # let through by `_wake` (and cancelled since, or not)
-                self._through(budget)
+                self._through(budget, starting)
 
-    def _granted(self, budget: LoopBudget, now: float) -> None:
-        """Measure the fixed work of the execution let through before this one in the same
-        slice: the time between the two."""
+    def _started(self, budget: LoopBudget, now: float) -> None:
+        """Measure the fixed work of the execution that started before this one in the same
+        slice: the time between the two starts."""
         slices = budget.slices
         if slices == self._granted_slice:
-            spent = max(now - self._granted_at, LEAST_COST_S)
-            self.cost_s += SMOOTHING * (min(spent, budget.slice_s) - self.cost_s)
+            spent = min(max(now - self._granted_at, LEAST_COST_S), budget.slice_s)
+            weight = SMOOTHING if self._measured else 1.0  # the first replaces the prior
+            self.cost_s += weight * (spent - self.cost_s)
+            self._measured = True
         self._granted_at, self._granted_slice = now, slices
 
     def _wake_later(self, budget: LoopBudget) -> None:
@@ -151,7 +168,7 @@ class LoopCharges:
         The next wake is asked for by the last of them to run (`_through`): on trio a wake
         deferred now would run before they do, and let a second slice's worth through."""
         self._waking = False
-        room = max(1, int(budget.slice_s / self.cost_s))
+        room = max(1, int(budget.slice_s / self.cost_s)) if self._measured else FIRST_WAKE
         waiting = self._waiting
         while waiting and self._woken < room:
             future = waiting.popleft()
@@ -161,12 +178,13 @@ class LoopCharges:
         if waiting and not self._woken:
             self._wake_later(budget)
 
-    def _through(self, budget: LoopBudget) -> None:
+    def _through(self, budget: LoopBudget, starting: bool) -> None:
         """One execution `_wake` let through runs now."""
         now = time.perf_counter()
         if not budget.is_open:  # the first of the iteration opens its slice
             budget.deadline()
-        self._granted(budget, now)
+        if starting:
+            self._started(budget, now)
         self._woken -= 1
         if self._waiting and not (self._woken or self._waking):
             self._wake_later(budget)

@@ -152,10 +152,14 @@ class DevicePlan(Protocol):
         """The inputs moved to the devices their specs name (`move_inputs_to_device=True`)."""
         ...
 
+    def admits(self) -> bool:
+        """Whether the event loop has room for one more execution's fixed host work in this
+        iteration (cuda/: the loop's LoopBudget), taking it; when not, the Executor awaits
+        `admit` before the execution starts, holding nothing."""
+        ...
+
     async def admit(self) -> None:
-        """Return when the event loop has room for one more execution's fixed host work in
-        this iteration (cuda/: the loop's LoopBudget), else in a later one; the Executor
-        awaits it before an execution starts, holding nothing."""
+        """Return once a later iteration has room for the execution (`admits` said no)."""
         ...
 
     async def warm_up(

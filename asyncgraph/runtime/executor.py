@@ -57,6 +57,7 @@ from asyncgraph.runtime.backend import (
     task_of,
 )
 from asyncgraph.runtime.batching import BatcherStatistics, make_batcher
+from asyncgraph.runtime.bucket_inputs import BucketRows
 from asyncgraph.runtime.build import PassCounts, build
 from asyncgraph.runtime.config import BatchingConfig, ExecutorConfig, requested_batching
 from asyncgraph.runtime.delegates import Delegate, fast_form_backends, segment_backend
@@ -398,8 +399,8 @@ class Executor:
             if scoped is not None:
                 return await self._execute_in_scope(scoped, flat, caller_inputs, signature, direct)
             caller = asyncio.current_task()
-        if self._device is not None:  # its fixed work takes the loop's slice (LoopCharges)
-            await self._device.admit()
+        if self._device is not None and not self._device.admits():
+            await self._device.admit()  # its fixed work takes the loop's slice (LoopCharges)
         outputs = self._run_direct(flat, signature, caller) if direct else None
         if outputs is not None:  # Mode.DIRECT: the program's one call (or DIRECT_WORKER's)
             return outputs if isinstance(outputs, list) else await outputs
@@ -494,9 +495,12 @@ class Executor:
         """Mode.CAPTURED: whether the device replayed (or captured) the execution whole;
         False while it warms up, or for a signature it cannot capture (the dataflow runs)."""
         graphs = frame.graphs
-        return graphs is not None and await graphs.run(
+        replayed = graphs is not None and await graphs.run(
             frame, flat, signature, self._weights.version
         )
+        if not replayed and type(flat) is BucketRows:  # the dataflow reads its bucket inputs
+            flat.materialise()
+        return replayed
 
     def _choose(self, flat: list[Any], signature: Signature | None) -> _Choice:
         """The placement for this execution, the node times to record (None unless it is

@@ -23,6 +23,12 @@ SLICE_S = 2e-3
 WORK_S = 4e-4  # one "execution's" fixed work, spun on the loop: about 5 fit in a slice
 
 
+async def start(charges: LoopCharges) -> None:
+    """What the Executor does before an execution starts."""
+    if not charges.admits():
+        await charges.admit()
+
+
 def spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -39,7 +45,7 @@ def test_waiters_go_through_in_arrival_order_about_a_slice_per_iteration(backend
 
         async def execution(k: int) -> None:
             arrived.append(k)
-            await charges.admit()
+            await start(charges)
             order.append(k)
             spin(WORK_S)
 
@@ -77,7 +83,7 @@ def test_a_cancelled_waiter_stalls_nobody_whether_or_not_it_was_let_through(
     execution's work fills a slice: one goes through per iteration."""
     async def body() -> None:
         charges = LoopCharges(SLICE_S)
-        charges.cost_s = SLICE_S  # as it is measured after the first two: one a wake
+        charges.cost_s, charges._measured = SLICE_S, True  # as measured later: one a wake
         arrived: list[int] = []
         through: list[int] = []
         scopes: dict[int, anyio.CancelScope] = {}
@@ -86,7 +92,7 @@ def test_a_cancelled_waiter_stalls_nobody_whether_or_not_it_was_let_through(
             with anyio.CancelScope() as scope:
                 scopes[k] = scope
                 arrived.append(k)
-                await charges.admit()
+                await start(charges)
                 through.append(k)
                 spin(SLICE_S)
 
