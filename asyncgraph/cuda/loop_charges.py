@@ -24,12 +24,12 @@ its slice has room for (`_wake`), by the measured cost of one execution's fixed 
 (`cost_s`: the time between the starts of two executions a wake let through, smoothed;
 measured there only, off the path of an execution that finds room; `FIRST_WAKE` of them
 until one was measured), never fewer than one, so nothing waits for ever. Waking every waiter
-and letting each look again instead
-(the budget's own `defer` with a future per waiter, as this did first) let one slice's worth
-through per iteration too, but woke all the others only to queue again: 64 callers cost about
-a thousand waits where at most two per execution will do (test_graph_instances.py counts them;
-design_measurements.md#fixed-work-in-the-loops-slice has the figures). The first work of an
-iteration (no slice open) always runs.
+and letting each look again instead (the budget's own `defer` with a future per waiter, as
+this did first) let one slice's worth through per iteration too, but woke all the others
+only to queue again: 64 callers cost about a thousand waits where at most two per execution
+will do (test_graph_instances.py counts them; the figures are in
+design_measurements.md#fixed-work-in-the-loops-slice). The first work of an iteration (no
+slice open) always runs.
 
 Loop thread only; without a running loop (a test driving a frame by hand) nothing is charged.
 The budget is the loop's own, shared with every Executor on it: the smallest slice asked for
@@ -47,6 +47,7 @@ import sys
 import time
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from asyncgraph.runtime.backend import current_loop
@@ -71,7 +72,7 @@ class LoopCharges:
     """One Executor's GPU executions' fixed host work, charged to the running loop's slice."""
 
     __slots__ = (
-        "_budget", "_granted_at", "_granted_slice", "_loop", "_measured", "_waiting", "_waking",
+        "_budget", "_loop", "_measured", "_started_at", "_started_slice", "_waiting", "_waking",
         "_woken", "cost_s", "deferred", "slice_s",
     )
 
@@ -82,8 +83,8 @@ class LoopCharges:
         self._waiting: deque[Any] = deque()  # futures of executions waiting for room, FIFO
         self._waking = False  # a `_wake` is deferred to the budget's next iteration
         self._woken = 0  # executions `_wake` let through that have not run yet
-        self._granted_at = 0.0  # when the last execution was let through, and in which slice
-        self._granted_slice = -1
+        self._started_at = 0.0  # when the last woken execution started, and in which slice
+        self._started_slice = -1
         self.cost_s = FIXED_WORK_S  # one execution's fixed work, measured (smoothed)
         self._measured = False
         self.deferred = 0  # executions that waited for a later iteration (admit or turn)
@@ -152,12 +153,12 @@ class LoopCharges:
         """Measure the fixed work of the execution that started before this one in the same
         slice: the time between the two starts."""
         slices = budget.slices
-        if slices == self._granted_slice:
-            spent = min(max(now - self._granted_at, LEAST_COST_S), budget.slice_s)
+        if slices == self._started_slice:
+            spent = min(max(now - self._started_at, LEAST_COST_S), budget.slice_s)
             weight = SMOOTHING if self._measured else 1.0  # the first replaces the prior
             self.cost_s += weight * (spent - self.cost_s)
             self._measured = True
-        self._granted_at, self._granted_slice = now, slices
+        self._started_at, self._started_slice = now, slices
 
     def _wake_later(self, budget: LoopBudget) -> None:
         self._waking = True
@@ -172,7 +173,7 @@ class LoopCharges:
         waiting = self._waiting
         while waiting and self._woken < room:
             future = waiting.popleft()
-            if not future.done():  # done: cancelled, its task yet to run (`turn` skips it)
+            if not future.done():  # done: cancelled, its task yet to run (`_wait` drops it)
                 future.set_result(None)
                 self._woken += 1
         if waiting and not self._woken:
@@ -189,10 +190,15 @@ class LoopCharges:
         if self._waiting and not (self._woken or self._waking):
             self._wake_later(budget)
 
-    def statistics(self) -> dict[str, float]:
-        """Executions waiting for room now, those that waited so far, and the measured cost
-        of one execution's fixed work."""
-        return {"waiting": len(self._waiting), "deferred": self.deferred, "cost_s": self.cost_s}
+    def statistics(self) -> LoopChargesStatistics:
+        return LoopChargesStatistics(len(self._waiting), self.deferred, self.cost_s)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopChargesStatistics:
+    waiting: int  # executions waiting for room now
+    deferred: int  # executions that waited for a later iteration so far (to start or go on)
+    cost_s: float  # one execution's fixed work, as measured (FIXED_WORK_S until measured)
 
 
 def _running_native() -> Any | None:

@@ -67,9 +67,9 @@ def test_waiters_go_through_in_arrival_order_about_a_slice_per_iteration(backend
         # a slice holds 5 of them; the first iteration may extend it while nothing else waits
         assert max(per_iteration) <= 12, per_iteration
         s = charges.statistics()
-        assert s["waiting"] == 0
-        assert 12 <= s["deferred"] <= 24, s  # each waits once: no wake only to queue again
-        assert WORK_S * 0.8 <= s["cost_s"] <= SLICE_S, s  # measured, not the prior
+        assert s.waiting == 0
+        assert 12 <= s.deferred <= 24, s  # each waits once: no wake only to queue again
+        assert WORK_S * 0.8 <= s.cost_s <= SLICE_S, s  # measured, not the prior
 
     run(body, backend)
 
@@ -110,7 +110,7 @@ def test_a_cancelled_waiter_stalls_nobody_whether_or_not_it_was_let_through(
             for k in queued:
                 scopes[k].cancel()
         assert through == [k for k in arrived if k not in queued], (arrived, through)
-        assert charges.statistics()["waiting"] == 0
+        assert charges.statistics().waiting == 0
 
         async with anyio.create_task_group() as group:
             await burst(range(8, 16))
@@ -119,6 +119,6 @@ def test_a_cancelled_waiter_stalls_nobody_whether_or_not_it_was_let_through(
             woken = next(k for k in arrived if k not in through)  # let through, not run yet
             scopes[woken].cancel()
         assert set(through) >= set(range(8, 16)) - {woken}, through
-        assert charges.statistics()["waiting"] == 0 and charges._woken == 0
+        assert charges.statistics().waiting == 0 and charges._woken == 0
 
     run(body, backend)
