@@ -10,9 +10,10 @@ ended together (one drain of the host waiter wakes them all) all went on in the 
 
 So an execution takes the slice like an inline kernel does, at two points:
 
-- `admits()`, else `await admit()` (Executor._execute, before anything else, holding
-  nothing): it starts only with room left in the slice for one execution's fixed work, else
-  in a later iteration.
+- `admits()`, else `await admit()` (Executor._execute, once the execution holds its frame,
+  before anything else): it starts only with room left in the slice for one execution's
+  fixed work, else in a later iteration. Holding the frame, it is in flight: `aclose` waits
+  for it and `aclose(cancel=True)` cancels it, as any other.
 - `turn()` (after FrameStreams.finish, once the stream set, and a replay's graph instance,
   are back): it goes on only with room left, else in a later iteration. Where there is room
   it goes ahead of executions waiting to start: it holds a frame, and its caller waits.

@@ -155,7 +155,7 @@ class DevicePlan(Protocol):
     def admits(self) -> bool:
         """Whether the event loop has room for one more execution's fixed host work in this
         iteration (cuda/: the loop's LoopBudget), taking it; when not, the Executor awaits
-        `admit` before the execution starts, holding nothing."""
+        `admit` before the execution starts (holding its frame)."""
         ...
 
     async def admit(self) -> None:

@@ -399,8 +399,6 @@ class Executor:
             if scoped is not None:
                 return await self._execute_in_scope(scoped, flat, caller_inputs, signature, direct)
             caller = asyncio.current_task()
-        if self._device is not None and not self._device.admits():
-            await self._device.admit()  # its fixed work takes the loop's slice (LoopCharges)
         outputs = self._run_direct(flat, signature, caller) if direct else None
         if outputs is not None:  # Mode.DIRECT: the program's one call (or DIRECT_WORKER's)
             return outputs if isinstance(outputs, list) else await outputs
@@ -411,6 +409,8 @@ class Executor:
         ended = _FAILED
         times: NodeTimes | None = None
         try:  # from here on a frame taken goes back to the pool on every path
+            if self._device is not None and not self._device.admits():
+                await self._device.admit()  # its fixed work takes the loop's slice
             placement, times, schedule = self._choose(flat, signature)
             if schedule is None:  # compiled on a thread (milliseconds on large graphs)
                 if frame is None:

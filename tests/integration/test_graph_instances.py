@@ -33,7 +33,7 @@ from asyncgraph.cuda import instances as cuda_instances
 from asyncgraph.cuda.device import FrameStreams, PollPolicy
 from asyncgraph.graph.importers import Program
 from asyncgraph.graph.ir import Graph
-from tests.support.backends import run, settle, until
+from tests.support.backends import outcome_of, run, settle, until
 from tests.support.cuda_graph_fake import (
     CaptureBackend,
     CaptureGpu,
@@ -434,12 +434,13 @@ def test_a_replay_gives_its_instance_back_before_it_waits_for_room_in_the_loops_
 
 @pytest.mark.timeout(60)
 def test_a_burst_of_callers_starts_a_slice_of_executions_per_loop_iteration(backend: str) -> None:
-    """64 callers arrive in one loop iteration. Each execution's fixed host work (validation,
-    a frame, `begin`, a replay's launch) takes the loop's slice (`LoopCharges.admit`), so an
-    iteration starts only the executions that fit in it; timers and I/O get their turn in
-    between. Before, all 64 started in the first iteration. The graphs are captured ahead
-    (`warm_up`), so no execution runs the stream path and the scheduler never asks for the
-    loop's budget: the slice is the GPU path's own `loop_slice_s`, not an endless one."""
+    """64 callers arrive in one loop iteration. Each execution's fixed host work (`begin`, a
+    replay's launch and copies, its return) takes the loop's slice (`LoopCharges.admit`), so
+    an iteration replays only the executions that fit in it; timers and I/O get their turn in
+    between. Before, all 64 replayed in the first iteration (the simulated GPU here is done
+    at once). The graphs are captured ahead (`warm_up`), so no execution runs the stream path
+    and the scheduler never asks for the loop's budget: the slice is the GPU path's own
+    `loop_slice_s`, not an endless one."""
     slice_s = 5e-4  # the fake's replay costs the host 50-90 us: a few fit in a slice
 
     async def body() -> None:
@@ -448,14 +449,14 @@ def test_a_burst_of_callers_starts_a_slice_of_executions_per_loop_iteration(back
         ex = make_executor(wide_program(w), gpu, graph_warmup=0, loop_slice_s=slice_s,
                            max_concurrent_executions=FRAMES)
         results: dict[int, torch.Tensor] = {}
-        started: list[int] = []  # executions started, after each loop iteration
+        replays: list[int] = []  # replays launched, after each loop iteration
 
         async def call(k: int) -> None:
             results[k] = await ex.execute(inputs(k))
 
         async def probe() -> None:  # started after the callers: sees each iteration's end
             while len(results) < FRAMES:
-                started.append(ex.statistics().started)
+                replays.append(stats(ex).replays)
                 await anyio.lowlevel.checkpoint()
 
         async with closing(ex, gpu), gpu_running(gpu):
@@ -466,7 +467,7 @@ def test_a_burst_of_callers_starts_a_slice_of_executions_per_loop_iteration(back
                     group.start_soon(call, k)
                 group.start_soon(probe)
             after = stats(ex)
-        per_iteration = [started[0], *(b - a for a, b in itertools.pairwise(started))]
+        per_iteration = [b - a for a, b in itertools.pairwise([before.replays, *replays])]
         assert max(per_iteration) <= FRAMES // 4, per_iteration
         deferred = after.loop_turns_deferred - before.loop_turns_deferred
         assert FRAMES // 2 <= deferred <= 2 * FRAMES, after  # to start, and to go on: no more
@@ -474,6 +475,41 @@ def test_a_burst_of_callers_starts_a_slice_of_executions_per_loop_iteration(back
             FRAMES, 0, 0), after
         for k, out in results.items():
             torch.testing.assert_close(out, wide_expected(inputs(k), w))
+        assert gpu.errors == []
+
+    run(body, backend)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cancel", [False, True])
+def test_closing_ends_executions_waiting_for_room_in_the_loops_slice(
+    backend: str, cancel: bool,
+) -> None:
+    """`aclose()` while executions of a burst wait for room in the loop's slice
+    (`LoopCharges.admit`, holding their frames): they are in flight, so each gets its output;
+    with `cancel=True` each ends with its output or as closed or cancelled. Nothing waits on."""
+
+    async def body() -> None:
+        gpu = CaptureGpu(seed=22, eager=True)
+        w = torch.full((4,), 0.5)
+        ex = make_executor(wide_program(w), gpu, graph_warmup=0, loop_slice_s=5e-4,
+                           max_concurrent_executions=FRAMES)
+        charges = ex.cuda_runtime.charges  # type: ignore[union-attr]
+        outcomes: dict[str, str] = {}
+        async with gpu_running(gpu):
+            await ex.warm_up(inputs(0))
+            async with anyio.create_task_group() as group:
+                for k in range(FRAMES):
+                    group.start_soon(outcome_of, ex.execute(inputs(k)), outcomes, str(k))
+                await until(lambda: charges.statistics().waiting > FRAMES // 2, "a queue")
+                await ex.aclose(cancel=cancel)
+        assert len(outcomes) == FRAMES
+        if cancel:
+            assert set(outcomes.values()) <= {"value", "closed", "cancelled"}, outcomes
+            assert set(outcomes.values()) != {"value"}, outcomes
+        else:
+            assert set(outcomes.values()) == {"value"}, outcomes
+        assert charges.statistics().waiting == 0
         assert gpu.errors == []
 
     run(body, backend)
