@@ -80,7 +80,8 @@ def test_a_cancelled_waiter_stalls_nobody_whether_or_not_it_was_let_through(
 ) -> None:
     """Cancelled while queued, a waiter leaves no entry; cancelled after `_wake` let it
     through but before it ran, it still counts as through, so the next wake comes. Each
-    execution's work fills a slice: one goes through per iteration."""
+    execution's work fills a slice: about one goes through per iteration (on trio a slice
+    can span two of its batches, so a wake may let two through)."""
     async def body() -> None:
         charges = LoopCharges(SLICE_S)
         charges.cost_s, charges._measured = SLICE_S, True  # as measured later: one a wake
@@ -109,7 +110,11 @@ def test_a_cancelled_waiter_stalls_nobody_whether_or_not_it_was_let_through(
             queued = [k for k in arrived if k not in through][-3:]
             for k in queued:
                 scopes[k].cancel()
-        assert through == [k for k in arrived if k not in queued], (arrived, through)
+        expected = [k for k in arrived if k not in queued]
+        if backend == "asyncio":
+            assert through == expected, (arrived, through)
+        else:  # trio runs the executions one wake lets through in an order of its own
+            assert sorted(through) == sorted(expected), (arrived, through)
         assert charges.statistics().waiting == 0
 
         async with anyio.create_task_group() as group:
