@@ -57,7 +57,7 @@ from asyncgraph.runtime.loop_budget import LoopBudget, loop_budget
 FIXED_WORK_S = 50e-6
 """What one execution's fixed host work is taken to cost before any is measured (`cost_s`,
 the room it needs in the loop's slice): above the 20-30 us of a replay on the no-op backend,
-about what a replay's CUDA calls add on a GPU."""
+to leave room for a GPU's CUDA calls, which have not been measured here."""
 
 FIRST_WAKE = 2
 """Executions a wake lets through before any cost was measured: two starts measure one."""
