@@ -39,10 +39,12 @@ async def settle(turns: int = 10) -> None:
         await anyio.lowlevel.checkpoint()
 
 
-async def until(condition: Callable[[], bool], what: str) -> None:
+async def until(condition: Callable[[], bool], what: str, *, poll_s: float = 0.001) -> None:
+    """Wait (at most 30 s) for `condition`, looking every `poll_s`; `poll_s=0` looks at every
+    turn of the loop, for a state that lasts only a few turns."""
     with anyio.fail_after(30):
         while not condition():  # noqa: ASYNC110 (set by a thread: no event to await)
-            await anyio.sleep(0.001)
+            await anyio.sleep(poll_s)
     assert condition(), what
 
 
