@@ -101,7 +101,6 @@ from asyncgraph.cuda.device import CudaGraph, FrameStreams, StreamSet
 from asyncgraph.cuda.instances import GraphInstance, SignatureInstances
 from asyncgraph.cuda.segment_graphs import FrameSegments
 from asyncgraph.runtime.backend import current_loop
-from asyncgraph.runtime.bucket_inputs import BucketRows
 from asyncgraph.runtime.units import Line, in_order, run_units
 from asyncgraph.runtime.validation import Signature, signature_of
 
@@ -152,11 +151,8 @@ class FrameGraphs:
 
         A bucket batch whose rows are not copied yet (runtime/bucket_inputs.py's BucketRows)
         has them copied straight into the instance's static inputs by a replay or a capture
-        (`copy_inputs`); for a program that hands an input back as an output, into the
-        batch's own inputs first (`materialise`), as the Executor does for the stream path."""
+        (`copy_inputs`)."""
         owner = self._owner
-        if owner.capture_plan.inputs_out and type(flat) is BucketRows:
-            flat.materialise()
         key = signature if signature is not None else signature_of(flat)
         if key is None or key in owner.failed:
             owner.count("fallbacks")  # under its lock: captures count from threads

@@ -115,7 +115,8 @@ class BatchLayout:
     the batch sizes a batch is padded up to (`BatchingConfig.buckets`, resolved), and whether
     the Executor captures CUDA graphs (`captured`: bucket batches are copied into kept
     inputs, `BucketInputs`, as they are for tensors on a GPU) and replays whole executions
-    (`replayed`: a bucket batch's rows go straight into the graph's static inputs)."""
+    of a program that hands no input back (`replayed`: a bucket batch's rows go straight
+    into the graph's static inputs)."""
 
     batched: tuple[bool, ...]
     symbol: sympy.Symbol
@@ -205,12 +206,15 @@ def batch_layout(
 
 def make_batcher(
     graph: Graph, config: BatchingConfig | None, run: Run, *, captured: bool,
-    captures_whole: bool,
+    captures_whole: bool, inputs_out: bool = False,
 ) -> Batcher | None:
     """The Executor's Batcher for `config` (ExecutorConfig.batching), or None: batching off.
 
     `captured`: the Executor captures CUDA graphs (buckets default to `default_buckets`);
-    `captures_whole`: it replays whole executions as graphs. A plain config batches or
+    `captures_whole`: it replays whole executions as graphs; `inputs_out`: the program hands
+    an input back as an output (cuda/capturable.py's CapturePlan), so a replay must hand
+    back the batch's own input, and its rows are copied there, not straight into the
+    graph's static inputs (`BatchLayout.replayed`). A plain config batches or
     raises BatchingError; an `only_captured` one batches only with `captures_whole` and a
     program batch_layout accepts (its max_batch_size lowered to the largest batch the
     program was exported for), and is otherwise off without a word: the default that must
@@ -218,13 +222,14 @@ def make_batcher(
     if config is None:
         return None
     if not config.only_captured:
-        layout = batch_layout(graph, config, captured=captured, replayed=captures_whole)
+        layout = batch_layout(graph, config, captured=captured,
+                              replayed=captures_whole and not inputs_out)
         return Batcher(layout, config, run)
     if not captures_whole:
         return None
     config = _within_exported_batch(graph, config)
     try:
-        layout = batch_layout(graph, config, captured=True, replayed=True)
+        layout = batch_layout(graph, config, captured=True, replayed=not inputs_out)
     except BatchingError:
         return None
     return Batcher(layout, config, run)

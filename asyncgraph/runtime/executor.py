@@ -236,6 +236,7 @@ class Executor:
             self.graph, self.config.batching, self._run,
             captured=self.config.cuda.graphs and device is not None,
             captures_whole=device is not None and device.captures_whole,
+            inputs_out=self.cuda_graph_plan is not None and self.cuda_graph_plan.inputs_out,
         )
         self._ids = itertools.count(1)
         # Straight-line executions run without a frame where a frame would do nothing more:
